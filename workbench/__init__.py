@@ -1,0 +1,10 @@
+"""The prefill/decode workbench: a small paged-KV, continuous-batching LLM engine.
+
+    from workbench import Engine, EngineConfig, SamplingParams
+"""
+from .config import EngineConfig
+from .engine import Engine, RequestOutput, TokenEvent
+from .sampling_params import SamplingParams
+
+__all__ = ["Engine", "EngineConfig", "SamplingParams", "RequestOutput", "TokenEvent"]
+__version__ = "0.1.0"

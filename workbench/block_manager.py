@@ -1,0 +1,174 @@
+"""Paged KV blocks: a free list, reference counts and a prefix cache of full blocks.
+
+A block holds the K/V of `block_size` consecutive tokens of one sequence. Blocks are found by
+id through a sequence's block table; a token at position p lives in slot
+`block_table[p // block_size] * block_size + p % block_size` of the KV pool.
+
+Prefix caching: once a block is full, its content is identified by a hash chained over every
+block before it (so equal hashes mean equal prefixes, not just equal blocks). A new sequence
+whose leading blocks hash the same reuses those blocks (ref count + 1) instead of recomputing
+them. A hash hit is confirmed by comparing the block's token ids, so a hash collision can
+never hand a request someone else's K/V. When a cached block's last user finishes, the block
+keeps its content and becomes "cached free": it still serves hits, and is the last kind of
+free block to be reused (least recently freed first).
+
+Pure Python over token ids and block ids: nothing here touches a tensor.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from .sequence import Sequence
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class BlockStats:
+    num_blocks: int
+    used: int
+    """Blocks referenced by at least one live sequence."""
+    free: int
+    """Blocks no sequence references (cached ones included)."""
+    cached: int
+    """Free blocks that still hold a reusable prefix."""
+    hits: int
+    """Blocks served from the prefix cache since start."""
+    queries: int
+    """Full prompt blocks looked up in the prefix cache since start."""
+
+
+def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"num_kv_blocks: must be >= 1 (got {num_blocks})")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free_plain: deque[int] = deque(range(num_blocks))
+        self._free_cached: OrderedDict[int, None] = OrderedDict()   # LRU order: oldest first
+        self._hash_to_block: dict[int, int] = {}
+        self.hits = 0
+        self.queries = 0
+
+    # ---- counters -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_plain) + len(self._free_cached)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def stats(self) -> BlockStats:
+        return BlockStats(self.num_blocks, self.num_used_blocks, self.num_free_blocks,
+                          len(self._free_cached), self.hits, self.queries)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- allocation -----------------------------------------------------------------------
+    def _take_free_block(self) -> int:
+        if self._free_plain:
+            block_id = self._free_plain.popleft()
+        else:
+            block_id, _ = self._free_cached.popitem(last=False)
+            block = self.blocks[block_id]
+            if self._hash_to_block.get(block.hash) == block_id:
+                del self._hash_to_block[block.hash]
+            block.hash, block.token_ids = None, ()
+        self.blocks[block_id].ref_count = 1
+        return block_id
+
+    def match_prefix(self, seq: Sequence) -> None:
+        """Point an unallocated sequence at the cached blocks of its longest cached prefix.
+
+        At least one token is always left to compute, since the step that computes it
+        produces the logits for the next token.
+        """
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        max_blocks = (seq.num_tokens - 1) // bs
+        parent = None
+        for i in range(max_blocks):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(parent, tokens)
+            self.queries += 1
+            block_id = self._hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free_cached[block_id]
+            block.ref_count += 1
+            self.hits += 1
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(h)
+            parent = h
+        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * bs
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Grow seq's block table to hold num_computed_tokens + num_new_tokens; False if full."""
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if need <= 0:
+            return True
+        if need > self.num_free_blocks:
+            return False
+        seq.block_table.extend(self._take_free_block() for _ in range(need))
+        return True
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks that became full (and computed) in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        for i in range(len(seq.block_hashes), num_full):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(parent, tokens)
+            block = self.blocks[seq.block_table[i]]
+            block.hash, block.token_ids = h, tokens
+            self._hash_to_block[h] = block.block_id
+            seq.block_hashes.append(h)
+            parent = h
+
+    def free(self, seq: Sequence) -> None:
+        """Drop seq's references. Tail blocks are freed first so that, among cached free
+        blocks, a prefix's later blocks are evicted before its head."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                if block.hash is not None and self._hash_to_block.get(block.hash) == block_id:
+                    self._free_cached[block_id] = None
+                else:
+                    block.hash, block.token_ids = None, ()
+                    self._free_plain.append(block_id)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached-free block (used blocks keep their content)."""
+        for block_id in self._free_cached:
+            block = self.blocks[block_id]
+            self._hash_to_block.pop(block.hash, None)
+            block.hash, block.token_ids = None, ()
+            self._free_plain.append(block_id)
+        self._free_cached.clear()

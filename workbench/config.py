@@ -1,0 +1,99 @@
+"""EngineConfig: every knob of the engine, validated in one place, named as in vLLM."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+PREEMPTION_MODES = ("newest", "oldest", "largest")
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2"
+    """'smollm2' (embedded), 'random:<shape>', or a local Hugging Face checkpoint directory."""
+    device: str = "auto"
+    """'auto' (npu, then cuda, then cpu), 'cpu', 'cuda' or 'npu'."""
+    dtype: str = "auto"
+    """'auto' (fp32 on CPU), 'float32', 'bfloat16' or 'float16'."""
+    seed: int = 0
+    """Seeds random weights and requests that give no seed of their own."""
+
+    # KV cache
+    block_size: int = 16
+    """Tokens per KV block: a power of two from 8 to 256."""
+    num_kv_blocks: int | None = None
+    """Blocks in the KV pool; None sizes it from kv_cache_memory_gb."""
+    kv_cache_memory_gb: float = 1.0
+    """Memory for the KV pool when num_kv_blocks is None."""
+    enable_prefix_caching: bool = True
+
+    # Scheduler
+    max_num_seqs: int = 64
+    """Most requests running at once (the batch size)."""
+    max_num_batched_tokens: int = 2048
+    """Most tokens (prefill + decode) one step may process."""
+    max_model_len: int | None = None
+    """Longest prompt + output a request may have; None takes the model's limit (capped at 8192)."""
+    enable_chunked_prefill: bool = True
+    """Split prompts longer than the step's token budget over several steps."""
+    prefill_interval: int = 1
+    """Admit new prefills at most every N-th step while requests are decoding (ATB's prefill
+    interval): 1 lets prefill join every step; larger values protect decode latency (TPOT)
+    at the cost of queueing delay (TTFT)."""
+    waiting_timeout_ms: float = 0.0
+    """While fewer than max_num_seqs run, hold a new prefill back up to this long so that more
+    requests can join its batch (ATB's batch waiting time); 0 runs at once."""
+    preemption_mode: str = "newest"
+    """Which running request gives its blocks back when the pool is full: 'newest' (vLLM's
+    choice), 'oldest', or 'largest' (the one holding the most blocks)."""
+
+    # Telemetry
+    max_step_events: int = 100_000
+    """Step records kept in memory (oldest dropped first)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name, why):
+            raise ValueError(f"{name}: {why} (got {getattr(self, name)!r})")
+
+        if not isinstance(self.model, str) or not self.model:
+            bad("model", "must be a non-empty string")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            bad("dtype", "must be 'auto', 'float32', 'bfloat16' or 'float16'")
+        bs = self.block_size
+        if not isinstance(bs, int) or bs < 8 or bs > 256 or bs & (bs - 1):
+            bad("block_size", "must be a power of two from 8 to 256")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int)
+                                               or self.num_kv_blocks < 1):
+            bad("num_kv_blocks", "must be a positive integer or None")
+        if not self.kv_cache_memory_gb > 0:
+            bad("kv_cache_memory_gb", "must be > 0")
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            bad("max_num_seqs", "must be an integer >= 1")
+        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
+            bad("max_num_batched_tokens", "must be an integer >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            bad("max_num_batched_tokens", f"must be >= max_num_seqs ({self.max_num_seqs}) so "
+                "every running request can decode in one step")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int)
+                                               or self.max_model_len < 2):
+            bad("max_model_len", "must be an integer >= 2 or None")
+        if (not self.enable_chunked_prefill and self.max_model_len is not None
+                and self.max_model_len > self.max_num_batched_tokens):
+            bad("max_model_len", "must be <= max_num_batched_tokens when chunked prefill is off")
+        if not isinstance(self.prefill_interval, int) or self.prefill_interval < 1:
+            bad("prefill_interval", "must be an integer >= 1")
+        if not self.waiting_timeout_ms >= 0:
+            bad("waiting_timeout_ms", "must be >= 0")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            bad("preemption_mode", f"must be one of {PREEMPTION_MODES}")
+        if not isinstance(self.max_step_events, int) or self.max_step_events < 1:
+            bad("max_step_events", "must be an integer >= 1")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

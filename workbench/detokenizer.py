@@ -1,0 +1,51 @@
+"""Incremental detokenization: each new token's text, correct across multi-byte characters.
+
+Decoding token by token breaks characters that span tokens (a CJK character or an emoji split
+over byte tokens decodes to U+FFFD until its last byte arrives) and loses the spaces that
+SentencePiece-style tokenizers attach to a word's first token. So the text of the newest
+tokens is decoded together with a few tokens of context before them, and only the part past
+that context is new; while it still ends in an incomplete character, it is held back.
+"""
+from __future__ import annotations
+
+CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str]):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_token_ids[-CONTEXT_TOKENS:])
+        self.prefix_offset = 0                  # start of the context window in self.ids
+        self.read_offset = len(self.ids)        # tokens before this have been turned into text
+        self.text = ""                          # all output text so far (stop string cut off)
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.emitted = 0                        # chars of self.text already handed out
+
+    def add(self, token_id: int) -> str | None:
+        """Add one token; returns the stop string if the text now contains one."""
+        if self.tokenizer is None:
+            return None
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        full = decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            search_from = max(len(self.text) - self.hold, 0)
+            self.text += full[len(prefix):]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            for s in self.stop:
+                at = self.text.find(s, search_from)
+                if at >= 0:
+                    self.text = self.text[:at]
+                    return s
+        return None
+
+    def take(self, final: bool) -> str:
+        """Text not handed out yet. Until the request ends, a tail that could still become a
+        stop string is kept back."""
+        end = len(self.text) if final else max(len(self.text) - self.hold, self.emitted)
+        delta = self.text[self.emitted:end]
+        self.emitted = end
+        return delta

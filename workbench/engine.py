@@ -1,0 +1,479 @@
+"""Engine: the public API. add_request / step / abort / generate / stream / astream.
+
+Two ways to drive it:
+- in the caller's thread: `step()` runs one scheduler step; `generate` and `stream` call it
+  until their requests finish (other requests in the engine advance too);
+- in the background: `start()` runs the step loop in a daemon thread, and any number of
+  callers (widgets, server handlers, asyncio tasks) add requests and stream at once.
+Requests enter through an inbox under a short lock, so adding or aborting never waits for a
+forward pass; the step loop picks them up at the start of the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, AsyncIterator, Callable, Iterator
+
+import torch
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .models import build_model, load_checkpoint
+from .platforms import get_platform
+from .runner import ModelRunner
+from .sampler import sample
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .telemetry import MemoryStats, RequestMetrics, StepEvent, Telemetry
+
+log = logging.getLogger("workbench")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """One new token of one request, as streamed."""
+    request_id: str
+    token_id: int | None
+    """None on a final event that carries no new token (an abort, or a stop-string flush)."""
+    text: str
+    """Text that became final with this token (may be '' while a character is incomplete)."""
+    index: int
+    """Number of output tokens so far."""
+    time: float
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Any
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    metrics: RequestMetrics
+
+
+@dataclass(eq=False)
+class _Request:
+    seq: Sequence
+    prompt: Any
+    detok: IncrementalDetokenizer
+    metrics: RequestMetrics
+    generator: torch.Generator | None
+    listener: Callable[[TokenEvent], None] | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+Prompt = Any   # str | list[dict] (chat messages) | list[int] (token ids)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, **overrides):
+        config = replace(config, **overrides) if config is not None else EngineConfig(**overrides)
+        self.config = config
+        self.platform = get_platform(config.device)
+        dtype = self.platform.default_dtype if config.dtype == "auto" else DTYPES[config.dtype]
+
+        ckpt = load_checkpoint(config.model)
+        self.hf_config = ckpt.hf_config
+        self.tokenizer = ckpt.tokenizer
+        self.model_path = ckpt.path
+        model_limit = getattr(ckpt.hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN)
+        if config.max_model_len is not None and config.max_model_len > model_limit:
+            raise ValueError(f"max_model_len: the model supports at most {model_limit} positions "
+                             f"(got {config.max_model_len})")
+        max_model_len = config.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)
+
+        self.platform.reset_peak_memory()
+        self.model = build_model(ckpt, dtype, self.platform.device, max_model_len, config.seed)
+        del ckpt
+        bs = config.block_size
+        per_block = ModelRunner.kv_bytes_per_block(self.model, bs, dtype)
+        num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gb * 2**30 // per_block))
+        # A request must fit in the pool (and in one step when prompts are not chunked).
+        limit = num_blocks * bs
+        if not config.enable_chunked_prefill:
+            limit = min(limit, config.max_num_batched_tokens)
+        if max_model_len > limit:
+            if config.max_model_len is not None:
+                what = ("num_kv_blocks" if limit == num_blocks * bs else "max_num_batched_tokens")
+                raise ValueError(f"max_model_len: {max_model_len} tokens do not fit; {what} "
+                                 f"allows {limit} (raise it or lower max_model_len)")
+            max_model_len = limit
+        self.max_model_len = max_model_len
+
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager, max_model_len)
+        self.runner = ModelRunner(self.model, num_blocks, bs, self.platform)
+        self.telemetry = Telemetry(config.max_step_events)
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.telemetry.memory = MemoryStats(weights, self.runner.kv_cache_bytes,
+                                            self.platform.peak_memory_bytes(), per_block, num_blocks)
+        self.eos_token_ids = self._eos_ids()
+        self.vocab_size = self.hf_config.vocab_size
+
+        self._requests: dict[str, _Request] = {}
+        self._inbox: list[_Request] = []
+        self._aborts: list[str] = []
+        self._lock = threading.Lock()            # guards _inbox, _aborts, _requests
+        self._step_lock = threading.Lock()       # one step at a time
+        self._wake = threading.Condition(self._lock)
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # ---- set-up helpers -------------------------------------------------------------------
+    def _eos_ids(self) -> set[int]:
+        """EOS ids from the config, the tokenizer and generation_config.json, together."""
+        found = [getattr(self.hf_config, "eos_token_id", None),
+                 getattr(self.tokenizer, "eos_token_id", None)]
+        gen = self.model_path / "generation_config.json" if self.model_path else None
+        if gen is not None and gen.is_file():
+            found.append(json.loads(gen.read_text()).get("eos_token_id"))
+        ids: set[int] = set()
+        for v in found:
+            ids.update([v] if isinstance(v, int) else [x for x in (v or []) if isinstance(x, int)])
+        return ids
+
+    # ---- requests -------------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Text, chat messages (through the chat template) or token ids -> token ids."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            ids = self._need_tokenizer().encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+            tok = self._need_tokenizer()
+            for m in prompt:
+                if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                    raise ValueError("prompt: chat messages must be dicts with 'role' and 'content'")
+            text = tok.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+            ids = tok.encode(text, add_special_tokens=False)
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError("prompt: a list prompt must hold token ids (ints) or chat messages")
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        else:
+            raise ValueError(f"prompt: must be text, chat messages or token ids "
+                             f"(got {type(prompt).__name__})")
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens, but max_model_len is "
+                             f"{self.max_model_len} (prompt + at least one new token must fit)")
+        return ids
+
+    def _need_tokenizer(self):
+        if self.tokenizer is None:
+            raise ValueError(f"prompt: model {self.config.model!r} has no tokenizer; "
+                             "pass token ids instead of text")
+        return self.tokenizer
+
+    def _make_request(self, prompt: Prompt, params: SamplingParams | None,
+                      request_id: str | None) -> _Request:
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params: must be SamplingParams (got {type(params).__name__})")
+        params.validate()
+        ids = self.tokenize(prompt)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        seq = Sequence(rid, ids, params, max_len=self.max_model_len)
+        gen = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else hash((self.config.seed, rid)) & 0xFFFFFFFF
+            gen = torch.Generator().manual_seed(seed)
+        metrics = RequestMetrics(rid, seq.arrival_time, len(ids))
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        return _Request(seq, prompt, detok, metrics, gen)
+
+    def _submit(self, reqs: list[_Request]) -> None:
+        with self._lock:
+            dup = [r.seq.request_id for r in reqs if r.seq.request_id in self._requests]
+            if dup or len({r.seq.request_id for r in reqs}) < len(reqs):
+                raise ValueError(f"request_id: {dup[0] if dup else 'duplicate'} is already in use")
+            for r in reqs:
+                r.seq.arrival_time = r.metrics.arrival_time = time.monotonic()
+                self._requests[r.seq.request_id] = r
+            self._inbox.extend(reqs)
+            self._wake.notify_all()
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None,
+                    listener: Callable[[TokenEvent], None] | None = None) -> str:
+        """Queue one request; returns its id. Bad input raises ValueError and adds nothing.
+        `listener`, if given, is called with every TokenEvent (from the stepping thread)."""
+        req = self._make_request(prompt, params, request_id)
+        req.listener = listener
+        self._submit([req])
+        return req.seq.request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks at the next step boundary. False if unknown."""
+        with self._lock:
+            if request_id not in self._requests:
+                return False
+            self._aborts.append(request_id)
+            self._wake.notify_all()
+        if self._thread is None and not self._step_lock.locked():
+            with self._step_lock:
+                self._drain_inbox()
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        with self._lock:
+            return bool(self._requests)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # ---- one step -------------------------------------------------------------------------
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            new, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for r in new:
+            self.scheduler.add(r.seq)
+        for rid in aborts:
+            r = self._requests.get(rid)
+            if r is not None and not r.seq.is_finished:
+                self.scheduler.finish(r.seq, "abort")
+                self._finish(r, time.monotonic())
+
+    def step(self) -> list[TokenEvent]:
+        """Run one scheduler step: admit, run the model, sample, deliver. Returns the events."""
+        with self._step_lock:
+            return self._step()
+
+    def _step(self) -> list[TokenEvent]:
+        self._drain_inbox()
+        t0 = time.monotonic()
+        sched = self.scheduler.schedule(t0)
+        events: list[TokenEvent] = []
+        finished: list[str] = []
+        for seq in sched.preempted:
+            self._requests[seq.request_id].metrics.num_preemptions += 1
+        if not sched.is_empty:
+            for s in sched.scheduled:
+                m = self._requests[s.seq.request_id].metrics
+                if m.first_scheduled_time is None:
+                    m.first_scheduled_time = t0
+                    m.cached_tokens = s.seq.num_cached_tokens
+            logits, sampling = self.runner.execute(sched)
+            reqs = [self._requests[s.seq.request_id] for s in sampling]
+            tokens = sample(logits, [r.seq.params for r in reqs], [r.generator for r in reqs])
+            self.scheduler.update_after_step(sched)
+            now = time.monotonic()
+            for r, tok in zip(reqs, tokens):
+                ev = self._append_token(r, tok, now)
+                events.append(ev)
+                if ev.finished:
+                    finished.append(r.seq.request_id)
+        bstats = self.block_manager.stats()
+        self.telemetry.add_step(StepEvent(
+            step=self.telemetry.num_steps, start=t0, duration=time.monotonic() - t0,
+            phase=sched.phase, num_prefill_tokens=sched.num_prefill_tokens,
+            num_decode_tokens=sched.num_decode_tokens, num_cached_tokens=sched.num_cached_tokens,
+            tokens_per_request={s.seq.request_id: s.num_new_tokens for s in sched.scheduled},
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=bstats.used, kv_blocks_free=bstats.free, kv_blocks_cached=bstats.cached,
+            num_preempted=len(sched.preempted), preempted=[s.request_id for s in sched.preempted],
+            finished=finished))
+        return events
+
+    def _append_token(self, r: _Request, tok: int, now: float) -> TokenEvent:
+        seq, p, m = r.seq, r.seq.params, r.metrics
+        seq.token_ids.append(tok)
+        m.output_tokens += 1
+        m.token_times.append(now)
+        if m.first_token_time is None:
+            m.first_token_time = now
+        reason = None
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+            reason = "stop"
+        elif r.detok.add(tok) is not None:
+            reason = "stop"
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        ev = TokenEvent(seq.request_id, tok, r.detok.take(final=reason is not None),
+                        seq.num_output_tokens, now, reason is not None, reason)
+        if reason is not None:
+            self._finish(r, now, deliver=False)
+        if r.listener is not None:
+            r.listener(ev)
+        if reason is not None:
+            r.done.set()
+        return ev
+
+    def _finish(self, r: _Request, now: float, deliver: bool = True) -> None:
+        """Book-keeping for a request that ended (finished, stopped or aborted)."""
+        r.metrics.finished_time = now
+        r.metrics.finish_reason = r.seq.finish_reason
+        r.metrics.num_preemptions = r.seq.num_preemptions
+        self.telemetry.add_request(r.metrics)
+        with self._lock:
+            self._requests.pop(r.seq.request_id, None)
+        if deliver:   # an abort: tell the listener, with any text still held back
+            ev = TokenEvent(r.seq.request_id, None, r.detok.take(final=True),
+                            r.seq.num_output_tokens, now, True, r.seq.finish_reason)
+            if r.listener is not None:
+                r.listener(ev)
+            r.done.set()
+
+    # ---- driving it to completion ---------------------------------------------------------
+    def _prepare_batch(self, prompts, params) -> list[_Request]:
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and isinstance(prompts[0], (int, dict))):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts: must be a prompt or a non-empty list of prompts")
+        if params is None or isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"params: {len(params)} SamplingParams for {len(prompts)} prompts")
+        return [self._make_request(p, sp, None) for p, sp in zip(prompts, params)]
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> list[RequestOutput]:
+        """Run a batch to completion; outputs in prompt order. Every prompt is validated before
+        any is queued, so one bad prompt raises ValueError and queues nothing."""
+        reqs = self._prepare_batch(prompts, params)
+        self._submit(reqs)
+        if self._thread is not None:
+            for r in reqs:
+                r.done.wait()
+        else:
+            done = 0
+            while not all(r.done.is_set() for r in reqs):
+                self.step()
+                if progress is not None:
+                    now_done = sum(r.done.is_set() for r in reqs)
+                    if now_done != done:
+                        done = now_done
+                        progress(done, len(reqs))
+        return [self._output(r) for r in reqs]
+
+    def _output(self, r: _Request) -> RequestOutput:
+        s = r.seq
+        return RequestOutput(s.request_id, r.prompt, s.prompt_token_ids, s.output_token_ids,
+                             r.detok.text, s.is_finished, s.finish_reason, r.metrics)
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+               request_id: str | None = None) -> Iterator[TokenEvent]:
+        """Yield each TokenEvent of one request as soon as its token exists.
+
+        Several streams may be consumed at once, from several threads (background mode) or
+        interleaved in one thread (each `next` steps the engine until its own token arrives).
+        Closing the generator early aborts the request.
+        """
+        q: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+        rid = self.add_request(prompt, params, request_id, listener=q.put)
+        finished = False
+        try:
+            while not finished:
+                if self._thread is None:
+                    while q.empty():
+                        self.step()
+                ev = q.get()
+                finished = ev.finished
+                yield ev
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    async def astream(self, prompt: Prompt, params: SamplingParams | None = None,
+                      request_id: str | None = None) -> AsyncIterator[TokenEvent]:
+        """asyncio version of `stream`; starts the background loop if it is not running.
+        Cancelling the consumer (e.g. a client disconnect) aborts the request."""
+        self.start()
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        rid = self.add_request(prompt, params, request_id,
+                               listener=lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev))
+        finished = False
+        try:
+            while not finished:
+                ev = await q.get()
+                finished = ev.finished
+                yield ev
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    # ---- background mode ------------------------------------------------------------------
+    @property
+    def is_running_in_background(self) -> bool:
+        return self._thread is not None
+
+    def start(self) -> "Engine":
+        """Step in a daemon thread until `shutdown()`. Idempotent."""
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="workbench-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self, abort_all: bool = True) -> None:
+        """Stop the background loop (aborting what is left, unless told not to)."""
+        thread = self._thread
+        if thread is None:
+            return
+        self._stop.set()
+        with self._lock:
+            self._wake.notify_all()
+        thread.join()
+        self._thread = None
+        if abort_all:
+            for rid in list(self._requests):
+                self.abort(rid)
+            with self._step_lock:
+                self._drain_inbox()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                idle = not self._inbox and not self._aborts and not self.scheduler.has_unfinished()
+                if idle:
+                    self._wake.wait(timeout=0.5)
+                    continue
+            try:
+                with self._step_lock:
+                    self._step()
+                if self.telemetry.steps[-1].phase == "idle" and not self._inbox:
+                    # Nothing ran (a held-back batch): sleep until it may be admitted.
+                    wait = self.scheduler.next_wakeup()
+                    with self._lock:
+                        self._wake.wait(timeout=min(wait if wait is not None else 0.01, 0.05))
+            except Exception:   # keep serving: fail the requests of the broken step only
+                log.exception("engine step failed; aborting its requests")
+                for seq in list(self.scheduler.running):
+                    r = self._requests.get(seq.request_id)
+                    self.scheduler.finish(seq, "error")
+                    if r is not None:
+                        self._finish(r, time.monotonic())
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,24 @@
+"""Models: the Llama-family decoder and where its weights come from."""
+from __future__ import annotations
+
+import torch
+
+from .llama import LlamaForCausalLM, rope_tables
+from .loader import LoadedCheckpoint, load_checkpoint
+
+
+def build_model(ckpt: LoadedCheckpoint, dtype: torch.dtype, device: torch.device,
+                max_positions: int, seed: int = 0) -> LlamaForCausalLM:
+    """Instantiate the decoder for ckpt's config and fill it with ckpt's (or seeded) weights."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(ckpt.hf_config, max_positions)
+    model = model.to_empty(device="cpu")
+    model.rope_cos, model.rope_sin = rope_tables(ckpt.hf_config, max_positions)
+    if ckpt.state_dict is None:
+        model.init_random(seed)
+    else:
+        model.load_hf_state_dict(ckpt.state_dict)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+__all__ = ["LlamaForCausalLM", "build_model", "load_checkpoint", "LoadedCheckpoint"]

@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+import torch
+
+
+class Platform:
+    """What the engine needs to know about a device. Subclasses fill in the specifics."""
+    name = "base"
+    default_dtype = torch.float32
+
+    @classmethod
+    def is_available(cls) -> bool:
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.name)
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (no-op where ops run synchronously)."""
+
+    def peak_memory_bytes(self) -> int:
+        raise NotImplementedError
+
+    def reset_peak_memory(self) -> None:
+        """Start a new peak-memory window, where the device tracks one."""

@@ -1,0 +1,101 @@
+"""ModelRunner: owns the model and the KV pool, turns a scheduled step into tensors, runs it."""
+from __future__ import annotations
+
+import torch
+
+from .attention import AttentionMetadata, PrefillSpan
+from .scheduler import ScheduledSeq, SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int, platform):
+        self.model = model
+        self.platform = platform
+        self.device = platform.device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        p = next(model.parameters())
+        self.dtype = p.dtype
+        shape = (model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        # One allocation for the whole pool; layer i uses kv_cache[i][0] (K) and [i][1] (V).
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    @staticmethod
+    def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * elem
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache.numel() * self.kv_cache.element_size()
+
+    def _slots(self, block_table: list[int], start: int, n: int) -> list[int]:
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+
+    def prepare(self, out: SchedulerOutput):
+        """Flatten the step: decodes first, then prefill chunks. Returns model inputs, the
+        attention metadata and, in logits order, the scheduled sequences that sample."""
+        bs = self.block_size
+        decodes = [s for s in out.scheduled if s.is_decode]
+        prefills = [s for s in out.scheduled if not s.is_decode]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        sampling: list[ScheduledSeq] = []
+
+        for s in decodes:
+            p = s.start
+            input_ids.append(s.seq.token_ids[p])
+            positions.append(p)
+            slots.append(s.seq.block_table[p // bs] * bs + p % bs)
+            logits_rows.append(len(logits_rows))
+            sampling.append(s)
+        decode_tables = decode_mask = None
+        if decodes:
+            max_blocks = max(len(s.seq.block_table) for s in decodes)
+            tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in decodes]
+            decode_tables = torch.tensor(tables, dtype=torch.long)
+            lens = torch.tensor([s.start + 1 for s in decodes])
+            decode_mask = (torch.arange(max_blocks * bs)[None, :] < lens[:, None]).unsqueeze(1)
+
+        spans = []
+        for s in prefills:
+            q_start, n = len(input_ids), s.num_new_tokens
+            input_ids += s.seq.token_ids[s.start:s.start + n]
+            positions += range(s.start, s.start + n)
+            slots += self._slots(s.seq.block_table, s.start, n)
+            block_ids = mask = None
+            if s.start > 0:
+                ctx = s.start + n
+                block_ids = torch.tensor(s.seq.block_table[:-(-ctx // bs)], dtype=torch.long)
+                q_pos = torch.arange(s.start, ctx)
+                mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
+            spans.append(PrefillSpan(q_start, q_start + n, s.start, block_ids, mask))
+            if s.samples:
+                logits_rows.append(q_start + n - 1)
+                sampling.append(s)
+
+        dev = self.device
+        to = (lambda t: t.to(dev, non_blocking=True)) if dev.type != "cpu" else (lambda t: t)
+        meta = AttentionMetadata(
+            slot_mapping=to(torch.tensor(slots, dtype=torch.long)),
+            num_decode=len(decodes),
+            decode_block_tables=None if decode_tables is None else to(decode_tables),
+            decode_mask=None if decode_mask is None else to(decode_mask),
+            prefills=[PrefillSpan(sp.q_start, sp.q_end, sp.start,
+                                  None if sp.block_ids is None else to(sp.block_ids),
+                                  None if sp.mask is None else to(sp.mask)) for sp in spans],
+        )
+        inputs = (to(torch.tensor(input_ids, dtype=torch.long)),
+                  to(torch.tensor(positions, dtype=torch.long)),
+                  to(torch.tensor(logits_rows, dtype=torch.long)))
+        return inputs, meta, sampling
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+        """Run one step; returns fp32 logits [len(sampling), vocab] and the sampling rows."""
+        (input_ids, positions, logits_indices), meta, sampling = self.prepare(out)
+        logits = self.model(input_ids, positions, self.kv_cache, meta, logits_indices)
+        return logits, sampling

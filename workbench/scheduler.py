@@ -1,0 +1,202 @@
+"""Continuous batching: which requests run in the next step, and how many tokens each feeds.
+
+One step has a token budget (`max_num_batched_tokens`). Running requests are served first, in
+arrival order: a decoding request feeds one token, a request still prefilling feeds the next
+chunk of its prompt. What budget is left admits waiting requests (FIFO: a request that does not
+fit stops the queue, so nobody is overtaken). When the KV pool runs out, a running request is
+preempted by recompute: its blocks are freed and it goes back to the head of the queue, to be
+prefilled again (prompt + what it had generated) when blocks free up.
+
+Pure Python over token counts and block ids, so it is unit-tested without a model.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    start: int
+    """Position of the first token fed (== num_computed_tokens before the step)."""
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the sequence's known tokens, so its last
+        logits give the next token (a mid-prompt chunk does not)."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new_tokens == 1 and self.seq.num_output_tokens > 0 and self.samples
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    """Prompt tokens of newly admitted requests served from the prefix cache."""
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if not s.is_decode)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for s in self.scheduled if s.is_decode)
+
+    @property
+    def phase(self) -> str:
+        p, d = self.num_prefill_tokens, self.num_decode_tokens
+        return "mixed" if p and d else "prefill" if p else "decode" if d else "idle"
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int):
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._arrivals = 0
+        self._steps_since_prefill = 0
+
+    # ---- queue ----------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        seq.arrival_index = self._arrivals
+        self._arrivals += 1
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take seq out of the queues (finished or aborted) and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    # ---- one step -------------------------------------------------------------------------
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        now = time.monotonic() if now is None else now
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        chunked = self.config.enable_chunked_prefill
+        bm = self.block_manager
+
+        # 1. Running requests, oldest first.
+        queue = list(self.running)
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not bm.allocate_slots(seq, n):
+                victim = self._pick_victim(queue, seq)
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+                queue.remove(victim)
+            else:
+                out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
+                budget -= n
+        # (Without chunked prefill a running request never has a partial prompt left, so the
+        # min() above only ever trims when chunking is on.)
+
+        # 2. Waiting requests, if this step may admit prefills.
+        if not out.preempted and self._may_admit(now, out):
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                seq = self.waiting[0]
+                if not seq.block_table:
+                    bm.match_prefix(seq)
+                n = seq.num_uncomputed_tokens
+                if n > budget:
+                    if not chunked:
+                        self._release_prefix(seq)
+                        break
+                    n = budget
+                if not bm.allocate_slots(seq, n):
+                    self._release_prefix(seq)
+                    break
+                self.waiting.popleft()
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                out.num_cached_tokens += seq.num_cached_tokens
+                out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
+                budget -= n
+        if any(not s.is_decode for s in out.scheduled):
+            self._steps_since_prefill = 0
+        else:
+            self._steps_since_prefill += 1
+        return out
+
+    def _may_admit(self, now: float, out: SchedulerOutput) -> bool:
+        cfg = self.config
+        if not self.waiting:
+            return False
+        decoding = any(s.is_decode for s in out.scheduled)
+        # Prefill interval: while requests decode, let new prompts in only every N-th step.
+        if decoding and self._steps_since_prefill + 1 < cfg.prefill_interval:
+            return False
+        # Batch waiting time: hold a young queue back while the batch could still grow.
+        if cfg.waiting_timeout_ms > 0:
+            room = cfg.max_num_seqs - len(self.running)
+            oldest_wait_ms = (now - self.waiting[0].arrival_time) * 1e3
+            if len(self.waiting) < room and oldest_wait_ms < cfg.waiting_timeout_ms:
+                return False
+        return True
+
+    def next_wakeup(self, now: float | None = None) -> float | None:
+        """Seconds until a held-back queue becomes admissible (for an idle engine loop)."""
+        if not self.waiting or self.config.waiting_timeout_ms <= 0:
+            return None
+        now = time.monotonic() if now is None else now
+        left = self.config.waiting_timeout_ms / 1e3 - (now - self.waiting[0].arrival_time)
+        return max(left, 0.0)
+
+    def _release_prefix(self, seq: Sequence) -> None:
+        """Undo a prefix match for a request that stays waiting (it is redone next time)."""
+        if seq.block_table:
+            self.block_manager.free(seq)
+        seq.num_cached_tokens = 0
+
+    def _pick_victim(self, candidates: list[Sequence], current: Sequence) -> Sequence:
+        pool = candidates + [current]
+        mode = self.config.preemption_mode
+        if mode == "oldest":
+            return min(pool, key=lambda s: s.arrival_index)
+        if mode == "largest":
+            return max(pool, key=lambda s: (len(s.block_table), s.arrival_index))
+        return max(pool, key=lambda s: s.arrival_index)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    # ---- after the model ran --------------------------------------------------------------
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advance computed-token counts and register newly full blocks for prefix caching."""
+        for s in out.scheduled:
+            s.seq.num_computed_tokens = s.start + s.num_new_tokens
+            self.block_manager.cache_full_blocks(s.seq)

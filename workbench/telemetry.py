@@ -1,0 +1,139 @@
+"""Telemetry as data: one StepEvent per engine step, one RequestMetrics per finished request.
+
+The engine appends; anyone reads: the timeline widget, the server's /metrics, the bench
+report, a JSON file. Reads from other threads go through `steps_since`/`snapshot`, which copy
+under a lock.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(slots=True)
+class StepEvent:
+    step: int
+    start: float
+    """time.monotonic() when the step began."""
+    duration: float
+    """Seconds, schedule + forward + sample + bookkeeping."""
+    phase: str
+    """'prefill', 'decode', 'mixed' or 'idle'."""
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_cached_tokens: int
+    """Prompt tokens served by the prefix cache for requests admitted in this step."""
+    tokens_per_request: dict[str, int]
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_cached: int
+    num_preempted: int
+    preempted: list[str]
+    graph: bool = False
+    """Whether a captured graph ran this step (always False in eager mode)."""
+    graph_size: int | None = None
+    finished: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    request_id: str
+    arrival_time: float
+    prompt_tokens: int
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished_time: float | None = None
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token, seconds from arrival."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def itl(self) -> list[float]:
+        """Every inter-token gap, seconds."""
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first, seconds."""
+        t = self.token_times
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(ttft=self.ttft, tpot=self.tpot, e2e=self.e2e, itl=self.itl)
+        return d
+
+
+@dataclass(slots=True)
+class MemoryStats:
+    weights_bytes: int
+    kv_cache_bytes: int
+    peak_bytes: int
+    """Device peak allocation where the platform tracks it, else the process's peak RSS."""
+    kv_bytes_per_block: int
+    num_kv_blocks: int
+
+
+class Telemetry:
+    def __init__(self, max_steps: int = 100_000, max_requests: int = 100_000):
+        self._lock = threading.Lock()
+        self.steps: deque[StepEvent] = deque(maxlen=max_steps)
+        self.requests: deque[RequestMetrics] = deque(maxlen=max_requests)
+        self.num_steps = 0
+        self.memory: MemoryStats | None = None
+
+    def add_step(self, ev: StepEvent) -> None:
+        with self._lock:
+            self.steps.append(ev)
+            self.num_steps += 1
+
+    def add_request(self, m: RequestMetrics) -> None:
+        with self._lock:
+            self.requests.append(m)
+
+    def steps_since(self, step: int) -> list[StepEvent]:
+        """Step events with index >= step (for pollers that remember where they were)."""
+        with self._lock:
+            return [e for e in self.steps if e.step >= step]
+
+    def snapshot(self) -> tuple[list[StepEvent], list[RequestMetrics]]:
+        with self._lock:
+            return list(self.steps), list(self.requests)
+
+    def clear(self) -> None:
+        with self._lock:
+            self.steps.clear()
+            self.requests.clear()
+
+    def to_dict(self) -> dict:
+        steps, reqs = self.snapshot()
+        return {"memory": asdict(self.memory) if self.memory else None,
+                "steps": [asdict(s) for s in steps],
+                "requests": [r.to_dict() for r in reqs]}
+
+    def to_json(self, path: str | None = None, indent: int | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=indent)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
