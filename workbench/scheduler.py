@@ -26,16 +26,16 @@ class ScheduledSeq:
     num_new_tokens: int
     start: int
     """Position of the first token fed (== num_computed_tokens before the step)."""
+    samples: bool = field(init=False)
+    """Whether this step reaches the end of the sequence's known tokens, so its last logits
+    give the next token (a mid-prompt chunk does not)."""
+    is_decode: bool = field(init=False)
+    """One new token after at least one output token: a decode, not a (re)prefill."""
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the sequence's known tokens, so its last
-        logits give the next token (a mid-prompt chunk does not)."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
-
-    @property
-    def is_decode(self) -> bool:
-        return self.num_new_tokens == 1 and self.seq.num_output_tokens > 0 and self.samples
+    def __post_init__(self) -> None:
+        # Fixed at scheduling time: the sequence grows once the step has run.
+        self.samples = self.start + self.num_new_tokens == self.seq.num_tokens
+        self.is_decode = self.num_new_tokens == 1 and self.samples and self.seq.num_output_tokens > 0
 
 
 @dataclass(slots=True)

@@ -1,0 +1,298 @@
+"""Engine API: streaming (sync, threads, asyncio), abort, bad input, prefix caching, telemetry."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+from conftest import random_prompts
+from workbench import Engine, EngineConfig, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_checkpoints):
+    path, _ = tiny_checkpoints["qwen3"]
+    return Engine(model=str(path), device="cpu", block_size=16, num_kv_blocks=64, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return Engine(model="smollm2", device="cpu", num_kv_blocks=128)
+
+
+def prompts(n=4, lo=5, hi=40):
+    return random_prompts(n, lo, hi, 1000, seed=3)
+
+
+def test_first_token_streams_before_finish(tiny_engine):
+    events = []
+    for ev in tiny_engine.stream(prompts(1)[0], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)):
+        events.append((ev, tiny_engine.telemetry.num_steps))
+    assert len(events) == 12
+    assert not events[0][0].finished and events[-1][0].finished
+    # Each token came out in its own step, not all at the end.
+    assert [n for _, n in events] == sorted(set(n for _, n in events))
+    assert events[-1][0].finish_reason == "length"
+
+
+def test_interleaved_streams_in_one_thread(tiny_engine):
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    a, b = (tiny_engine.stream(x, p) for x in prompts(2))
+    order = []
+    for _ in range(6):
+        order += [next(a).request_id, next(b).request_id]
+    assert len(set(order)) == 2 and order[0] != order[1]
+
+
+def test_concurrent_streams_in_background_threads(tiny_engine):
+    tiny_engine.start()
+    try:
+        p = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+        arrivals: list[str] = []
+        lock = threading.Lock()
+
+        def consume(prompt):
+            for ev in tiny_engine.stream(prompt, p):
+                with lock:
+                    arrivals.append(ev.request_id)
+
+        threads = [threading.Thread(target=consume, args=(x,)) for x in prompts(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert len(arrivals) == 80
+        # Interleaved: the first 20 events are not all one request's.
+        assert len(set(arrivals[:20])) > 1
+        # generate() also works while the loop runs.
+        out = tiny_engine.generate(prompts(2), p)
+        assert all(len(o.token_ids) == 20 for o in out)
+    finally:
+        tiny_engine.shutdown()
+    assert tiny_engine.block_manager.num_used_blocks == 0
+
+
+def test_astream_concurrent(tiny_engine):
+    p = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+    async def main():
+        seen = []
+
+        async def one(x):
+            async for ev in tiny_engine.astream(x, p):
+                seen.append(ev.request_id)
+        await asyncio.gather(*(one(x) for x in prompts(3)))
+        return seen
+
+    try:
+        seen = asyncio.run(main())
+    finally:
+        tiny_engine.shutdown()
+    assert len(seen) == 30 and len(set(seen[:10])) > 1
+
+
+def test_abort_frees_every_block(tiny_engine):
+    p = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    keep = tiny_engine.add_request(prompts(1)[0], SamplingParams(max_tokens=5, temperature=0))
+    rid = tiny_engine.add_request(prompts(1, 100, 100)[0], p)
+    for _ in range(3):
+        tiny_engine.step()
+    assert tiny_engine.block_manager.num_used_blocks > 0
+    assert tiny_engine.abort(rid)
+    assert not tiny_engine.abort("no-such-request")
+    while tiny_engine.has_unfinished_requests():
+        tiny_engine.step()
+    assert tiny_engine.block_manager.num_used_blocks == 0
+    reasons = {m.request_id: m.finish_reason for m in tiny_engine.telemetry.requests}
+    assert reasons[rid] == "abort" and reasons[keep] in ("length", "stop")
+
+
+def test_closing_a_stream_aborts_it(tiny_engine):
+    gen = tiny_engine.stream(prompts(1)[0], SamplingParams(max_tokens=100, ignore_eos=True))
+    next(gen)
+    gen.close()
+    tiny_engine.step()
+    assert not tiny_engine.has_unfinished_requests()
+    assert tiny_engine.block_manager.num_used_blocks == 0
+
+
+BAD_PARAMS = [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-3), "max_tokens"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+]
+
+
+@pytest.mark.parametrize("kw,field", BAD_PARAMS)
+def test_bad_sampling_params(kw, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(block_size=24), "block_size"), (dict(block_size=4), "block_size"),
+    (dict(block_size=512), "block_size"), (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+    (dict(preemption_mode="random"), "preemption_mode"), (dict(prefill_interval=0), "prefill_interval"),
+    (dict(waiting_timeout_ms=-1), "waiting_timeout_ms"), (dict(dtype="int8"), "dtype"),
+])
+def test_bad_knobs(kw, field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**kw)
+
+
+def test_bad_device_and_model():
+    with pytest.raises(ValueError, match="device"):
+        Engine(model="random:tiny", device="tpu")
+    with pytest.raises(FileNotFoundError, match="Nothing is downloaded"):
+        Engine(model="/no/such/checkpoint")
+    with pytest.raises(ValueError, match="model"):
+        Engine(model="random:no-such-shape")
+
+
+def test_bad_prompts_lose_nothing(tiny_engine):
+    good = tiny_engine.add_request(prompts(1)[0], SamplingParams(max_tokens=8, temperature=0))
+    tiny_engine.step()
+    for bad, field in [([], "prompt"), ("", "prompt"), ([1] * 600, "max_model_len"),
+                       ([1, 10**9], "prompt"), ("text but no tokenizer", "tokenizer"), (3.5, "prompt")]:
+        with pytest.raises(ValueError, match=field):
+            tiny_engine.add_request(bad)
+    with pytest.raises(ValueError, match="prompt"):   # one bad prompt in a batch queues nothing
+        tiny_engine.generate([prompts(1)[0], []], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="request_id"):
+        tiny_engine.add_request(prompts(1)[0], request_id=good)
+    assert tiny_engine.num_requests == 1
+    while tiny_engine.has_unfinished_requests():
+        tiny_engine.step()
+    assert [m for m in tiny_engine.telemetry.requests if m.request_id == good][0].output_tokens == 8
+    assert tiny_engine.block_manager.num_used_blocks == 0
+
+
+def test_prefix_caching_prefills_only_the_new_turn(smol):
+    chat = [{"role": "user", "content": "Tell me about the history of the printing press "
+             "and how it changed the spread of ideas in Europe over the following centuries."}]
+    p = SamplingParams(max_tokens=24, temperature=0)
+    first = smol.generate(chat, p)[0]
+    turn2 = chat + [{"role": "assistant", "content": first.text},
+                    {"role": "user", "content": "And in Asia?"}]
+    before = smol.telemetry.num_steps
+    second = smol.generate(turn2, p)[0]
+    steps = smol.telemetry.steps_since(before)
+    prefilled = sum(s.num_prefill_tokens for s in steps)
+    cached = sum(s.num_cached_tokens for s in steps)
+    n = len(second.prompt_token_ids)
+    assert cached >= len(first.prompt_token_ids) // 16 * 16 - 16 and cached > 0
+    assert prefilled == n - cached
+    assert second.metrics.cached_tokens == cached
+    # Same tokens as a cache-free engine.
+    fresh = Engine(model="smollm2", device="cpu", num_kv_blocks=128, enable_prefix_caching=False)
+    assert fresh.generate(turn2, p)[0].token_ids == second.token_ids
+    st = smol.block_manager.stats()
+    assert st.used == 0 and st.cached > 0 and st.hits > 0
+
+
+def test_stop_strings_and_token_ids(smol):
+    p = SamplingParams(max_tokens=40, temperature=0)
+    base = smol.generate("The capital of France is", p)[0]
+    assert " Paris" in base.text
+    cut = smol.generate("The capital of France is", SamplingParams(max_tokens=40, temperature=0, stop=["Paris"]))[0]
+    assert cut.finish_reason == "stop" and cut.text == base.text[:base.text.index("Paris")]
+    tid = base.token_ids[2]
+    st = smol.generate("The capital of France is",
+                       SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[tid]))[0]
+    assert st.token_ids == base.token_ids[:3] and st.finish_reason == "stop"
+    # Streamed text of the stop-string run adds up to the final text.
+    streamed = "".join(ev.text for ev in smol.stream(
+        "The capital of France is", SamplingParams(max_tokens=40, temperature=0, stop=["Paris"])))
+    assert streamed == cut.text
+
+
+def test_incremental_text_with_multibyte_characters(smol):
+    p = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    prompt = "Répète exactement: 日本語のテキスト 🚀🎉 naïve café"
+    events = list(smol.stream(prompt, p))
+    text = "".join(ev.text for ev in events)
+    ids = [ev.token_id for ev in events]
+    # A reply cut off inside a character ends before it rather than with U+FFFD.
+    assert text == smol.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
+    assert "\ufffd" not in text and len(text) > 10
+    # Direct check on a token sequence that splits characters across tokens.
+    from workbench.detokenizer import IncrementalDetokenizer
+    ids = smol.tokenizer.encode("日本語 🚀 émoji")
+    d = IncrementalDetokenizer(smol.tokenizer, [], [])
+    pieces = []
+    for t in ids:
+        d.add(t)
+        pieces.append(d.take(final=False))
+    pieces.append(d.take(final=True))
+    assert "".join(pieces) == "日本語 🚀 émoji"
+    assert all("\ufffd" not in x for x in pieces)
+
+
+def test_sampling_seeded_and_bounded(tiny_engine):
+    x = prompts(1)[0]
+    p = SamplingParams(max_tokens=16, temperature=1.0, top_k=20, top_p=0.9, seed=123, ignore_eos=True)
+    a = tiny_engine.generate([x], p)[0].token_ids
+    # Same seed, other requests alongside: same tokens.
+    outs = tiny_engine.generate([x] + prompts(3), [p] + [SamplingParams(max_tokens=16, temperature=1.0)] * 3)
+    assert outs[0].token_ids == a
+    b = tiny_engine.generate([x], SamplingParams(max_tokens=16, temperature=1.0, seed=124, ignore_eos=True))[0]
+    assert b.token_ids != a
+    # top_k=1 is greedy.
+    g = tiny_engine.generate([x], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
+    k1 = tiny_engine.generate([x], SamplingParams(max_tokens=16, temperature=0.7, top_k=1, seed=5, ignore_eos=True))[0]
+    assert k1.token_ids == g.token_ids
+
+
+def test_top_p_keeps_the_nucleus_only():
+    import torch
+    from workbench.sampler import sample
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    p = SamplingParams(temperature=1.0, top_p=0.7)
+    g = torch.Generator().manual_seed(0)
+    drawn = {sample(logits, [p], [g])[0] for _ in range(300)}
+    assert drawn == {0, 1}
+    p = SamplingParams(temperature=1.0, top_k=3)
+    drawn = {sample(logits, [p], [g])[0] for _ in range(300)}
+    assert drawn == {0, 1, 2}
+
+
+def test_telemetry_records_steps_requests_and_memory(tiny_engine, tmp_path):
+    tiny_engine.telemetry.clear()
+    outs = tiny_engine.generate(prompts(4), SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    steps, reqs = tiny_engine.telemetry.snapshot()
+    assert steps[0].phase == "prefill" and steps[-1].phase == "decode"
+    assert sum(s.num_decode_tokens for s in steps) + 4 == sum(len(o.token_ids) for o in outs)
+    assert all(s.duration > 0 and s.kv_blocks_used + s.kv_blocks_free == 64 for s in steps)
+    assert not any(s.graph for s in steps)
+    m = outs[0].metrics
+    assert m.ttft > 0 and m.tpot > 0 and len(m.itl) == 9 and m.e2e >= m.ttft
+    assert m.prompt_tokens == len(outs[0].prompt_token_ids) and m.output_tokens == 10
+    assert {r.request_id for r in reqs} == {o.request_id for o in outs}
+    mem = tiny_engine.telemetry.memory
+    assert mem.weights_bytes > 0 and mem.kv_cache_bytes == 64 * mem.kv_bytes_per_block
+    data = json.loads(tiny_engine.telemetry.to_json(str(tmp_path / "t.json")))
+    assert len(data["steps"]) == len(steps) and data["requests"][0]["ttft"] > 0
+    assert json.loads((tmp_path / "t.json").read_text()) == data
+
+
+def test_max_model_len_caps_generation(tiny_checkpoints):
+    path, _ = tiny_checkpoints["qwen2"]
+    e = Engine(model=str(path), device="cpu", num_kv_blocks=16, max_model_len=64)
+    out = e.generate([list(range(5, 55))], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 14 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="max_model_len"):
+        Engine(model=str(path), device="cpu", num_kv_blocks=2, max_model_len=64)
+
+
+def test_random_model_shapes():
+    e = Engine(model="random:tiny", device="cpu", num_kv_blocks=16)
+    out = e.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
+    e2 = Engine(model="random:tiny", device="cpu", num_kv_blocks=16)
+    assert e2.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0].token_ids == out.token_ids

@@ -1,0 +1,183 @@
+"""Scheduler policy, unit-tested with no model: budgets, chunking, FIFO, preemption, knobs."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from workbench.block_manager import BlockManager
+from workbench.config import EngineConfig
+from workbench.sampling_params import SamplingParams
+from workbench.scheduler import Scheduler
+from workbench.sequence import Sequence
+
+
+def make(num_blocks=64, block_size=16, **kw):
+    cfg = EngineConfig(**kw)   # the block size lives in the block manager
+    bm = BlockManager(num_blocks, block_size, cfg.enable_prefix_caching)
+    return Scheduler(cfg, bm, max_model_len=4096), bm
+
+
+def add(s, rid, n, arrival=0.0, max_tokens=100):
+    seq = Sequence(rid, list(range(1000 * len(s.waiting) + 1, 1000 * len(s.waiting) + 1 + n)),
+                   SamplingParams(max_tokens=max_tokens), arrival_time=arrival)
+    s.add(seq)
+    return seq
+
+
+def run_step(s, out, token=7):
+    """What the engine does after the model: advance, then append a token where sampled."""
+    s.update_after_step(out)
+    for x in out.scheduled:
+        if x.samples:
+            x.seq.token_ids.append(token)
+
+
+def test_prefill_then_decode():
+    s, _ = make()
+    a = add(s, "a", 20)
+    out = s.schedule(now=0)
+    assert out.phase == "prefill" and out.scheduled[0].num_new_tokens == 20
+    run_step(s, out)
+    out = s.schedule(now=0)
+    assert out.phase == "decode" and out.num_decode_tokens == 1
+    assert a.num_computed_tokens == 20
+
+
+def test_token_budget_chunks_long_prompt_and_mixes_with_decode():
+    s, _ = make(max_num_batched_tokens=64, max_num_seqs=4)
+    a = add(s, "a", 10)
+    run_step(s, s.schedule(now=0))                 # a prefilled
+    add(s, "b", 150)
+    out = s.schedule(now=0)
+    assert out.phase == "mixed"
+    assert [x.num_new_tokens for x in out.scheduled] == [1, 63]
+    run_step(s, out)
+    out = s.schedule(now=0)
+    assert [x.num_new_tokens for x in out.scheduled] == [1, 63]
+    assert not out.scheduled[1].samples           # b's prompt is not done yet
+    run_step(s, out)
+    out = s.schedule(now=0)
+    assert [x.num_new_tokens for x in out.scheduled] == [1, 24] and out.scheduled[1].samples
+    assert a.num_computed_tokens == 12
+
+
+def test_no_chunking_waits_for_budget():
+    s, _ = make(max_num_batched_tokens=64, max_num_seqs=4, enable_chunked_prefill=False)
+    add(s, "a", 50)
+    add(s, "b", 30)
+    out = s.schedule(now=0)
+    assert [x.seq.request_id for x in out.scheduled] == ["a"]   # b would overflow the step
+
+
+def test_max_num_seqs_caps_running():
+    s, _ = make(max_num_seqs=2)
+    for i in range(5):
+        add(s, f"r{i}", 8)
+    out = s.schedule(now=0)
+    assert len(out.scheduled) == 2 and len(s.waiting) == 3
+
+
+def test_fifo_head_blocks_the_queue():
+    s, bm = make(num_blocks=4, block_size=16)
+    add(s, "big", 100)          # needs 7 blocks: never fits while the pool has 4
+    add(s, "small", 5)
+    out = s.schedule(now=0)
+    assert out.is_empty and [q.request_id for q in s.waiting] == ["big", "small"]
+    assert bm.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("mode,victim", [("newest", "c"), ("oldest", "a"), ("largest", "b")])
+def test_preemption_policy(mode, victim):
+    # Pool of 4 blocks of 4: a (4 tokens) takes 1, b (6) takes 2, c (3) takes 1. At the first
+    # decode a needs a second block and none is free: the policy picks who gives way.
+    s, bm = make(num_blocks=4, block_size=4, preemption_mode=mode)
+    add(s, "a", 4)
+    add(s, "b", 6)
+    add(s, "c", 3)
+    run_step(s, s.schedule(now=0))
+    assert bm.num_free_blocks == 0
+    out = s.schedule(now=0)
+    assert [q.request_id for q in out.preempted] == [victim]
+    v = out.preempted[0]
+    assert v.num_computed_tokens == 0 and v.block_table == [] and v.num_preemptions == 1
+    assert s.waiting[0] is v                       # back at the head of the queue
+    assert victim not in [x.seq.request_id for x in out.scheduled]
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_preempted_request_is_recomputed_with_its_output(prefix):
+    s, bm = make(num_blocks=3, block_size=4, enable_prefix_caching=prefix)
+    a = add(s, "a", 4)
+    b = add(s, "b", 4)
+    for _ in range(12):
+        out = s.schedule(now=0)
+        run_step(s, out)
+        if s.num_preemptions:
+            break
+    assert s.num_preemptions == 1
+    victim = b
+    assert victim.status.value == "waiting" and victim.num_output_tokens >= 1
+    s.finish(a, "length")
+    out = s.schedule(now=0)
+    (x,) = out.scheduled
+    # Recompute covers prompt + generated tokens; with prefix caching its full first block
+    # (freed as cached at preemption) is reused.
+    cached = 4 if prefix else 0
+    assert x.seq is victim and x.start == cached and x.samples
+    assert x.num_new_tokens == victim.num_tokens - cached
+    s.finish(victim, "length")
+    assert bm.num_used_blocks == 0
+
+
+def test_prefill_interval_protects_decode():
+    s, _ = make(prefill_interval=3, max_num_seqs=8)
+    add(s, "a", 8)
+    run_step(s, s.schedule(now=0))
+    phases = []
+    for i in range(7):
+        add(s, f"n{i}", 8)
+        out = s.schedule(now=0)
+        phases.append(out.phase)
+        run_step(s, out)
+    assert phases[:6] == ["decode", "decode", "mixed", "decode", "decode", "mixed"]
+
+
+def test_waiting_timeout_holds_a_small_batch():
+    s, _ = make(waiting_timeout_ms=50, max_num_seqs=4)
+    add(s, "a", 8, arrival=0.0)
+    assert s.schedule(now=0.01).is_empty
+    assert s.next_wakeup(now=0.01) == pytest.approx(0.04)
+    assert len(s.schedule(now=0.06).scheduled) == 1
+    s2, _ = make(waiting_timeout_ms=50, max_num_seqs=2)
+    add(s2, "a", 8, arrival=0.0)
+    add(s2, "b", 8, arrival=0.0)
+    assert len(s2.schedule(now=0.001).scheduled) == 2     # batch already full: no waiting
+
+
+def test_random_workload_accounting_balances():
+    """Finish, abort and preempt at random; blocks must all come back."""
+    rng = random.Random(0)
+    s, bm = make(num_blocks=24, block_size=8, max_num_batched_tokens=64, max_num_seqs=6)
+    live = {}
+    for i in range(40):
+        live[f"r{i}"] = add(s, f"r{i}", rng.randint(1, 60), max_tokens=rng.randint(1, 30))
+    for _ in range(2000):
+        if not s.has_unfinished():
+            break
+        out = s.schedule(now=0)
+        run_step(s, out)
+        for x in out.scheduled:
+            q = x.seq
+            if x.samples and q.num_output_tokens >= q.params.max_tokens:
+                s.finish(q, "length")
+        if rng.random() < 0.05 and s.running:
+            s.finish(rng.choice(s.running), "abort")
+        if rng.random() < 0.05 and s.waiting:
+            s.finish(rng.choice(list(s.waiting)), "abort")
+        assert bm.num_used_blocks == sum(
+            1 for b in bm.blocks if b.ref_count > 0)
+    assert not s.has_unfinished()
+    assert s.num_preemptions > 0
+    st = bm.stats()
+    assert st.used == 0 and st.free == 24
