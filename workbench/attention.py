@@ -11,6 +11,7 @@ blocks with one `index_select` instead of one small copy per token.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,8 +39,9 @@ class AttentionMetadata:
     """The first num_decode tokens are decodes, one per request."""
     decode_block_tables: torch.Tensor | None
     """[num_decode, max_blocks] block ids, padded with block 0 (masked out)."""
-    decode_mask: torch.Tensor | None
-    """[num_decode, 1, max_blocks * block_size] bool, True for real context positions."""
+    decode_bias: torch.Tensor | None
+    """[num_decode, 1, max_blocks * block_size] added to the scores: 0 for real context
+    positions, -inf for the padding of shorter requests."""
     prefills: list[PrefillSpan]
 
 
@@ -57,8 +59,16 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return flat.view(*block_ids.shape, *cache.shape[1:])
 
 
+@functools.lru_cache(maxsize=16)
+def _gqa_layout(h: int, kv_heads: int, dtype: torch.dtype, device: torch.device):
+    """Per-head KV group index [H] and the block-diagonal selector [1, H, kvH, 1]."""
+    head_group = torch.arange(h, device=device) // (h // kv_heads)
+    sel = head_group[:, None] == torch.arange(kv_heads, device=device)[None, :]
+    return head_group, sel.to(dtype).view(1, h, kv_heads, 1)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+                     block_tables: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
     """One query per request over its paged context. q: [B, H, D] -> [B, H, D].
 
     Grouped-query attention without repeating K/V: each request's context is gathered as one
@@ -69,14 +79,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """
     b, h, d = q.shape
     kv_heads = k_cache.shape[2]
-    group = h // kv_heads
+    head_group, sel = _gqa_layout(h, kv_heads, q.dtype, q.device)
     k = _gather(k_cache, block_tables).view(b, -1, kv_heads * d)          # [B, L, kvH*D]
     v = _gather(v_cache, block_tables).view(b, -1, kv_heads * d)
-    head_group = torch.arange(h, device=q.device) // group
-    sel = (head_group[:, None] == torch.arange(kv_heads, device=q.device)[None, :]).to(q.dtype)
-    q_bd = (q.view(b, h, 1, d) * sel.view(1, h, kv_heads, 1)).view(b, h, kv_heads * d)
-    scores = torch.bmm(q_bd, k.transpose(1, 2)).mul_(scale)                  # [B, H, L]
-    scores.masked_fill_(~mask, float("-inf"))
+    q_bd = (q.view(b, h, 1, d) * (sel * scale)).view(b, h, kv_heads * d)
+    scores = torch.baddbmm(bias, q_bd, k.transpose(1, 2))                    # [B, H, L]
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.bmm(probs, v).view(b, h, kv_heads, d)                        # [B, H, kvH, D]
     return out.gather(2, head_group.view(1, h, 1, 1).expand(b, h, 1, d)).view(b, h, d)
@@ -108,7 +115,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     nd = meta.num_decode
     if nd:
         parts.append(decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                      meta.decode_mask, scale))
+                                      meta.decode_bias, scale))
     for span in meta.prefills:
         s, e = span.q_start, span.q_end
         parts.append(prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, span, scale))

@@ -52,13 +52,15 @@ class ModelRunner:
             slots.append(s.seq.block_table[p // bs] * bs + p % bs)
             logits_rows.append(len(logits_rows))
             sampling.append(s)
-        decode_tables = decode_mask = None
+        decode_tables = decode_bias = None
         if decodes:
             max_blocks = max(len(s.seq.block_table) for s in decodes)
             tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in decodes]
             decode_tables = torch.tensor(tables, dtype=torch.long)
             lens = torch.tensor([s.start + 1 for s in decodes])
-            decode_mask = (torch.arange(max_blocks * bs)[None, :] < lens[:, None]).unsqueeze(1)
+            pad = torch.arange(max_blocks * bs)[None, :] >= lens[:, None]
+            decode_bias = torch.zeros(pad.shape, dtype=self.dtype).masked_fill_(pad, float("-inf"))
+            decode_bias = decode_bias.unsqueeze(1)
 
         spans = []
         for s in prefills:
@@ -83,7 +85,7 @@ class ModelRunner:
             slot_mapping=to(torch.tensor(slots, dtype=torch.long)),
             num_decode=len(decodes),
             decode_block_tables=None if decode_tables is None else to(decode_tables),
-            decode_mask=None if decode_mask is None else to(decode_mask),
+            decode_bias=None if decode_bias is None else to(decode_bias),
             prefills=[PrefillSpan(sp.q_start, sp.q_end, sp.start,
                                   None if sp.block_ids is None else to(sp.block_ids),
                                   None if sp.mask is None else to(sp.mask)) for sp in spans],

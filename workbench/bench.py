@@ -1,0 +1,170 @@
+"""Offline throughput benchmark: our engine against HF transformers, measured in the same run.
+
+Workload (default, the CPU benchmark): 64 requests, prompt lengths uniform in [16, 256],
+output lengths uniform in [16, 256], EOS ignored, all submitted at once, token ids drawn from
+random.Random(seed). Peers: HF `generate` in static batches (left-padded) and HF
+`generate_batch` (continuous batching); plus batch-1 decode against HF `generate`.
+Reports ratios, since only figures from one run on one machine compare.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .engine import Engine
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def requests(self) -> list[tuple[list[int], int]]:
+        return list(zip(self.prompts, self.output_lens))
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(n: int, in_range: tuple[int, int], out_range: tuple[int, int], vocab: int,
+                  seed: int = 0) -> Workload:
+    r = random.Random(seed)
+    prompts, outs = [], []
+    for _ in range(n):
+        prompts.append([r.randrange(10, vocab) for _ in range(r.randint(*in_range))])
+        outs.append(r.randint(*out_range))
+    return Workload(prompts, outs)
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def run_engine(engine: Engine, wl: Workload, progress=None) -> dict:
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in wl.output_lens]
+    engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    engine.block_manager.reset_prefix_cache()
+    first_step = engine.telemetry.num_steps
+    t = time.perf_counter()
+    outs = engine.generate(wl.prompts, params, progress=progress)
+    dt = time.perf_counter() - t
+    tokens = sum(len(o.token_ids) for o in outs)
+    assert tokens == wl.output_tokens, "engine produced a different number of tokens"
+    ttft = [o.metrics.ttft for o in outs]
+    tpot = [o.metrics.tpot for o in outs if o.metrics.tpot is not None]
+    steps = engine.telemetry.steps_since(first_step)
+    return dict(out_tok_s=round(tokens / dt, 1), seconds=round(dt, 2), tokens=tokens,
+                steps=len(steps), preemptions=sum(s.num_preempted for s in steps),
+                ttft_p50_s=round(_pct(ttft, 50), 3), ttft_p99_s=round(_pct(ttft, 99), 3),
+                tpot_p50_ms=round(_pct(tpot, 50) * 1e3, 1), tpot_p99_ms=round(_pct(tpot, 99) * 1e3, 1),
+                mean_decode_batch=round(statistics.mean(
+                    [s.num_decode_tokens for s in steps if s.num_decode_tokens] or [0]), 1))
+
+
+def run_engine_b1(engine: Engine, prompt: list[int], new_tokens: int) -> dict:
+    """Batch-1 decode speed: tokens after the first over the time after the first."""
+    p = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    engine.block_manager.reset_prefix_cache()
+    out = engine.generate([prompt], p)[0]
+    m = out.metrics
+    decode_s = m.token_times[-1] - m.token_times[0]
+    return dict(tokens=len(out.token_ids), ttft_ms=round(m.ttft * 1e3, 1),
+                tpot_ms=round(decode_s / (len(out.token_ids) - 1) * 1e3, 2),
+                decode_tok_s=round((len(out.token_ids) - 1) / decode_s, 1))
+
+
+def machine() -> dict:
+    return dict(python=platform.python_version(), torch=torch.__version__,
+                cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads(),
+                date=time.strftime("%Y-%m-%d"))
+
+
+def run(model: str = "smollm2", num_requests: int = 64, in_range=(16, 256), out_range=(16, 256),
+        seed: int = 0, peers=("hf_static", "hf_batch", "b1"), static_batch: int = 16,
+        b1_prompt: int = 128, b1_new: int = 128, engine_kwargs: dict | None = None,
+        log=print) -> dict:
+    """Run everything asked for in `peers` and return the report (also printed via log)."""
+    from tqdm.auto import tqdm
+
+    engine = Engine(model=model, **(engine_kwargs or {}))
+    wl = make_workload(num_requests, in_range, out_range, engine.vocab_size, seed)
+    report = dict(machine=machine(), model=model,
+                  workload=dict(requests=num_requests, prompt_len=list(in_range),
+                                output_len=list(out_range), seed=seed,
+                                prompt_tokens=sum(map(len, wl.prompts)),
+                                output_tokens=wl.output_tokens),
+                  engine_config=engine.config.to_dict(), results={})
+    res = report["results"]
+    with tqdm(total=num_requests, desc="workbench engine", unit="req") as bar:
+        res["workbench"] = run_engine(engine, wl, progress=lambda d, n: bar.update(d - bar.n))
+    log(f"workbench: {res['workbench']}")
+    b1_prompt_ids = make_workload(1, (b1_prompt, b1_prompt), (1, 1), engine.vocab_size, seed + 1).prompts[0]
+    if "b1" in peers:
+        res["workbench_b1"] = run_engine_b1(engine, b1_prompt_ids, b1_new)
+        log(f"workbench b1: {res['workbench_b1']}")
+    model_path = engine.model_path
+    del engine
+    if model_path is not None and any(p in peers for p in ("hf_static", "hf_batch", "b1")):
+        from . import hf_peers
+        hf = hf_peers.load_hf_model(model_path)
+        if "hf_static" in peers:
+            res["hf_static"] = hf_peers.hf_generate_static(hf, wl.requests, batch=static_batch)
+            log(f"hf static: {res['hf_static']}")
+        if "hf_batch" in peers:
+            res["hf_generate_batch"] = hf_peers.hf_generate_batch(hf, wl.requests)
+            log(f"hf generate_batch: {res['hf_generate_batch']}")
+        if "b1" in peers:
+            res["hf_b1"] = hf_peers.hf_generate_b1(hf, b1_prompt_ids, b1_new)
+            log(f"hf b1: {res['hf_b1']}")
+    ours = res["workbench"]["out_tok_s"]
+    ratios = {}
+    if "hf_static" in res:
+        ratios["vs_hf_static"] = round(ours / res["hf_static"]["out_tok_s"], 2)
+    if "hf_generate_batch" in res:
+        ratios["vs_hf_generate_batch"] = round(ours / res["hf_generate_batch"]["out_tok_s"], 2)
+    if "hf_b1" in res and "workbench_b1" in res:
+        ratios["b1_decode_vs_hf_generate"] = round(
+            res["workbench_b1"]["decode_tok_s"] / res["hf_b1"]["decode_tok_s"], 2)
+    report["ratios"] = ratios
+    return report
+
+
+def format_table(report: dict) -> str:
+    res = report["results"]
+    rows = [("workbench (continuous batching)", res.get("workbench", {}).get("out_tok_s"), "")]
+    if "hf_static" in res:
+        rows.append((f"HF generate, static batches", res["hf_static"]["out_tok_s"],
+                     report["ratios"].get("vs_hf_static")))
+    if "hf_generate_batch" in res:
+        rows.append(("HF generate_batch", res["hf_generate_batch"]["out_tok_s"],
+                     report["ratios"].get("vs_hf_generate_batch")))
+    lines = [f"{'system':<34} {'output tok/s':>12} {'ours ÷ it':>10}", "-" * 58]
+    lines += [f"{name:<34} {tps:>12} {('' if r == '' else f'{r}x'):>10}" for name, tps, r in rows]
+    if "workbench_b1" in res:
+        lines.append("")
+        lines.append(f"{'batch-1 decode':<34} {'tok/s':>12} {'TPOT ms':>10}")
+        lines.append(f"{'workbench':<34} {res['workbench_b1']['decode_tok_s']:>12} "
+                     f"{res['workbench_b1']['tpot_ms']:>10}")
+        if "hf_b1" in res:
+            lines.append(f"{'HF generate':<34} {res['hf_b1']['decode_tok_s']:>12} "
+                         f"{res['hf_b1']['tpot_ms']:>10}")
+            lines.append(f"ratio: {report['ratios']['b1_decode_vs_hf_generate']}x")
+    return "\n".join(lines)
+
+
+def save(report: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
