@@ -43,6 +43,10 @@ class AttentionMetadata:
     """[num_decode, 1, max_blocks * block_size] added to the scores: 0 for real context
     positions, -inf for the padding of shorter requests."""
     prefills: list[PrefillSpan]
+    decode_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Two [num_decode * max_blocks, block_size * kv_heads * head_dim] buffers that every layer
+    gathers K and V into. Allocated once per step: a fresh multi-MB tensor per layer costs
+    more in page faults than the copy itself."""
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -53,22 +57,26 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, kv_heads, d).index_copy_(0, slot_mapping, v)
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor,
+            out: torch.Tensor | None = None) -> torch.Tensor:
     """Copy whole blocks out of the pool: [*block_ids.shape, block_size, kv_heads, D]."""
-    flat = cache.view(cache.shape[0], -1).index_select(0, block_ids.reshape(-1))
+    flat = cache.view(cache.shape[0], -1)
+    idx = block_ids.reshape(-1)
+    flat = flat.index_select(0, idx) if out is None else torch.index_select(flat, 0, idx, out=out)
     return flat.view(*block_ids.shape, *cache.shape[1:])
 
 
 @functools.lru_cache(maxsize=16)
-def _gqa_layout(h: int, kv_heads: int, dtype: torch.dtype, device: torch.device):
-    """Per-head KV group index [H] and the block-diagonal selector [1, H, kvH, 1]."""
+def _gqa_layout(h: int, kv_heads: int, scale: float, dtype: torch.dtype, device: torch.device):
+    """Per-head KV group index [1, H, 1, 1] and the scaled block-diagonal selector [1, H, kvH, 1]."""
     head_group = torch.arange(h, device=device) // (h // kv_heads)
     sel = head_group[:, None] == torch.arange(kv_heads, device=device)[None, :]
-    return head_group, sel.to(dtype).view(1, h, kv_heads, 1)
+    return head_group.view(1, h, 1, 1), (sel.to(dtype) * scale).view(1, h, kv_heads, 1)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+                     block_tables: torch.Tensor, bias: torch.Tensor, scale: float,
+                     scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One query per request over its paged context. q: [B, H, D] -> [B, H, D].
 
     Grouped-query attention without repeating K/V: each request's context is gathered as one
@@ -79,14 +87,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """
     b, h, d = q.shape
     kv_heads = k_cache.shape[2]
-    head_group, sel = _gqa_layout(h, kv_heads, q.dtype, q.device)
-    k = _gather(k_cache, block_tables).view(b, -1, kv_heads * d)          # [B, L, kvH*D]
-    v = _gather(v_cache, block_tables).view(b, -1, kv_heads * d)
-    q_bd = (q.view(b, h, 1, d) * (sel * scale)).view(b, h, kv_heads * d)
+    head_group, sel = _gqa_layout(h, kv_heads, scale, q.dtype, q.device)
+    k_out, v_out = scratch if scratch is not None else (None, None)
+    k = _gather(k_cache, block_tables, k_out).view(b, -1, kv_heads * d)   # [B, L, kvH*D]
+    v = _gather(v_cache, block_tables, v_out).view(b, -1, kv_heads * d)
+    q_bd = (q.view(b, h, 1, d) * sel).view(b, h, kv_heads * d)
     scores = torch.baddbmm(bias, q_bd, k.transpose(1, 2))                    # [B, H, L]
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.bmm(probs, v).view(b, h, kv_heads, d)                        # [B, H, kvH, D]
-    return out.gather(2, head_group.view(1, h, 1, 1).expand(b, h, 1, d)).view(b, h, d)
+    return out.gather(2, head_group.expand(b, h, 1, d)).view(b, h, d)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -115,7 +124,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     nd = meta.num_decode
     if nd:
         parts.append(decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                      meta.decode_bias, scale))
+                                      meta.decode_bias, scale, meta.decode_scratch))
     for span in meta.prefills:
         s, e = span.q_start, span.q_end
         parts.append(prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, span, scale))

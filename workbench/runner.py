@@ -52,7 +52,7 @@ class ModelRunner:
             slots.append(s.seq.block_table[p // bs] * bs + p % bs)
             logits_rows.append(len(logits_rows))
             sampling.append(s)
-        decode_tables = decode_bias = None
+        decode_tables = decode_bias = scratch = None
         if decodes:
             max_blocks = max(len(s.seq.block_table) for s in decodes)
             tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in decodes]
@@ -61,6 +61,9 @@ class ModelRunner:
             pad = torch.arange(max_blocks * bs)[None, :] >= lens[:, None]
             decode_bias = torch.zeros(pad.shape, dtype=self.dtype).masked_fill_(pad, float("-inf"))
             decode_bias = decode_bias.unsqueeze(1)
+            row = bs * self.model.num_kv_heads * self.model.head_dim
+            scratch = tuple(torch.empty(len(decodes) * max_blocks, row, dtype=self.dtype,
+                                        device=self.device) for _ in range(2))
 
         spans = []
         for s in prefills:
@@ -89,6 +92,7 @@ class ModelRunner:
             prefills=[PrefillSpan(sp.q_start, sp.q_end, sp.start,
                                   None if sp.block_ids is None else to(sp.block_ids),
                                   None if sp.mask is None else to(sp.mask)) for sp in spans],
+            decode_scratch=scratch,
         )
         inputs = (to(torch.tensor(input_ids, dtype=torch.long)),
                   to(torch.tensor(positions, dtype=torch.long)),

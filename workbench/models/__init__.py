@@ -13,7 +13,9 @@ def build_model(ckpt: LoadedCheckpoint, dtype: torch.dtype, device: torch.device
     with torch.device("meta"):
         model = LlamaForCausalLM(ckpt.hf_config, max_positions)
     model = model.to_empty(device="cpu")
-    model.rope_cos, model.rope_sin = rope_tables(ckpt.hf_config, max_positions)
+    cos, sin = rope_tables(ckpt.hf_config, max_positions)
+    half = sin.shape[-1] // 2
+    model.rope_cos, model.rope_sin = cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
     if ckpt.state_dict is None:
         model.init_random(seed)
     else:

@@ -58,11 +58,14 @@ def rope_tables(cfg, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     return emb.cos() * scaling, emb.sin() * scaling
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos/sin: [T, 1, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x: [T, heads, D]; cos/sin_signed: [T, 1, D].
+
+    HF writes it as x * cos + cat(-x2, x1) * sin. The sign is folded into the table
+    (sin_signed = cat(-sin1, sin2)), so the rotation is one roll: cat(x2, x1) * sin_signed.
+    Negation is exact, so the result is bitwise the same in four ops instead of six.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 class Attention(nn.Module):
@@ -142,6 +145,8 @@ class LlamaForCausalLM(nn.Module):
         self.max_positions = max_positions
         self.register_buffer("rope_cos", torch.empty(max_positions, self.head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(max_positions, self.head_dim), persistent=False)
+        """rope_cos / rope_sin hold HF's tables (fp32, then cast to the model dtype as HF does
+        before applying them); rope_sin's first half is negated for apply_rope."""
 
     @property
     def num_layers(self) -> int:
@@ -151,8 +156,8 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids/positions: [T]; returns fp32 logits for the rows in logits_indices."""
         x = self.embed_tokens(input_ids)
-        cos = self.rope_cos.index_select(0, positions).unsqueeze(1).to(x.dtype)
-        sin = self.rope_sin.index_select(0, positions).unsqueeze(1).to(x.dtype)
+        cos = self.rope_cos.index_select(0, positions).unsqueeze(1)
+        sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv, meta)
         x = self.norm(x.index_select(0, logits_indices))
