@@ -17,7 +17,7 @@ ENGINE_VARIANTS = {
     # A pool of 12 blocks of 16 tokens cannot hold eight requests: preemption must happen.
     "bs16-tinypool": dict(block_size=16, num_kv_blocks=12, max_model_len=192),
     # Small step budget: long prompts are prefilled in chunks next to decodes.
-    "bs16-chunked": dict(block_size=16, max_num_batched_tokens=32),
+    "bs16-chunked": dict(block_size=16, max_num_batched_tokens=32, max_num_seqs=8),
 }
 
 

@@ -5,13 +5,13 @@ request), then each prefill chunk. `AttentionMetadata` says where each token's K
 pool and which context each query sees. It is built once per step and passed down through
 `forward` (no global context), then reused by every layer.
 
-KV pool layout, per layer: `[num_blocks, block_size, num_kv_heads, head_dim]`, so a block is
-one contiguous row of `block_size * num_kv_heads * head_dim` values and a step can copy whole
-blocks with one `index_select` instead of one small copy per token.
+KV pool layout, per layer and for K and V alike: `[num_kv_heads, num_blocks, block_size,
+head_dim]` (head-major). One head's block is a contiguous `block_size * head_dim` row, so a
+request's context is copied out with one `index_select` over (head, block) rows and lands as
+`[kv_heads, L, head_dim]`: the layout attention consumes, with no transpose copy after it.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -24,9 +24,9 @@ class PrefillSpan:
     q_start: int
     q_end: int
     start: int
-    block_ids: torch.Tensor | None
-    """Blocks holding the context [0, start + n); None when start == 0 (the chunk's own K/V
-    is the whole context and attention needs no pool read)."""
+    rows: torch.Tensor | None
+    """Pool rows (head * num_blocks + block) holding the context [0, start + n), head-major;
+    None when start == 0 (the chunk's own K/V is the whole context: no pool read)."""
     mask: torch.Tensor | None
     """[n, start + n] bool, True where a query may look: causal, offset by the cached start."""
 
@@ -34,68 +34,59 @@ class PrefillSpan:
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor
-    """[num_tokens] pool slot each token's K/V is written to."""
+    """[num_tokens] pool slot (block * block_size + offset) each token's K/V is written to."""
     num_decode: int
     """The first num_decode tokens are decodes, one per request."""
-    decode_block_tables: torch.Tensor | None
-    """[num_decode, max_blocks] block ids, padded with block 0 (masked out)."""
+    decode_rows: torch.Tensor | None
+    """[kv_heads * num_decode * max_blocks] pool rows of the decodes' contexts, head-major,
+    padded with block 0 (masked out by decode_bias)."""
     decode_bias: torch.Tensor | None
-    """[num_decode, 1, max_blocks * block_size] added to the scores: 0 for real context
-    positions, -inf for the padding of shorter requests."""
+    """[kv_heads * num_decode, 1, max_blocks * block_size] added to the scores: 0 for real
+    context positions, -inf for the padding of shorter requests."""
     prefills: list[PrefillSpan]
     decode_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
-    """Two [num_decode * max_blocks, block_size * kv_heads * head_dim] buffers that every layer
-    gathers K and V into. Allocated once per step: a fresh multi-MB tensor per layer costs
-    more in page faults than the copy itself."""
+    """Two buffers that every layer gathers decode K and V into. Allocated once per step: a
+    fresh multi-MB tensor per layer costs more in page faults than the copy itself."""
+
+
+def pool_rows(block_ids: torch.Tensor, kv_heads: int, num_blocks: int) -> torch.Tensor:
+    """Row ids, head-major, of the given blocks in a [kv_heads * num_blocks, ...] pool view."""
+    heads = torch.arange(kv_heads, device=block_ids.device).view(-1, *[1] * block_ids.dim())
+    return (heads * num_blocks + block_ids).reshape(-1)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Scatter this step's K/V ([T, kv_heads, D]) into their pool slots."""
     kv_heads, d = k.shape[1], k.shape[2]
-    k_cache.view(-1, kv_heads, d).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, kv_heads, d).index_copy_(0, slot_mapping, v)
+    k_cache.view(kv_heads, -1, d).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    v_cache.view(kv_heads, -1, d).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor,
-            out: torch.Tensor | None = None) -> torch.Tensor:
-    """Copy whole blocks out of the pool: [*block_ids.shape, block_size, kv_heads, D]."""
-    flat = cache.view(cache.shape[0], -1)
-    idx = block_ids.reshape(-1)
-    flat = flat.index_select(0, idx) if out is None else torch.index_select(flat, 0, idx, out=out)
-    return flat.view(*block_ids.shape, *cache.shape[1:])
-
-
-@functools.lru_cache(maxsize=16)
-def _gqa_layout(h: int, kv_heads: int, scale: float, dtype: torch.dtype, device: torch.device):
-    """Per-head KV group index [1, H, 1, 1] and the scaled block-diagonal selector [1, H, kvH, 1]."""
-    head_group = torch.arange(h, device=device) // (h // kv_heads)
-    sel = head_group[:, None] == torch.arange(kv_heads, device=device)[None, :]
-    return head_group.view(1, h, 1, 1), (sel.to(dtype) * scale).view(1, h, kv_heads, 1)
+def _gather(cache: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Copy (head, block) rows out of the pool: [len(rows), block_size * head_dim]."""
+    flat = cache.view(-1, cache.shape[-2] * cache.shape[-1])
+    return flat.index_select(0, rows) if out is None else torch.index_select(flat, 0, rows, out=out)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, bias: torch.Tensor, scale: float,
-                     scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """One query per request over its paged context. q: [B, H, D] -> [B, H, D].
 
-    Grouped-query attention without repeating K/V: each request's context is gathered as one
-    contiguous [L, kv_heads * D] matrix, and the queries are laid out block-diagonally
-    ([H, kv_heads * D], zero outside a head's own KV group), so scores and output are two
-    plain batched matmuls. The zeros cost kv_heads-times the (tiny) attention FLOPs but
-    avoid a strided copy of the context, which is what bounds this step on a CPU.
+    Grouped-query attention as batched matmuls over (kv head, request) pairs: the G query
+    heads that share a KV head form a [G, D] matrix against that head's [L, D] context.
     """
     b, h, d = q.shape
-    kv_heads = k_cache.shape[2]
-    head_group, sel = _gqa_layout(h, kv_heads, scale, q.dtype, q.device)
-    k_out, v_out = scratch if scratch is not None else (None, None)
-    k = _gather(k_cache, block_tables, k_out).view(b, -1, kv_heads * d)   # [B, L, kvH*D]
-    v = _gather(v_cache, block_tables, v_out).view(b, -1, kv_heads * d)
-    q_bd = (q.view(b, h, 1, d) * sel).view(b, h, kv_heads * d)
-    scores = torch.baddbmm(bias, q_bd, k.transpose(1, 2))                    # [B, H, L]
+    kv_heads = k_cache.shape[0]
+    g = h // kv_heads
+    k_out, v_out = meta.decode_scratch if meta.decode_scratch is not None else (None, None)
+    k = _gather(k_cache, meta.decode_rows, k_out).view(kv_heads * b, -1, d)   # [kvH*B, L, D]
+    v = _gather(v_cache, meta.decode_rows, v_out).view(kv_heads * b, -1, d)
+    qg = (q * scale).view(b, kv_heads, g, d).transpose(0, 1).reshape(kv_heads * b, g, d)
+    scores = torch.baddbmm(meta.decode_bias, qg, k.transpose(1, 2))          # [kvH*B, G, L]
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = torch.bmm(probs, v).view(b, h, kv_heads, d)                        # [B, H, kvH, D]
-    return out.gather(2, head_group.expand(b, h, 1, d)).view(b, h, d)
+    out = torch.bmm(probs, v)                                                # [kvH*B, G, D]
+    return out.view(kv_heads, b, g, d).transpose(0, 1).reshape(b, h, d)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -104,16 +95,16 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Causal attention for one chunk. q: [n, H, D], k/v: [n, kvH, D] (the chunk's own)."""
     n = q.shape[0]
     qt = q.transpose(0, 1)
-    if span.block_ids is None:
+    if span.rows is None:
         return F.scaled_dot_product_attention(
             qt, k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale,
             enable_gqa=True).transpose(0, 1)
+    kv_heads, d = k_cache.shape[0], k_cache.shape[-1]
     ctx = span.start + n
-    kc = _gather(k_cache, span.block_ids).flatten(0, 1)[:ctx]               # [ctx, kvH, D]
-    vc = _gather(v_cache, span.block_ids).flatten(0, 1)[:ctx]
-    return F.scaled_dot_product_attention(
-        qt, kc.transpose(0, 1), vc.transpose(0, 1), attn_mask=span.mask, scale=scale,
-        enable_gqa=True).transpose(0, 1)
+    kc = _gather(k_cache, span.rows).view(kv_heads, -1, d)[:, :ctx]          # [kvH, ctx, D]
+    vc = _gather(v_cache, span.rows).view(kv_heads, -1, d)[:, :ctx]
+    return F.scaled_dot_product_attention(qt, kc, vc, attn_mask=span.mask, scale=scale,
+                                          enable_gqa=True).transpose(0, 1)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -123,8 +114,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     parts = []
     nd = meta.num_decode
     if nd:
-        parts.append(decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                      meta.decode_bias, scale, meta.decode_scratch))
+        parts.append(decode_attention(q[:nd], k_cache, v_cache, meta, scale))
     for span in meta.prefills:
         s, e = span.q_start, span.q_end
         parts.append(prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, span, scale))

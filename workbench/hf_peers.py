@@ -175,7 +175,8 @@ def hf_generate_b1(model, prompt_ids: list[int], new_tokens: int) -> dict:
     model.generate(ids, attention_mask=mask, generation_config=_gen_config(model, min(4, new_tokens)))
 
     t0 = time.perf_counter()
-    logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits
+    with torch.inference_mode():
+        logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits
     _ = int(logits[0, -1].argmax())
     ttft = time.perf_counter() - t0
 
@@ -188,11 +189,11 @@ def hf_generate_b1(model, prompt_ids: list[int], new_tokens: int) -> dict:
     decode_s = max(seconds - ttft, 1e-9)
     n_dec = max(new_tokens - 1, 1)
     return {
-        "tokens": tokens,
-        "seconds": seconds,
-        "decode_tok_s": n_dec / decode_s,
-        "tpot_ms": 1000.0 * decode_s / n_dec,
-        "ttft_ms": 1000.0 * ttft,
+        "tokens": len(tokens),
+        "seconds": round(seconds, 2),
+        "decode_tok_s": round(n_dec / decode_s, 1),
+        "tpot_ms": round(1000.0 * decode_s / n_dec, 2),
+        "ttft_ms": round(1000.0 * ttft, 1),
     }
 
 
@@ -248,7 +249,7 @@ def hf_generate_static(model, requests: list[tuple[list[int], int]], batch: int 
     outputs, useful, generated = _static_batches(model, requests, batch, return_tokens)
     seconds = time.perf_counter() - t0
     res = {
-        "out_tok_s": useful / seconds,
+        "out_tok_s": round(useful / seconds, 1),
         "seconds": seconds,
         "useful_tokens": useful,
         "generated_tokens": generated,
@@ -385,7 +386,7 @@ def hf_generate_batch(model, requests: list[tuple[list[int], int]], *,
         if len(out) != n:
             raise RuntimeError(f"continuous batching produced {len(out)} tokens for a request that wanted {n}")
     tokens = sum(len(o) for o in outputs)
-    res = {"out_tok_s": tokens / seconds, "seconds": seconds, "tokens": tokens, **sizing}
+    res = {"out_tok_s": round(tokens / seconds, 1), "seconds": round(seconds, 2), "tokens": tokens, **sizing}
     if return_tokens:
         res["outputs"] = outputs
     return res

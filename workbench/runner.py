@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionMetadata, PrefillSpan
+from .attention import AttentionMetadata, PrefillSpan, pool_rows
 from .scheduler import ScheduledSeq, SchedulerOutput
 
 
@@ -16,7 +16,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         p = next(model.parameters())
         self.dtype = p.dtype
-        shape = (model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        shape = (model.num_layers, 2, model.num_kv_heads, num_blocks, block_size, model.head_dim)
         # One allocation for the whole pool; layer i uses kv_cache[i][0] (K) and [i][1] (V).
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
@@ -37,6 +37,8 @@ class ModelRunner:
         """Flatten the step: decodes first, then prefill chunks. Returns model inputs, the
         attention metadata and, in logits order, the scheduled sequences that sample."""
         bs = self.block_size
+        dev = self.device
+        to = (lambda t: t.to(dev, non_blocking=True)) if dev.type != "cpu" else (lambda t: t)
         decodes = [s for s in out.scheduled if s.is_decode]
         prefills = [s for s in out.scheduled if not s.is_decode]
         input_ids: list[int] = []
@@ -52,18 +54,19 @@ class ModelRunner:
             slots.append(s.seq.block_table[p // bs] * bs + p % bs)
             logits_rows.append(len(logits_rows))
             sampling.append(s)
-        decode_tables = decode_bias = scratch = None
+        decode_rows = decode_bias = scratch = None
+        kv_heads = self.model.num_kv_heads
         if decodes:
             max_blocks = max(len(s.seq.block_table) for s in decodes)
             tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in decodes]
-            decode_tables = torch.tensor(tables, dtype=torch.long)
+            decode_rows = pool_rows(torch.tensor(tables, dtype=torch.long), kv_heads, self.num_blocks)
             lens = torch.tensor([s.start + 1 for s in decodes])
             pad = torch.arange(max_blocks * bs)[None, :] >= lens[:, None]
             decode_bias = torch.zeros(pad.shape, dtype=self.dtype).masked_fill_(pad, float("-inf"))
-            decode_bias = decode_bias.unsqueeze(1)
-            row = bs * self.model.num_kv_heads * self.model.head_dim
-            scratch = tuple(torch.empty(len(decodes) * max_blocks, row, dtype=self.dtype,
-                                        device=self.device) for _ in range(2))
+            decode_bias = decode_bias.unsqueeze(1).repeat(kv_heads, 1, 1)
+            row = bs * self.model.head_dim
+            scratch = tuple(torch.empty(len(decode_rows), row, dtype=self.dtype, device=self.device)
+                            for _ in range(2))
 
         spans = []
         for s in prefills:
@@ -71,27 +74,25 @@ class ModelRunner:
             input_ids += s.seq.token_ids[s.start:s.start + n]
             positions += range(s.start, s.start + n)
             slots += self._slots(s.seq.block_table, s.start, n)
-            block_ids = mask = None
+            rows = mask = None
             if s.start > 0:
                 ctx = s.start + n
                 block_ids = torch.tensor(s.seq.block_table[:-(-ctx // bs)], dtype=torch.long)
+                rows = pool_rows(block_ids, kv_heads, self.num_blocks)
                 q_pos = torch.arange(s.start, ctx)
                 mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
-            spans.append(PrefillSpan(q_start, q_start + n, s.start, block_ids, mask))
+                rows, mask = to(rows), to(mask)
+            spans.append(PrefillSpan(q_start, q_start + n, s.start, rows, mask))
             if s.samples:
                 logits_rows.append(q_start + n - 1)
                 sampling.append(s)
 
-        dev = self.device
-        to = (lambda t: t.to(dev, non_blocking=True)) if dev.type != "cpu" else (lambda t: t)
         meta = AttentionMetadata(
             slot_mapping=to(torch.tensor(slots, dtype=torch.long)),
             num_decode=len(decodes),
-            decode_block_tables=None if decode_tables is None else to(decode_tables),
+            decode_rows=None if decode_rows is None else to(decode_rows),
             decode_bias=None if decode_bias is None else to(decode_bias),
-            prefills=[PrefillSpan(sp.q_start, sp.q_end, sp.start,
-                                  None if sp.block_ids is None else to(sp.block_ids),
-                                  None if sp.mask is None else to(sp.mask)) for sp in spans],
+            prefills=spans,
             decode_scratch=scratch,
         )
         inputs = (to(torch.tensor(input_ids, dtype=torch.long)),
