@@ -16,6 +16,8 @@ ENGINE_VARIANTS = {
     "bs64-noprefix": dict(block_size=64, enable_prefix_caching=False),
     # A pool of 12 blocks of 16 tokens cannot hold eight requests: preemption must happen.
     "bs16-tinypool": dict(block_size=16, num_kv_blocks=12, max_model_len=192),
+    # The plain-torch attention path (the default uses the platform's fused kernel).
+    "bs16-reference": dict(block_size=16, attention_backend="reference"),
     # Small step budget: long prompts are prefilled in chunks next to decodes.
     "bs16-chunked": dict(block_size=16, max_num_batched_tokens=32, max_num_seqs=8),
 }

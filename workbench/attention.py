@@ -13,6 +13,7 @@ request's context is copied out with one `index_select` over (head, block) rows 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,13 @@ class AttentionMetadata:
     decode_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
     """Two buffers that every layer gathers decode K and V into. Allocated once per step: a
     fresh multi-MB tensor per layer costs more in page faults than the copy itself."""
+    decode_kernel: Callable | None = None
+    """A platform's fused paged decode attention; when set, decodes use it with
+    decode_block_tables / decode_lens instead of the gather path above."""
+    decode_block_tables: torch.Tensor | None = None
+    """[num_decode, max_blocks] block ids (for decode_kernel)."""
+    decode_lens: torch.Tensor | None = None
+    """[num_decode] context length of each decode, the new token included (for decode_kernel)."""
 
 
 def pool_rows(block_ids: torch.Tensor, kv_heads: int, num_blocks: int) -> torch.Tensor:
@@ -76,6 +84,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     Grouped-query attention as batched matmuls over (kv head, request) pairs: the G query
     heads that share a KV head form a [G, D] matrix against that head's [L, D] context.
     """
+    if meta.decode_kernel is not None:
+        return meta.decode_kernel(q, k_cache, v_cache, meta.decode_block_tables,
+                                  meta.decode_lens, scale)
     b, h, d = q.shape
     kv_heads = k_cache.shape[0]
     g = h // kv_heads

@@ -17,6 +17,10 @@ class EngineConfig:
     seed: int = 0
     """Seeds random weights and requests that give no seed of their own."""
 
+    attention_backend: str = "auto"
+    """'auto': the platform's fused paged-attention kernel where it has one (on CPU, a C++
+    kernel built on first use), else the plain-torch reference; 'reference': always torch."""
+
     # KV cache
     block_size: int = 16
     """Tokens per KV block: a power of two from 8 to 256."""
@@ -61,6 +65,8 @@ class EngineConfig:
             bad("model", "must be a non-empty string")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             bad("dtype", "must be 'auto', 'float32', 'bfloat16' or 'float16'")
+        if self.attention_backend not in ("auto", "reference"):
+            bad("attention_backend", "must be 'auto' or 'reference'")
         bs = self.block_size
         if not isinstance(bs, int) or bs < 8 or bs > 256 or bs & (bs - 1):
             bad("block_size", "must be a power of two from 8 to 256")

@@ -118,7 +118,7 @@ class Engine:
 
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, max_model_len)
-        self.runner = ModelRunner(self.model, num_blocks, bs, self.platform)
+        self.runner = ModelRunner(self.model, num_blocks, bs, self.platform, config.attention_backend)
         self.telemetry = Telemetry(config.max_step_events)
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.telemetry.memory = MemoryStats(weights, self.runner.kv_cache_bytes,

@@ -8,7 +8,8 @@ from .scheduler import ScheduledSeq, SchedulerOutput
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, platform):
+    def __init__(self, model, num_blocks: int, block_size: int, platform,
+                 attention_backend: str = "auto"):
         self.model = model
         self.platform = platform
         self.device = platform.device
@@ -19,6 +20,12 @@ class ModelRunner:
         shape = (model.num_layers, 2, model.num_kv_heads, num_blocks, block_size, model.head_dim)
         # One allocation for the whole pool; layer i uses kv_cache[i][0] (K) and [i][1] (V).
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.decode_kernel = (platform.decode_attention_kernel(self.dtype)
+                              if attention_backend == "auto" else None)
+
+    @property
+    def attention_backend(self) -> str:
+        return "fused" if self.decode_kernel is not None else "reference"
 
     @staticmethod
     def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
@@ -54,19 +61,25 @@ class ModelRunner:
             slots.append(s.seq.block_table[p // bs] * bs + p % bs)
             logits_rows.append(len(logits_rows))
             sampling.append(s)
-        decode_rows = decode_bias = scratch = None
+        decode_rows = decode_bias = scratch = tables = lens = None
         kv_heads = self.model.num_kv_heads
         if decodes:
             max_blocks = max(len(s.seq.block_table) for s in decodes)
-            tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in decodes]
-            decode_rows = pool_rows(torch.tensor(tables, dtype=torch.long), kv_heads, self.num_blocks)
+            tables = torch.tensor([s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table))
+                                   for s in decodes], dtype=torch.long)
             lens = torch.tensor([s.start + 1 for s in decodes])
-            pad = torch.arange(max_blocks * bs)[None, :] >= lens[:, None]
-            decode_bias = torch.zeros(pad.shape, dtype=self.dtype).masked_fill_(pad, float("-inf"))
-            decode_bias = decode_bias.unsqueeze(1).repeat(kv_heads, 1, 1)
-            row = bs * self.model.head_dim
-            scratch = tuple(torch.empty(len(decode_rows), row, dtype=self.dtype, device=self.device)
-                            for _ in range(2))
+            if self.decode_kernel is None:
+                decode_rows = pool_rows(tables, kv_heads, self.num_blocks)
+                pad = torch.arange(max_blocks * bs)[None, :] >= lens[:, None]
+                decode_bias = torch.zeros(pad.shape, dtype=self.dtype).masked_fill_(pad, float("-inf"))
+                decode_bias = to(decode_bias.unsqueeze(1).repeat(kv_heads, 1, 1))
+                row = bs * self.model.head_dim
+                scratch = tuple(torch.empty(len(decode_rows), row, dtype=self.dtype, device=dev)
+                                for _ in range(2))
+                decode_rows = to(decode_rows)
+                tables = lens = None
+            else:
+                tables, lens = to(tables), to(lens)
 
         spans = []
         for s in prefills:
@@ -90,10 +103,13 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=to(torch.tensor(slots, dtype=torch.long)),
             num_decode=len(decodes),
-            decode_rows=None if decode_rows is None else to(decode_rows),
-            decode_bias=None if decode_bias is None else to(decode_bias),
+            decode_rows=decode_rows,
+            decode_bias=decode_bias,
             prefills=spans,
             decode_scratch=scratch,
+            decode_kernel=self.decode_kernel if decodes else None,
+            decode_block_tables=tables,
+            decode_lens=lens,
         )
         inputs = (to(torch.tensor(input_ids, dtype=torch.long)),
                   to(torch.tensor(positions, dtype=torch.long)),

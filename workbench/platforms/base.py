@@ -24,3 +24,9 @@ class Platform:
 
     def reset_peak_memory(self) -> None:
         """Start a new peak-memory window, where the device tracks one."""
+
+    def decode_attention_kernel(self, dtype):
+        """A fused paged decode-attention op for this device and dtype, or None to use the
+        plain-torch reference in `workbench/attention.py`. Signature:
+        (q [B,H,D], k_cache, v_cache, block_tables [B,max_blocks], context_lens [B], scale)."""
+        return None
