@@ -20,6 +20,7 @@ class ModelRunner:
         shape = (model.num_layers, 2, model.num_kv_heads, num_blocks, block_size, model.head_dim)
         # One allocation for the whole pool; layer i uses kv_cache[i][0] (K) and [i][1] (V).
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.layer_caches = [(layer[0], layer[1]) for layer in self.kv_cache]   # views, made once
         self.decode_kernel = (platform.decode_attention_kernel(self.dtype)
                               if attention_backend == "auto" else None)
 
@@ -120,5 +121,5 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """Run one step; returns fp32 logits [len(sampling), vocab] and the sampling rows."""
         (input_ids, positions, logits_indices), meta, sampling = self.prepare(out)
-        logits = self.model(input_ids, positions, self.kv_cache, meta, logits_indices)
+        logits = self.model(input_ids, positions, self.layer_caches, meta, logits_indices)
         return logits, sampling
