@@ -296,3 +296,49 @@ def test_random_model_shapes():
     assert len(out.token_ids) == 4
     e2 = Engine(model="random:tiny", device="cpu", num_kv_blocks=16)
     assert e2.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0].token_ids == out.token_ids
+
+
+def test_a_raising_listener_loses_only_its_request(tiny_engine):
+    def boom(ev):
+        raise RuntimeError("consumer went away")
+
+    tiny_engine.start()
+    try:
+        bad = tiny_engine.add_request(prompts(1)[0], SamplingParams(max_tokens=50, ignore_eos=True),
+                                      listener=boom)
+        good = tiny_engine.generate(prompts(2), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+        assert all(len(o.token_ids) == 30 for o in good)
+        assert tiny_engine.is_running_in_background
+    finally:
+        tiny_engine.shutdown()
+    reasons = {m.request_id: m.finish_reason for m in tiny_engine.telemetry.requests}
+    assert reasons[bad] == "abort"
+    assert tiny_engine.block_manager.num_used_blocks == 0
+
+
+def test_tiny_temperature_is_greedy_and_safe(tiny_engine):
+    x = prompts(1)[0]
+    g = tiny_engine.generate([x], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    t = tiny_engine.generate([x], SamplingParams(max_tokens=8, temperature=1e-40, ignore_eos=True))[0]
+    assert t.token_ids == g.token_ids and t.finish_reason == "length"
+    import torch
+    from workbench.sampler import sample
+    logits = torch.tensor([[1e3, -1e3, 5.0]])
+    assert sample(logits, [SamplingParams(temperature=1e-4)], [torch.Generator().manual_seed(0)]) == [0]
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(stop=5), "stop"), (dict(stop_token_ids=5), "stop_token_ids"), (dict(seed=2**64), "seed"),
+    (dict(temperature=True), "temperature"), (dict(ignore_eos="yes"), "ignore_eos"),
+    (dict(max_tokens=True), "max_tokens"), (dict(temperature=float("nan")), "temperature"),
+])
+def test_more_bad_sampling_params(kw, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kw)
+
+
+def test_requests_since_counts_records(tiny_engine):
+    n = tiny_engine.telemetry.num_requests
+    tiny_engine.generate(prompts(3), SamplingParams(max_tokens=2, temperature=0))
+    assert len(tiny_engine.telemetry.requests_since(n)) == 3
+    assert tiny_engine.telemetry.requests_since(n + 3) == []

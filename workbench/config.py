@@ -53,6 +53,8 @@ class EngineConfig:
     # Telemetry
     max_step_events: int = 100_000
     """Step records kept in memory (oldest dropped first)."""
+    max_request_records: int = 10_000
+    """Finished-request records kept in memory (each holds every token's timestamp)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -96,6 +98,8 @@ class EngineConfig:
             bad("preemption_mode", f"must be one of {PREEMPTION_MODES}")
         if not isinstance(self.max_step_events, int) or self.max_step_events < 1:
             bad("max_step_events", "must be an integer >= 1")
+        if not isinstance(self.max_request_records, int) or self.max_request_records < 1:
+            bad("max_request_records", "must be an integer >= 1")
 
     def to_dict(self) -> dict:
         return asdict(self)

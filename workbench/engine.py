@@ -119,7 +119,7 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, max_model_len)
         self.runner = ModelRunner(self.model, num_blocks, bs, self.platform, config.attention_backend)
-        self.telemetry = Telemetry(config.max_step_events)
+        self.telemetry = Telemetry(config.max_step_events, config.max_request_records)
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.telemetry.memory = MemoryStats(weights, self.runner.kv_cache_bytes,
                                             self.platform.peak_memory_bytes(), per_block, num_blocks)
@@ -319,11 +319,23 @@ class Engine:
                         seq.num_output_tokens, now, reason is not None, reason)
         if reason is not None:
             self._finish(r, now, deliver=False)
-        if r.listener is not None:
-            r.listener(ev)
+        self._deliver(r, ev)
         if reason is not None:
             r.done.set()
         return ev
+
+    def _deliver(self, r: _Request, ev: TokenEvent) -> None:
+        """Hand an event to the request's listener. A listener that raises (say, its asyncio
+        loop has closed) loses its request, never the engine or the other requests."""
+        if r.listener is None:
+            return
+        try:
+            r.listener(ev)
+        except Exception:
+            log.exception("listener of %s raised; aborting that request", r.seq.request_id)
+            r.listener = None
+            if not ev.finished:
+                self.abort(r.seq.request_id)
 
     def _finish(self, r: _Request, now: float, deliver: bool = True) -> None:
         """Book-keeping for a request that ended (finished, stopped or aborted)."""
@@ -336,8 +348,7 @@ class Engine:
         if deliver:   # an abort: tell the listener, with any text still held back
             ev = TokenEvent(r.seq.request_id, None, r.detok.take(final=True),
                             r.seq.num_output_tokens, now, True, r.seq.finish_reason)
-            if r.listener is not None:
-                r.listener(ev)
+            self._deliver(r, ev)
             r.done.set()
 
     # ---- driving it to completion ---------------------------------------------------------
@@ -423,7 +434,17 @@ class Engine:
     # ---- background mode ------------------------------------------------------------------
     @property
     def is_running_in_background(self) -> bool:
-        return self._thread is not None
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_running(self) -> int:
+        """Requests in the running batch."""
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued: in the scheduler's queue or not yet picked up by the step loop."""
+        return len(self.scheduler.waiting) + len(self._inbox)
 
     def start(self) -> "Engine":
         """Step in a daemon thread until `shutdown()`. Idempotent."""

@@ -22,7 +22,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
 
 
 def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    row = row.float().cpu() / p.temperature   # CPU generators: same draws on every device
+    row = row.float().cpu()   # CPU generators: same draws on every device
+    row = (row - row.max()) / p.temperature   # shifted first: a small temperature cannot overflow
     if 0 < p.top_k < row.shape[-1]:
         kth = torch.topk(row, p.top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))

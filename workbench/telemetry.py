@@ -100,6 +100,8 @@ class Telemetry:
         self.steps: deque[StepEvent] = deque(maxlen=max_steps)
         self.requests: deque[RequestMetrics] = deque(maxlen=max_requests)
         self.num_steps = 0
+        self.num_requests = 0
+        """Finished request records ever added (RequestMetrics are numbered from 0)."""
         self.memory: MemoryStats | None = None
 
     def add_step(self, ev: StepEvent) -> None:
@@ -110,6 +112,14 @@ class Telemetry:
     def add_request(self, m: RequestMetrics) -> None:
         with self._lock:
             self.requests.append(m)
+            self.num_requests += 1
+
+    def requests_since(self, n: int) -> list[RequestMetrics]:
+        """Request records numbered >= n (for pollers that remember where they were)."""
+        with self._lock:
+            kept = len(self.requests)
+            first = self.num_requests - kept
+            return list(self.requests)[max(n - first, 0):]
 
     def steps_since(self, step: int) -> list[StepEvent]:
         """Step events with index >= step (for pollers that remember where they were)."""

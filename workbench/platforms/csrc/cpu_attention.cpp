@@ -52,10 +52,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       const int64_t b = idx / KVH, h = idx % KVH, L = lens[b];
       scores.assign(G * L, 0.f);
       const float* qb = qp + (b * H + h * G) * D;
-      for (int64_t t = 0; t < L; ++t) {
-        const int64_t blk = bt[b * MAXB + t / BS];
-        const float* krow = kp + ((h * NB + blk) * BS + t % BS) * D;
-        for (int64_t g = 0; g < G; ++g) scores[g * L + t] = dot(qb + g * D, krow, D) * fscale;
+      // Walk the block table block by block: no per-token division or table lookup.
+      for (int64_t t0 = 0, i = 0; t0 < L; t0 += BS, ++i) {
+        const float* kblk = kp + (h * NB + bt[b * MAXB + i]) * BS * D;
+        const int64_t n = std::min(BS, L - t0);
+        for (int64_t j = 0; j < n; ++j) {
+          const float* krow = kblk + j * D;
+          for (int64_t g = 0; g < G; ++g) scores[g * L + t0 + j] = dot(qb + g * D, krow, D) * fscale;
+        }
       }
       for (int64_t g = 0; g < G; ++g) {
         float* s = scores.data() + g * L;
@@ -70,10 +74,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
         for (int64_t t = 0; t < L; ++t) s[t] *= inv;
       }
       float* ob = op + (b * H + h * G) * D;
-      for (int64_t t = 0; t < L; ++t) {
-        const int64_t blk = bt[b * MAXB + t / BS];
-        const float* vrow = vp + ((h * NB + blk) * BS + t % BS) * D;
-        for (int64_t g = 0; g < G; ++g) axpy(scores[g * L + t], vrow, ob + g * D, D);
+      for (int64_t t0 = 0, i = 0; t0 < L; t0 += BS, ++i) {
+        const float* vblk = vp + (h * NB + bt[b * MAXB + i]) * BS * D;
+        const int64_t n = std::min(BS, L - t0);
+        for (int64_t j = 0; j < n; ++j) {
+          const float* vrow = vblk + j * D;
+          for (int64_t g = 0; g < G; ++g) axpy(scores[g * L + t0 + j], vrow, ob + g * D, D);
+        }
       }
     }
   });
