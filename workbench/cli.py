@@ -69,6 +69,32 @@ def cmd_bench(a) -> int:
     return 0
 
 
+def cmd_serve(a) -> int:
+    import os
+
+    from . import Engine
+    try:
+        from .server import serve
+    except ImportError as e:
+        print(f"error: workbench serve needs the 'serve' extra (pip install -e \".[serve]\"): {e}",
+              file=sys.stderr)
+        return 2
+    api_key = a.api_key if a.api_key is not None else os.environ.get("WORKBENCH_API_KEY") or None
+    t = time.perf_counter()
+    print(f"loading {a.model} …", file=sys.stderr, flush=True)
+    engine = Engine(model=a.model, max_model_len=a.max_model_len,
+                    max_step_events=a.max_step_events, **_engine_kwargs(a))
+    print(f"ready in {time.perf_counter() - t:.1f} s on {engine.platform.name}; "
+          f"max_model_len {engine.max_model_len}, {engine.block_manager.num_blocks} KV blocks",
+          file=sys.stderr, flush=True)
+    if api_key is None and a.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: serving on {a.host} without --api-key: anyone who can reach it can "
+              "use it", file=sys.stderr)
+    serve(engine, host=a.host, port=a.port, api_key=api_key, model_name=a.served_model_name,
+          log_level=a.log_level)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="workbench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -95,6 +121,21 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--static-batch", type=int, default=16)
     b.add_argument("--output", default="bench.json", help="JSON report path ('' for none)")
     b.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the 'serve' extra)")
+    _engine_args(s)
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--max-step-events", type=int, default=10_000,
+                   help="step records kept in memory (a long-running server needs few)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $WORKBENCH_API_KEY)")
+    s.add_argument("--served-model-name", default=None,
+                   help="model id clients send and /v1/models lists (default: --model)")
+    s.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(func=cmd_serve)
     return parser
 
 

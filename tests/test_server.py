@@ -1,0 +1,545 @@
+"""`workbench serve`, tested as a client sees it: a real server subprocess on 127.0.0.1, the
+official openai SDK, raw HTTP, a real nginx in front, and the remote source."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("sse_starlette")
+pytest.importorskip("prometheus_client")
+
+from workbench.remote import (RemoteEngine, RemoteError, bench_async, parse_prometheus,  # noqa: E402
+                              summarize_metrics)
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "sk-test-0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MODEL = "smollm2"
+MAX_MODEL_LEN = 1024
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(extra: list[str], log_path: Path, timeout: float = 180.0):
+    """Start `workbench serve` on a free loopback port; wait (bounded) for /health."""
+    for attempt in range(3):   # a port can be taken between picking and binding it
+        port = free_port()
+        log = open(log_path, "ab")
+        proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "serve", "--device", "cpu",
+                                 "--port", str(port), "--log-level", "warning", *extra],
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(url + "/health", timeout=2.0).status_code == 200 and proc.poll() is None:
+                    return proc, url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        stop_process(proc)
+        text = log_path.read_text(errors="replace")
+        if "address already in use" not in text.lower():
+            break
+    pytest.fail(f"server did not come up; log:\n{log_path.read_text(errors='replace')[-4000:]}")
+
+
+def stop_process(proc, sig=signal.SIGTERM, timeout: float = 20.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir, tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("serve") / "server.log"
+    proc, url = start_server(["--model", MODEL, "--api-key", KEY, "--num-kv-blocks", "512",
+                              "--max-model-len", str(MAX_MODEL_LEN)], log_path)
+    yield url
+    stop_process(proc)
+
+
+def scrape(url: str) -> dict:
+    r = httpx.get(url + "/metrics", timeout=10.0)
+    assert r.status_code == 200
+    return summarize_metrics(parse_prometheus(r.text))
+
+
+def wait_idle(url: str, timeout: float = 30.0) -> dict:
+    """Poll /metrics (bounded) until nothing runs, waits or holds KV blocks."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = scrape(url)
+        if (m["num_requests_running"], m["num_requests_waiting"], m["kv_cache_usage_perc"]) == (0, 0, 0):
+            return m
+        if time.monotonic() > deadline:
+            gauges = {k: v for k, v in m.items() if k not in ("histograms", "samples")}
+            pytest.fail(f"server not idle after {timeout} s: {gauges}")
+        time.sleep(0.1)
+
+
+def sse_data(lines):
+    for line in lines:
+        if line.startswith("data:"):
+            yield line[5:].strip()
+
+
+# ---- the official SDK -----------------------------------------------------------------------
+def test_openai_sdk_completions_and_chat(server, smollm2_tokenizer):
+    client = openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+    # Completions, not streamed, then streamed with usage: the same greedy text.
+    prompt = "The capital of France is"
+    c = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    text = c.choices[0].text
+    assert text and c.choices[0].finish_reason == "length"
+    assert c.usage.completion_tokens == 8
+    assert c.usage.prompt_tokens == len(smollm2_tokenizer.encode(prompt))
+    assert c.usage.total_tokens == c.usage.prompt_tokens + 8
+
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                            extra_body={"ignore_eos": True}, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert len([ch for ch in chunks if ch.choices and ch.choices[0].text]) >= 4   # token by token
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+    # Stop strings: cut the same text at a word in its middle.
+    words = text.split()
+    if len(words) >= 3:
+        stop = " " + words[2]
+        cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                        stop=[stop, "\u2603"], extra_body={"ignore_eos": True})
+        assert cut.choices[0].finish_reason == "stop"
+        assert cut.choices[0].text == text[:text.index(stop)]
+
+    # A seed makes sampling repeatable.
+    a, b = (client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10,
+                                      temperature=1.0, top_p=0.95, seed=1234,
+                                      extra_body={"top_k": 50, "ignore_eos": True}).choices[0].text
+            for _ in range(2))
+    assert a == b and a
+
+    # Chat goes through the chat template.
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    answer = r.choices[0].message.content
+    assert "Paris" in answer and r.choices[0].message.role == "assistant"
+    templated = smollm2_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    expected_prompt = len(smollm2_tokenizer.encode(templated, add_special_tokens=False))
+    assert r.usage.prompt_tokens == expected_prompt
+    assert 0 < r.usage.completion_tokens <= 12
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == answer
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == r.choices[0].finish_reason
+    assert chunks[-1].usage.prompt_tokens == expected_prompt
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+    # max_completion_tokens (the newer name) wins over max_tokens.
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=3,
+                                       max_tokens=50, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+
+
+def test_stream_headers_and_done(server):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", server + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["cache-control"] == "no-cache"
+        assert r.headers["x-accel-buffering"] == "no"
+        data = list(sse_data(r.iter_lines()))
+    assert data[-1] == "[DONE]"
+    assert all(isinstance(json.loads(d), dict) for d in data[:-1])
+
+
+def test_metrics_exposition_uses_vllm_names(server):
+    r = httpx.get(server + "/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert f"# TYPE vllm:{gauge} gauge" in text
+        assert re.search(rf'^vllm:{gauge}{{model_name="{MODEL}"}} \S+$', text, re.M), gauge
+    for counter in ("num_preemptions_total", "prompt_tokens_total", "generation_tokens_total"):
+        assert re.search(rf'^vllm:{counter}{{model_name="{MODEL}"}} \S+$', text, re.M), counter
+    for reason in ("stop", "length", "abort"):
+        assert f'vllm:request_success_total{{finished_reason="{reason}",model_name="{MODEL}"}}' in text
+    for hist in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                 "e2e_request_latency_seconds"):
+        assert f"# TYPE vllm:{hist} histogram" in text
+        assert f'vllm:{hist}_bucket{{le="+Inf",model_name="{MODEL}"}}' in text
+        assert f'vllm:{hist}_count{{model_name="{MODEL}"}}' in text
+
+
+# ---- bad input ------------------------------------------------------------------------------
+BAD = [
+    # (path, json body or raw bytes, status, param)
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"model": "gpt-17", "prompt": "hi"}, 404, "model"),
+    ("/v1/chat/completions", {"model": "gpt-17", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10 * MAX_MODEL_LEN}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_k": -5}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "seed": "abc"}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "stop": 5}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "ignore_eos": "yes"}, 400, "ignore_eos"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 5}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": {"text": "hi"}}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "word " * (MAX_MODEL_LEN + 50)}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "word " * (MAX_MODEL_LEN + 50), "stream": True}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0, "stream": True}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * (MAX_MODEL_LEN + 50)}]},
+     400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "max_completion_tokens": -1}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": True},
+     400, "top_p"),
+]
+
+
+def assert_openai_error(r, status: int, param=None):
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["param"] == param, err
+    return err
+
+
+def test_bad_input_answers_openai_errors_and_server_keeps_serving(server):
+    before = wait_idle(server)
+    with httpx.Client(base_url=server, timeout=60) as c:
+        # Authentication.
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            err = assert_openai_error(c.post("/v1/completions", json=body, headers=headers), 401)
+            assert err["code"] == "invalid_api_key"
+        assert_openai_error(c.get("/v1/models"), 401)
+        assert c.get("/health").status_code == 200          # unauthenticated by design
+        assert c.get("/metrics").status_code == 200
+
+        for path, payload, status, param in BAD:
+            if isinstance(payload, bytes):
+                r = c.post(path, content=payload, headers={**AUTH, "Content-Type": "application/json"})
+            else:
+                r = c.post(path, json={"model": MODEL, **payload} if "model" not in payload else payload,
+                           headers=AUTH)
+            err = assert_openai_error(r, status, param)
+            if param is not None and status == 400:
+                assert err["message"].startswith(param), err
+            assert err["type"] == "invalid_request_error"
+        err = assert_openai_error(c.post("/v1/completions", json={"prompt": "word " * 2000}, headers=AUTH),
+                                  400, "prompt")
+        assert err["code"] == "context_length_exceeded"
+
+        # Unknown routes and methods answer in the same shape.
+        assert_openai_error(c.get("/v1/nothing", headers=AUTH), 404)
+        assert_openai_error(c.get("/v1/completions", headers=AUTH), 405)
+
+        # Still serving, and nothing was queued by the refused requests.
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 3,
+                                            "ignore_eos": True}, headers=AUTH)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    after = wait_idle(server)
+    done = lambda m: sum(m["request_success_total"].values())   # noqa: E731
+    assert done(after) - done(before) == 1
+
+
+# ---- load and faults ------------------------------------------------------------------------
+N_STREAMS = 64
+
+
+async def _storm(url: str) -> list[dict]:
+    limits = httpx.Limits(max_connections=N_STREAMS + 8, max_keepalive_connections=N_STREAMS)
+    async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120, limits=limits) as client:
+
+        async def one(i: int) -> dict:
+            leaves = i % 4 == 0                       # a quarter hang up mid-stream
+            max_tokens = 200 if leaves else 16 + 8 * (i % 2)
+            chat = i % 2 == 1
+            body = {"model": MODEL, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}, "temperature": 0.8, "seed": i}
+            text = f"Request {i}: tell me something about the number {i}."
+            if chat:
+                body["messages"] = [{"role": "user", "content": text}]
+            else:
+                body["prompt"] = text
+            out = {"i": i, "leaves": leaves, "max_tokens": max_tokens, "chunks": [], "done": False,
+                   "usage": None, "finish": None}
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            async with client.stream("POST", path, json=body) as r:
+                out["status"] = r.status_code
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        out["done"] = True
+                        break
+                    obj = json.loads(data)
+                    if obj.get("usage"):
+                        out["usage"] = obj["usage"]
+                    for ch in obj["choices"]:
+                        piece = ch["delta"].get("content") if chat else ch["text"]
+                        if piece:
+                            out["chunks"].append(piece)
+                        out["finish"] = ch["finish_reason"] or out["finish"]
+                    if leaves and len(out["chunks"]) >= 2:
+                        break                          # leaving the block closes the connection
+            return out
+
+        return await asyncio.gather(*(one(i) for i in range(N_STREAMS)))
+
+
+def test_concurrent_streams_with_disconnects(server):
+    before = wait_idle(server)
+    t0 = time.monotonic()
+    results = asyncio.run(asyncio.wait_for(_storm(server), timeout=150))
+    storm_s = time.monotonic() - t0
+
+    stayed = [r for r in results if not r["leaves"]]
+    left = [r for r in results if r["leaves"]]
+    assert len(stayed) == 48 and len(left) == 16
+    for r in stayed:                                   # untouched by the others' hang-ups
+        assert r["status"] == 200 and r["done"], r
+        assert r["finish"] == "length", r
+        assert r["usage"]["completion_tokens"] == r["max_tokens"], r
+        assert "".join(r["chunks"]), r
+    for r in left:
+        assert r["status"] == 200 and len(r["chunks"]) >= 2 and not r["done"]
+
+    after = wait_idle(server, timeout=30)              # aborts free every KV block
+    assert after["num_requests_running"] == 0 and after["kv_cache_usage_perc"] == 0.0
+    delta = {k: after["request_success_total"].get(k, 0) - before["request_success_total"].get(k, 0)
+             for k in ("stop", "length", "abort", "error")}
+    assert delta == {"stop": 0, "length": 48, "abort": 16, "error": 0}, delta
+    completed_tokens = sum(r["max_tokens"] for r in stayed)
+    gen = after["generation_tokens_total"] - before["generation_tokens_total"]
+    # Each aborted request stopped long before its 200 tokens: the abort landed at once.
+    assert completed_tokens < gen < completed_tokens + 16 * 60, (gen, completed_tokens)
+    ttft = after["histograms"]["time_to_first_token_seconds"]["count"] - \
+        before["histograms"]["time_to_first_token_seconds"]["count"]
+    e2e = after["histograms"]["e2e_request_latency_seconds"]["count"] - \
+        before["histograms"]["e2e_request_latency_seconds"]["count"]
+    assert (ttft, e2e) == (64, 48)
+    assert after["prompt_tokens_total"] > before["prompt_tokens_total"]
+    print(f"\n64 streams (16 hung up) in {storm_s:.1f} s")
+
+    # And the server still answers.
+    r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": "Still there?",
+                                                     "max_tokens": 4, "ignore_eos": True},
+                   headers=AUTH, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_non_streamed_request_aborts_when_client_leaves(server):
+    before = wait_idle(server)
+    body = {"model": MODEL, "prompt": "Write a very long story.", "max_tokens": 900, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + "/v1/completions", json=body, headers=AUTH, timeout=1.0)
+    after = wait_idle(server, timeout=10)
+    assert after["request_success_total"]["abort"] - before["request_success_total"]["abort"] == 1
+
+
+# ---- behind nginx ---------------------------------------------------------------------------
+NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
+
+
+def nginx_config(upstream_port: int, listen_port: int, prefix: Path) -> Path:
+    """docs/nginx-workbench.conf with its two addresses replaced, inside a minimal main
+    config that keeps every file under `prefix`."""
+    site = (ROOT / "docs" / "nginx-workbench.conf").read_text()
+    site, n1 = re.subn(r"server 127\.0\.0\.1:8000;", f"server 127.0.0.1:{upstream_port};", site)
+    site, n2 = re.subn(r"listen 8080;", f"listen 127.0.0.1:{listen_port};", site)
+    assert (n1, n2) == (1, 1), "docs/nginx-workbench.conf changed: update this test"
+    (prefix / "workbench.conf").write_text(site)
+    temp = "\n".join(f"  {k}_temp_path {prefix / k};" for k in
+                     ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    user = "user root;\n" if os.geteuid() == 0 else ""
+    main = (f"{user}worker_processes 1;\ndaemon off;\npid {prefix / 'nginx.pid'};\n"
+            f"error_log {prefix / 'error.log'} warn;\nevents {{ worker_connections 256; }}\n"
+            f"http {{\n  access_log off;\n{temp}\n  include {prefix / 'workbench.conf'};\n}}\n")
+    conf = prefix / "nginx.conf"
+    conf.write_text(main)
+    return conf
+
+
+@pytest.fixture
+def nginx(server, tmp_path):
+    if not os.path.exists(NGINX):
+        pytest.skip("nginx is not installed (apt-get install nginx): the proxy test needs "
+                    "/usr/sbin/nginx")
+    port = free_port()
+    conf = nginx_config(int(server.rsplit(":", 1)[1]), port, tmp_path)
+    check = subprocess.run([NGINX, "-t", "-p", str(tmp_path), "-c", str(conf), "-e",
+                            str(tmp_path / "error.log")], capture_output=True, text=True, timeout=30)
+    assert check.returncode == 0, check.stderr
+    proc = subprocess.Popen([NGINX, "-p", str(tmp_path), "-c", str(conf), "-e",
+                             str(tmp_path / "error.log")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 15
+    try:
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail("nginx did not come up: " + (tmp_path / "error.log").read_text())
+            time.sleep(0.1)
+        yield url
+    finally:
+        stop_process(proc, signal.SIGQUIT, timeout=10)
+
+
+def test_stream_through_nginx_arrives_token_by_token(server, nginx):
+    body = {"model": MODEL, "prompt": "Tell me a story about a lighthouse keeper.",
+            "max_tokens": 48, "ignore_eos": True, "temperature": 0, "stream": True}
+    arrivals: list[float] = []
+    t0 = time.monotonic()
+    with httpx.stream("POST", nginx + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["cache-control"] == "no-cache"
+        for data in sse_data(r.iter_lines()):
+            if data == "[DONE]":
+                break
+            if json.loads(data)["choices"][0]["text"]:
+                arrivals.append(time.monotonic())
+    end = time.monotonic()
+    assert len(arrivals) >= 40
+    # Spread over the generation, not one lump at the end: the first chunk arrives early, and
+    # the chunks keep arriving in separate reads.
+    assert arrivals[-1] - arrivals[0] > 0.5 * (end - t0), (arrivals[0] - t0, arrivals[-1] - t0, end - t0)
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert sum(g > 0.002 for g in gaps) > 0.5 * len(gaps)
+
+    # A client that hangs up at the proxy aborts the request upstream too.
+    before = wait_idle(server)
+    body["max_tokens"] = 400
+    with httpx.stream("POST", nginx + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+        n = 0
+        for data in sse_data(r.iter_lines()):
+            n += 1
+            if n >= 3:
+                break
+    after = wait_idle(server, timeout=10)
+    assert after["request_success_total"]["abort"] - before["request_success_total"]["abort"] == 1
+
+
+# ---- the remote source ----------------------------------------------------------------------
+def test_parse_prometheus():
+    text = ('# HELP x help\n# TYPE x gauge\nx{model_name="a\\"b",engine="0"} 3.5\n'
+            'vllm:request_success_total{finished_reason="stop"} 2\n'
+            'vllm:request_success_total{finished_reason="abort"} 1.0 1700000000\nbad line here\n')
+    s = parse_prometheus(text)
+    assert s["x"] == [({"model_name": 'a"b', "engine": "0"}, 3.5)]
+    assert summarize_metrics(s)["request_success_total"] == {"stop": 2.0, "abort": 1.0}
+
+
+def test_remote_engine_streams_and_reads_metrics(server):
+    wait_idle(server)
+    with RemoteEngine(server + "/v1", api_key=KEY) as remote:
+        assert remote.health() and remote.models() == [MODEL]
+
+        events = list(remote.stream("The capital of France is", max_tokens=12, temperature=0,
+                                    ignore_eos=True))
+        last = events[-1]
+        st = last.stats
+        assert last.finished and last.finish_reason == "length" and st is not None
+        assert st.completion_tokens == 12 and st.prompt_tokens > 0
+        assert st.text == "".join(e.text for e in events[:-1]) and st.text
+        assert st.num_chunks == len(events) - 1 and len(st.itl) == st.num_chunks - 1
+        assert 0 < st.ttft <= st.e2e and st.tpot > 0
+        times = [e.since_start for e in events]
+        assert times == sorted(times) and events[0].since_start == pytest.approx(st.ttft)
+
+        chat = remote.generate("What is the capital of France?", max_tokens=12, chat=True)
+        assert "Paris" in chat.text
+
+        m = remote.poll_metrics()
+        assert m["num_requests_running"] == 0 and m["kv_cache_usage_perc"] == 0
+        assert m["generation_tokens_total"] >= 12 and m["request_success_total"]["length"] >= 1
+        assert m["histograms"]["time_to_first_token_seconds"]["count"] >= 2
+
+        # Live state while a stream runs; closing the iterator aborts the request.
+        it = remote.stream("Write a long poem.", max_tokens=500, ignore_eos=True)
+        next(it)
+        live = remote.poll_metrics()
+        assert live["num_requests_running"] == 1 and live["kv_cache_usage_perc"] > 0
+        it.close()
+        after = wait_idle(server, timeout=10)
+        assert after["request_success_total"]["abort"] == m["request_success_total"].get("abort", 0) + 1
+
+        with pytest.raises(RemoteError) as e:
+            list(remote.stream("hi", max_tokens=0))
+        assert e.value.status == 400 and e.value.param == "max_tokens"
+    with RemoteEngine(server, api_key="wrong", model=MODEL) as bad:
+        with pytest.raises(RemoteError) as e:
+            list(bad.stream("hi", max_tokens=2))
+        assert e.value.status == 401
+
+
+def test_remote_bench(server):
+    wait_idle(server)
+    report = asyncio.run(bench_async(server, num_requests=6, concurrency=3, input_words=(4, 12),
+                                     output_len=(4, 8), api_key=KEY,
+                                     metrics_interval=0.05))
+    assert report["completed"] == 6 and report["failed"] == 0
+    assert 24 <= report["total_output_tokens"] <= 48
+    assert report["output_throughput"] > 0 and report["ttft_s"]["p50"] > 0
+    assert report["server_peaks"]["num_requests_running"] >= 1

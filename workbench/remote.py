@@ -1,0 +1,577 @@
+"""A remote engine: any OpenAI-compatible server (vLLM, vLLM-Ascend, `workbench serve`) as a
+token source with client-side timings, plus its Prometheus /metrics as a dict.
+
+    from workbench.remote import RemoteEngine
+
+    with RemoteEngine("http://127.0.0.1:8000", api_key=None) as remote:
+        for ev in remote.stream("Why is the sky blue?", max_tokens=64, chat=True):
+            print(ev.text, end="", flush=True)        # ev.time, ev.since_start, ev.gap ...
+        print(ev.stats.ttft, ev.stats.tpot)           # the last event carries the summary
+        remote.poll_metrics()["num_requests_running"]
+
+Events look like the local engine's TokenEvent (request_id, text, index, time, finished,
+finish_reason), so a UI can consume either. Times are the client's `time.monotonic()` when a
+chunk arrived; "tokens" are SSE chunks (one token each on workbench and vLLM, except where a
+server holds text back for a multi-byte character or a stop string).
+
+`bench(url, ...)` (or `python -m workbench.remote --url URL`) is a small serving benchmark:
+N requests at a given concurrency, reporting throughput and TTFT / TPOT / ITL percentiles.
+
+Needs httpx (the 'serve' extra); nothing else from the workbench is imported.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, AsyncIterator, Iterable, Iterator
+
+import httpx
+
+__all__ = ["RemoteEngine", "RemoteError", "RemoteTokenEvent", "RemoteStats", "parse_prometheus",
+           "summarize_metrics", "bench", "bench_async"]
+
+
+class RemoteError(RuntimeError):
+    """An error answered by the server (HTTP status, or an error event inside a stream)."""
+
+    def __init__(self, status: int | None, message: str, param: str | None = None,
+                 code: str | None = None, body: Any = None):
+        super().__init__(f"{status or 'stream'}: {message}")
+        self.status, self.message, self.param, self.code, self.body = status, message, param, code, body
+
+
+@dataclass
+class RemoteStats:
+    """Client-side timings of one request (seconds)."""
+    request_id: str
+    start: float
+    """time.monotonic() when the request was sent."""
+    text: str = ""
+    finish_reason: str | None = None
+    ttft: float | None = None
+    """Request sent -> first chunk with text."""
+    e2e: float | None = None
+    """Request sent -> end of the stream."""
+    itl: list[float] = field(default_factory=list)
+    """Gaps between consecutive text chunks."""
+    num_chunks: int = 0
+    prompt_tokens: int | None = None
+    """From the server's usage report, when it sent one."""
+    completion_tokens: int | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        """(e2e - ttft) / (tokens - 1), tokens from usage if reported, else chunks."""
+        n = self.completion_tokens if self.completion_tokens is not None else self.num_chunks
+        if self.ttft is None or self.e2e is None or n < 2:
+            return None
+        return (self.e2e - self.ttft) / (n - 1)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["tpot"] = self.tpot
+        return d
+
+
+@dataclass
+class RemoteTokenEvent:
+    request_id: str
+    text: str
+    """Text of this chunk ('' on the final event)."""
+    index: int
+    """Text chunks so far (1 for the first)."""
+    time: float
+    """time.monotonic() at arrival."""
+    since_start: float
+    """Seconds since the request was sent (the first event's is the TTFT)."""
+    gap: float | None
+    """Seconds since the previous text chunk; None for the first."""
+    finished: bool = False
+    finish_reason: str | None = None
+    stats: RemoteStats | None = None
+    """Only on the final event: the request's summary."""
+
+
+# ---- Prometheus text ------------------------------------------------------------------------
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?\s*$')
+_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
+
+
+def _unescape(v: str) -> str:
+    return re.sub(r'\\(.)', lambda m: {"n": "\n"}.get(m.group(1), m.group(1)), v)
+
+
+def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Prometheus text exposition -> {sample name: [(labels, value), ...]}. Comments, HELP
+    and TYPE lines are skipped; lines that do not parse are ignored."""
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        name, labels_text, value = m.groups()
+        labels = {k: _unescape(v) for k, v in _LABEL.findall(labels_text or "")}
+        try:
+            out.setdefault(name, []).append((labels, float(value)))
+        except ValueError:
+            continue
+    return out
+
+
+def _total(samples, name: str, **match) -> float | None:
+    rows = samples.get(name)
+    if rows is None:
+        return None
+    return sum(v for labels, v in rows if all(labels.get(k) == w for k, w in match.items()))
+
+
+def _histogram(samples, base: str) -> dict | None:
+    if base + "_count" not in samples:
+        return None
+    buckets: dict[float, float] = {}
+    for labels, v in samples.get(base + "_bucket", []):
+        le = float(labels.get("le", "inf").replace("+Inf", "inf"))
+        buckets[le] = buckets.get(le, 0.0) + v
+    count, total = _total(samples, base + "_count"), _total(samples, base + "_sum")
+    return {"count": count, "sum": total,
+            "mean": total / count if count else None,
+            "buckets": sorted(buckets.items())}
+
+
+HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds",
+              "e2e_request_latency_seconds", "request_time_per_output_token_seconds",
+              "request_queue_time_seconds")
+
+
+def summarize_metrics(samples: dict) -> dict:
+    """The vLLM metrics a dashboard wants, summed over label sets (several engines or models
+    behind one server add up). Missing metrics are None. KV usage falls back to the older
+    `vllm:gpu_cache_usage_perc` name."""
+    kv = _total(samples, "vllm:kv_cache_usage_perc")
+    if kv is None:
+        kv = _total(samples, "vllm:gpu_cache_usage_perc")
+    n_kv = len(samples.get("vllm:kv_cache_usage_perc") or samples.get("vllm:gpu_cache_usage_perc") or [])
+    if kv is not None and n_kv > 1:
+        kv /= n_kv   # a fraction per engine: report the mean, not the sum
+    reasons: dict[str, float] = {}
+    for labels, v in samples.get("vllm:request_success_total", []):
+        r = labels.get("finished_reason", "")
+        reasons[r] = reasons.get(r, 0.0) + v
+    return {
+        "num_requests_running": _total(samples, "vllm:num_requests_running"),
+        "num_requests_waiting": _total(samples, "vllm:num_requests_waiting"),
+        "kv_cache_usage_perc": kv,
+        "num_preemptions_total": _total(samples, "vllm:num_preemptions_total"),
+        "prompt_tokens_total": _total(samples, "vllm:prompt_tokens_total"),
+        "generation_tokens_total": _total(samples, "vllm:generation_tokens_total"),
+        "request_success_total": reasons,
+        "histograms": {h: _histogram(samples, "vllm:" + h) for h in HISTOGRAMS},
+    }
+
+
+# ---- SSE ------------------------------------------------------------------------------------
+def _sse_data(lines: Iterable[str]) -> Iterator[str]:
+    """The data of each SSE event in a stream of lines (comments and other fields skipped)."""
+    data: list[str] = []
+    for line in lines:
+        if line == "":
+            if data:
+                yield "\n".join(data)
+                data = []
+        elif line.startswith(":"):
+            continue
+        elif line.startswith("data:"):
+            v = line[5:]
+            data.append(v[1:] if v.startswith(" ") else v)
+    if data:
+        yield "\n".join(data)
+
+
+def _raise_for_error_body(status: int, text: str) -> None:
+    try:
+        body = json.loads(text)
+    except ValueError:
+        body = None
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict):
+        raise RemoteError(status, str(err.get("message")), err.get("param"), err.get("code"), body)
+    if isinstance(err, str):
+        raise RemoteError(status, err, body=body)
+    raise RemoteError(status, text[:500] or f"HTTP {status}", body=body)
+
+
+class _Tracker:
+    """Turns the JSON chunks of one stream into RemoteTokenEvents."""
+
+    def __init__(self, start: float):
+        self.stats = RemoteStats("", start)
+        self.last: float | None = None
+        self.texts: list[str] = []
+
+    def feed(self, data: str) -> RemoteTokenEvent | None:
+        now = time.monotonic()
+        obj = json.loads(data)
+        if isinstance(obj, dict) and obj.get("error"):
+            err = obj["error"]
+            if isinstance(err, dict):
+                raise RemoteError(None, str(err.get("message")), err.get("param"), err.get("code"), obj)
+            raise RemoteError(None, str(err), body=obj)
+        st = self.stats
+        st.request_id = st.request_id or obj.get("id", "")
+        if obj.get("usage"):
+            st.prompt_tokens = obj["usage"].get("prompt_tokens")
+            st.completion_tokens = obj["usage"].get("completion_tokens")
+        text = ""
+        for choice in obj.get("choices") or []:
+            if choice.get("finish_reason"):
+                st.finish_reason = choice["finish_reason"]
+            if "delta" in choice:
+                text += choice["delta"].get("content") or ""
+            else:
+                text += choice.get("text") or ""
+        if not text:
+            return None
+        st.num_chunks += 1
+        gap = None if self.last is None else now - self.last
+        if gap is None:
+            st.ttft = now - st.start
+        else:
+            st.itl.append(gap)
+        self.last = now
+        self.texts.append(text)
+        return RemoteTokenEvent(st.request_id, text, st.num_chunks, now, now - st.start, gap)
+
+    def final(self) -> RemoteTokenEvent:
+        now = time.monotonic()
+        st = self.stats
+        st.e2e = now - st.start
+        st.text = "".join(self.texts)
+        return RemoteTokenEvent(st.request_id, "", st.num_chunks, now, st.e2e, None, True,
+                                st.finish_reason, st)
+
+
+# ---- the client -----------------------------------------------------------------------------
+class RemoteEngine:
+    """One OpenAI-compatible server.
+
+    url: the server's root (`http://host:8000`; a trailing `/v1` is accepted too).
+    model: the model id to request; None asks /v1/models and takes the first.
+    api_key: sent as `Authorization: Bearer ...` when given.
+    """
+
+    def __init__(self, url: str, model: str | None = None, api_key: str | None = None,
+                 timeout: float = 600.0):
+        url = url.rstrip("/")
+        if url.endswith("/v1"):
+            url = url[:-3]
+        self.url = url
+        self.api_key = api_key
+        self._model = model
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._timeout = httpx.Timeout(timeout, connect=10.0)
+        self._client = httpx.Client(base_url=url, headers=self._headers, timeout=self._timeout)
+        self._aclient: httpx.AsyncClient | None = None
+
+    # ---- plumbing ----
+    def close(self) -> None:
+        self._client.close()
+
+    async def aclose(self) -> None:
+        if self._aclient is not None:
+            await self._aclient.aclose()
+            self._aclient = None
+
+    def __enter__(self) -> "RemoteEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _async_client(self) -> httpx.AsyncClient:
+        if self._aclient is None:
+            self._aclient = httpx.AsyncClient(base_url=self.url, headers=self._headers,
+                                              timeout=self._timeout,
+                                              limits=httpx.Limits(max_connections=None))
+        return self._aclient
+
+    # ---- server info ----
+    def health(self) -> bool:
+        """Whether GET /health answers 200."""
+        try:
+            return self._client.get("/health", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def models(self) -> list[str]:
+        r = self._client.get("/v1/models")
+        if r.status_code != 200:
+            _raise_for_error_body(r.status_code, r.text)
+        return [m["id"] for m in r.json().get("data", [])]
+
+    @property
+    def model(self) -> str:
+        if self._model is None:
+            names = self.models()
+            if not names:
+                raise RemoteError(None, "the server lists no models")
+            self._model = names[0]
+        return self._model
+
+    def poll_metrics(self) -> dict:
+        """GET /metrics, parsed. Keys: time (time.time()), num_requests_running,
+        num_requests_waiting, kv_cache_usage_perc (0..1), num_preemptions_total,
+        prompt_tokens_total, generation_tokens_total, request_success_total ({reason: n}),
+        histograms ({name: {count, sum, mean, buckets}}), samples (every parsed sample)."""
+        r = self._client.get("/metrics")
+        if r.status_code != 200:
+            _raise_for_error_body(r.status_code, r.text)
+        samples = parse_prometheus(r.text)
+        return {"time": time.time(), **summarize_metrics(samples), "samples": samples}
+
+    # ---- requests ----
+    def _request(self, prompt, max_tokens: int, chat: bool | None, temperature: float,
+                 extra: dict) -> tuple[str, dict]:
+        if chat is None:
+            chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+        body: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens,
+                                "temperature": temperature, "stream": True,
+                                "stream_options": {"include_usage": True}}
+        if chat:
+            if isinstance(prompt, str):
+                prompt = [{"role": "user", "content": prompt}]
+            body["messages"] = prompt
+            path = "/v1/chat/completions"
+        else:
+            body["prompt"] = prompt
+            path = "/v1/completions"
+        body.update(extra)
+        return path, body
+
+    def stream(self, prompt, max_tokens: int = 128, *, chat: bool | None = None,
+               temperature: float = 0.0, **params) -> Iterator[RemoteTokenEvent]:
+        """Stream one request. `prompt`: text (completions; chat=True wraps it as a user turn),
+        chat messages (chat completions) or token ids. Extra keyword arguments go into the
+        request body as is (top_p, top_k, seed, stop, ignore_eos, ...). Yields one event per
+        text chunk, then a final event (finished=True) whose `stats` hold the timings.
+        Closing the iterator early closes the connection (the server aborts the request)."""
+        path, body = self._request(prompt, max_tokens, chat, temperature, params)
+        tracker = _Tracker(time.monotonic())
+        with self._client.stream("POST", path, json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                _raise_for_error_body(r.status_code, r.text)
+            for data in _sse_data(r.iter_lines()):
+                if data.strip() == "[DONE]":
+                    break
+                ev = tracker.feed(data)
+                if ev is not None:
+                    yield ev
+        yield tracker.final()
+
+    async def astream(self, prompt, max_tokens: int = 128, *, chat: bool | None = None,
+                      temperature: float = 0.0, **params) -> AsyncIterator[RemoteTokenEvent]:
+        """asyncio version of `stream` (many may run at once)."""
+        path, body = self._request(prompt, max_tokens, chat, temperature, params)
+        tracker = _Tracker(time.monotonic())
+        async with self._async_client().stream("POST", path, json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                _raise_for_error_body(r.status_code, r.text)
+            lines: list[str] = []
+            finished = False
+            async for line in r.aiter_lines():
+                lines.append(line)
+                if line != "":
+                    continue
+                for data in _sse_data(lines):
+                    if data.strip() == "[DONE]":
+                        finished = True
+                        break
+                    ev = tracker.feed(data)
+                    if ev is not None:
+                        yield ev
+                lines = []
+                if finished:
+                    break
+            for data in _sse_data([] if finished else lines):
+                if data.strip() != "[DONE]":
+                    ev = tracker.feed(data)
+                    if ev is not None:
+                        yield ev
+        yield tracker.final()
+
+    def generate(self, prompt, max_tokens: int = 128, **kw) -> RemoteStats:
+        """Run one request to the end; its text and timings."""
+        ev = None
+        for ev in self.stream(prompt, max_tokens, **kw):
+            pass
+        assert ev is not None and ev.stats is not None
+        return ev.stats
+
+
+# ---- serving benchmark ----------------------------------------------------------------------
+_WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at "
+          "which but have an they you were her she there would their we him been has when who "
+          "will more no if out so said what up its about into than them can only other new "
+          "some could time these two may then do first any my now such like our over man me "
+          "even most made after also did many before must through back years where much your "
+          "way well down should because each just those people how too little state good very "
+          "make world still own see men work long get here between both life being under never "
+          "day same another know while last might us great old year off come since against go "
+          "came right used take three").split()
+
+
+def _percentiles(xs: list[float]) -> dict:
+    if not xs:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    s = sorted(xs)
+
+    def p(q):
+        return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+    return {"mean": sum(s) / len(s), "p50": p(0.5), "p90": p(0.9), "p99": p(0.99)}
+
+
+async def bench_async(url: str, num_requests: int = 64, concurrency: int = 16,
+                      input_words: tuple[int, int] = (16, 256), output_len: tuple[int, int] = (16, 256),
+                      model: str | None = None, api_key: str | None = None, seed: int = 0,
+                      chat: bool = False, ignore_eos: bool = True,
+                      metrics_interval: float = 0.5) -> dict:
+    """Send `num_requests` streamed requests, at most `concurrency` at a time, with random word
+    prompts of `input_words` words and `output_len` max_tokens (ignore_eos so each runs to its
+    length, on servers that honour it). While it runs, /metrics is polled for the peak running /
+    waiting / KV usage. Returns a JSON-able report."""
+    rng = random.Random(seed)
+    jobs = [(" ".join(rng.choice(_WORDS) for _ in range(rng.randint(*input_words))),
+             rng.randint(*output_len)) for _ in range(num_requests)]
+    remote = RemoteEngine(url, model=model, api_key=api_key)
+    sem = asyncio.Semaphore(concurrency)
+    results: list[RemoteStats] = []
+    errors: list[str] = []
+    peaks = {"num_requests_running": 0.0, "num_requests_waiting": 0.0, "kv_cache_usage_perc": 0.0}
+    done = asyncio.Event()
+
+    async def one(prompt: str, n: int) -> None:
+        async with sem:
+            try:
+                extra = {"ignore_eos": True} if ignore_eos else {}
+                async for ev in remote.astream(prompt, n, chat=chat, **extra):
+                    if ev.stats is not None:
+                        results.append(ev.stats)
+            except (RemoteError, httpx.HTTPError) as e:
+                errors.append(f"{type(e).__name__}: {e}")
+
+    async def watch() -> None:
+        client = remote._async_client()
+        while not done.is_set():
+            try:
+                r = await client.get("/metrics", timeout=5.0)
+                m = summarize_metrics(parse_prometheus(r.text))
+                for k in peaks:
+                    if m.get(k) is not None:
+                        peaks[k] = max(peaks[k], m[k])
+            except (httpx.HTTPError, ValueError):
+                pass
+            try:
+                await asyncio.wait_for(done.wait(), metrics_interval)
+            except asyncio.TimeoutError:
+                pass
+
+    try:
+        model_name = remote.model
+        watcher = asyncio.ensure_future(watch())
+        t0 = time.monotonic()
+        await asyncio.gather(*(one(p, n) for p, n in jobs))
+        duration = time.monotonic() - t0
+        done.set()
+        await watcher
+    finally:
+        await remote.aclose()
+        remote.close()
+    out_tokens = sum((s.completion_tokens if s.completion_tokens is not None else s.num_chunks)
+                     for s in results)
+    in_tokens = sum(s.prompt_tokens or 0 for s in results)
+    return {
+        "url": url, "model": model_name,
+        "workload": {"num_requests": num_requests, "concurrency": concurrency,
+                     "input_words": list(input_words), "output_len": list(output_len),
+                     "seed": seed, "chat": chat, "ignore_eos": ignore_eos},
+        "completed": len(results), "failed": len(errors), "errors": errors[:10],
+        "duration_s": duration,
+        "request_throughput": len(results) / duration if duration else None,
+        "output_throughput": out_tokens / duration if duration else None,
+        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "ttft_s": _percentiles([s.ttft for s in results if s.ttft is not None]),
+        "tpot_s": _percentiles([s.tpot for s in results if s.tpot is not None]),
+        "itl_s": _percentiles([g for s in results for g in s.itl]),
+        "e2e_s": _percentiles([s.e2e for s in results if s.e2e is not None]),
+        "server_peaks": peaks,
+    }
+
+
+def bench(url: str, **kw) -> dict:
+    """Synchronous wrapper of `bench_async` (not for use inside a running event loop)."""
+    return asyncio.run(bench_async(url, **kw))
+
+
+def format_report(r: dict) -> str:
+    def ms(d, k):
+        v = d.get(k)
+        return "n/a" if v is None else f"{v * 1e3:.1f}"
+
+    lines = [f"{r['completed']}/{r['workload']['num_requests']} requests in {r['duration_s']:.1f} s "
+             f"({r['failed']} failed) against {r['url']} ({r['model']})",
+             f"  {r['request_throughput']:.2f} req/s, {r['output_throughput']:.1f} output tok/s",
+             "  metric      mean     p50     p90     p99   (ms)"]
+    for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        d = r[name]
+        lines.append(f"  {name[:-2]:<8} {ms(d, 'mean'):>7} {ms(d, 'p50'):>7} {ms(d, 'p90'):>7} "
+                     f"{ms(d, 'p99'):>7}")
+    p = r["server_peaks"]
+    lines.append(f"  server peaks: running {p['num_requests_running']:.0f}, waiting "
+                 f"{p['num_requests_waiting']:.0f}, KV usage {p['kv_cache_usage_perc']:.0%}")
+    return "\n".join(lines)
+
+
+def _main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    def rng(text: str) -> tuple[int, int]:
+        lo, _, hi = text.partition(":")
+        return int(lo), int(hi or lo)
+
+    ap = argparse.ArgumentParser(prog="python -m workbench.remote",
+                                 description="Serving benchmark against an OpenAI-compatible server.")
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--input-words", default="16:256")
+    ap.add_argument("--output-len", default="16:256")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chat", action="store_true")
+    ap.add_argument("--output", default="", help="write the JSON report here")
+    a = ap.parse_args(argv)
+    report = bench(a.url, num_requests=a.num_requests, concurrency=a.concurrency,
+                   input_words=rng(a.input_words), output_len=rng(a.output_len), model=a.model,
+                   api_key=a.api_key, seed=a.seed, chat=a.chat)
+    print(format_report(report))
+    if a.output:
+        with open(a.output, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {a.output}", file=sys.stderr)
+    return 0 if report["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

@@ -1,0 +1,682 @@
+"""`workbench serve`: an OpenAI-compatible HTTP server over one background Engine.
+
+Endpoints
+    POST /v1/completions        text or token-id prompt, streamed (SSE) or not
+    POST /v1/chat/completions   chat messages through the tokenizer's chat template
+    GET  /v1/models             the one served model
+    GET  /health                200 while the engine loop runs, 503 otherwise
+    GET  /metrics               Prometheus text, vLLM's metric names
+
+The engine steps in its own thread (`engine.start()`); every handler is an asyncio task that
+reads its tokens from `engine.astream(...)`. When a client goes away, the task is cancelled,
+the stream is closed and the engine aborts the request at its next step boundary, which frees
+its KV blocks. Every error is answered in OpenAI's shape:
+`{"error": {"message", "type", "param", "code"}}`.
+
+Only this module (and the CLI's `serve` command, lazily) imports FastAPI, uvicorn,
+sse-starlette and prometheus_client, so `import workbench` stays light.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import math
+import threading
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .engine import Engine
+from .sampling_params import SamplingParams
+from .telemetry import RequestMetrics
+
+log = logging.getLogger("workbench.server")
+
+MAX_BODY_BYTES = 16 * 2**20
+"""Request bodies larger than this are refused (413) before any parsing."""
+
+STREAM_HEADERS = {
+    # Streams must not be held back by a reverse proxy or a cache on the way.
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+
+# Histogram buckets, seconds. Wide enough for a CPU (slow) and a GPU (fast) alike.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+GREEDY_BELOW = 1e-5
+"""Temperatures in (0, GREEDY_BELOW) are served greedily, as vLLM does."""
+
+
+# ---- errors ---------------------------------------------------------------------------------
+class APIError(Exception):
+    """An error answered as OpenAI does: status code + {"error": {...}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.type, self.code, self.headers = type, code, headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _bad(param: str | None, message: str, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def _from_value_error(e: Exception, rename: dict[str, str] | None = None) -> APIError:
+    """The engine's ValueErrors start with the field's name ("max_tokens: must be ..."); keep
+    the message and report that field as `param` (renamed to the API's name where it differs)."""
+    msg = str(e)
+    head, sep, rest = msg.partition(":")
+    param = head if sep and head.isidentifier() else None
+    if param is not None and rename and param in rename:
+        param = rename[param]
+        msg = f"{param}:{rest}"
+    return _bad(param, msg)
+
+
+# ---- parameter mapping ----------------------------------------------------------------------
+_UNSET = object()
+
+
+def _opt(body: dict, name: str, kinds: tuple[type, ...], what: str) -> Any:
+    """body[name] if present and not null, checked against `kinds` (bools are never numbers)."""
+    v = body.get(name)
+    if v is None:
+        return _UNSET
+    if isinstance(v, bool) and bool not in kinds:
+        raise _bad(name, f"{name}: must be {what} (got {v!r})")
+    if not isinstance(v, kinds):
+        raise _bad(name, f"{name}: must be {what} (got {v!r})")
+    return v
+
+
+def _unsupported(body: dict, name: str) -> None:
+    """Refuse a feature this server lacks, unless the value asks for nothing (null, false,
+    0, empty)."""
+    v = body.get(name)
+    if v is None or v is False or v == {} or v == []:
+        return
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0:
+        return
+    raise _bad(name, f"{name}: not supported by this server (got {v!r})", code="unsupported_parameter")
+
+
+def sampling_params_from(body: dict, default_max_tokens: int | None) -> tuple[SamplingParams, str]:
+    """OpenAI request fields -> SamplingParams. Returns the params and the name of the field
+    that set max_tokens (for error messages). `default_max_tokens` None means "fill the
+    context" and is resolved by the caller once the prompt length is known."""
+    for name in ("n", "best_of"):
+        v = body.get(name)
+        if v is not None and v != 1:
+            raise _bad(name, f"{name}: only 1 is supported (got {v!r})", code="unsupported_parameter")
+    for name in ("presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "echo",
+                 "logit_bias", "suffix", "tools", "functions", "min_tokens"):
+        _unsupported(body, name)
+    rf = body.get("response_format")
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        raise _bad("response_format", "response_format: only {'type': 'text'} is supported",
+                   code="unsupported_parameter")
+
+    which = "max_tokens"
+    max_tokens = body.get("max_tokens")
+    if body.get("max_completion_tokens") is not None:
+        which, max_tokens = "max_completion_tokens", body["max_completion_tokens"]
+    if max_tokens is None:
+        max_tokens = default_max_tokens if default_max_tokens is not None else 1   # resolved later
+
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise _bad("stop", f"stop: must be a string or a list of strings (got {stop!r})")
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is None:
+        stop_ids = []
+    elif not (isinstance(stop_ids, list)
+              and all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids)):
+        raise _bad("stop_token_ids", f"stop_token_ids: must be a list of integers (got {stop_ids!r})")
+    ignore_eos = _opt(body, "ignore_eos", (bool,), "true or false")
+
+    def num(name, default):
+        v = body.get(name)
+        if isinstance(v, bool):   # JSON true/false is not a number here
+            raise _bad(name, f"{name}: must be a number (got {v!r})")
+        return default if v is None else v
+
+    if isinstance(max_tokens, bool):
+        raise _bad(which, f"{which}: must be an integer > 0 (got {max_tokens!r})")
+    seed = num("seed", None)
+    if isinstance(seed, int) and not -2**63 <= seed < 2**64:
+        raise _bad("seed", f"seed: must fit in 64 bits (got {seed!r})")
+    temperature = num("temperature", 1.0)
+    if isinstance(temperature, (int, float)) and 0 < temperature < GREEDY_BELOW:
+        temperature = 0.0   # as vLLM: a vanishing temperature is greedy (and cannot overflow)
+
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=num("top_p", 1.0),
+            top_k=num("top_k", 0),
+            seed=seed,
+            stop=stop,
+            stop_token_ids=stop_ids,
+            ignore_eos=False if ignore_eos is _UNSET else ignore_eos)
+    except (ValueError, TypeError) as e:
+        raise _from_value_error(e, {"max_tokens": which}) from None
+    for name in ("temperature", "top_p"):   # the engine accepts inf/nan-free numbers only
+        v = getattr(params, name)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise _bad(name, f"{name}: must be a finite number (got {v!r})")
+    return params, which
+
+
+def _chat_messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if msgs is None:
+        raise _bad("messages", "messages: required")
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad("messages", "messages: must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _bad("messages", f"{where}: must be an object with a string 'role'")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):   # content parts: only text ones
+            texts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)):
+                    raise _bad("messages", f"{where}.content: only text parts are supported")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif not isinstance(content, str):
+            raise _bad("messages", f"{where}.content: must be a string or a list of text parts")
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _completion_prompt(body: dict) -> str | list[int]:
+    p = body.get("prompt")
+    if p is None:
+        raise _bad("prompt", "prompt: required")
+    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+        if len(p) != 1:
+            raise _bad("prompt", f"prompt: only one prompt per request is supported (got {len(p)})")
+        p = p[0]
+    if isinstance(p, str):
+        return p
+    if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        return p
+    raise _bad("prompt", "prompt: must be a string or a list of token ids")
+
+
+# ---- metrics --------------------------------------------------------------------------------
+class _Hist:
+    """A cumulative-bucket histogram (what Prometheus wants), fed one value at a time."""
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)   # last: +Inf
+        self.sum = 0.0
+
+    def observe(self, v: float) -> None:
+        self.sum += v
+        for i, b in enumerate(self.bounds):
+            if v <= b:
+                self.counts[i] += 1
+                return
+        self.counts[-1] += 1
+
+    def buckets(self) -> list[tuple[str, float]]:
+        out, acc = [], 0
+        for b, c in zip(self.bounds, self.counts):
+            acc += c
+            out.append((repr(float(b)), acc))
+        out.append(("+Inf", acc + self.counts[-1]))
+        return out
+
+
+class EngineMetrics:
+    """A prometheus_client collector over one Engine.
+
+    Gauges are read live from the scheduler and the block manager at scrape time. Counters
+    and histograms are fed from the engine's telemetry: every RequestMetrics the engine
+    recorded since the last scrape (finished, stopped or aborted requests) is folded in once.
+    So token counters and latencies advance when a request ends, not token by token.
+    """
+
+    def __init__(self, engine: Engine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+        self._lock = threading.Lock()
+        self._seen = 0                                # telemetry request records folded in
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.success = dict.fromkeys(FINISH_REASONS, 0)
+        self.ttft = _Hist(TTFT_BUCKETS)
+        self.itl = _Hist(ITL_BUCKETS)
+        self.tpot = _Hist(ITL_BUCKETS)
+        self.e2e = _Hist(E2E_BUCKETS)
+        self.queue = _Hist(E2E_BUCKETS)
+
+    def _ingest(self) -> None:
+        tel = self.engine.telemetry
+        new = tel.requests_since(self._seen)
+        self._seen += len(new)
+        for m in new:
+            self.prompt_tokens += m.prompt_tokens
+            self.generation_tokens += m.output_tokens
+            reason = m.finish_reason or "abort"
+            self.success[reason] = self.success.get(reason, 0) + 1
+            if m.ttft is not None:
+                self.ttft.observe(m.ttft)
+            for gap in m.itl:
+                self.itl.observe(gap)
+            if m.tpot is not None:
+                self.tpot.observe(m.tpot)
+            if m.first_scheduled_time is not None:
+                self.queue.observe(m.first_scheduled_time - m.arrival_time)
+            if m.e2e is not None and reason in ("stop", "length"):
+                self.e2e.observe(m.e2e)
+
+    def live(self) -> dict[str, float]:
+        e = self.engine
+        running, waiting = e.num_running, e.num_waiting
+        bm = e.block_manager
+        return {"running": running, "waiting": waiting,
+                "kv_usage": bm.num_used_blocks / bm.num_blocks,
+                "preemptions": e.scheduler.num_preemptions,
+                "prefix_queries": bm.queries * bm.block_size,
+                "prefix_hits": bm.hits * bm.block_size}
+
+    def collect(self):
+        with self._lock:
+            self._ingest()
+            live = self.live()
+            lbl, name = ["model_name"], [self.model_name]
+
+            def gauge(metric, doc, value):
+                g = GaugeMetricFamily(metric, doc, labels=lbl)
+                g.add_metric(name, value)
+                return g
+
+            def counter(metric, doc, value):
+                c = CounterMetricFamily(metric, doc, labels=lbl)
+                c.add_metric(name, value)
+                return c
+
+            def hist(metric, doc, h: _Hist):
+                f = HistogramMetricFamily(metric, doc, labels=lbl)
+                f.add_metric(name, h.buckets(), h.sum)
+                return f
+
+            yield gauge("vllm:num_requests_running", "Requests in the running batch.",
+                        live["running"])
+            yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
+                        live["waiting"])
+            yield gauge("vllm:kv_cache_usage_perc",
+                        "Fraction of KV-cache blocks in use by live requests (1 = full).",
+                        live["kv_usage"])
+            info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration.",
+                                     labels=["model_name", "block_size", "num_gpu_blocks"])
+            bm = self.engine.block_manager
+            info.add_metric([self.model_name, str(bm.block_size), str(bm.num_blocks)], 1)
+            yield info
+            yield counter("vllm:num_preemptions", "Preemptions (by recompute) since start.",
+                          live["preemptions"])
+            yield counter("vllm:prompt_tokens", "Prompt tokens of finished requests.",
+                          self.prompt_tokens)
+            yield counter("vllm:generation_tokens", "Generated tokens of finished requests.",
+                          self.generation_tokens)
+            yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                          live["prefix_queries"])
+            yield counter("vllm:prefix_cache_hits", "Prompt tokens served by the prefix cache.",
+                          live["prefix_hits"])
+            ok = CounterMetricFamily("vllm:request_success", "Finished requests by finish reason.",
+                                     labels=["model_name", "finished_reason"])
+            for reason, n in self.success.items():
+                ok.add_metric([self.model_name, reason], n)
+            yield ok
+            yield hist("vllm:time_to_first_token_seconds", "Time to first token.", self.ttft)
+            yield hist("vllm:inter_token_latency_seconds", "Time between consecutive tokens.",
+                       self.itl)
+            yield hist("vllm:request_time_per_output_token_seconds",
+                       "Mean time per output token after the first, per request.", self.tpot)
+            yield hist("vllm:e2e_request_latency_seconds",
+                       "Arrival to last token, requests that finished (stop or length).", self.e2e)
+            yield hist("vllm:request_queue_time_seconds", "Arrival to first scheduling.",
+                       self.queue)
+
+    def render(self) -> bytes:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self)
+        return generate_latest(registry)
+
+
+# ---- the app --------------------------------------------------------------------------------
+async def _read_json(request: Request) -> dict:
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+        raise APIError(413, f"body: larger than {MAX_BODY_BYTES} bytes", code="body_too_large")
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > MAX_BODY_BYTES:
+            raise APIError(413, f"body: larger than {MAX_BODY_BYTES} bytes", code="body_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:    # JSONDecodeError, bad UTF-8, absurd nesting
+        raise _bad(None, f"body: could not parse the JSON body of the request ({e})",
+                   code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise _bad(None, "body: must be a JSON object", code="invalid_json")
+    return body
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class _Served:
+    """One validated request, ready to run."""
+
+    def __init__(self, kind: str, rid: str, prompt_ids: list[int], params: SamplingParams,
+                 stream: bool, include_usage: bool):
+        self.kind, self.rid, self.prompt_ids, self.params = kind, rid, prompt_ids, params
+        self.stream, self.include_usage = stream, include_usage
+        self.created = int(time.time())
+
+
+def create_app(engine: Engine, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` (started on app start-up, shut down on exit)."""
+    served = model_name or engine.config.model
+    metrics = EngineMetrics(engine, served)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="workbench", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.engine, app.state.metrics = engine, metrics
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                        code=code, headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request, exc: Exception):
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}",
+                        type="server_error").response()
+
+    def check_auth(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise APIError(401, "Missing API key: send it as 'Authorization: Bearer <key>'.",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    def check_model(body: dict) -> None:
+        m = body.get("model")
+        if m is None:
+            return
+        if not isinstance(m, str):
+            raise _bad("model", f"model: must be a string (got {m!r})")
+        if m != served:
+            raise APIError(404, f"The model `{m}` does not exist. This server serves `{served}`.",
+                           param="model", code="model_not_found")
+
+    def prepare(kind: str, body: dict) -> _Served:
+        check_model(body)
+        stream = _opt(body, "stream", (bool,), "true or false")
+        stream = False if stream is _UNSET else stream
+        so = body.get("stream_options")
+        if so is not None and not isinstance(so, dict):
+            raise _bad("stream_options", "stream_options: must be an object")
+        include_usage = bool(so and so.get("include_usage"))
+        if so is not None and not stream:
+            raise _bad("stream_options", "stream_options: only allowed when stream is true")
+        # OpenAI's defaults: 16 tokens for completions; chat fills the context.
+        params, which = sampling_params_from(body, 16 if kind == "completion" else None)
+        explicit = body.get(which) is not None
+        if kind == "chat":
+            prompt, rename = _chat_messages(body), {"prompt": "messages"}
+            if getattr(engine.tokenizer, "chat_template", None) is None:
+                raise _bad("messages", f"messages: model {served!r} has no chat template; use "
+                                       "/v1/completions", code="unsupported_model")
+        else:
+            prompt, rename = _completion_prompt(body), None
+        try:
+            ids = engine.tokenize(prompt)
+        except ValueError as e:
+            err = _from_value_error(e, rename)
+            if err.param is None:   # e.g. a tokenizer without a chat template
+                err = _bad("messages" if kind == "chat" else "prompt",
+                           f"{'messages' if kind == 'chat' else 'prompt'}: {e}")
+            if "max_model_len" in err.message:
+                err.code = "context_length_exceeded"
+            raise err from None
+        except Exception as e:
+            if kind != "chat":
+                raise
+            # A chat template that rejects the conversation (a jinja error it raises itself).
+            raise _bad("messages", f"messages: {type(e).__name__}: {e}") from None
+        room = engine.max_model_len - len(ids)
+        if not explicit:    # chat: fill the context; completions: 16, or what still fits
+            params.max_tokens = room if kind == "chat" else min(params.max_tokens, room)
+        elif params.max_tokens > room:
+            raise _bad(which, f"{which}: the prompt has {len(ids)} tokens and {which} is "
+                              f"{params.max_tokens}, but max_model_len is {engine.max_model_len}; "
+                              f"at most {room} new tokens fit", code="context_length_exceeded")
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        return _Served(kind, f"{prefix}-{uuid.uuid4().hex}", ids, params, stream, include_usage)
+
+    def usage(req: _Served, n_out: int) -> dict:
+        n_in = len(req.prompt_ids)
+        return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+
+    def chunk(req: _Served, text: str | None, finish: str | None, role: bool = False) -> dict:
+        if req.kind == "chat":
+            delta: dict = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            obj = "text_completion"
+        out = {"id": req.rid, "object": obj, "created": req.created, "model": served,
+               "choices": [choice]}
+        if req.include_usage:
+            out["usage"] = None
+        return out
+
+    def dumps(obj) -> str:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+    has_tokenizer = engine.tokenizer is not None
+
+    async def sse_events(req: _Served) -> AsyncIterator[str]:
+        """The SSE body of one streamed request. Closing or cancelling it (a client
+        disconnect) closes the engine stream, which aborts the request."""
+        agen = engine.astream(req.prompt_ids, req.params, request_id=req.rid)
+        n_out, finish = 0, None
+        try:
+            if req.kind == "chat":
+                yield dumps(chunk(req, "", None, role=True))
+            async for ev in agen:
+                if ev.token_id is not None:
+                    n_out = ev.index
+                if ev.text or (ev.token_id is not None and not has_tokenizer):
+                    yield dumps(chunk(req, ev.text, None))
+                if ev.finished:
+                    finish = ev.finish_reason
+        except Exception:    # not a disconnect (that is a CancelledError): tell the client
+            log.exception("stream %s failed", req.rid)
+            finish = "error"
+        finally:
+            await agen.aclose()
+        if finish == "error":
+            yield dumps(APIError(500, "the engine failed while running this request",
+                                 type="server_error").body())
+        else:
+            yield dumps(chunk(req, None if req.kind == "chat" else "", finish))
+            if req.include_usage:
+                yield dumps({"id": req.rid, "object": chunk(req, "", None)["object"],
+                             "created": req.created, "model": served, "choices": [],
+                             "usage": usage(req, n_out)})
+        yield "[DONE]"
+
+    async def run_to_end(req: _Served, request: Request) -> dict:
+        """A non-streamed request; aborted if the client disconnects while it runs."""
+        async def collect():
+            texts, n_out, finish = [], 0, None
+            async with contextlib.aclosing(engine.astream(req.prompt_ids, req.params,
+                                                          request_id=req.rid)) as agen:
+                async for ev in agen:
+                    texts.append(ev.text)
+                    if ev.token_id is not None:
+                        n_out = ev.index
+                    if ev.finished:
+                        finish = ev.finish_reason
+            return "".join(texts), n_out, finish
+
+        work = asyncio.ensure_future(collect())
+        gone = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (work, gone):
+                if not t.done():
+                    t.cancel()
+        if not work.done() or work.cancelled():
+            await asyncio.wait({work})      # let the engine stream close (it aborts the request)
+            raise APIError(499, "client closed the request", code="client_closed_request")
+        text, n_out, finish = work.result()
+        if finish == "error":
+            raise APIError(500, "the engine failed while running this request", type="server_error")
+        if req.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": finish}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            obj = "text_completion"
+        return {"id": req.rid, "object": obj, "created": req.created, "model": served,
+                "choices": [choice], "usage": usage(req, n_out)}
+
+    async def handle(kind: str, request: Request):
+        check_auth(request)
+        req = prepare(kind, await _read_json(request))
+        if req.stream:
+            return EventSourceResponse(sse_events(req), headers=STREAM_HEADERS, sep="\n")
+        return JSONResponse(await run_to_end(req, request))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle("completion", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle("chat", request)
+
+    def model_card() -> dict:
+        return {"id": served, "object": "model", "created": int(engine_started), "owned_by": "workbench",
+                "root": engine.config.model, "max_model_len": engine.max_model_len}
+
+    engine_started = time.time()
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_auth(request)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        check_auth(request)
+        if model_id != served:
+            raise APIError(404, f"The model `{model_id}` does not exist.", param="model",
+                           code="model_not_found")
+        return model_card()
+
+    @app.get("/health")
+    async def health():
+        # is_running_in_background stays True if the step thread died; ask the thread too.
+        thread = getattr(engine, "_thread", None)
+        alive = thread.is_alive() if thread is not None else engine.is_running_in_background
+        if not (engine.is_running_in_background and alive):
+            raise APIError(503, "engine loop is not running", type="server_error",
+                           code="unavailable")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          model_name: str | None = None, log_level: str = "info") -> None:
+    """Run the server in this thread until SIGINT/SIGTERM."""
+    import uvicorn
+
+    app = create_app(engine, model_name, api_key)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=5, timeout_keep_alive=30)
+    uvicorn.Server(config).run()
