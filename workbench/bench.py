@@ -87,9 +87,18 @@ def run_engine_b1(engine: Engine, prompt: list[int], new_tokens: int) -> dict:
 
 
 def machine() -> dict:
+    import os
+
+    import transformers
+    cpu = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
     return dict(python=platform.python_version(), torch=torch.__version__,
-                cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads(),
-                date=time.strftime("%Y-%m-%d"))
+                transformers=transformers.__version__, cpu=cpu, cores=os.cpu_count(),
+                threads=torch.get_num_threads(), date=time.strftime("%Y-%m-%d"))
 
 
 def run(model: str = "smollm2", num_requests: int = 64, in_range=(16, 256), out_range=(16, 256),
