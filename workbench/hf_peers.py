@@ -15,7 +15,7 @@ lazily.
 Sizing of the continuous batching peer (``CB_DEFAULTS``)
 --------------------------------------------------------
 Machine: 2 CPU cores, torch 2.13.0+cpu, transformers 5.24.0, SmolLM2-135M-Instruct fp32. Workload =
-``make_requests(64)`` (seed 0: 8298 prompt tokens, 8908 wanted output tokens). Another engineer's test runs shared
+``bench.make_workload`` with 64 requests (seed 0: 8298 prompt tokens, 8908 wanted output tokens). Another engineer's test runs shared
 the machine during part of the sweep, so timings are noisy. Runs marked "clean" had no other process using CPU.
 
 CPU attention options: flash is not available; the manager accepts ``sdpa`` and ``paged|eager`` (``eager`` is switched
@@ -44,7 +44,7 @@ only adds bookkeeping; it was not measured).
 
 Correctness: for 6 workload requests (prompts 28-232 tokens, up to 96 new tokens), the continuous batching tokens
 (4 requests per batch) and the static-batch tokens (left-padded batch of 6) are identical to unbatched greedy
-``model.generate`` tokens (``hf_reference_greedy``). EOS did not come up in those outputs, so these runs do not show
+``model.generate`` tokens. EOS did not come up in those outputs, so these runs do not show
 that EOS is ignored. That rests on the configuration: ``eos_token_id`` is None for ``generate`` and -1 for continuous
 batching, and every run asserts that it got the exact lengths.
 """
@@ -52,7 +52,6 @@ batching, and every run asserts that it got the exact lengths.
 from __future__ import annotations
 
 import copy
-import random
 import time
 from typing import Any
 
@@ -61,11 +60,9 @@ import torch
 __all__ = [
     "CB_DEFAULTS",
     "load_hf_model",
-    "make_requests",
     "hf_generate_b1",
     "hf_generate_static",
     "hf_generate_batch",
-    "hf_reference_greedy",
 ]
 
 # Defaults for HF continuous batching on CPU, chosen from the sweep documented in the module docstring.
@@ -117,21 +114,6 @@ def load_hf_model(model_dir, dtype: torch.dtype = torch.float32, device: str | t
         if hasattr(gc, name):
             setattr(gc, name, None)
     return model
-
-
-def make_requests(n: int = 64, vocab_size: int = 49152, seed: int = 0, min_len: int = 16,
-                  max_len: int = 256) -> list[tuple[list[int], int]]:
-    """Seeded benchmark workload: ``n`` (prompt ids, wanted output length) pairs.
-
-    For each request: ``prompt = [r.randrange(10, vocab) for _ in range(r.randint(min_len, max_len))]`` then
-    ``out_len = r.randint(min_len, max_len)``, with ``r = random.Random(seed)``.
-    """
-    r = random.Random(seed)
-    reqs = []
-    for _ in range(n):
-        prompt = [r.randrange(10, vocab_size) for _ in range(r.randint(min_len, max_len))]
-        reqs.append((prompt, r.randint(min_len, max_len)))
-    return reqs
 
 
 def _gen_config(model, new_tokens: int, exact: bool = True):
@@ -390,18 +372,3 @@ def hf_generate_batch(model, requests: list[tuple[list[int], int]], *,
     if return_tokens:
         res["outputs"] = outputs
     return res
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Reference (correctness)
-# --------------------------------------------------------------------------------------------------------------------
-
-
-@torch.inference_mode()
-def hf_reference_greedy(model, prompt_ids: list[int], new_tokens: int) -> list[int]:
-    """Unbatched greedy ``model.generate`` tokens (no EOS), the reference the other peers are checked against."""
-    dev = _device(model)
-    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=dev)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                         generation_config=_gen_config(model, new_tokens))
-    return out[0, ids.shape[1]:].tolist()
