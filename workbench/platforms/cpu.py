@@ -37,6 +37,8 @@ def load_cpu_kernels():
         from torch.utils.cpp_extension import load
         build = cache_root() / "kernels" / _cpu_key()
         build.mkdir(parents=True, exist_ok=True)
+        if not any(build.glob("*.so")):
+            log.warning("building the CPU attention kernel (once per machine, about 25 s)…")
         try:
             _kernels = load(name="workbench_cpu_attention", sources=[str(_CSRC)],
                             extra_cflags=_CFLAGS,
