@@ -181,3 +181,25 @@ def test_random_workload_accounting_balances():
     assert s.num_preemptions > 0
     st = bm.stats()
     assert st.used == 0 and st.free == 24
+
+
+def test_prefix_hits_counted_once_per_admission():
+    s, bm = make(num_blocks=6, block_size=4)
+    a = Sequence("a", list(range(100, 109)), SamplingParams())
+    s.add(a)
+    run_step(s, s.schedule(now=0))
+    s.finish(a, "length")                        # its two full blocks stay cached
+    hog = Sequence("hog", list(range(200, 212)), SamplingParams())
+    s.add(hog)                                   # takes three of the four plain blocks
+    run_step(s, s.schedule(now=0))
+    b = Sequence("b", list(range(100, 108)) + [5, 5, 5, 5, 5], SamplingParams())
+    s.add(b)
+    for _ in range(3):                           # b waits: no room for its new tokens
+        out = s.schedule(now=0)
+        assert b not in [x.seq for x in out.scheduled]
+        run_step(s, out)
+    assert bm.hits == 0
+    s.finish(hog, "abort")
+    out = s.schedule(now=0)
+    assert [x.seq for x in out.scheduled] == [b] and out.num_cached_tokens == 8
+    assert (bm.hits, bm.queries) == (2, 2 + 2 + 3)   # a, hog and b each looked up once

@@ -92,22 +92,22 @@ class BlockManager:
         self.blocks[block_id].ref_count = 1
         return block_id
 
-    def match_prefix(self, seq: Sequence) -> None:
-        """Point an unallocated sequence at the cached blocks of its longest cached prefix.
+    def match_prefix(self, seq: Sequence) -> int:
+        """Point an unallocated sequence at the cached blocks of its longest cached prefix;
+        returns how many blocks were looked up (for `count_lookup`).
 
         At least one token is always left to compute, since the step that computes it
         produces the logits for the next token.
         """
         assert not seq.block_table and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching:
-            return
+            return 0
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1) // bs
         parent = None
         for i in range(max_blocks):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(parent, tokens)
-            self.queries += 1
             block_id = self._hash_to_block.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
@@ -115,11 +115,17 @@ class BlockManager:
             if block.ref_count == 0:
                 del self._free_cached[block_id]
             block.ref_count += 1
-            self.hits += 1
             seq.block_table.append(block_id)
             seq.block_hashes.append(h)
             parent = h
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * bs
+        return max_blocks
+
+    def count_lookup(self, queried: int, hit: int) -> None:
+        """Add one admitted request's prefix lookup to the hit counters (a request that waits
+        and is matched again later is counted once, when it is admitted)."""
+        self.queries += queried
+        self.hits += hit
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow seq's block table to hold num_computed_tokens + num_new_tokens; False if full."""

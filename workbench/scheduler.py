@@ -123,8 +123,7 @@ class Scheduler:
         if not out.preempted and self._may_admit(now, out):
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 seq = self.waiting[0]
-                if not seq.block_table:
-                    bm.match_prefix(seq)
+                queried = bm.match_prefix(seq) if not seq.block_table else 0
                 n = seq.num_uncomputed_tokens
                 if n > budget:
                     if not chunked:
@@ -135,6 +134,7 @@ class Scheduler:
                     self._release_prefix(seq)
                     break
                 self.waiting.popleft()
+                bm.count_lookup(queried, seq.num_cached_tokens // bm.block_size)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 out.num_cached_tokens += seq.num_cached_tokens
