@@ -30,6 +30,13 @@ class EngineConfig:
     """Memory for the KV pool when num_kv_blocks is None."""
     enable_prefix_caching: bool = True
 
+    # Graph capture
+    graph_mode: str = "decode"
+    """'eager', 'decode' (capture decode steps; vLLM-Ascend's FULL_DECODE_ONLY) or 'full'.
+    Platforms without graph capture (the CPU) run eager and report it in Engine.notices."""
+    cudagraph_capture_sizes: list[int] | None = None
+    """Decode batch sizes to capture; None: 1, 2, 4, 8, then every 16 up to max_num_seqs."""
+
     # Scheduler
     max_num_seqs: int = 64
     """Most requests running at once (the batch size)."""
@@ -67,6 +74,11 @@ class EngineConfig:
             bad("model", "must be a non-empty string")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             bad("dtype", "must be 'auto', 'float32', 'bfloat16' or 'float16'")
+        from .graphs import GRAPH_MODES, validate_capture_sizes
+        if self.graph_mode not in GRAPH_MODES:
+            bad("graph_mode", f"must be one of {GRAPH_MODES}")
+        if self.cudagraph_capture_sizes is not None and isinstance(self.max_num_seqs, int):
+            validate_capture_sizes(self.cudagraph_capture_sizes, self.max_num_seqs)
         if self.attention_backend not in ("auto", "reference"):
             bad("attention_backend", "must be 'auto' or 'reference'")
         bs = self.block_size

@@ -24,6 +24,7 @@ import torch
 
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .graphs import default_capture_sizes
 from .detokenizer import IncrementalDetokenizer
 from .models import build_model, load_checkpoint
 from .platforms import get_platform
@@ -124,6 +125,17 @@ class Engine:
         self.telemetry.memory = MemoryStats(weights, self.runner.kv_cache_bytes,
                                             self.platform.peak_memory_bytes(), per_block, num_blocks)
         self.eos_token_ids = self._eos_ids()
+        self.notices: list[str] = []
+        """Things the user asked for that this engine does differently, in words for a UI."""
+        self.graph_mode = config.graph_mode
+        self.capture_sizes = (config.cudagraph_capture_sizes
+                              or default_capture_sizes(config.max_num_seqs))
+        if config.graph_mode != "eager" and not self.platform.supports_graphs:
+            self.graph_mode = "eager"
+            self.notices.append(f"graph_mode={config.graph_mode!r} asked for, but graph capture "
+                                f"is not available on {self.platform.name} in this build: every "
+                                "step runs eager (StepEvent.graph stays False)")
+            log.info(self.notices[-1])
         self.vocab_size = self.hf_config.vocab_size
 
         self._requests: dict[str, _Request] = {}

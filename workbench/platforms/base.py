@@ -7,6 +7,8 @@ class Platform:
     """What the engine needs to know about a device. Subclasses fill in the specifics."""
     name = "base"
     default_dtype = torch.float32
+    supports_graphs = False
+    """Whether this platform can capture and replay step graphs (graph_mode 'decode'/'full')."""
 
     @classmethod
     def is_available(cls) -> bool:

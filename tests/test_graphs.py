@@ -1,0 +1,36 @@
+"""Graph-mode policy: capture sizes, padding, and what the CPU does with the knob."""
+from __future__ import annotations
+
+import pytest
+
+from workbench import Engine, EngineConfig, SamplingParams
+from workbench.graphs import default_capture_sizes, padded_size
+
+
+def test_default_capture_sizes():
+    assert default_capture_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert default_capture_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert default_capture_sizes(3) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("batch,expect", [(1, 1), (3, 4), (8, 8), (9, 16), (33, 48), (64, 64), (65, None)])
+def test_padding_goes_to_the_next_captured_size(batch, expect):
+    assert padded_size(batch, default_capture_sizes(64)) == expect
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(graph_mode="piecewise"), "graph_mode"),
+    (dict(cudagraph_capture_sizes=[0, 4]), "cudagraph_capture_sizes"),
+    (dict(cudagraph_capture_sizes=[4, 128], max_num_seqs=64), "cudagraph_capture_sizes"),
+])
+def test_bad_graph_knobs(kw, field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**kw)
+
+
+def test_cpu_runs_eager_and_says_so():
+    e = Engine(model="random:tiny", device="cpu", num_kv_blocks=16, graph_mode="decode")
+    assert e.graph_mode == "eager" and "runs eager" in e.notices[0]
+    e.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert not any(s.graph for s in e.telemetry.steps)
+    assert Engine(model="random:tiny", device="cpu", num_kv_blocks=16, graph_mode="eager").notices == []

@@ -1,0 +1,39 @@
+"""Graph-capture policy, device-independent: which batch sizes to capture, how to pad.
+
+vLLM-Ascend's meanings for `graph_mode`: 'eager' captures nothing; 'decode'
+(FULL_DECODE_ONLY) captures decode steps at a list of batch sizes, pads a decode batch up to
+the next captured size and replays it, and runs eager above the largest size; 'full' also
+captures prefill/mixed steps. Capture itself is a platform's business (CUDAGraph, NPUGraph);
+a platform without it runs eager and says so (`Engine.notices`, StepEvent.graph stays False).
+"""
+from __future__ import annotations
+
+import bisect
+
+GRAPH_MODES = ("eager", "decode", "full")
+
+
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every 16 up to max_num_seqs (always included)."""
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_num_seqs]
+    sizes += range(16, max_num_seqs + 1, 16)
+    if max_num_seqs not in sizes:
+        sizes.append(max_num_seqs)
+    return sorted(set(sizes))
+
+
+def validate_capture_sizes(sizes: list[int], max_num_seqs: int) -> list[int]:
+    if not sizes or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes):
+        raise ValueError(f"cudagraph_capture_sizes: must be positive integers (got {sizes!r})")
+    if max(sizes) > max_num_seqs:
+        raise ValueError(f"cudagraph_capture_sizes: {max(sizes)} exceeds max_num_seqs "
+                         f"({max_num_seqs}); a batch that large never runs")
+    return sorted(set(sizes))
+
+
+def padded_size(batch: int, sizes: list[int]) -> int | None:
+    """The captured size a decode batch of `batch` replays at (the smallest >= batch), or
+    None when it is larger than every captured size and must run eager. The padding slots
+    feed a dummy token whose K/V go to a scratch slot no request owns."""
+    i = bisect.bisect_left(sizes, batch)
+    return sizes[i] if i < len(sizes) else None
