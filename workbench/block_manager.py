@@ -45,6 +45,29 @@ class BlockStats:
     """Full prompt blocks looked up in the prefix cache since start."""
 
 
+@dataclass(slots=True)
+class KVBlockSnapshot:
+    """The pool block by block, for a block map: who holds what, and what is cached."""
+    num_blocks: int
+    block_size: int
+    ref_counts: list[int]
+    cached: list[bool]
+    """The block holds a full block registered in the prefix cache (a used block that later
+    requests may share, or a free one that still serves hits)."""
+    block_tables: dict[str, list[int]]
+    """Each live request's block table, in position order."""
+    step: int = -1
+    """Engine step after which it was taken (-1: before any)."""
+
+    def owners(self) -> list[list[str]]:
+        """Request ids holding each block (several for a shared prefix block)."""
+        out: list[list[str]] = [[] for _ in range(self.num_blocks)]
+        for rid, table in self.block_tables.items():
+            for b in table:
+                out[b].append(rid)
+        return out
+
+
 def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent, token_ids))
 
@@ -75,6 +98,11 @@ class BlockManager:
     def stats(self) -> BlockStats:
         return BlockStats(self.num_blocks, self.num_used_blocks, self.num_free_blocks,
                           len(self._free_cached), self.hits, self.queries)
+
+    def snapshot(self, block_tables: dict[str, list[int]], step: int = -1) -> KVBlockSnapshot:
+        return KVBlockSnapshot(self.num_blocks, self.block_size,
+                               [b.ref_count for b in self.blocks],
+                               [b.hash is not None for b in self.blocks], block_tables, step)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 
 import torch
 
-from .block_manager import BlockManager
+from .block_manager import BlockManager, KVBlockSnapshot
 from .config import EngineConfig
 from .graphs import default_capture_sizes
 from .detokenizer import IncrementalDetokenizer
@@ -77,6 +77,23 @@ class _Request:
     generator: torch.Generator | None
     listener: Callable[[TokenEvent], None] | None = None
     done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class RequestState:
+    """Where one unfinished request stands (see Engine.request_states)."""
+    request_id: str
+    status: str
+    """'queued' (not yet seen by the scheduler), 'waiting' or 'running'."""
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_computed_tokens: int
+    """Tokens whose K/V are in the cache."""
+    num_cached_tokens: int
+    """Prompt tokens served by the prefix cache at its last admission."""
+    num_preemptions: int
+    block_table: list[int]
+    text: str
 
 
 Prompt = Any   # str | list[dict] (chat messages) | list[int] (token ids)
@@ -147,6 +164,8 @@ class Engine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._kv_wanted = False
+        self._kv_last: KVBlockSnapshot | None = None
 
     # ---- set-up helpers -------------------------------------------------------------------
     def _eos_ids(self) -> set[int]:
@@ -305,10 +324,15 @@ class Engine:
             phase=sched.phase, num_prefill_tokens=sched.num_prefill_tokens,
             num_decode_tokens=sched.num_decode_tokens, num_cached_tokens=sched.num_cached_tokens,
             tokens_per_request={s.seq.request_id: s.num_new_tokens for s in sched.scheduled},
+            kinds={s.seq.request_id: "decode" if s.is_decode else "prefill" if s.samples
+                   else "chunk" for s in sched.scheduled},
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=bstats.used, kv_blocks_free=bstats.free, kv_blocks_cached=bstats.cached,
             num_preempted=len(sched.preempted), preempted=[s.request_id for s in sched.preempted],
             finished=finished))
+        if self._kv_wanted:
+            self._kv_wanted = False
+            self._kv_last = self._kv_snapshot()
         return events
 
     def _append_token(self, r: _Request, tok: int, now: float) -> TokenEvent:
@@ -362,6 +386,38 @@ class Engine:
                             r.seq.num_output_tokens, now, True, r.seq.finish_reason)
             self._deliver(r, ev)
             r.done.set()
+
+    # ---- looking inside (for block maps and steppers) --------------------------------------
+    def _kv_snapshot(self) -> KVBlockSnapshot:
+        with self._lock:
+            reqs = list(self._requests.values())
+        tables = {r.seq.request_id: list(r.seq.block_table) for r in reqs if r.seq.block_table}
+        return self.block_manager.snapshot(tables, self.telemetry.num_steps - 1)
+
+    def kv_blocks(self) -> KVBlockSnapshot | None:
+        """The KV pool block by block. Never waits for a forward pass: while a step runs in
+        the background it returns the snapshot taken at the end of the previous step it was
+        asked for (None the first time) and asks for a fresh one at the end of this step."""
+        if self._step_lock.acquire(blocking=False):
+            try:
+                return self._kv_snapshot()
+            finally:
+                self._step_lock.release()
+        self._kv_wanted = True
+        return self._kv_last
+
+    def request_states(self) -> list[RequestState]:
+        """Every unfinished request, in arrival order (waits for a running step to end)."""
+        with self._step_lock:
+            with self._lock:
+                reqs = list(self._requests.values())
+                queued = {id(r) for r in self._inbox}
+            return [RequestState(r.seq.request_id,
+                                 "queued" if id(r) in queued else r.seq.status.value,
+                                 r.seq.num_prompt_tokens, r.seq.num_output_tokens,
+                                 r.seq.num_computed_tokens, r.seq.num_cached_tokens,
+                                 r.seq.num_preemptions, list(r.seq.block_table), r.detok.text)
+                    for r in reqs]
 
     # ---- driving it to completion ---------------------------------------------------------
     def _prepare_batch(self, prompts, params) -> list[_Request]:

@@ -330,7 +330,14 @@ class RemoteEngine:
         num_requests_waiting, kv_cache_usage_perc (0..1), num_preemptions_total,
         prompt_tokens_total, generation_tokens_total, request_success_total ({reason: n}),
         histograms ({name: {count, sum, mean, buckets}}), samples (every parsed sample)."""
-        r = self._client.get("/metrics")
+        return self._metrics(self._client.get("/metrics"))
+
+    async def apoll_metrics(self) -> dict:
+        """asyncio version of `poll_metrics`."""
+        return self._metrics(await self._async_client().get("/metrics"))
+
+    @staticmethod
+    def _metrics(r: httpx.Response) -> dict:
         if r.status_code != 200:
             _raise_for_error_body(r.status_code, r.text)
         samples = parse_prometheus(r.text)

@@ -26,6 +26,9 @@ class StepEvent:
     num_cached_tokens: int
     """Prompt tokens served by the prefix cache for requests admitted in this step."""
     tokens_per_request: dict[str, int]
+    kinds: dict[str, str]
+    """What each scheduled request did: 'prefill' (its prompt's last chunk; it got a token),
+    'chunk' (a prompt chunk that did not reach the end; no token) or 'decode'."""
     num_running: int
     num_waiting: int
     kv_blocks_used: int
@@ -41,6 +44,12 @@ class StepEvent:
     @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the KV pool referenced by live requests after the step."""
+        total = self.kv_blocks_used + self.kv_blocks_free
+        return self.kv_blocks_used / total if total else 0.0
 
 
 @dataclass(slots=True)
