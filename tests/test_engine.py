@@ -249,6 +249,23 @@ def test_sampling_seeded_and_bounded(tiny_engine):
     assert k1.token_ids == g.token_ids
 
 
+def test_unseeded_sampling_repeats_across_processes():
+    """Requests without a seed draw from (engine seed, request id): the same in every run,
+    whatever PYTHONHASHSEED salts str hashes with."""
+    import os
+    import subprocess
+    import sys
+    code = ("from workbench import Engine, SamplingParams\n"
+            "e = Engine(model='random:tiny', device='cpu', seed=7)\n"
+            "p = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)\n"
+            "print([o.token_ids for o in e.generate([[5, 6, 7], [8, 9]], p)])\n")
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "PYTHONHASHSEED": str(salt)})
+            for salt in (1, 2)]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:]
+    assert runs[0].stdout == runs[1].stdout and runs[0].stdout.startswith("[[")
+
+
 def test_top_p_keeps_the_nucleus_only():
     import torch
     from workbench.sampler import sample

@@ -1,4 +1,20 @@
 """Jupyter panels over the engine's public API and telemetry (ipywidgets + plotly).
 
+    from widgets import Dashboard, Live, Stepper, TokenStreamPanel, BatchTimeline, KVBlockMap
+
 Imported only by notebooks and the dashboard: `workbench` itself never imports this package.
+Panels are fed on the kernel's own asyncio loop (see `widgets.live`), at most ~20 times a
+second, from the in-process Engine or from a remote OpenAI-compatible server.
 """
+from .dashboard import Dashboard
+from .knobs import KnobPanel
+from .kv_map import KVBlockMap
+from .live import Live, Pump
+from .sources import LocalSource, RemoteSource
+from .stepper import Stepper
+from .summary import SummaryPanel
+from .timeline import BatchTimeline
+from .token_stream import TokenStreamPanel
+
+__all__ = ["Dashboard", "Live", "Pump", "Stepper", "KnobPanel", "KVBlockMap", "BatchTimeline",
+           "TokenStreamPanel", "SummaryPanel", "LocalSource", "RemoteSource"]

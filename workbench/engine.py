@@ -17,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable, Iterator
 
@@ -229,7 +230,10 @@ class Engine:
         seq = Sequence(rid, ids, params, max_len=self.max_model_len)
         gen = None
         if not params.greedy:
-            seed = params.seed if params.seed is not None else hash((self.config.seed, rid)) & 0xFFFFFFFF
+            # A stable default (str hashes are salted per process): the same engine seed and
+            # request id sample the same tokens in every run.
+            seed = (params.seed if params.seed is not None
+                    else zlib.crc32(f"{self.config.seed}:{rid}".encode()))
             gen = torch.Generator().manual_seed(seed)
         metrics = RequestMetrics(rid, seq.arrival_time, len(ids))
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)

@@ -103,6 +103,12 @@ class MemoryStats:
     num_kv_blocks: int
 
 
+def _tail(d: deque, n: int) -> list:
+    """The last n items of a deque (all of it if n is larger), without walking the rest."""
+    n = min(max(n, 0), len(d))
+    return [d[i] for i in range(len(d) - n, len(d))]
+
+
 class Telemetry:
     def __init__(self, max_steps: int = 100_000, max_requests: int = 100_000):
         self._lock = threading.Lock()
@@ -126,14 +132,12 @@ class Telemetry:
     def requests_since(self, n: int) -> list[RequestMetrics]:
         """Request records numbered >= n (for pollers that remember where they were)."""
         with self._lock:
-            kept = len(self.requests)
-            first = self.num_requests - kept
-            return list(self.requests)[max(n - first, 0):]
+            return _tail(self.requests, self.num_requests - n)
 
     def steps_since(self, step: int) -> list[StepEvent]:
         """Step events with index >= step (for pollers that remember where they were)."""
         with self._lock:
-            return [e for e in self.steps if e.step >= step]
+            return _tail(self.steps, self.num_steps - step)
 
     def snapshot(self) -> tuple[list[StepEvent], list[RequestMetrics]]:
         with self._lock:

@@ -1,0 +1,245 @@
+"""Widgets without a browser: what the panels hold after real generations, how many comm
+messages they send (the throttle), knob validation and engine rebuilds, the Stepper.
+
+Comm messages are counted by installing a recording comm factory in the `comm` package, the
+hook ipywidgets itself calls to open every widget's channel to the frontend."""
+from __future__ import annotations
+
+import asyncio
+import html
+import time
+
+import pytest
+
+pytest.importorskip("ipywidgets")
+pytest.importorskip("plotly")
+import comm  # noqa: E402
+from comm.base_comm import BaseComm  # noqa: E402
+
+from workbench import Engine, EngineConfig, SamplingParams  # noqa: E402
+
+
+class RecordingComm(BaseComm):
+    log: list[tuple[float, str, dict]] = []
+
+    def publish_msg(self, msg_type, data=None, metadata=None, buffers=None, **keys):
+        if msg_type == "comm_msg":
+            RecordingComm.log.append((time.monotonic(), self.comm_id, data or {}))
+
+
+@pytest.fixture
+def comms(monkeypatch):
+    RecordingComm.log = []
+    monkeypatch.setattr(comm, "create_comm", lambda **kw: RecordingComm(**kw))
+    return RecordingComm.log
+
+
+def messages_for(log, widget, since: float = 0.0) -> list[float]:
+    cid = widget.comm.comm_id
+    return [t for t, c, _ in log if c == cid and t >= since]
+
+
+@pytest.fixture(scope="module")
+def smollm2_engine():
+    e = Engine(model="smollm2", device="cpu", max_num_seqs=8, num_kv_blocks=256)
+    yield e
+    e.shutdown()
+
+
+def test_live_panels_hold_what_the_engine_generated(smollm2_engine, comms):
+    from widgets import BatchTimeline, KVBlockMap, Live, SummaryPanel, TokenStreamPanel
+    e = smollm2_engine
+    prompts = ["The capital of France is", "List three prime numbers:",
+               [{"role": "user", "content": "Name a colour."}]]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    expected = [o.text for o in e.generate(prompts, params)]
+    first_step = e.telemetry.num_steps
+
+    async def run():
+        live = Live(e, TokenStreamPanel(), BatchTimeline(), KVBlockMap(), SummaryPanel())
+        assert live.pump.running      # on the loop it was made on, like a kernel's
+        rids = await live.generate(prompts, params, timeout=120)
+        return live, rids
+
+    live, rids = asyncio.run(run())
+    streams, timeline, kv, summary = live.panels
+    assert [streams.streams[r].text for r in rids] == expected
+    assert all(streams.streams[r].status == "length" for r in rids)
+    assert streams.num_requests == 3 and streams.num_finished == 3
+    assert streams.num_tokens == 3 * 16
+    for r in rids:
+        st = streams.streams[r]
+        assert st.num_tokens == 16 and 0 < st.ttft and st.tpot > 0
+        assert html.escape(st.text) in streams.view.value
+    steps = [s for s in e.telemetry.steps_since(first_step) if s.phase != "idle"]
+    assert timeline.num_points == len(steps) and timeline.last_step == steps[-1].step
+    bars = timeline.fig.data
+    drawn_prefill = sum(y or 0 for y in bars[0].y) + sum(y or 0 for y in bars[2].y)
+    drawn_decode = sum(y or 0 for y in bars[1].y) + sum(y or 0 for y in bars[3].y)
+    assert drawn_prefill == sum(s.num_prefill_tokens for s in steps)
+    assert drawn_decode == sum(s.num_decode_tokens for s in steps) == 3 * 15
+    assert any("decode" in h and rids[0] in h for h in bars[1].hovertext)
+    assert summary.num_finished == 3 and summary.output_tokens == 3 * 16
+    f = summary.figures()
+    assert f["ttft_p50"] > 0 and f["tpot_p99"] >= f["tpot_p50"] > 0 and f["throughput"] > 0
+    # Every request finished: no block is held, and their full prompt blocks stay cached.
+    assert kv.num_used == 0 and kv.num_cached_free > 0
+    assert "cached-free" in kv.view.value
+    live.close()
+
+
+def test_kv_map_marks_owners_and_shared_prefix_blocks(smollm2_engine):
+    from widgets import KVBlockMap
+    e = smollm2_engine
+    prefix = "You are a helpful assistant. " * 12
+    e.generate(prefix + "Say hi.", SamplingParams(max_tokens=1))     # cache the prefix
+    a = e.add_request(prefix + "Say one.", SamplingParams(max_tokens=50, ignore_eos=True))
+    b = e.add_request(prefix + "Say two.", SamplingParams(max_tokens=50, ignore_eos=True))
+    e.step()
+    snap = e.kv_blocks()
+    kv = KVBlockMap()
+    kv.show(snap)
+    owners = snap.owners()
+    shared = [i for i, o in enumerate(owners) if set(o) == {a, b}]
+    assert shared and kv.num_shared == len(shared) and kv.num_used == len(
+        set(snap.block_tables[a]) | set(snap.block_tables[b]))
+    assert f"block {shared[0]} · {a}, {b} · refs 2" in kv.view.value
+    renders = kv.renders
+    kv.show(e.kv_blocks())            # nothing changed: nothing is sent
+    assert kv.renders == renders
+    e.abort(a), e.abort(b)
+    e.step()
+
+
+def test_throttle_bounds_messages_however_fast_tokens_come(comms):
+    """A tiny random model makes thousands of tokens a second; the panels still send a
+    bounded number of messages per second (one per tick at most for each view)."""
+    from widgets import BatchTimeline, KVBlockMap, Live, SummaryPanel, TokenStreamPanel
+    e = Engine(model="random:tiny", device="cpu", max_num_seqs=16, num_kv_blocks=512)
+    hz = 20
+
+    async def run():
+        live = Live(e, TokenStreamPanel(), BatchTimeline(), KVBlockMap(), SummaryPanel(), hz=hz)
+        t0 = time.monotonic()
+        await live.generate([[7, 8, 9, 10 + i] for i in range(16)],
+                            SamplingParams(max_tokens=600, ignore_eos=True), timeout=120)
+        return live, t0, time.monotonic()
+
+    live, t0, t1 = asyncio.run(run())
+    streams, timeline, kv, summary = live.panels
+    tokens = streams.num_tokens
+    elapsed = t1 - t0
+    assert tokens == 16 * 600
+    assert elapsed > 1.0, "too fast to measure a rate; raise max_tokens"
+    assert tokens / elapsed > 5 * hz, "tokens must come faster than the tick rate for this test"
+    # Ticks are paced at hz, and each view sends at most one message per tick.
+    assert live.pump.ticks <= hz * elapsed + 3
+    for view in (streams.view, summary.view, kv.view):
+        sent = messages_for(comms, view, t0)
+        assert len(sent) <= live.pump.ticks + 1
+        # Never more than hz in any one second.
+        worst = max(sum(1 for t in sent if s <= t < s + 1.0) for s in sent)
+        assert worst <= hz + 1, f"{worst} messages in one second"
+    # One batch_update per tick with new steps; plotly's protocol spends 4 small messages on it
+    # (two edit ids, the update, its reset).
+    assert timeline.num_updates <= live.pump.ticks
+    assert len(messages_for(comms, timeline.fig, t0)) <= 4 * timeline.num_updates
+    total = sum(1 for t, _, _ in comms if t >= t0)
+    assert total < tokens / 20, f"{total} comm messages for {tokens} tokens"
+    live.close()
+
+
+def test_knobs_validate_and_rebuild_the_dashboard_engine(comms):
+    from widgets import Dashboard
+    dash = Dashboard(config=EngineConfig(model="random:tiny", device="cpu", max_num_seqs=8,
+                                         num_kv_blocks=64))
+    old = dash.source.engine
+    knobs = dash.knobs
+
+    # An invalid combination: the config's own error, nothing rebuilt, the old engine serves.
+    knobs.set_values(max_num_seqs=16, max_num_batched_tokens=8)
+    assert knobs.apply() is None
+    assert knobs.failures == 1 and "max_num_batched_tokens" in knobs.last_error
+    assert "The running engine was kept" in knobs.status.value
+    assert dash.source.engine is old and dash.num_rebuilds == 0
+
+    # Valid for the config, refused by the engine (no such model): same, with its message.
+    knobs.set_values(max_num_batched_tokens=2048, model="random:no-such-shape")
+    assert knobs.apply() is None and knobs.failures == 2
+    assert "no-such-shape" in knobs.last_error and dash.source.engine is old
+
+    async def rebuild():
+        rids = dash.send(4, SamplingParams(max_tokens=400, ignore_eos=True))
+        await asyncio.sleep(0.05)
+        knobs.set_values(model="random:tiny", block_size=32)
+        new = await knobs.apply_async()      # builds in a thread while the old one serves
+        assert await dash.wait(timeout=60)
+        after = dash.send(2, SamplingParams(max_tokens=8, ignore_eos=True))
+        assert await dash.wait(timeout=60)
+        return new, rids, after
+
+    new, rids, after = asyncio.run(rebuild())
+    assert new is not None and dash.source.engine is new and new.config.block_size == 32
+    assert dash.num_rebuilds == 1 and knobs.builds == 1 and not old.is_running_in_background
+    assert "<b>32</b>" in dash.header.value and "Engine rebuilt" in knobs.status.value
+    # The old engine's requests were aborted when it was replaced (or had finished).
+    assert all(dash.streams.streams[r].status in ("abort", "length") for r in rids)
+    assert all(dash.streams.streams[r].status == "length" for r in after)
+    assert new.kv_blocks().block_size == 32
+    dash.source.close()
+
+
+def test_dashboard_bad_prompt_shows_error_and_sends_nothing():
+    from widgets import Dashboard
+    dash = Dashboard(config=EngineConfig(model="random:tiny", device="cpu"))
+    dash.prompts.value = "   \n  "
+    assert dash.send(3) == [] and "at least one prompt" in dash.message.value
+    dash.prompts.value = "hello"      # random:tiny has no tokenizer: text is refused cleanly
+    assert dash.send(2) == [] and "no tokenizer" in dash.message.value
+    assert dash.source.num_pending == 0 and dash.num_sent == 0
+    dash.source.close()
+
+
+def test_stepper_shows_chunks_decodes_and_preemption():
+    from widgets import Stepper
+    e = Engine(model="smollm2", device="cpu", block_size=16, num_kv_blocks=7,
+               max_num_batched_tokens=32, max_num_seqs=4, enable_prefix_caching=False)
+    words = e.tokenize("Explain how a paged KV cache lets an inference engine serve many "
+                       "requests at once without reserving memory for the longest possible "
+                       "sequence, and what happens when the pool runs out of blocks. " * 2)
+    pa, pb = words[:50], words[10:50]
+    st = Stepper(e)
+    a = st.add(pa, max_tokens=30, ignore_eos=True)          # 50 prompt tokens
+    r0 = st.step()
+    assert r0.row(a).action == "chunk" and r0.row(a).num_tokens == 32 and r0.row(a).token_id is None
+    assert r0.row(a).block_table == [0, 1]
+    r1 = st.step()
+    assert r1.row(a).action == "prefill" and r1.row(a).num_tokens == 18
+    assert r1.row(a).token_id is not None and r1.row(a).progress == "50/50 prompt, 1 out"
+    assert repr(r1.row(a).token) in html.unescape(st.view.value)
+    b = st.add(pb, max_tokens=30, ignore_eos=True)          # 40 more: 7 blocks hold 112 tokens
+    recs = st.run()
+    actions = [row.action for r in recs for row in r.rows]
+    assert "preempted" in actions, "7 blocks cannot hold both to the end: one is preempted"
+    assert not e.has_unfinished_requests()
+    # The tokens the stepper showed are the greedy tokens of each request run alone.
+    got: dict[str, list[int]] = {}
+    for r in [r0, r1, *recs]:
+        for row in r.rows:
+            if row.token_id is not None:
+                got.setdefault(row.request_id, []).append(row.token_id)
+    for rid, prompt in ((a, pa), (b, pb)):
+        want = e.generate(prompt, SamplingParams(max_tokens=30, temperature=0,
+                                                  ignore_eos=True))[0].token_ids
+        assert got[rid] == want
+    assert "Recent steps" in st.history_view.value and f"Step {recs[-1].step}" in st.view.value
+
+
+def test_stepper_refuses_a_background_engine():
+    from widgets import Stepper
+    e = Engine(model="random:tiny", device="cpu").start()
+    try:
+        with pytest.raises(ValueError, match="not running in the background"):
+            Stepper(e)
+    finally:
+        e.shutdown()

@@ -1,0 +1,183 @@
+"""Dashboard: prompt box, "send N concurrent requests", token streams, batch timeline, KV
+block map, summary and knobs, all fed by one engine (or one remote server).
+
+    from widgets import Dashboard
+    Dashboard()                                   # the embedded model on this machine
+    Dashboard(url="http://127.0.0.1:8000")        # watch and drive a vLLM / workbench server
+
+`workbench dashboard` serves it with Voila (notebooks/dashboard.ipynb).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import ipywidgets as w
+import traitlets
+
+from workbench import Engine, EngineConfig, SamplingParams
+
+from .knobs import KnobPanel
+from .kv_map import KVBlockMap
+from .live import Pump
+from .sources import LocalSource, RemoteSource, as_source
+from .style import css_widget, esc
+from .summary import SummaryPanel
+from .timeline import BatchTimeline
+from .token_stream import TokenStreamPanel
+
+EXAMPLE_PROMPTS = """Explain in two sentences why the sky is blue.
+Write a haiku about a paged KV cache.
+List three uses of a hash map.
+What is the difference between a process and a thread?
+Give me a short recipe for pancakes.
+Why do cats purr?
+Summarise the plot of Romeo and Juliet in three sentences.
+Write a limerick about a GPU that ran out of memory."""
+
+DASHBOARD_DEFAULTS = dict(max_num_seqs=32, num_kv_blocks=384)
+"""A pool small enough that a burst of long replies fills it and preemption shows."""
+
+
+class Dashboard(w.VBox):
+    """The whole workbench on one page. Give an `engine`, a `config`, or a server `url`."""
+
+    num_sent = traitlets.Int(0)
+    num_rebuilds = traitlets.Int(0)
+
+    def __init__(self, engine: Engine | None = None, *, config: EngineConfig | None = None,
+                 url: str | None = None, api_key: str | None = None, hz: float = 20.0):
+        if sum(x is not None for x in (engine, config, url)) > 1:
+            raise ValueError("give one of engine, config or url")
+        if url is not None:
+            source = RemoteSource(url, api_key=api_key)
+        else:
+            source = as_source(engine if engine is not None
+                               else Engine(config or EngineConfig(**DASHBOARD_DEFAULTS)))
+        self.source: LocalSource | RemoteSource = source
+        self.header = w.HTML()
+        self.notices = w.HTML()
+        self.streams = TokenStreamPanel(max_cards=12)
+        self.timeline = BatchTimeline(resolution=source.resolution)
+        self.kv = KVBlockMap(columns=48)
+        self.summary = SummaryPanel()
+
+        self.prompts = w.Textarea(value=EXAMPLE_PROMPTS, rows=8, layout=w.Layout(width="100%"),
+                                  placeholder="One prompt per line; requests cycle through them")
+        self.n = w.IntSlider(value=8, min=1, max=64, description="requests",
+                             style={"description_width": "70px"}, layout=w.Layout(width="100%"))
+        self.chat = w.Checkbox(value=True, description="use the chat template", indent=False)
+        self.send_button = w.Button(description="Send", icon="paper-plane", button_style="success",
+                                    layout=w.Layout(width="49%"))
+        self.abort_button = w.Button(description="Abort all", icon="stop", button_style="warning",
+                                     layout=w.Layout(width="49%"))
+        self.clear_button = w.Button(description="Clear panels", icon="eraser",
+                                     layout=w.Layout(width="100%"))
+        self.message = w.HTML()
+        self.send_button.on_click(lambda _: self.send())
+        self.abort_button.on_click(lambda _: self.source.abort_all())
+        self.clear_button.on_click(lambda _: self.clear())
+        self.knobs = KnobPanel(source.config or EngineConfig(), on_apply=self.swap_engine)
+        if isinstance(source, RemoteSource):
+            self.knobs.apply_button.disabled = True
+            self.knobs.status.value = ('<div class="wb muted">A remote server\'s engine knobs are '
+                                       'set where it runs; temperature and max tokens apply.</div>')
+            self.kv.unavailable("A remote server does not publish its block table; the "
+                                "timeline shows its /metrics instead.")
+
+        controls = w.VBox([w.HTML('<div class="wb"><h3>Send requests</h3></div>'), self.prompts,
+                           self.n, self.chat, w.HBox([self.send_button, self.abort_button]),
+                           self.clear_button, self.message,
+                           w.HTML('<div class="wb"><h3>Knobs</h3></div>'), self.knobs],
+                          layout=w.Layout(width="330px", min_width="330px", padding="0 12px 0 0"))
+        main = w.VBox([self.summary, self.streams, self.timeline, self.kv],
+                      layout=w.Layout(flex="1 1 auto", min_width="0"))
+        super().__init__([css_widget(), self.header, self.notices, w.HBox([controls, main])],
+                         layout=w.Layout(width="100%"))
+        self.pump = Pump(source, [self.streams, self.timeline, self.kv, self.summary], hz)
+        self.pump.on_tick.append(self._show_errors)
+        self._describe()
+        self.pump.start()
+
+    @classmethod
+    def from_env(cls) -> "Dashboard":
+        """Settings from WORKBENCH_URL (+ WORKBENCH_API_KEY) for a server, else
+        WORKBENCH_MODEL / WORKBENCH_DEVICE for an engine here (what `workbench dashboard` sets)."""
+        url = os.environ.get("WORKBENCH_URL")
+        if url:
+            return cls(url=url, api_key=os.environ.get("WORKBENCH_API_KEY"))
+        config = EngineConfig(model=os.environ.get("WORKBENCH_MODEL", "smollm2"),
+                              device=os.environ.get("WORKBENCH_DEVICE", "auto"),
+                              **DASHBOARD_DEFAULTS)
+        return cls(config=config)
+
+    # ---- header -----------------------------------------------------------------------------
+    def _describe(self) -> None:
+        items = " · ".join(f'<span class="muted">{esc(k)}</span> <b>{esc(v)}</b>'
+                           for k, v in self.source.describe().items())
+        kind = "remote server" if isinstance(self.source, RemoteSource) else "engine"
+        self.header.value = (f'<div class="wb"><h2 style="margin:4px 0">Prefill/decode '
+                             f'workbench</h2><div class="engine-info">{kind}: {items}</div></div>')
+        self.notices.value = "".join(f'<div class="wb"><div class="notice">{esc(n)}</div></div>'
+                                     for n in self.source.notices)
+
+    def _show_errors(self, u) -> None:
+        if u.errors:
+            self.message.value = ('<div class="wb"><div class="error">'
+                                  + "<br>".join(map(esc, u.errors[-5:])) + "</div></div>")
+
+    # ---- actions ------------------------------------------------------------------------------
+    def prompt_list(self) -> list:
+        lines = [ln.strip() for ln in self.prompts.value.splitlines() if ln.strip()]
+        if not lines:
+            raise ValueError("prompt: write at least one prompt (one per line)")
+        chat = self.chat.value and isinstance(self.source, LocalSource) \
+            and getattr(self.source.engine.tokenizer, "chat_template", None)
+        return [[{"role": "user", "content": ln}] if chat else ln for ln in lines]
+
+    def send(self, n: int | None = None, params: SamplingParams | None = None) -> list[str]:
+        """Send n requests (default: the slider), cycling through the prompt lines, each with
+        its own seed so sampled replies differ. Bad input shows an error and sends nothing."""
+        n = self.n.value if n is None else n
+        try:
+            prompts = self.prompt_list()
+            base = params or self.knobs.sampling_params()
+            base.validate()
+            if isinstance(self.source, RemoteSource):
+                self.source.chat = self.chat.value
+            else:
+                for p in prompts:
+                    self.source.engine.tokenize(p)
+        except ValueError as e:
+            self.message.value = f'<div class="wb"><div class="error">{esc(str(e))}</div></div>'
+            return []
+        self.message.value = ""
+        rids = []
+        for i in range(n):
+            seed = None if base.greedy else (base.seed or 0) + self.num_sent + i
+            rids.append(self.source.submit(prompts[i % len(prompts)], replace(base, seed=seed)))
+        self.num_sent += n
+        self.pump.start()
+        return rids
+
+    async def wait(self, timeout: float | None = None) -> bool:
+        """Until every request sent has finished (the panels keep moving meanwhile)."""
+        self.pump.start()
+        return await self.pump.wait(timeout)
+
+    def clear(self) -> None:
+        for p in (self.streams, self.timeline, self.summary):
+            p.clear()
+
+    def swap_engine(self, engine: Engine) -> None:
+        """Put a newly built engine in place of the current one (what Apply does)."""
+        old = self.source
+        self.pump.tick()                      # take what the old engine still had
+        new = LocalSource(engine)
+        self.pump.source = self.source = new
+        old.close()                           # stops it; its unfinished requests are aborted
+        self.streams.update(old.poll())       # show those aborts
+        self.timeline.clear()                 # step numbers restart with the new engine
+        self.summary.clear()
+        self.num_rebuilds += 1
+        self._describe()

@@ -1,0 +1,201 @@
+"""KnobPanel: the engine's knobs. "Apply" builds a new engine from them; the old one keeps
+serving until the new one is ready, and stays if the new one cannot be built.
+
+Temperature and max tokens are per-request settings (`sampling_params()`), not rebuilds.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import time
+from dataclasses import replace
+from typing import Callable
+
+import ipywidgets as w
+import traitlets
+
+from workbench import Engine, EngineConfig, SamplingParams
+
+from .live import running_loop
+from .style import css_widget, esc
+
+MODELS = ["smollm2", "random:tiny", "random:smollm2-135m", "random:qwen3-0.6b"]
+BLOCK_SIZES = [8, 16, 32, 64, 128, 256]
+
+
+def available_devices() -> list[str]:
+    """Devices this machine can run, in 'auto' order, without importing torch_npu."""
+    import torch
+    found = ["auto"]
+    if importlib.util.find_spec("torch_npu") is not None:
+        found.append("npu")
+    if torch.cuda.is_available():
+        found.append("cuda")
+    return found + ["cpu"]
+
+
+def _label(text: str, width: str = "150px") -> dict:
+    return dict(description=text, style={"description_width": width},
+                layout=w.Layout(width="100%"))
+
+
+class KnobPanel(w.VBox):
+    """Knobs for `config`; `on_apply(engine)` receives each engine built by Apply."""
+
+    builds = traitlets.Int(0, help="Engines built successfully.")
+    failures = traitlets.Int(0, help="Applies that raised (the old engine was kept).")
+    building = traitlets.Bool(False)
+
+    def __init__(self, config: EngineConfig | None = None,
+                 on_apply: Callable[[Engine], None] | None = None,
+                 engine_factory: Callable[[EngineConfig], Engine] = Engine, **kw):
+        self.config = config or EngineConfig()
+        self.on_apply = on_apply
+        self.engine_factory = engine_factory
+        self.last_error: str | None = None
+        self._expected_build_s = 6.0
+        c = self.config
+        self.model = w.Combobox(value=c.model, options=MODELS, ensure_option=False,
+                                placeholder="smollm2, random:<shape> or a checkpoint dir",
+                                **_label("model"))
+        self.device = w.Dropdown(options=available_devices(), value=c.device
+                                 if c.device in available_devices() else "auto", **_label("device"))
+        self.block_size = w.Dropdown(options=BLOCK_SIZES, value=c.block_size,
+                                     **_label("block_size"))
+        self.num_kv_blocks = w.IntText(value=c.num_kv_blocks or 0,
+                                       **_label("num_kv_blocks (0: from memory)"))
+        self.max_num_seqs = w.IntSlider(value=c.max_num_seqs, min=1, max=256,
+                                        **_label("max_num_seqs (batch)"))
+        self.max_num_batched_tokens = w.IntText(value=c.max_num_batched_tokens,
+                                                **_label("max_num_batched_tokens"))
+        self.graph_mode = w.ToggleButtons(options=["eager", "decode", "full"], value=c.graph_mode,
+                                          **_label("graph_mode"))
+        self.graph_mode.style.button_width = "70px"
+        self.enable_prefix_caching = w.Checkbox(value=c.enable_prefix_caching, indent=False,
+                                                description="enable_prefix_caching")
+        self.temperature = w.FloatSlider(value=0.7, min=0.0, max=2.0, step=0.05,
+                                         **_label("temperature"))
+        self.max_tokens = w.IntSlider(value=128, min=1, max=1024, **_label("max tokens"))
+        self.apply_button = w.Button(description="Apply (rebuild engine)", button_style="primary",
+                                     icon="refresh", layout=w.Layout(width="100%"))
+        self.progress = w.FloatProgress(value=0, min=0, max=1, bar_style="info",
+                                        layout=w.Layout(width="100%", visibility="hidden"))
+        self.status = w.HTML()
+        self.apply_button.on_click(lambda _: self._clicked())
+        engine_knobs = [self.model, self.device, self.block_size, self.num_kv_blocks,
+                        self.max_num_seqs, self.max_num_batched_tokens, self.graph_mode,
+                        self.enable_prefix_caching]
+        super().__init__([css_widget(), w.HTML("<b>Engine</b> <span style='opacity:.7'>(Apply "
+                                               "rebuilds it)</span>"), *engine_knobs,
+                          w.HTML("<b>Requests</b>"), self.temperature, self.max_tokens,
+                          self.apply_button, self.progress, self.status], **kw)
+
+    # ---- reading the knobs ----------------------------------------------------------------
+    def values(self) -> dict:
+        return dict(model=self.model.value.strip(), device=self.device.value,
+                    block_size=self.block_size.value,
+                    num_kv_blocks=self.num_kv_blocks.value or None,
+                    max_num_seqs=self.max_num_seqs.value,
+                    max_num_batched_tokens=self.max_num_batched_tokens.value,
+                    graph_mode=self.graph_mode.value,
+                    enable_prefix_caching=self.enable_prefix_caching.value)
+
+    def make_config(self) -> EngineConfig:
+        """The knobs as a config (raises ValueError naming the field, like EngineConfig)."""
+        return replace(self.config, **self.values())
+
+    def sampling_params(self, **overrides) -> SamplingParams:
+        p = SamplingParams(temperature=self.temperature.value, max_tokens=self.max_tokens.value)
+        return replace(p, **overrides) if overrides else p
+
+    def set_values(self, **values) -> None:
+        """Set knobs by EngineConfig name (for notebooks and tests)."""
+        for name, v in values.items():
+            widget = getattr(self, name, None)
+            if not isinstance(widget, w.ValueWidget):
+                raise ValueError(f"{name}: not a knob of this panel")
+            widget.value = 0 if (name == "num_kv_blocks" and v is None) else v
+
+    # ---- applying -------------------------------------------------------------------------
+    def _clicked(self) -> None:
+        if self.building:
+            return
+        if running_loop() is not None:
+            asyncio.ensure_future(self.apply_async())
+        else:
+            self.apply()
+
+    def _fail(self, e: BaseException) -> None:
+        self.failures += 1
+        self.last_error = f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
+        self.status.value = (f'<div class="wb"><div class="error"><b>Not applied.</b> '
+                             f'{esc(self.last_error)}<br>The running engine was kept.</div></div>')
+
+    def _succeed(self, engine: Engine, seconds: float) -> None:
+        self.config = engine.config
+        self.builds += 1
+        self.last_error = None
+        self._expected_build_s = seconds
+        notes = "".join(f"<br>{esc(n)}" for n in engine.notices)
+        self.status.value = (f'<div class="wb"><div class="ok">Engine rebuilt in {seconds:.1f} s: '
+                             f'block_size {engine.config.block_size}, '
+                             f'{engine.block_manager.num_blocks} KV blocks, max_num_seqs '
+                             f'{engine.config.max_num_seqs}.{notes}</div></div>')
+        if self.on_apply is not None:
+            self.on_apply(engine)
+
+    def _begin(self) -> EngineConfig | None:
+        try:
+            config = self.make_config()
+        except ValueError as e:
+            self._fail(e)
+            return None
+        self.building = True
+        self.apply_button.disabled = True
+        self.progress.value = 0.02
+        self.progress.layout.visibility = "visible"
+        self.status.value = '<div class="wb muted">Building the engine…</div>'
+        return config
+
+    def _end(self) -> None:
+        self.building = False
+        self.apply_button.disabled = False
+        self.progress.value = 1.0
+        self.progress.layout.visibility = "hidden"
+
+    def apply(self) -> Engine | None:
+        """Build an engine from the knobs, here and now; None (error shown) if it failed."""
+        config = self._begin()
+        if config is None:
+            return None
+        t0 = time.monotonic()
+        try:
+            engine = self.engine_factory(config)
+        except Exception as e:
+            self._end()
+            self._fail(e)
+            return None
+        self._end()
+        self._succeed(engine, time.monotonic() - t0)
+        return engine
+
+    async def apply_async(self) -> Engine | None:
+        """Build in a worker thread while the progress bar moves on the kernel's loop."""
+        config = self._begin()
+        if config is None:
+            return None
+        t0 = time.monotonic()
+        fut = asyncio.get_running_loop().run_in_executor(None, self.engine_factory, config)
+        while not fut.done():
+            el = time.monotonic() - t0
+            self.progress.value = min(0.95, el / max(self._expected_build_s, 0.5))
+            self.progress.description = f"{el:.1f} s"
+            await asyncio.wait([fut], timeout=0.1)
+        self._end()
+        try:
+            engine = fut.result()
+        except Exception as e:
+            self._fail(e)
+            return None
+        self._succeed(engine, time.monotonic() - t0)
+        return engine

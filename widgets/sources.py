@@ -1,0 +1,316 @@
+"""Where panels get their data: the in-process Engine, or a remote OpenAI-compatible server.
+
+A source buffers what happens (token events arrive from the engine's thread, or from asyncio
+streams for a remote server) and hands everything over in one `poll()` per UI tick, so the
+panels redraw at the UI's pace, never once per token.
+
+Both sources give the panels the same shapes:
+- token events with `request_id, text, index, time, finished, finish_reason`
+  (the engine's `TokenEvent`, or `RemoteTokenEvent` with the source's own request id);
+- timeline points with the fields of a `StepEvent` that a timeline draws (a remote server
+  has no per-step record, so each poll of its `/metrics` becomes one `MetricsPoint`);
+- one `RequestRecord` per finished request, for the summary.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from workbench import Engine, SamplingParams
+
+log = logging.getLogger("workbench.widgets")
+
+
+@dataclass
+class RequestRecord:
+    """A finished request, as the summary sees it (seconds; None where unknown)."""
+    request_id: str
+    ttft: float | None
+    tpot: float | None
+    e2e: float | None
+    output_tokens: int
+    finish_reason: str | None
+    num_preemptions: int = 0
+    end: float = 0.0
+    """time.monotonic() when it finished."""
+
+
+@dataclass
+class MetricsPoint:
+    """One poll of a server's /metrics, with the StepEvent fields a timeline draws."""
+    step: int
+    start: float
+    duration: float
+    num_prefill_tokens: int
+    """Prompt tokens the server counted since the previous poll."""
+    num_decode_tokens: int
+    """Output tokens the server counted since the previous poll."""
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_preempted: int
+    phase: str = "poll"
+    graph: bool | None = None
+    """Unknown: a server's /metrics does not say."""
+    graph_size: int | None = None
+    tokens_per_request: dict = field(default_factory=dict)
+    kinds: dict = field(default_factory=dict)
+    preempted: list = field(default_factory=list)
+    finished: list = field(default_factory=list)
+
+
+@dataclass
+class Update:
+    """Everything that happened since the previous poll."""
+    submitted: list[tuple[str, float, str]] = field(default_factory=list)
+    """(request id, time.monotonic() sent, a short label of the prompt)."""
+    events: list = field(default_factory=list)
+    steps: list = field(default_factory=list)
+    finished: list[RequestRecord] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.submitted or self.events or self.steps or self.finished or self.errors)
+
+
+def prompt_label(prompt: Any, width: int = 60) -> str:
+    if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+        prompt = prompt[-1].get("content", "")
+    elif isinstance(prompt, (list, tuple)):
+        return f"{len(prompt)} token ids"
+    text = " ".join(str(prompt).split())
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+class LocalSource:
+    """The in-process engine, stepping in its background thread."""
+
+    resolution = "step"
+
+    def __init__(self, engine: Engine):
+        self.engine = engine.start()
+        self._events: deque = deque()             # appended from the engine's thread
+        self._submitted: list[tuple[str, float, str]] = []
+        self._pending: set[str] = set()
+        self._next_step = engine.telemetry.num_steps
+        self._next_request = engine.telemetry.num_requests
+
+    @property
+    def config(self):
+        return self.engine.config
+
+    @property
+    def notices(self) -> list[str]:
+        return list(self.engine.notices)
+
+    def describe(self) -> dict[str, str]:
+        """What runs, in a few words per item, for a header."""
+        e, c = self.engine, self.engine.config
+        dtype = str(next(e.model.parameters()).dtype).replace("torch.", "")
+        return {"model": c.model, "device": e.platform.name, "dtype": dtype,
+                "block size": str(c.block_size), "KV blocks": str(e.block_manager.num_blocks),
+                "max_num_seqs": str(c.max_num_seqs),
+                "max_num_batched_tokens": str(c.max_num_batched_tokens),
+                "graph mode": e.graph_mode if e.graph_mode == c.graph_mode
+                else f"{e.graph_mode} (asked: {c.graph_mode})",
+                "prefix caching": "on" if c.enable_prefix_caching else "off"}
+
+    def submit(self, prompt: Any, params: SamplingParams) -> str:
+        """Queue one request (bad input raises ValueError and queues nothing)."""
+        rid = self.engine.add_request(prompt, params, listener=self._events.append)
+        self._submitted.append((rid, time.monotonic(), prompt_label(prompt)))
+        self._pending.add(rid)
+        return rid
+
+    @property
+    def num_pending(self) -> int:
+        """Requests sent through this source whose final event has not been polled yet."""
+        return len(self._pending)
+
+    def abort_all(self) -> None:
+        for rid in list(self._pending):
+            self.engine.abort(rid)
+
+    def poll(self) -> Update:
+        u = Update(self._submitted)
+        self._submitted = []
+        while self._events:
+            ev = self._events.popleft()
+            u.events.append(ev)
+            if ev.finished:
+                self._pending.discard(ev.request_id)
+        tel = self.engine.telemetry
+        u.steps = [s for s in tel.steps_since(self._next_step) if s.phase != "idle"]
+        self._next_step = tel.num_steps
+        for m in tel.requests_since(self._next_request):
+            u.finished.append(RequestRecord(m.request_id, m.ttft, m.tpot, m.e2e, m.output_tokens,
+                                            m.finish_reason, m.num_preemptions,
+                                            m.finished_time or time.monotonic()))
+        self._next_request = tel.num_requests
+        return u
+
+    def kv_blocks(self):
+        return self.engine.kv_blocks()
+
+    def prefix_cache_stats(self) -> tuple[int, int]:
+        bm = self.engine.block_manager
+        return bm.hits, bm.queries
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+class RemoteSource:
+    """A remote OpenAI-compatible server (vLLM, vLLM-Ascend, `workbench serve`).
+
+    Requests stream as asyncio tasks on the caller's running loop (in Jupyter, the kernel's),
+    and /metrics is polled every `metrics_interval` seconds into MetricsPoints: the timeline
+    then shows the server at that coarser resolution. Needs a running asyncio loop: create
+    and use it from a notebook cell, a widget callback, or an `async` function.
+    """
+
+    resolution = "poll"
+
+    def __init__(self, url, *, api_key: str | None = None, model: str | None = None,
+                 chat: bool = True, metrics_interval: float = 0.5):
+        from workbench.remote import RemoteEngine
+        self.remote = url if isinstance(url, RemoteEngine) else RemoteEngine(url, model, api_key)
+        self.chat = chat
+        self.metrics_interval = metrics_interval
+        self.model = self.remote.model            # asks /v1/models once, if not given
+        self.config = None                        # a server's knobs are not ours to turn
+        self.notices: list[str] = []
+        self._ids = itertools.count()
+        self._events: deque = deque()
+        self._submitted: list[tuple[str, float, str]] = []
+        self._points: list[MetricsPoint] = []
+        self._records: list[RequestRecord] = []
+        self._errors: list[str] = []
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._metrics_task: asyncio.Task | None = None
+        self._last: dict | None = None
+        self._polls = 0
+
+    def describe(self) -> dict[str, str]:
+        return {"server": self.remote.url, "model": self.model,
+                "metrics": f"polled every {self.metrics_interval:g} s"}
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._tasks)
+
+    def submit(self, prompt: Any, params: SamplingParams) -> str:
+        params.validate()
+        rid = f"remote-{next(self._ids)}"
+        self._ensure_metrics()
+        task = asyncio.ensure_future(self._stream(rid, prompt, params))
+        self._tasks[rid] = task
+        self._submitted.append((rid, time.monotonic(), prompt_label(prompt)))
+        return rid
+
+    async def _stream(self, rid: str, prompt: Any, params: SamplingParams) -> None:
+        extra: dict[str, Any] = {"top_p": params.top_p, "ignore_eos": params.ignore_eos}
+        if params.top_k and params.top_k > 0:
+            extra["top_k"] = params.top_k
+        if params.seed is not None:
+            extra["seed"] = params.seed
+        if params.stop:
+            extra["stop"] = list(params.stop)
+        last = None
+        try:
+            async for ev in self.remote.astream(prompt, params.max_tokens, chat=self.chat,
+                                                temperature=params.temperature, **extra):
+                ev.request_id = rid
+                last = ev
+                self._events.append(ev)
+            st = last.stats
+            n = st.completion_tokens if st.completion_tokens is not None else st.num_chunks
+            self._records.append(RequestRecord(rid, st.ttft, st.tpot, st.e2e, n,
+                                               st.finish_reason, 0, time.monotonic()))
+        except asyncio.CancelledError:
+            self._final(rid, "abort")
+            raise
+        except Exception as e:   # the server said no, or the connection broke
+            self._errors.append(f"{rid}: {e}")
+            self._final(rid, "error")
+        finally:
+            self._tasks.pop(rid, None)
+
+    def _final(self, rid: str, reason: str) -> None:
+        from workbench.remote import RemoteTokenEvent
+        now = time.monotonic()
+        self._events.append(RemoteTokenEvent(rid, "", 0, now, 0.0, None, True, reason))
+
+    def _ensure_metrics(self) -> None:
+        if self._metrics_task is None or self._metrics_task.done():
+            self._metrics_task = asyncio.ensure_future(self._poll_metrics())
+
+    async def _poll_metrics(self) -> None:
+        while True:
+            t0 = time.monotonic()
+            try:
+                m = await self.remote.apoll_metrics()
+            except Exception as e:
+                if not self._errors or not self._errors[-1].startswith("/metrics"):
+                    self._errors.append(f"/metrics: {e}")
+            else:
+                self._add_point(m, t0)
+            await asyncio.sleep(max(0.0, self.metrics_interval - (time.monotonic() - t0)))
+
+    def _add_point(self, m: dict, t0: float) -> None:
+        prev, self._last = self._last, m
+        if prev is None:
+            return   # the first poll is the baseline for the counters
+
+        def delta(key: str) -> int:
+            a, b = prev.get(key), m.get(key)
+            return int(round(b - a)) if a is not None and b is not None else 0
+
+        self._points.append(MetricsPoint(
+            self._polls, t0, m["time"] - prev["time"], delta("prompt_tokens_total"),
+            delta("generation_tokens_total"), int(m.get("num_requests_running") or 0),
+            int(m.get("num_requests_waiting") or 0), float(m.get("kv_cache_usage_perc") or 0.0),
+            delta("num_preemptions_total")))
+        self._polls += 1
+
+    def abort_all(self) -> None:
+        for task in list(self._tasks.values()):
+            task.cancel()
+
+    def poll(self) -> Update:
+        u = Update(self._submitted, list(self._events), self._points, self._records, self._errors)
+        self._events.clear()
+        self._submitted, self._points, self._records, self._errors = [], [], [], []
+        return u
+
+    def kv_blocks(self):
+        return None     # a server does not publish its block table
+
+    def prefix_cache_stats(self) -> tuple[int, int] | None:
+        return None
+
+    def close(self) -> None:
+        self.abort_all()
+        if self._metrics_task is not None:
+            self._metrics_task.cancel()
+        self.remote.close()
+
+
+def as_source(obj) -> LocalSource | RemoteSource:
+    """An Engine, a source, a RemoteEngine or a server URL -> a source."""
+    if isinstance(obj, (LocalSource, RemoteSource)):
+        return obj
+    if isinstance(obj, Engine):
+        return LocalSource(obj)
+    if isinstance(obj, str) and obj.startswith(("http://", "https://")):
+        return RemoteSource(obj)
+    from workbench.remote import RemoteEngine
+    if isinstance(obj, RemoteEngine):
+        return RemoteSource(obj)
+    raise TypeError(f"expected an Engine, a RemoteEngine, a server URL or a source "
+                    f"(got {type(obj).__name__})")

@@ -1,0 +1,199 @@
+"""Stepper: drive the engine one scheduler step at a time and see what it chose.
+
+Add requests, press Step: the panel shows the step's phase, what each request did (a whole
+prefill, a prompt chunk, a decode, or being preempted), the token it got, its block table,
+and the step's time; the KV block map below shows the pool after the step. The same calls
+work from code (`add`, `step`, `run`), which is how the teaching notebook uses it.
+
+The Stepper steps the engine in the kernel's thread, so the engine must not be running in
+the background.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import ipywidgets as w
+import traitlets
+
+from workbench import Engine, SamplingParams
+
+from .kv_map import KVBlockMap
+from .style import css_widget, esc
+
+
+@dataclass
+class RequestRow:
+    request_id: str
+    action: str
+    """'prefill', 'chunk', 'decode', 'preempted', 'waiting' or 'finished'."""
+    num_tokens: int
+    """Tokens this request fed the model in the step."""
+    token_id: int | None
+    token: str
+    """The sampled token as text ('' if none)."""
+    block_table: list[int]
+    progress: str
+    """e.g. '37/37 prompt, 5 out'."""
+    text: str = ""
+    finish_reason: str | None = None
+
+
+@dataclass
+class StepRecord:
+    step: int
+    phase: str
+    duration: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    rows: list[RequestRow] = field(default_factory=list)
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+
+    def row(self, request_id: str) -> RequestRow:
+        return next(r for r in self.rows if r.request_id == request_id)
+
+
+class Stepper(w.VBox):
+    num_steps = traitlets.Int(0)
+
+    def __init__(self, engine: Engine | None = None, max_history: int = 12, **engine_kwargs):
+        if engine is None:
+            engine = Engine(**engine_kwargs)
+        elif engine_kwargs:
+            raise ValueError("pass an engine or engine settings, not both")
+        if engine.is_running_in_background:
+            raise ValueError("engine: the Stepper steps the engine itself; pass one that is not "
+                             "running in the background (no engine.start())")
+        self.engine = engine
+        self.max_history = max_history
+        self.history: list[StepRecord] = []
+        self.texts: dict[str, str] = {}
+        self.prompt = w.Text(value="The three primary colours are", description="prompt",
+                             layout=w.Layout(flex="1 1 auto"))
+        self.max_tokens = w.BoundedIntText(value=8, min=1, max=4096, description="max tokens",
+                                           layout=w.Layout(width="170px"))
+        self.add_button = w.Button(description="Add request", icon="plus")
+        self.step_button = w.Button(description="Step", icon="step-forward", button_style="primary")
+        self.run_button = w.Button(description="Run to the end", icon="fast-forward")
+        self.add_button.on_click(lambda _: self._guard(lambda: self.add(self.prompt.value,
+                                                                        self.max_tokens.value)))
+        self.step_button.on_click(lambda _: self._guard(self.step))
+        self.run_button.on_click(lambda _: self._guard(self.run))
+        self.message = w.HTML()
+        self.view = w.HTML()
+        self.history_view = w.HTML()
+        self.kv = KVBlockMap(columns=32, title="KV blocks after the step")
+        super().__init__([css_widget(),
+                          w.HBox([self.prompt, self.max_tokens, self.add_button]),
+                          w.HBox([self.step_button, self.run_button]),
+                          self.message, self.view, self.kv, self.history_view])
+        self._render()
+
+    # ---- actions --------------------------------------------------------------------------
+    def _guard(self, action) -> None:
+        try:
+            self.message.value = ""
+            action()
+        except ValueError as e:
+            self.message.value = f'<div class="wb"><div class="error">{esc(str(e))}</div></div>'
+
+    def add(self, prompt, max_tokens: int = 8, temperature: float = 0.0, **params) -> str:
+        """Queue a request; it is admitted at the next step. Returns its id."""
+        sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, **params)
+        rid = self.engine.add_request(prompt, sp)
+        self.texts[rid] = ""
+        self._render()
+        return rid
+
+    def step(self) -> StepRecord:
+        """Run one scheduler step and show what happened."""
+        e = self.engine
+        before = {s.request_id: s for s in e.request_states()}
+        events = {ev.request_id: ev for ev in e.step()}
+        ev = e.telemetry.steps[-1]
+        after = {s.request_id: s for s in e.request_states()}
+        tok = e.tokenizer
+        rec = StepRecord(ev.step, ev.phase, ev.duration, ev.num_prefill_tokens,
+                         ev.num_decode_tokens, kv_blocks_used=ev.kv_blocks_used,
+                         kv_blocks_total=ev.kv_blocks_used + ev.kv_blocks_free)
+        for rid in dict.fromkeys([*before, *after]):
+            st = after.get(rid) or before[rid]
+            t = events.get(rid)
+            if t is not None and t.text:
+                self.texts[rid] = self.texts.get(rid, "") + t.text
+            if rid in ev.preempted:
+                action = "preempted"
+            elif rid in ev.kinds:
+                action = ev.kinds[rid]
+            elif rid not in after:
+                action = "finished"
+            else:
+                action = "waiting"
+            token_id = t.token_id if t is not None else None
+            piece = tok.decode([token_id]) if (tok is not None and token_id is not None) else (
+                str(token_id) if token_id is not None else "")
+            out = st.num_output_tokens + (rid not in after and t is not None)
+            rec.rows.append(RequestRow(
+                rid, action, ev.tokens_per_request.get(rid, 0), token_id, piece,
+                list(st.block_table) if rid in after else [],
+                f"{min(st.num_computed_tokens, st.num_prompt_tokens)}/{st.num_prompt_tokens} "
+                f"prompt, {out} out", self.texts.get(rid, ""),
+                t.finish_reason if t is not None and t.finished else None))
+        self.history.append(rec)
+        del self.history[:-self.max_history]
+        self.num_steps += 1
+        self._render(rec)
+        return rec
+
+    def run(self, max_steps: int = 10_000) -> list[StepRecord]:
+        """Step until no request is left (or max_steps); returns the steps' records."""
+        recs = []
+        while self.engine.has_unfinished_requests() and len(recs) < max_steps:
+            recs.append(self.step())
+        return recs
+
+    # ---- drawing --------------------------------------------------------------------------
+    def _render(self, rec: StepRecord | None = None) -> None:
+        e = self.engine
+        if rec is None:
+            states = e.request_states()
+            body = "".join(f"<tr><td>{esc(s.request_id)}</td><td><span class='badge b-waiting'>"
+                           f"{esc(s.status)}</span></td><td>{s.num_prompt_tokens}</td></tr>"
+                           for s in states)
+            self.view.value = ('<div class="wb"><h3>Requests <span class="muted">· press Step '
+                               'to run the scheduler once</span></h3><table class="steps">'
+                               '<tr><th>request</th><th>state</th><th>prompt tokens</th></tr>'
+                               f'{body}</table></div>' if states else
+                               '<div class="wb muted">Add a request, then press Step.</div>')
+        else:
+            rows = "".join(self._row(r) for r in rec.rows)
+            self.view.value = (
+                f'<div class="wb"><h3>Step {rec.step} <span class="badge b-{esc(rec.phase)}">'
+                f'{esc(rec.phase)}</span> <span class="muted">{rec.duration * 1e3:.1f} ms · '
+                f'{rec.num_prefill_tokens} prefill + {rec.num_decode_tokens} decode tokens · '
+                f'KV {rec.kv_blocks_used}/{rec.kv_blocks_total} blocks</span></h3>'
+                '<table class="steps"><tr><th>request</th><th>scheduler chose</th><th>fed</th>'
+                '<th>token out</th><th>block table</th><th>progress</th><th>text so far</th></tr>'
+                f'{rows}</table></div>')
+        self.kv.show(e.kv_blocks())
+        hist = "".join(f"<tr><td>{r.step}</td><td><span class='badge b-{esc(r.phase)}'>"
+                       f"{esc(r.phase)}</span></td><td>{r.num_prefill_tokens}</td>"
+                       f"<td>{r.num_decode_tokens}</td><td>{r.duration * 1e3:.1f}</td></tr>"
+                       for r in reversed(self.history))
+        self.history_view.value = ('<div class="wb"><h3>Recent steps</h3><table class="steps"><tr>'
+                          '<th>step</th><th>phase</th><th>prefill tok</th><th>decode tok</th>'
+                          f'<th>ms</th></tr>{hist}</table></div>' if hist else "")
+
+    @staticmethod
+    def _row(r: RequestRow) -> str:
+        badge = {"preempted": "preempt", "finished": "stop", "waiting": "waiting"}.get(r.action,
+                                                                                     r.action)
+        label = r.action + (f" ({r.finish_reason})" if r.finish_reason else "")
+        token = (f"{esc(repr(r.token))} <span class='muted'>#{r.token_id}</span>"
+                 if r.token_id is not None else "<span class='muted'>—</span>")
+        table = esc(str(r.block_table)) if r.block_table else "<span class='muted'>none</span>"
+        text = esc(r.text[-80:])
+        return (f"<tr><td>{esc(r.request_id)}</td><td><span class='badge b-{badge}'>{esc(label)}"
+                f"</span></td><td>{r.num_tokens}</td><td class='mono'>{token}</td>"
+                f"<td class='mono'>{table}</td><td>{esc(r.progress)}</td>"
+                f"<td class='mono'>{text}</td></tr>")

@@ -1,0 +1,119 @@
+"""BatchTimeline: what every engine step did, live.
+
+Top: tokens per step, stacked prefill (orange) over decode (blue); steps that replayed a
+captured graph are drawn hatched, so eager and graph steps tell apart at a glance. Hovering
+a bar names the requests in the step and what each did. Bottom: running and waiting
+requests, and KV-pool usage on the right axis.
+
+For a remote server the x axis is the /metrics poll, not the step: the server does not
+publish its steps, so each bar is the tokens it counted between two polls.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import ipywidgets as w
+import plotly.graph_objects as go
+import traitlets
+from plotly.subplots import make_subplots
+
+from .sources import Update
+from .style import DECODE, KV, PREFILL, RUNNING, WAITING, css_widget, esc
+
+HOVER_REQUESTS = 8
+
+
+def _hover(s) -> str:
+    if s.phase == "poll":
+        return (f"poll {s.step} · {s.duration * 1e3:.0f} ms<br>{s.num_prefill_tokens} prompt + "
+                f"{s.num_decode_tokens} output tokens<br>{s.num_running} running · "
+                f"{s.num_waiting} waiting · KV {s.kv_usage:.0%}")
+    mode = f"graph (size {s.graph_size})" if s.graph else "eager"
+    lines = [f"step {s.step} · {s.phase} · {mode} · {s.duration * 1e3:.1f} ms",
+             f"{s.num_prefill_tokens} prefill + {s.num_decode_tokens} decode tokens"]
+    items = list(s.tokens_per_request.items())
+    for rid, n in items[:HOVER_REQUESTS]:
+        kind = s.kinds.get(rid, "")
+        lines.append(f"{esc(rid)}: {kind}" + (f" {n} tok" if kind != "decode" else ""))
+    if len(items) > HOVER_REQUESTS:
+        lines.append(f"… {len(items) - HOVER_REQUESTS} more")
+    if s.preempted:
+        lines.append("preempted: " + ", ".join(map(esc, s.preempted[:HOVER_REQUESTS])))
+    return "<br>".join(lines)
+
+
+class BatchTimeline(w.VBox):
+    """Feed it with `update(source.poll())`; keeps the last `window` steps."""
+
+    num_points = traitlets.Int(0, help="Steps (or polls) drawn now.")
+    num_updates = traitlets.Int(0, help="Figure updates sent (one per tick with new steps).")
+    last_step = traitlets.Int(-1)
+
+    def __init__(self, window: int = 300, height: int = 380, resolution: str = "step", **kw):
+        self.window = window
+        self.points: deque = deque(maxlen=window)
+        fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.62, 0.38],
+                            vertical_spacing=0.05, specs=[[{}], [{"secondary_y": True}]])
+        bar = dict(marker_line_width=0, hoverinfo="text")
+        hatch = dict(shape="/", fgcolor="#ffffff", size=5)
+        fig.add_bar(name="prefill", marker_color=PREFILL, row=1, col=1, **bar)
+        fig.add_bar(name="decode", marker_color=DECODE, row=1, col=1, **bar)
+        fig.add_bar(name="prefill · graph", marker=dict(color=PREFILL, pattern=hatch),
+                    row=1, col=1, **bar)
+        fig.add_bar(name="decode · graph", marker=dict(color=DECODE, pattern=hatch),
+                    row=1, col=1, **bar)
+        line = dict(mode="lines", line_shape="hv", hoverinfo="x+y+name")
+        fig.add_scatter(name="running", line_color=RUNNING, row=2, col=1, **line)
+        fig.add_scatter(name="waiting", line_color=WAITING, row=2, col=1, **line)
+        fig.add_scatter(name="KV used %", line=dict(color=KV, dash="dot"), mode="lines",
+                        row=2, col=1, secondary_y=True, hoverinfo="x+y+name")
+        fig.update_layout(barmode="stack", bargap=0.05, height=height,
+                          margin=dict(l=50, r=50, t=30, b=40), template="plotly_white",
+                          legend=dict(orientation="h", y=1.08, x=0),
+                          hoverlabel=dict(align="left"), uirevision="keep")
+        fig.update_yaxes(title_text="tokens", row=1, col=1, rangemode="nonnegative")
+        fig.update_yaxes(title_text="requests", row=2, col=1, rangemode="nonnegative")
+        fig.update_yaxes(title_text="KV %", range=[0, 100], row=2, col=1, secondary_y=True,
+                         showgrid=False)
+        self.fig = go.FigureWidget(fig)
+        self.set_resolution(resolution)
+        super().__init__([css_widget(), self.fig], **kw)
+
+    def set_resolution(self, resolution: str) -> None:
+        """'step' (the in-process engine) or 'poll' (a server's /metrics)."""
+        self.resolution = resolution
+        self.fig.update_xaxes(title_text="engine step" if resolution == "step"
+                              else "/metrics poll", row=2, col=1)
+
+    def clear(self) -> None:
+        self.points.clear()
+        self._draw()
+
+    def update(self, u: Update) -> None:
+        if not u.steps:
+            return
+        self.points.extend(u.steps)
+        self._draw()
+
+    def _draw(self) -> None:
+        pts = list(self.points)
+        x = [p.step for p in pts]
+        graph = [bool(p.graph) for p in pts]
+        hover = [_hover(p) for p in pts]
+
+        def split(values, on_graph):
+            return [v if g == on_graph else None for v, g in zip(values, graph)]
+
+        pre = [p.num_prefill_tokens for p in pts]
+        dec = [p.num_decode_tokens for p in pts]
+        data = self.fig.data
+        with self.fig.batch_update():
+            for trace, ys in zip(data[:4], (split(pre, False), split(dec, False),
+                                            split(pre, True), split(dec, True))):
+                trace.x, trace.y, trace.hovertext = x, ys, hover
+            data[4].x, data[4].y = x, [p.num_running for p in pts]
+            data[5].x, data[5].y = x, [p.num_waiting for p in pts]
+            data[6].x, data[6].y = x, [round(100 * p.kv_usage, 1) for p in pts]
+        self.num_points = len(pts)
+        self.num_updates += 1
+        self.last_step = x[-1] if x else -1
