@@ -86,6 +86,41 @@ def run_engine_b1(engine: Engine, prompt: list[int], new_tokens: int) -> dict:
                 decode_tok_s=round((len(out.token_ids) - 1) / decode_s, 1))
 
 
+def sweep(grid: dict[str, list], wl: Workload, model: str = "smollm2",
+          engine_kwargs: dict | None = None, progress=None) -> list[dict]:
+    """Every combination of the grid's knob values (EngineConfig names), one engine each, on
+    the same workload: one row per point, the knobs beside `run_engine`'s figures.
+    `graph_mode_run` says which graph mode really ran (the CPU runs eager)."""
+    import itertools
+    rows = []
+    points = list(itertools.product(*grid.values()))
+    for i, values in enumerate(points):
+        knobs = dict(zip(grid, values))
+        engine = Engine(model=model, **{**(engine_kwargs or {}), **knobs})
+        rows.append({**knobs, "graph_mode_run": engine.graph_mode, **run_engine(engine, wl)})
+        del engine
+        if progress is not None:
+            progress(i + 1, len(points))
+    return rows
+
+
+def latency_alone_vs_batched(engine: Engine, n: int = 32, prompt_len: int = 128,
+                             new_tokens: int = 64, seed: int = 0) -> list[dict]:
+    """The classic table: TTFT and time per output token of one request alone, then of n
+    requests sent at once (continuous batching), with the total throughput of each."""
+    vocab = engine.vocab_size
+    rows = []
+    for count in (1, n):
+        wl = make_workload(count, (prompt_len, prompt_len), (new_tokens, new_tokens), vocab,
+                           seed)
+        r = run_engine(engine, wl)
+        rows.append(dict(requests=count, ttft_p50_ms=round(r["ttft_p50_s"] * 1e3, 1),
+                         ttft_p99_ms=round(r["ttft_p99_s"] * 1e3, 1),
+                         tpot_p50_ms=r["tpot_p50_ms"], tpot_p99_ms=r["tpot_p99_ms"],
+                         out_tok_s=r["out_tok_s"]))
+    return rows
+
+
 def machine() -> dict:
     import os
 

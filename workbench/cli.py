@@ -1,4 +1,4 @@
-"""`workbench generate|bench`: the command line."""
+"""`workbench dashboard|lab|serve|bench|generate`: the command line."""
 from __future__ import annotations
 
 import argparse
@@ -95,6 +95,56 @@ def cmd_serve(a) -> int:
     return 0
 
 
+def notebooks_dir() -> "Path":
+    """The repository's notebooks/ (the dashboard and the lab open them from a checkout)."""
+    from pathlib import Path
+    d = Path(__file__).resolve().parents[1] / "notebooks"
+    if not (d / "dashboard.ipynb").is_file():
+        raise FileNotFoundError(f"{d / 'dashboard.ipynb'} not found: the dashboard and the lab "
+                                "run from a source checkout (git clone …; pip install -e \".[ui]\")")
+    return d
+
+
+def _jupyter(module: str, args: list[str], env: dict[str, str], url: str) -> int:
+    """Run a Jupyter server in the foreground (Ctrl-C stops it), after saying where it is."""
+    import importlib.util
+    import os
+    import subprocess
+    if importlib.util.find_spec(module) is None:
+        print(f"error: {module} is not installed; pip install -e \".[ui]\"", file=sys.stderr)
+        return 2
+    print(f"{url}   (Ctrl-C stops it)", flush=True)
+    proc = subprocess.Popen([sys.executable, "-m", module, *args], env={**os.environ, **env})
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        return proc.wait(30)
+
+
+def cmd_dashboard(a) -> int:
+    nb = notebooks_dir() / "dashboard.ipynb"
+    env = {"WORKBENCH_MODEL": a.model, "WORKBENCH_DEVICE": a.device}
+    if a.url:
+        env["WORKBENCH_URL"] = a.url
+        if a.api_key:
+            env["WORKBENCH_API_KEY"] = a.api_key
+    args = [str(nb), "--no-browser", f"--port={a.port}", f"--Voila.ip={a.host}",
+            "--template=lab", "--strip_sources=True", "--show_tracebacks=True",
+            "--Voila.port_retries=0"]
+    if a.browser:
+        args.remove("--no-browser")
+    return _jupyter("voila", args, env, f"dashboard: http://{a.host}:{a.port}/")
+
+
+def cmd_lab(a) -> int:
+    d = notebooks_dir()
+    args = [f"--notebook-dir={d}", f"--ServerApp.ip={a.host}", f"--port={a.port}"]
+    if not a.browser:
+        args.append("--no-browser")
+    return _jupyter("jupyterlab", args, {}, f"JupyterLab on {d}: http://{a.host}:{a.port}/lab")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="workbench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -136,6 +186,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=cmd_serve)
+
+    d = sub.add_parser("dashboard", help="the live dashboard, served with Voila (needs 'ui')")
+    d.add_argument("--model", default="smollm2",
+                   help="'smollm2' (embedded), 'random:<shape>' or a local HF checkpoint dir")
+    d.add_argument("--device", default="auto", help="auto, cpu, cuda or npu")
+    d.add_argument("--url", default=None,
+                   help="watch and drive a running OpenAI-compatible server instead (vLLM, "
+                        "vLLM-Ascend, workbench serve)")
+    d.add_argument("--api-key", default=None, help="the --url server's API key")
+    d.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    d.add_argument("--port", type=int, default=8866)
+    d.add_argument("--browser", action="store_true", help="also open it in a browser")
+    d.set_defaults(func=cmd_dashboard)
+
+    lab = sub.add_parser("lab", help="JupyterLab on the notebooks (needs 'ui')")
+    lab.add_argument("--host", default="127.0.0.1")
+    lab.add_argument("--port", type=int, default=8888)
+    lab.add_argument("--browser", action="store_true", help="also open it in a browser")
+    lab.set_defaults(func=cmd_lab)
     return parser
 
 
