@@ -543,3 +543,70 @@ def test_remote_bench(server):
     assert 24 <= report["total_output_tokens"] <= 48
     assert report["output_throughput"] > 0 and report["ttft_s"]["p50"] > 0
     assert report["server_peaks"]["num_requests_running"] >= 1
+    # Poisson arrivals at 4 requests/s: 6 requests take at least the seeded arrival spread.
+    spaced = asyncio.run(bench_async(server, num_requests=6, concurrency=6, input_words=(4, 8),
+                                     output_len=(2, 2), api_key=KEY, request_rate=4.0, seed=1))
+    assert spaced["completed"] == 6 and spaced["workload"]["request_rate"] == 4.0
+    assert spaced["duration_s"] >= spaced["arrival_span_s"] > 0
+    # The same through the command line, with its JSON report.
+    out = Path(os.environ.get("PYTEST_TMP", "/tmp")) / f"serving-{os.getpid()}.json"
+    r = subprocess.run([sys.executable, "-m", "workbench.cli", "bench", "--url", server,
+                        "--api-key", KEY, "--num-requests", "3", "--concurrency", "2",
+                        "--input-words", "4:8", "--output-len", "3:3", "--output", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(out.read_text())["completed"] == 3 and "ttft" in r.stdout
+    out.unlink()
+
+
+def test_remote_source_feeds_token_panel_and_timeline(server):
+    """The widgets take a live server in place of the in-process engine: streams from its
+    SSE, the timeline from its /metrics (one point per poll)."""
+    pytest.importorskip("ipywidgets")
+    pytest.importorskip("plotly")
+    from widgets import (BatchTimeline, Dashboard, KVBlockMap, Live, RemoteSource, SummaryPanel,
+                         TokenStreamPanel)
+    from workbench import SamplingParams
+    wait_idle(server)
+    before = scrape(server)["generation_tokens_total"]
+
+    async def run():
+        source = RemoteSource(server, api_key=KEY, metrics_interval=0.1)
+        live = Live(source, TokenStreamPanel(), BatchTimeline(), KVBlockMap(), SummaryPanel())
+        rids = await live.generate(["Tell me about the sea."] * 3 + ["Name a colour."],
+                                   SamplingParams(max_tokens=40, temperature=0.8, ignore_eos=True),
+                                   timeout=120)
+        await asyncio.sleep(0.5)       # a few more polls see the server idle again
+        live.pump.tick()
+        bad = source.submit("word " * 1500, SamplingParams(max_tokens=4))   # too long: a 400
+        await live.pump.wait(timeout=30)
+        live.close()
+        return live, rids, bad
+
+    live, rids, bad = asyncio.run(run())
+    streams, timeline, kv, summary = live.panels
+    assert timeline.resolution == "poll" and "/metrics poll" in str(timeline.fig.layout.xaxis2.title.text)
+    for rid in rids:
+        st = streams.streams[rid]
+        assert st.status == "length" and st.num_tokens == 40 and st.text and st.ttft > 0
+    assert streams.streams[bad].status == "error" and not streams.streams[bad].text
+    assert "400" in live.errors.value and "prompt" in live.errors.value
+    pts = list(timeline.points)
+    assert len(pts) >= 3 and max(p.num_running for p in pts) >= 1
+    assert max(p.kv_usage for p in pts) > 0 and pts[-1].num_running == 0
+    drawn = sum(p.num_decode_tokens for p in pts)
+    assert 0 < drawn <= scrape(server)["generation_tokens_total"] - before
+    assert summary.num_finished == 4 and summary.figures()["ttft_p50"] > 0
+    assert "does not publish its block table" in kv.view.value
+
+    async def dash():
+        d = Dashboard(url=server, api_key=KEY)
+        d.prompts.value = "Say one word."
+        d.send(2, SamplingParams(max_tokens=6, temperature=0))
+        ok = await d.wait(timeout=60)
+        d.source.close()
+        return d, ok
+
+    d, ok = asyncio.run(dash())
+    assert ok and d.streams.num_finished == 2 and d.knobs.apply_button.disabled
+    assert "remote server" in d.header.value and MODEL in d.header.value

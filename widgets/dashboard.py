@@ -89,7 +89,7 @@ class Dashboard(w.VBox):
                            self.n, self.chat, w.HBox([self.send_button, self.abort_button]),
                            self.clear_button, self.message,
                            w.HTML('<div class="wb"><h3>Knobs</h3></div>'), self.knobs],
-                          layout=w.Layout(width="330px", min_width="330px", padding="0 12px 0 0"))
+                          layout=w.Layout(width="390px", min_width="390px", padding="0 12px 0 0"))
         main = w.VBox([self.summary, self.streams, self.timeline, self.kv],
                       layout=w.Layout(flex="1 1 auto", min_width="0"))
         super().__init__([css_widget(), self.header, self.notices, w.HBox([controls, main])],

@@ -34,9 +34,9 @@ def available_devices() -> list[str]:
     return found + ["cpu"]
 
 
-def _label(text: str, width: str = "150px") -> dict:
-    return dict(description=text, style={"description_width": width},
-                layout=w.Layout(width="100%"))
+def _label(text: str, tip: str = "", width: str = "180px") -> dict:
+    return dict(description=text, description_allow_html=False, tooltip=tip or None,
+                style={"description_width": width}, layout=w.Layout(width="100%"))
 
 
 class KnobPanel(w.VBox):
@@ -57,19 +57,25 @@ class KnobPanel(w.VBox):
         c = self.config
         self.model = w.Combobox(value=c.model, options=MODELS, ensure_option=False,
                                 placeholder="smollm2, random:<shape> or a checkpoint dir",
-                                **_label("model"))
+                                **_label("model", "smollm2 (embedded), random:<shape>, or a local HF checkpoint directory"))
         self.device = w.Dropdown(options=available_devices(), value=c.device
-                                 if c.device in available_devices() else "auto", **_label("device"))
+                                 if c.device in available_devices() else "auto", **_label("device", "auto picks npu, then cuda, then cpu"))
         self.block_size = w.Dropdown(options=BLOCK_SIZES, value=c.block_size,
-                                     **_label("block_size"))
+                                     **_label("block_size", "tokens per KV block"))
         self.num_kv_blocks = w.IntText(value=c.num_kv_blocks or 0,
-                                       **_label("num_kv_blocks (0: from memory)"))
+                                       **_label("num_kv_blocks", "KV pool size in blocks; 0 sizes it from "
+                                                "kv_cache_memory_gb"))
         self.max_num_seqs = w.IntSlider(value=c.max_num_seqs, min=1, max=256,
-                                        **_label("max_num_seqs (batch)"))
+                                        **_label("max_num_seqs", "most requests running at once "
+                                                 "(the batch size)"))
         self.max_num_batched_tokens = w.IntText(value=c.max_num_batched_tokens,
-                                                **_label("max_num_batched_tokens"))
+                                                **_label("max_num_batched_tokens",
+                                                         "token budget of one step (prompts "
+                                                         "are chunked to fit)"))
         self.graph_mode = w.ToggleButtons(options=["eager", "decode", "full"], value=c.graph_mode,
-                                          **_label("graph_mode"))
+                                          **_label("graph_mode", "capture decode steps (decode) or "
+                                                   "every step (full) as graphs where the "
+                                                   "device supports it"))
         self.graph_mode.style.button_width = "70px"
         self.enable_prefix_caching = w.Checkbox(value=c.enable_prefix_caching, indent=False,
                                                 description="enable_prefix_caching")

@@ -136,8 +136,16 @@ class Live(w.VBox):
             if isinstance(p, KVBlockMap) and isinstance(self.source, RemoteSource):
                 p.unavailable("A remote server does not publish its block table.")
         self.pump = Pump(self.source, self.panels, hz)
-        super().__init__(self.panels)
+        self.errors = w.HTML()
+        self.pump.on_tick.append(self._show_errors)
+        super().__init__([*self.panels, self.errors])
         self.pump.start()
+
+    def _show_errors(self, u: Update) -> None:
+        if u.errors:
+            from .style import esc
+            self.errors.value = ('<div class="wb"><div class="error">'
+                                 + "<br>".join(map(esc, u.errors[-5:])) + "</div></div>")
 
     def submit(self, prompts, params: SamplingParams | list[SamplingParams] | None = None
                ) -> list[str]:

@@ -73,8 +73,8 @@ class BatchTimeline(w.VBox):
                           hoverlabel=dict(align="left"), uirevision="keep")
         fig.update_yaxes(title_text="tokens", row=1, col=1, rangemode="nonnegative")
         fig.update_yaxes(title_text="requests", row=2, col=1, rangemode="nonnegative")
-        fig.update_yaxes(title_text="KV %", range=[0, 100], row=2, col=1, secondary_y=True,
-                         showgrid=False)
+        fig.update_yaxes(title_text="KV %", range=[0, 100], dtick=25, row=2, col=1,
+                         secondary_y=True, showgrid=False)
         self.fig = go.FigureWidget(fig)
         self.set_resolution(resolution)
         super().__init__([css_widget(), self.fig], **kw)

@@ -55,7 +55,25 @@ def cmd_generate(a) -> int:
     return 0
 
 
+def cmd_bench_serving(a) -> int:
+    import json
+
+    from .remote import bench, format_report
+    report = bench(a.url, num_requests=a.num_requests, concurrency=a.concurrency,
+                   request_rate=a.request_rate, input_words=_range(a.input_words),
+                   output_len=_range(a.output_len), model=a.served_model, api_key=a.api_key,
+                   seed=a.seed, chat=a.chat, progress=True)
+    print(format_report(report))
+    if a.output:
+        with open(a.output, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {a.output}", file=sys.stderr)
+    return 0 if report["failed"] == 0 else 1
+
+
 def cmd_bench(a) -> int:
+    if a.url:
+        return cmd_bench_serving(a)
     from .bench import format_table, run, save
     peers = tuple(x for x in a.peers.split(",") if x and x != "none")
     report = run(model=a.model, num_requests=a.num_requests, in_range=_range(a.input_len),
@@ -170,6 +188,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of hf_static, hf_batch, b1, or none")
     b.add_argument("--static-batch", type=int, default=16)
     b.add_argument("--output", default="bench.json", help="JSON report path ('' for none)")
+    serving = b.add_argument_group("serving benchmark (with --url, in the manner of vllm bench serve)")
+    serving.add_argument("--url", default=None,
+                         help="benchmark a running OpenAI-compatible server instead of the "
+                              "engine in this process")
+    serving.add_argument("--api-key", default=None)
+    serving.add_argument("--served-model", default=None, help="model id (default: the first listed)")
+    serving.add_argument("--concurrency", type=int, default=16, help="most requests in flight")
+    serving.add_argument("--request-rate", type=float, default=float("inf"),
+                         help="Poisson arrivals, requests/s (default: all at once)")
+    serving.add_argument("--input-words", default="16:256", help="prompt length range in words")
+    serving.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
     b.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the 'serve' extra)")

@@ -14,8 +14,9 @@ finish_reason), so a UI can consume either. Times are the client's `time.monoton
 chunk arrived; "tokens" are SSE chunks (one token each on workbench and vLLM, except where a
 server holds text back for a multi-byte character or a stop string).
 
-`bench(url, ...)` (or `python -m workbench.remote --url URL`) is a small serving benchmark:
-N requests at a given concurrency, reporting throughput and TTFT / TPOT / ITL percentiles.
+`bench(url, ...)` (or `workbench bench --url URL`) is a small serving benchmark in the manner of
+`vllm bench serve`: N requests at a concurrency limit and/or a Poisson request rate, reporting
+throughput and TTFT / TPOT / ITL / end-to-end percentiles.
 
 Needs httpx (the 'serve' extra); nothing else from the workbench is imported.
 """
@@ -451,14 +452,27 @@ async def bench_async(url: str, num_requests: int = 64, concurrency: int = 16,
                       input_words: tuple[int, int] = (16, 256), output_len: tuple[int, int] = (16, 256),
                       model: str | None = None, api_key: str | None = None, seed: int = 0,
                       chat: bool = False, ignore_eos: bool = True,
-                      metrics_interval: float = 0.5) -> dict:
+                      metrics_interval: float = 0.5, request_rate: float = math.inf,
+                      progress: bool = False) -> dict:
     """Send `num_requests` streamed requests, at most `concurrency` at a time, with random word
     prompts of `input_words` words and `output_len` max_tokens (ignore_eos so each runs to its
-    length, on servers that honour it). While it runs, /metrics is polled for the peak running /
-    waiting / KV usage. Returns a JSON-able report."""
+    length, on servers that honour it). `request_rate` (requests/s) spaces the arrivals as a
+    Poisson process (seeded); inf sends them all at once. While it runs, /metrics is polled for
+    the peak running / waiting / KV usage. `progress` shows a progress bar on stderr. Returns a
+    JSON-able report."""
+    if concurrency < 1 or num_requests < 1 or not request_rate > 0:
+        raise ValueError("num_requests and concurrency must be >= 1, request_rate > 0")
     rng = random.Random(seed)
     jobs = [(" ".join(rng.choice(_WORDS) for _ in range(rng.randint(*input_words))),
              rng.randint(*output_len)) for _ in range(num_requests)]
+    arrivals, t = [], 0.0
+    for _ in jobs:
+        arrivals.append(t)
+        t += rng.expovariate(request_rate) if math.isfinite(request_rate) else 0.0
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=num_requests, desc="requests", unit="req")
     remote = RemoteEngine(url, model=model, api_key=api_key)
     sem = asyncio.Semaphore(concurrency)
     results: list[RemoteStats] = []
@@ -466,7 +480,8 @@ async def bench_async(url: str, num_requests: int = 64, concurrency: int = 16,
     peaks = {"num_requests_running": 0.0, "num_requests_waiting": 0.0, "kv_cache_usage_perc": 0.0}
     done = asyncio.Event()
 
-    async def one(prompt: str, n: int) -> None:
+    async def one(prompt: str, n: int, at: float) -> None:
+        await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
         async with sem:
             try:
                 extra = {"ignore_eos": True} if ignore_eos else {}
@@ -475,6 +490,8 @@ async def bench_async(url: str, num_requests: int = 64, concurrency: int = 16,
                         results.append(ev.stats)
             except (RemoteError, httpx.HTTPError) as e:
                 errors.append(f"{type(e).__name__}: {e}")
+            if bar is not None:
+                bar.update(1)
 
     async def watch() -> None:
         client = remote._async_client()
@@ -496,11 +513,13 @@ async def bench_async(url: str, num_requests: int = 64, concurrency: int = 16,
         model_name = remote.model
         watcher = asyncio.ensure_future(watch())
         t0 = time.monotonic()
-        await asyncio.gather(*(one(p, n) for p, n in jobs))
+        await asyncio.gather(*(one(p, n, at) for (p, n), at in zip(jobs, arrivals)))
         duration = time.monotonic() - t0
         done.set()
         await watcher
     finally:
+        if bar is not None:
+            bar.close()
         await remote.aclose()
         remote.close()
     out_tokens = sum((s.completion_tokens if s.completion_tokens is not None else s.num_chunks)
@@ -509,10 +528,12 @@ async def bench_async(url: str, num_requests: int = 64, concurrency: int = 16,
     return {
         "url": url, "model": model_name,
         "workload": {"num_requests": num_requests, "concurrency": concurrency,
+                     "request_rate": request_rate if math.isfinite(request_rate) else "inf",
                      "input_words": list(input_words), "output_len": list(output_len),
                      "seed": seed, "chat": chat, "ignore_eos": ignore_eos},
         "completed": len(results), "failed": len(errors), "errors": errors[:10],
         "duration_s": duration,
+        "arrival_span_s": arrivals[-1],
         "request_throughput": len(results) / duration if duration else None,
         "output_throughput": out_tokens / duration if duration else None,
         "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
@@ -546,39 +567,3 @@ def format_report(r: dict) -> str:
     lines.append(f"  server peaks: running {p['num_requests_running']:.0f}, waiting "
                  f"{p['num_requests_waiting']:.0f}, KV usage {p['kv_cache_usage_perc']:.0%}")
     return "\n".join(lines)
-
-
-def _main(argv: list[str] | None = None) -> int:
-    import argparse
-    import sys
-
-    def rng(text: str) -> tuple[int, int]:
-        lo, _, hi = text.partition(":")
-        return int(lo), int(hi or lo)
-
-    ap = argparse.ArgumentParser(prog="python -m workbench.remote",
-                                 description="Serving benchmark against an OpenAI-compatible server.")
-    ap.add_argument("--url", required=True)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--api-key", default=None)
-    ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--input-words", default="16:256")
-    ap.add_argument("--output-len", default="16:256")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--chat", action="store_true")
-    ap.add_argument("--output", default="", help="write the JSON report here")
-    a = ap.parse_args(argv)
-    report = bench(a.url, num_requests=a.num_requests, concurrency=a.concurrency,
-                   input_words=rng(a.input_words), output_len=rng(a.output_len), model=a.model,
-                   api_key=a.api_key, seed=a.seed, chat=a.chat)
-    print(format_report(report))
-    if a.output:
-        with open(a.output, "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"wrote {a.output}", file=sys.stderr)
-    return 0 if report["failed"] == 0 else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main())
