@@ -32,3 +32,43 @@ def test_bench_small_run_writes_json(tmp_path, smollm2_dir):
     assert report["results"]["workbench"]["tokens"] == report["workload"]["output_tokens"]
     assert report["ratios"]["vs_hf_static"] > 0
     assert "output tok/s" in r.stdout
+
+
+def test_lab_serves_the_notebooks(tmp_path):
+    """`workbench lab` starts JupyterLab on notebooks/ (bound to loopback) and says where."""
+    import os
+    import time
+
+    import pytest
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("jupyterlab")
+    from test_server import free_port, stop_process
+    port = free_port()
+    log = tmp_path / "lab.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "lab", "--port", str(port)],
+                                stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, "JUPYTER_TOKEN": "t0k3n"})
+    try:
+        names = None
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and proc.poll() is None and names is None:
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/api/contents?token=t0k3n", timeout=3)
+                if r.status_code == 200:
+                    names = {c["name"] for c in r.json()["content"]}
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        assert names is not None, log.read_text(errors="replace")[-3000:]
+        assert {"01_quickstart.ipynb", "02_prefill_decode_step_by_step.ipynb", "03_tuning.ipynb",
+                "dashboard.ipynb"} <= names
+        assert f"http://127.0.0.1:{port}/lab" in log.read_text(errors="replace")
+    finally:
+        stop_process(proc)
+
+
+def test_dashboard_and_lab_need_a_checkout(monkeypatch, tmp_path):
+    from workbench import cli
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "workbench" / "cli.py"))
+    r = cli.main(["dashboard", "--port", "1"])
+    assert r == 2

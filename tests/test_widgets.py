@@ -233,6 +233,16 @@ def test_stepper_shows_chunks_decodes_and_preemption():
                                                   ignore_eos=True))[0].token_ids
         assert got[rid] == want
     assert "Recent steps" in st.history_view.value and f"Step {recs[-1].step}" in st.view.value
+    # The buttons drive the same calls; bad input shows the engine's error and adds nothing.
+    st.prompt.value = ""
+    st.add_button.click()
+    assert "prompt: must not be empty" in st.message.value and not e.has_unfinished_requests()
+    st.prompt.value, st.max_tokens.value = "Hello", 2
+    st.add_button.click()
+    st.step_button.click()
+    assert st.history[-1].rows[0].action == "prefill" and st.message.value == ""
+    st.run_button.click()
+    assert st.history[-1].rows[0].finish_reason == "length" and not e.has_unfinished_requests()
 
 
 def test_stepper_refuses_a_background_engine():

@@ -156,10 +156,13 @@ def cmd_dashboard(a) -> int:
 
 
 def cmd_lab(a) -> int:
+    import os
     d = notebooks_dir()
     args = [f"--notebook-dir={d}", f"--ServerApp.ip={a.host}", f"--port={a.port}"]
     if not a.browser:
         args.append("--no-browser")
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        args.append("--allow-root")    # containers often run as root; Jupyter refuses without it
     return _jupyter("jupyterlab", args, {}, f"JupyterLab on {d}: http://{a.host}:{a.port}/lab")
 
 
