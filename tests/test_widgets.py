@@ -253,3 +253,26 @@ def test_stepper_refuses_a_background_engine():
             Stepper(e)
     finally:
         e.shutdown()
+
+
+def test_timeline_draws_graph_steps_apart_and_keeps_a_window():
+    from widgets import BatchTimeline
+    from widgets.sources import Update
+    from workbench.telemetry import StepEvent
+
+    def step(i, graph):
+        return StepEvent(step=i, start=0.0, duration=0.01, phase="decode", num_prefill_tokens=0,
+                         num_decode_tokens=4, num_cached_tokens=0,
+                         tokens_per_request={f"r{j}": 1 for j in range(4)},
+                         kinds={f"r{j}": "decode" for j in range(4)}, num_running=4,
+                         num_waiting=1, kv_blocks_used=3, kv_blocks_free=1, kv_blocks_cached=0,
+                         num_preempted=0, preempted=[], graph=graph,
+                         graph_size=4 if graph else None)
+
+    tl = BatchTimeline(window=5)
+    tl.update(Update(steps=[step(i, graph=i % 2 == 1) for i in range(8)]))
+    eager, graphed = tl.fig.data[1], tl.fig.data[3]
+    assert list(eager.x) == [3, 4, 5, 6, 7] and tl.num_points == 5
+    assert list(eager.y) == [None, 4, None, 4, None] and list(graphed.y) == [4, None, 4, None, 4]
+    assert graphed.showlegend and "graph (size 4)" in graphed.hovertext[0]
+    assert list(tl.fig.data[6].y) == [75.0] * 5          # KV used %

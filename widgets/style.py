@@ -51,7 +51,7 @@ CSS = """
 .wb .card .st { font-size: 11px; color: var(--jp-ui-font-color2, #555); margin-top: 3px; }
 .wb .stats { display: flex; flex-wrap: wrap; gap: 6px; }
 .wb .stat { border: 1px solid var(--jp-border-color2, #ddd); border-radius: 6px;
-            padding: 4px 10px; min-width: 92px; background: var(--jp-layout-color1, #fff); }
+            padding: 4px 8px; min-width: 78px; background: var(--jp-layout-color1, #fff); }
 .wb .stat .v { font-size: 17px; font-weight: 600; }
 .wb .stat .k { font-size: 11px; color: var(--jp-ui-font-color2, #666); }
 .wb .kv { display: grid; gap: 2px; }

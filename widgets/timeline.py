@@ -59,9 +59,9 @@ class BatchTimeline(w.VBox):
         fig.add_bar(name="prefill", marker_color=PREFILL, row=1, col=1, **bar)
         fig.add_bar(name="decode", marker_color=DECODE, row=1, col=1, **bar)
         fig.add_bar(name="prefill · graph", marker=dict(color=PREFILL, pattern=hatch),
-                    row=1, col=1, **bar)
+                    row=1, col=1, showlegend=False, **bar)
         fig.add_bar(name="decode · graph", marker=dict(color=DECODE, pattern=hatch),
-                    row=1, col=1, **bar)
+                    row=1, col=1, showlegend=False, **bar)
         line = dict(mode="lines", line_shape="hv", hoverinfo="x+y+name")
         fig.add_scatter(name="running", line_color=RUNNING, row=2, col=1, **line)
         fig.add_scatter(name="waiting", line_color=WAITING, row=2, col=1, **line)
@@ -111,6 +111,8 @@ class BatchTimeline(w.VBox):
             for trace, ys in zip(data[:4], (split(pre, False), split(dec, False),
                                             split(pre, True), split(dec, True))):
                 trace.x, trace.y, trace.hovertext = x, ys, hover
+            for trace in data[2:4]:     # graph-replay entries appear once a graph has run
+                trace.showlegend = any(graph)
             data[4].x, data[4].y = x, [p.num_running for p in pts]
             data[5].x, data[5].y = x, [p.num_waiting for p in pts]
             data[6].x, data[6].y = x, [round(100 * p.kv_usage, 1) for p in pts]

@@ -115,10 +115,9 @@ class TokenStreamPanel(w.VBox):
 
     @staticmethod
     def _card(s: StreamState) -> str:
-        rate = f"{1 / s.tpot:.1f} tok/s" if s.tpot else "—"
         return (f'<div class="card"><div class="hd"><b>{esc(s.request_id)}</b>'
                 f'<span class="badge b-{esc(s.status)}">{esc(s.status)}</span></div>'
                 f'<div class="prompt" title="{esc(s.label)}">{esc(s.label)}</div>'
                 f'<div class="txt"><div>{esc(s.text)}</div></div>'
-                f'<div class="st">TTFT {ms(s.ttft)} · TPOT {ms(s.tpot, 1)} · {rate} · '
-                f'{s.num_tokens} tok</div></div>')
+                f'<div class="st">TTFT {ms(s.ttft)} · TPOT '
+                f'{ms(s.tpot, 1 if (s.tpot or 0) < 0.1 else 0)} · {s.num_tokens} tok</div></div>')
