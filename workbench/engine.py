@@ -148,13 +148,8 @@ class Engine:
         self.graph_mode = config.graph_mode
         self.capture_sizes = (config.cudagraph_capture_sizes
                               or default_capture_sizes(config.max_num_seqs))
-        if config.graph_mode != "eager" and not self.platform.supports_graphs:
-            self.graph_mode = "eager"
-            self.notices.append(f"graph_mode={config.graph_mode!r} asked for, but graph capture "
-                                f"is not available on {self.platform.name} in this build: every "
-                                "step runs eager (StepEvent.graph stays False)")
-            log.info(self.notices[-1])
         self.vocab_size = self.hf_config.vocab_size
+        self._setup_graphs()
 
         self._requests: dict[str, _Request] = {}
         self._inbox: list[_Request] = []
@@ -169,6 +164,39 @@ class Engine:
         self._kv_last: KVBlockSnapshot | None = None
 
     # ---- set-up helpers -------------------------------------------------------------------
+    def _notice(self, text: str) -> None:
+        self.notices.append(text)
+        log.info(text)
+
+    def _setup_graphs(self) -> None:
+        """Capture decode graphs where the platform can; otherwise say why it runs eager."""
+        asked = self.config.graph_mode
+        if asked == "eager":
+            return
+        why = None
+        if not self.platform.supports_graphs:
+            why = f"graph capture is not available on {self.platform.name} in this build"
+        elif self.runner.decode_kernel is None:
+            why = ("capture needs the platform's fused decode-attention kernel, and this "
+                   "engine uses the plain-torch path (attention_backend or dtype)")
+        if why is not None:
+            self.graph_mode = "eager"
+            self._notice(f"graph_mode={asked!r} asked for, but {why}: every step runs eager "
+                         "(StepEvent.graph stays False)")
+            return
+        from tqdm.auto import tqdm
+        t0 = time.perf_counter()
+        with tqdm(total=len(self.capture_sizes), desc="capturing decode graphs", unit="graph",
+                  leave=False) as bar:
+            self.runner.capture_decode_graphs(self.capture_sizes, self.max_model_len,
+                                              lambda done, total: bar.update(1))
+        log.info("captured %d decode graphs (batch sizes %s) in %.1f s", len(self.capture_sizes),
+                 self.capture_sizes, time.perf_counter() - t0)
+        if asked == "full":
+            self.graph_mode = "decode"
+            self._notice("graph_mode='full' asked for: decode steps replay captured graphs; "
+                         "prefill and mixed steps run eager in this build (their token counts "
+                         "vary too much to capture without bucketing)")
     def _eos_ids(self) -> set[int]:
         """EOS ids from the config, the tokenizer and generation_config.json, together."""
         found = [getattr(self.hf_config, "eos_token_id", None),
@@ -304,6 +332,7 @@ class Engine:
         sched = self.scheduler.schedule(t0)
         events: list[TokenEvent] = []
         finished: list[str] = []
+        graph_size = None
         for seq in sched.preempted:
             self._requests[seq.request_id].metrics.num_preemptions += 1
         if not sched.is_empty:
@@ -312,7 +341,7 @@ class Engine:
                 if m.first_scheduled_time is None:
                     m.first_scheduled_time = t0
                     m.cached_tokens = s.seq.num_cached_tokens
-            logits, sampling = self.runner.execute(sched)
+            logits, sampling, graph_size = self.runner.execute(sched)
             reqs = [self._requests[s.seq.request_id] for s in sampling]
             tokens = sample(logits, [r.seq.params for r in reqs], [r.generator for r in reqs])
             self.scheduler.update_after_step(sched)
@@ -333,7 +362,7 @@ class Engine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=bstats.used, kv_blocks_free=bstats.free, kv_blocks_cached=bstats.cached,
             num_preempted=len(sched.preempted), preempted=[s.request_id for s in sched.preempted],
-            finished=finished))
+            graph=graph_size is not None, graph_size=graph_size, finished=finished))
         if self._kv_wanted:
             self._kv_wanted = False
             self._kv_last = self._kv_snapshot()

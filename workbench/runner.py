@@ -15,14 +15,31 @@ class ModelRunner:
         self.device = platform.device
         self.block_size = block_size
         self.num_blocks = num_blocks
+        """Blocks the block manager hands out (the pool holds one more: scratch)."""
         p = next(model.parameters())
         self.dtype = p.dtype
-        shape = (model.num_layers, 2, model.num_kv_heads, num_blocks, block_size, model.head_dim)
         # One allocation for the whole pool; layer i uses kv_cache[i][0] (K) and [i][1] (V).
+        # The last block is scratch, never handed out: padded rows of a replayed decode graph
+        # write their K/V there.
+        self.scratch_block = num_blocks
+        shape = (model.num_layers, 2, model.num_kv_heads, num_blocks + 1, block_size, model.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.layer_caches = [(layer[0], layer[1]) for layer in self.kv_cache]   # views, made once
         self.decode_kernel = (platform.decode_attention_kernel(self.dtype)
                               if attention_backend == "auto" else None)
+        self.graphs = None
+
+    def capture_decode_graphs(self, sizes: list[int], max_model_len: int, progress=None) -> None:
+        """Capture the decode forward at each batch size (see graph_runner.py)."""
+        from .graph_runner import DecodeGraphs
+        if self.decode_kernel is None:
+            raise ValueError("graph_mode: capturing decode graphs needs the platform's fused "
+                             "decode-attention kernel (attention_backend='auto')")
+        max_blocks = -(-max_model_len // self.block_size)
+        self.graphs = DecodeGraphs(self.model, self.layer_caches, self.platform,
+                                   self.decode_kernel, sizes, max_blocks, self.scratch_block,
+                                   self.block_size)
+        self.graphs.capture(progress)
 
     @property
     def attention_backend(self) -> str:
@@ -35,6 +52,7 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
+        """The whole pool, the scratch block included."""
         return self.kv_cache.numel() * self.kv_cache.element_size()
 
     def _slots(self, block_table: list[int], start: int, n: int) -> list[int]:
@@ -70,7 +88,7 @@ class ModelRunner:
                                    for s in decodes], dtype=torch.long)
             lens = torch.tensor([s.start + 1 for s in decodes])
             if self.decode_kernel is None:
-                decode_rows = pool_rows(tables, kv_heads, self.num_blocks)
+                decode_rows = pool_rows(tables, kv_heads, self.num_blocks + 1)
                 pad = torch.arange(max_blocks * bs)[None, :] >= lens[:, None]
                 decode_bias = torch.zeros(pad.shape, dtype=self.dtype).masked_fill_(pad, float("-inf"))
                 decode_bias = to(decode_bias.unsqueeze(1).repeat(kv_heads, 1, 1))
@@ -92,7 +110,7 @@ class ModelRunner:
             if s.start > 0:
                 ctx = s.start + n
                 block_ids = torch.tensor(s.seq.block_table[:-(-ctx // bs)], dtype=torch.long)
-                rows = pool_rows(block_ids, kv_heads, self.num_blocks)
+                rows = pool_rows(block_ids, kv_heads, self.num_blocks + 1)
                 q_pos = torch.arange(s.start, ctx)
                 mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
                 rows, mask = to(rows), to(mask)
@@ -117,9 +135,26 @@ class ModelRunner:
                   to(torch.tensor(logits_rows, dtype=torch.long)))
         return inputs, meta, sampling
 
+    def _replay_decode(self, out: SchedulerOutput):
+        """A pure decode step on a captured graph, or None to run it eager."""
+        g = self.graphs
+        if g is None or not out.scheduled or not all(s.is_decode for s in out.scheduled) \
+                or g.size_for(len(out.scheduled)) is None:
+            return None
+        bs = self.block_size
+        seqs = [(s.seq, s.start) for s in out.scheduled]
+        logits, size = g.run([q.token_ids[p] for q, p in seqs], [p for _, p in seqs],
+                             [q.block_table[p // bs] * bs + p % bs for q, p in seqs],
+                             [q.block_table for q, _ in seqs], [p + 1 for _, p in seqs])
+        return logits, list(out.scheduled), size
+
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq]]:
-        """Run one step; returns fp32 logits [len(sampling), vocab] and the sampling rows."""
+    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq], int | None]:
+        """Run one step; returns fp32 logits [len(sampling), vocab], the sampling rows, and
+        the captured size replayed (None when the step ran eager)."""
+        replayed = self._replay_decode(out)
+        if replayed is not None:
+            return replayed
         (input_ids, positions, logits_indices), meta, sampling = self.prepare(out)
         logits = self.model(input_ids, positions, self.layer_caches, meta, logits_indices)
-        return logits, sampling
+        return logits, sampling, None

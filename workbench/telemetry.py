@@ -97,6 +97,7 @@ class RequestMetrics:
 class MemoryStats:
     weights_bytes: int
     kv_cache_bytes: int
+    """The whole KV pool: num_kv_blocks plus one scratch block."""
     peak_bytes: int
     """Device peak allocation where the platform tracks it, else the process's peak RSS."""
     kv_bytes_per_block: int

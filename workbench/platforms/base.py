@@ -27,6 +27,15 @@ class Platform:
     def reset_peak_memory(self) -> None:
         """Start a new peak-memory window, where the device tracks one."""
 
+    def graph_pool(self):
+        """A memory-pool handle that every captured graph of an engine shares."""
+        raise NotImplementedError
+
+    def capture_graph(self, fn, pool) -> tuple[object, object]:
+        """Warm `fn` up, capture it into a graph using `pool`, and return (graph, output):
+        `graph.replay()` reruns the captured work, refreshing `output` in place."""
+        raise NotImplementedError
+
     def decode_attention_kernel(self, dtype):
         """A fused paged decode-attention op for this device and dtype, or None to use the
         plain-torch reference in `workbench/attention.py`. Signature:

@@ -1,0 +1,157 @@
+"""Decode-graph capture and the CUDA attention kernel, checked on the CPU.
+
+- The Triton paged decode kernel runs under Triton's interpreter (TRITON_INTERPRET=1, numpy
+  on the CPU) against the plain-torch reference, for several head layouts and block sizes.
+- The graph plumbing (static buffers, padding rows into the scratch block, replay at the
+  next captured size) runs with a CPU platform whose "graph" reruns the captured function
+  on its static buffers: what a CUDA graph replays, minus the launch savings. Greedy tokens
+  must equal the eager engine's. (Real CUDA-graph capture is checked by benchmarks/gpu.py on
+  a GPU.)
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from conftest import random_prompts
+from workbench import Engine, SamplingParams
+from workbench.platforms.cpu import CpuPlatform
+
+
+def test_triton_decode_kernel_matches_the_reference_in_the_interpreter():
+    pytest.importorskip("triton")
+    code = textwrap.dedent('''
+        import torch
+        from workbench.attention import AttentionMetadata, decode_attention, pool_rows
+        from workbench.platforms.triton_attention import paged_decode_attention
+        torch.manual_seed(0)
+        worst = 0.0
+        # (batch, heads, kv heads, head_dim, block_size, pool blocks)
+        for B, H, kvH, D, bs, NB in [(3, 4, 2, 64, 16, 20), (2, 6, 2, 48, 8, 30),
+                                     (1, 8, 8, 128, 32, 6), (4, 9, 3, 64, 64, 9)]:
+            k, v = torch.randn(kvH, NB, bs, D), torch.randn(kvH, NB, bs, D)
+            q = torch.randn(B, H, D)
+            lens = torch.randint(1, NB * bs // B, (B,))
+            perm, used = torch.randperm(NB), 0
+            width = int((lens.max() + bs - 1) // bs) + 2          # tables wider than needed
+            tables = torch.full((B, width), NB - 1, dtype=torch.int32)
+            for i in range(B):
+                nb = int((lens[i] + bs - 1) // bs)
+                tables[i, :nb] = perm[used:used + nb]
+                used += nb
+            out = torch.full_like(q, float("nan"))               # every element must be written
+            paged_decode_attention(q, k, v, tables, lens.to(torch.int32), D ** -0.5, out=out)
+            pad = torch.arange(width * bs)[None, :] >= lens[:, None]
+            bias = torch.zeros(pad.shape).masked_fill_(pad, float("-inf")).unsqueeze(1)
+            meta = AttentionMetadata(None, B, pool_rows(tables.long(), kvH, NB),
+                                     bias.repeat(kvH, 1, 1), [])
+            ref = decode_attention(q, k, v, meta, D ** -0.5)
+            assert not out.isnan().any()
+            worst = max(worst, float((out - ref).norm() / ref.norm()))
+        print("worst", worst)
+    ''')
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    worst = float(r.stdout.split()[-1])
+    assert worst < 1e-5, worst
+
+
+class ReplayGraph:
+    """Stands in for a device graph on the CPU: replay reruns the captured function, which
+    reads the same static buffers a real graph would, and refreshes the captured output."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out, self.replays = fn, out, 0
+
+    def replay(self):
+        self.out.copy_(self.fn())
+        self.replays += 1
+
+
+class ReplayingCpuPlatform(CpuPlatform):
+    supports_graphs = True
+
+    def graph_pool(self):
+        return None
+
+    def capture_graph(self, fn, pool):
+        out = fn()
+        return ReplayGraph(fn, out), out
+
+
+@pytest.fixture
+def replaying_platform(monkeypatch):
+    import workbench.engine
+    monkeypatch.setattr(workbench.engine, "get_platform", lambda name: ReplayingCpuPlatform())
+
+
+def test_decode_graphs_pad_replay_and_match_eager(replaying_platform):
+    kw = dict(model="random:tiny", device="cpu", block_size=16, num_kv_blocks=96, max_num_seqs=8,
+              enable_prefix_caching=True)
+    graphs = Engine(**kw, graph_mode="decode", cudagraph_capture_sizes=[1, 2, 4, 8])
+    eager = Engine(**kw, graph_mode="eager")
+    assert graphs.graph_mode == "decode" and not graphs.notices
+    assert sorted(graphs.runner.graphs.graphs) == [1, 2, 4, 8]
+    prompts = random_prompts(7, 5, 60, graphs.vocab_size, seed=3)
+    prompts.append(prompts[0][:40] + [11, 12, 13])          # shares a cached prefix
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+              for n in (30, 3, 17, 9, 25, 1, 12, 20)]
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    got = [o.token_ids for o in graphs.generate(prompts, params)]
+    assert got == want
+    steps = graphs.telemetry.snapshot()[0]
+    replayed = [s for s in steps if s.graph]
+    assert replayed and all(s.phase == "decode" for s in replayed)
+    assert all(s.graph_size >= s.num_decode_tokens and s.graph_size in (1, 2, 4, 8)
+               for s in replayed)
+    assert {s.graph_size for s in replayed} >= {8, 4, 2, 1}     # the batch shrinks as they finish
+    assert any(s.graph_size > s.num_decode_tokens for s in replayed)   # padding happened
+    assert not any(s.graph for s in steps if s.num_prefill_tokens)
+    assert graphs.block_manager.num_used_blocks == 0
+
+
+def test_decode_batches_beyond_the_largest_capture_run_eager(replaying_platform):
+    e = Engine(model="random:tiny", device="cpu", max_num_seqs=8, num_kv_blocks=64,
+               cudagraph_capture_sizes=[1, 2])
+    e.generate(random_prompts(4, 4, 8, e.vocab_size), SamplingParams(max_tokens=6, ignore_eos=True))
+    decodes = [s for s in e.telemetry.snapshot()[0] if s.phase == "decode"]
+    assert all(s.graph == (s.num_decode_tokens <= 2) for s in decodes)
+    assert any(not s.graph for s in decodes)
+
+
+def test_full_mode_says_prefill_runs_eager(replaying_platform):
+    e = Engine(model="random:tiny", device="cpu", graph_mode="full", max_num_seqs=2,
+               num_kv_blocks=16)
+    assert e.graph_mode == "decode" and "prefill and mixed steps run eager" in e.notices[0]
+
+
+def test_capture_needs_the_fused_kernel(replaying_platform):
+    e = Engine(model="random:tiny", device="cpu", attention_backend="reference",
+               max_num_seqs=2, num_kv_blocks=16)
+    assert e.graph_mode == "eager" and "fused decode-attention kernel" in e.notices[0]
+    assert e.runner.graphs is None
+
+
+def test_cpu_graph_modes_say_they_run_eager():
+    e = Engine(model="random:tiny", device="cpu", graph_mode="decode", num_kv_blocks=16)
+    assert e.graph_mode == "eager" and "not available on cpu" in e.notices[0]
+    e.generate([[1, 2, 3]], SamplingParams(max_tokens=3))
+    assert not any(s.graph for s in e.telemetry.snapshot()[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_decode_graphs_match_eager():
+    kw = dict(model="random:tiny", device="cuda", dtype="float32", num_kv_blocks=128,
+              max_num_seqs=8)
+    prompts = random_prompts(6, 5, 50, 1000, seed=1)
+    p = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in Engine(**kw, graph_mode="eager").generate(prompts, p)]
+    e = Engine(**kw, graph_mode="decode")
+    assert [o.token_ids for o in e.generate(prompts, p)] == want
+    assert any(s.graph for s in e.telemetry.snapshot()[0])

@@ -1,0 +1,83 @@
+"""Paged decode attention in Triton: each query reads its K/V straight from the block pool.
+
+One program per (request, KV head). It loads the G query heads that share that KV head as
+one [G, D] tile and walks the request's context in tiles of BLOCK_N tokens: each token's
+pool slot comes from the block table (block_table[n // block_size] * block_size +
+n % block_size), so any block size works and nothing is gathered into a new tensor. Softmax
+is computed online (running max and sum, rescaled per tile), in fp32.
+
+Shapes are fixed per batch size (the table is [B, max_blocks], lengths are read on the
+device), so the kernel can be captured in a CUDA graph and replayed with new tables and
+lengths. Runs on CUDA; under TRITON_INTERPRET=1 it also runs on CPU tensors, which is how
+the CPU test suite checks it against the plain-torch reference.
+
+Pool layout per layer: [num_kv_heads, num_blocks, block_size, head_dim] (head-major), as in
+`workbench/attention.py`.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, scale,
+                         stride_qb, stride_qh, stride_kv_head, stride_tb, stride_ob, stride_oh,
+                         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                         D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    length = tl.load(lens_ptr + b)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    g_ok = g < G
+    d_ok = d < D
+    q = tl.load(q_ptr + b * stride_qb + (kvh * G + g)[:, None] * stride_qh + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    denom = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    head = kvh.to(tl.int64) * stride_kv_head
+    for start in range(0, length, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < length
+        block = tl.load(tables_ptr + b * stride_tb + n // BLOCK_SIZE, mask=n_ok, other=0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
+        offs = head + slot[:, None] * D + d[None, :]
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale             # [G_PAD, BLOCK_N]
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        denom = denom * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m = m_new
+    out = acc / denom[:, None]
+    tl.store(out_ptr + b * stride_ob + (kvh * G + g)[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, D]; k/v_cache [kvH, num_blocks, block_size, D]; block_tables [B, max_blocks];
+    context_lens [B] (the new token included, which must already be in the cache)."""
+    b, h, d = q.shape
+    kv_heads, _, block_size, _ = k_cache.shape
+    g = h // kv_heads
+    q = q.contiguous()
+    out = torch.empty_like(q) if out is None else out
+    if b == 0:
+        return out
+    block_n = max(16, min(64, block_size))     # tl.dot needs >= 16 on every side
+    _paged_decode_kernel[(b, kv_heads)](
+        q, k_cache, v_cache, out, block_tables, context_lens, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=max(16, triton.next_power_of_2(d)),
+        BLOCK_SIZE=block_size, BLOCK_N=block_n)
+    return out
