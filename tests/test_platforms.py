@@ -35,3 +35,30 @@ def test_npu_whose_import_fails_is_a_clear_error(monkeypatch):
         get_platform("npu")
     assert not npu.NpuPlatform.is_available()              # and auto just skips it
     assert get_platform("auto").name == "cpu"
+
+
+def test_kv_pool_sized_from_device_memory(monkeypatch):
+    """On a device that reports its memory, the pool gets gpu_memory_utilization of it minus
+    what is in use and an activation reserve; too little room is a clear error."""
+    import workbench.engine
+    from workbench import Engine
+    from workbench.platforms.cpu import CpuPlatform
+    GiB = 2**30
+
+    class Reporting(CpuPlatform):
+        def memory_info(self):
+            return (3 * GiB, 4 * GiB)            # 1 GiB already in use
+
+    monkeypatch.setattr(workbench.engine, "get_platform", lambda name: Reporting())
+    e = Engine(model="random:tiny", gpu_memory_utilization=0.5, max_num_batched_tokens=512)
+    import torch
+    per_block = e.telemetry.memory.kv_bytes_per_block
+    budget = 0.5 * 4 * GiB - 1 * GiB - e._activation_reserve(torch.float32)
+    assert 0 < budget < GiB
+    assert e.block_manager.num_blocks == int(budget // per_block) - 1
+    assert Engine(model="random:tiny", kv_cache_memory_gb=0.01).block_manager.num_blocks == \
+        int(0.01 * GiB // per_block) - 1
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        Engine(model="random:tiny", gpu_memory_utilization=0.1)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        Engine(model="random:tiny", gpu_memory_utilization=1.5)

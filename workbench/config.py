@@ -25,9 +25,15 @@ class EngineConfig:
     block_size: int = 16
     """Tokens per KV block: a power of two from 8 to 256."""
     num_kv_blocks: int | None = None
-    """Blocks in the KV pool; None sizes it from kv_cache_memory_gb."""
-    kv_cache_memory_gb: float = 1.0
-    """Memory for the KV pool when num_kv_blocks is None."""
+    """Blocks in the KV pool; None sizes it from kv_cache_memory_gb or, on a GPU/NPU, from
+    gpu_memory_utilization."""
+    kv_cache_memory_gb: float | None = None
+    """Memory for the KV pool when num_kv_blocks is None. None: on a device that reports its
+    memory, what gpu_memory_utilization leaves; on the CPU, 1 GiB."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of the device's memory this engine may take (weights, activations and KV
+    pool together), as in vLLM; the KV pool gets what is left after the weights and an
+    activation reserve. Only used when neither num_kv_blocks nor kv_cache_memory_gb is set."""
     enable_prefix_caching: bool = True
 
     # Graph capture
@@ -87,8 +93,10 @@ class EngineConfig:
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int)
                                                or self.num_kv_blocks < 1):
             bad("num_kv_blocks", "must be a positive integer or None")
-        if not self.kv_cache_memory_gb > 0:
-            bad("kv_cache_memory_gb", "must be > 0")
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
+            bad("kv_cache_memory_gb", "must be > 0 or None")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            bad("gpu_memory_utilization", "must be in (0, 1]")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             bad("max_num_seqs", "must be an integer >= 1")
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:

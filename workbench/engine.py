@@ -122,7 +122,7 @@ class Engine:
         del ckpt
         bs = config.block_size
         per_block = ModelRunner.kv_bytes_per_block(self.model, bs, dtype)
-        num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gb * 2**30 // per_block))
+        num_blocks = config.num_kv_blocks or max(1, int(self._kv_budget(dtype) // per_block) - 1)
         # A request must fit in the pool (and in one step when prompts are not chunked).
         limit = num_blocks * bs
         if not config.enable_chunked_prefill:
@@ -164,6 +164,37 @@ class Engine:
         self._kv_last: KVBlockSnapshot | None = None
 
     # ---- set-up helpers -------------------------------------------------------------------
+    def _kv_budget(self, dtype: torch.dtype) -> float:
+        """Bytes for the KV pool: kv_cache_memory_gb if given; else, where the device reports
+        its memory, gpu_memory_utilization of it minus what is in use (weights) and an
+        activation reserve; else (the CPU) 1 GiB."""
+        c = self.config
+        if c.kv_cache_memory_gb is not None:
+            return c.kv_cache_memory_gb * 2**30
+        info = self.platform.memory_info()
+        if info is None:
+            return 2**30
+        free, total = info
+        budget = c.gpu_memory_utilization * total - (total - free) - self._activation_reserve(dtype)
+        if budget <= 0:
+            raise ValueError(f"gpu_memory_utilization: {c.gpu_memory_utilization} of "
+                             f"{total / 2**30:.1f} GiB leaves no room for a KV pool after the "
+                             f"weights ({(total - free) / 2**30:.1f} GiB in use); raise it or "
+                             "set num_kv_blocks")
+        return budget
+
+    def _activation_reserve(self, dtype: torch.dtype) -> int:
+        """A generous estimate of one step's peak activations: the widest tensors (MLP,
+        QKV, logits) of max_num_batched_tokens tokens, a few of each alive at once, plus
+        graph-pool headroom."""
+        cfg, c = self.hf_config, self.config
+        width = 2 * cfg.intermediate_size + 3 * cfg.hidden_size
+        elem = torch.empty((), dtype=dtype).element_size()
+        tokens = c.max_num_batched_tokens
+        logits = max(c.max_num_seqs, 1) * cfg.vocab_size * 4 * 2
+        return int(4 * tokens * width * elem + logits + 512 * 2**20)
+
+    # ---- set-up helpers (graphs) -----------------------------------------------------------
     def _notice(self, text: str) -> None:
         self.notices.append(text)
         log.info(text)

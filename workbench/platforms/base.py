@@ -27,6 +27,11 @@ class Platform:
     def reset_peak_memory(self) -> None:
         """Start a new peak-memory window, where the device tracks one."""
 
+    def memory_info(self) -> tuple[int, int] | None:
+        """(free, total) device memory in bytes, or None where the device does not say (the
+        CPU: its KV pool is sized by kv_cache_memory_gb or 1 GiB)."""
+        return None
+
     def graph_pool(self):
         """A memory-pool handle that every captured graph of an engine shares."""
         raise NotImplementedError

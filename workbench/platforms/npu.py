@@ -55,3 +55,6 @@ class NpuPlatform(Platform):
 
     def reset_peak_memory(self) -> None:
         torch.npu.reset_peak_memory_stats()
+
+    def memory_info(self) -> tuple[int, int]:
+        return torch.npu.mem_get_info()
