@@ -4,7 +4,8 @@ One program per (request, KV head). It loads the G query heads that share that K
 one [G, D] tile and walks the request's context in tiles of BLOCK_N tokens: each token's
 pool slot comes from the block table (block_table[n // block_size] * block_size +
 n % block_size), so any block size works and nothing is gathered into a new tensor. Softmax
-is computed online (running max and sum, rescaled per tile), in fp32.
+is computed online (running max and sum, rescaled per tile), in fp32; an fp32 cache is
+multiplied in full fp32 ("ieee"), not tf32, so fp32 runs match the reference closely.
 
 Shapes are fixed per batch size (the table is [B, max_blocks], lengths are read on the
 device), so the kernel can be captured in a CUDA graph and replayed with new tables and
@@ -25,7 +26,8 @@ import triton.language as tl
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, scale,
                          stride_qb, stride_qh, stride_kv_head, stride_tb, stride_ob, stride_oh,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                         D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+                         D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                         PRECISION: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     length = tl.load(lens_ptr + b)
@@ -47,14 +49,15 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, sca
         offs = head + slot[:, None] * D + d[None, :]
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale             # [G_PAD, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         denom = denom * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
+                                            input_precision=PRECISION).to(tl.float32)
         m = m_new
     out = acc / denom[:, None]
     tl.store(out_ptr + b * stride_ob + (kvh * G + g)[:, None] * stride_oh + d[None, :],
@@ -79,5 +82,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), k_cache.stride(0), block_tables.stride(0),
         out.stride(0), out.stride(1),
         G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=max(16, triton.next_power_of_2(d)),
-        BLOCK_SIZE=block_size, BLOCK_N=block_n)
+        BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        # fp32 stays fp32 (Triton would use tf32 for an fp32 dot); bf16/fp16 use the units.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     return out
