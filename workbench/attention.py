@@ -55,6 +55,14 @@ class AttentionMetadata:
     """[num_decode, max_blocks] block ids (for decode_kernel)."""
     decode_lens: torch.Tensor | None = None
     """[num_decode] context length of each decode, the new token included (for decode_kernel)."""
+    backend: Callable | None = None
+    """A platform's whole attention (KV write, decode and prefill, in its own pool layout),
+    called as backend(q, k, v, k_cache, v_cache, meta, scale) instead of the code below;
+    the runner calls backend.prepare(meta) once per step first."""
+    prefill_block_tables: list[list[int]] | None = None
+    """Each prefill chunk's block table, in span order (for backends that page prefill)."""
+    backend_state: object = None
+    """What the backend's prepare(meta) derived once per step, for every layer to reuse."""
 
 
 def pool_rows(block_ids: torch.Tensor, kv_heads: int, num_blocks: int) -> torch.Tensor:
@@ -121,6 +129,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Write this step's K/V to the pool, then attend. q: [T, H, D] -> [T, H, D]."""
+    if meta.backend is not None:
+        return meta.backend(q, k, v, k_cache, v_cache, meta, scale)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     parts = []
     nd = meta.num_decode

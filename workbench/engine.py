@@ -105,6 +105,7 @@ class Engine:
         config = replace(config, **overrides) if config is not None else EngineConfig(**overrides)
         self.config = config
         self.platform = get_platform(config.device)
+        self.platform.check_config(config)
         dtype = self.platform.default_dtype if config.dtype == "auto" else DTYPES[config.dtype]
 
         ckpt = load_checkpoint(config.model)

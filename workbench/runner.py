@@ -22,11 +22,16 @@ class ModelRunner:
         # The last block is scratch, never handed out: padded rows of a replayed decode graph
         # write their K/V there.
         self.scratch_block = num_blocks
-        shape = (model.num_layers, 2, model.num_kv_heads, num_blocks + 1, block_size, model.head_dim)
+        shape = platform.kv_cache_shape(model.num_layers, model.num_kv_heads, num_blocks + 1,
+                                        block_size, model.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.layer_caches = [(layer[0], layer[1]) for layer in self.kv_cache]   # views, made once
-        self.decode_kernel = (platform.decode_attention_kernel(self.dtype)
-                              if attention_backend == "auto" else None)
+        auto = attention_backend == "auto"
+        self.backend = platform.attention_backend(self.dtype) if auto else None
+        self.decode_kernel = platform.decode_attention_kernel(self.dtype) if auto else None
+        if self.backend is None and len(shape) != 6:
+            raise ValueError("attention_backend: this device's KV layout needs its own attention "
+                             "backend; 'reference' is not available here")
         self.graphs = None
 
     def capture_decode_graphs(self, sizes: list[int], max_model_len: int, progress=None) -> None:
@@ -43,7 +48,7 @@ class ModelRunner:
 
     @property
     def attention_backend(self) -> str:
-        return "fused" if self.decode_kernel is not None else "reference"
+        return "fused" if (self.decode_kernel or self.backend) is not None else "reference"
 
     @staticmethod
     def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
@@ -87,7 +92,7 @@ class ModelRunner:
             tables = torch.tensor([s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table))
                                    for s in decodes], dtype=torch.long)
             lens = torch.tensor([s.start + 1 for s in decodes])
-            if self.decode_kernel is None:
+            if self.decode_kernel is None and self.backend is None:
                 decode_rows = pool_rows(tables, kv_heads, self.num_blocks + 1)
                 pad = torch.arange(max_blocks * bs)[None, :] >= lens[:, None]
                 decode_bias = torch.zeros(pad.shape, dtype=self.dtype).masked_fill_(pad, float("-inf"))
@@ -97,6 +102,8 @@ class ModelRunner:
                                 for _ in range(2))
                 decode_rows = to(decode_rows)
                 tables = lens = None
+            elif self.backend is not None:    # backends take int32 (lengths stay on the host)
+                tables, lens = to(tables.int()), lens.int()
             else:
                 tables, lens = to(tables), to(lens)
 
@@ -107,7 +114,7 @@ class ModelRunner:
             positions += range(s.start, s.start + n)
             slots += self._slots(s.seq.block_table, s.start, n)
             rows = mask = None
-            if s.start > 0:
+            if s.start > 0 and self.backend is None:
                 ctx = s.start + n
                 block_ids = torch.tensor(s.seq.block_table[:-(-ctx // bs)], dtype=torch.long)
                 rows = pool_rows(block_ids, kv_heads, self.num_blocks + 1)
@@ -129,7 +136,12 @@ class ModelRunner:
             decode_kernel=self.decode_kernel if decodes else None,
             decode_block_tables=tables,
             decode_lens=lens,
+            backend=self.backend,
+            prefill_block_tables=([s.seq.block_table for s in prefills]
+                                  if self.backend is not None else None),
         )
+        if self.backend is not None:
+            self.backend.prepare(meta)
         inputs = (to(torch.tensor(input_ids, dtype=torch.long)),
                   to(torch.tensor(positions, dtype=torch.long)),
                   to(torch.tensor(logits_rows, dtype=torch.long)))

@@ -41,6 +41,20 @@ class Platform:
         `graph.replay()` reruns the captured work, refreshing `output` in place."""
         raise NotImplementedError
 
+    def kv_cache_shape(self, num_layers: int, kv_heads: int, num_blocks: int, block_size: int,
+                       head_dim: int) -> tuple[int, ...]:
+        """The pool: [layers, K/V, ...] with one layer's K (or V) laid out as the attention
+        code expects. Default head-major [kv_heads, num_blocks, block_size, head_dim]."""
+        return (num_layers, 2, kv_heads, num_blocks, block_size, head_dim)
+
+    def attention_backend(self, dtype):
+        """A whole-attention backend for this device (KV write, decode and prefill in its own
+        pool layout; see AttentionMetadata.backend), or None for the code in attention.py."""
+        return None
+
+    def check_config(self, config) -> None:
+        """Refuse knob values this device's kernels cannot run (ValueError naming the knob)."""
+
     def decode_attention_kernel(self, dtype):
         """A fused paged decode-attention op for this device and dtype, or None to use the
         plain-torch reference in `workbench/attention.py`. Signature:

@@ -2,8 +2,9 @@
 
 torch_npu hooks itself into `import torch` and fails without the CANN runtime, so it is never
 a hard dependency: the engine only looks for it (`find_spec`) when choosing a device, and
-imports it when the NPU platform is actually selected. Nothing here has run on NPU hardware
-yet; the fused ops and NPUGraph capture are the platform issue's work.
+imports it when the NPU platform is actually selected. Attention runs on torch_npu's fused
+ops (`npu_attention.py`), written from their documented signatures; nothing here has run on
+NPU hardware yet. NPUGraph capture is not in this build: graph modes run eager and say so.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class NpuPlatform(Platform):
     default_dtype = torch.bfloat16
 
     def __init__(self):
-        import_torch_npu()
+        self.torch_npu = import_torch_npu()
 
     @classmethod
     def is_available(cls) -> bool:
@@ -58,3 +59,15 @@ class NpuPlatform(Platform):
 
     def memory_info(self) -> tuple[int, int]:
         return torch.npu.mem_get_info()
+
+    def kv_cache_shape(self, num_layers, kv_heads, num_blocks, block_size, head_dim):
+        from .npu_attention import block_major_shape
+        return block_major_shape(num_layers, kv_heads, num_blocks, block_size, head_dim)
+
+    def attention_backend(self, dtype):
+        from .npu_attention import NpuAttention
+        return NpuAttention(self.torch_npu)
+
+    def check_config(self, config) -> None:
+        from .npu_attention import check_npu_config
+        check_npu_config(config)

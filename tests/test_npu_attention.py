@@ -1,0 +1,133 @@
+"""The NPU attention backend, driven on the CPU by stand-ins for torch_npu's ops.
+
+No Ascend hardware is reachable from here, and torch_npu cannot even be installed without
+CANN. The stand-ins below compute what the ops' documentation says they compute (and check
+the argument rules it states: int32 slots and tables, host-side context lengths, TND
+cumulative query ends, sparse_mode 3, the 2048 x 2048 mask). So these tests check our side:
+the block-major pool layout, the slots, tables and lengths we pass, and the split between
+decode and prefill; they cannot check the ops themselves.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import random_prompts
+from workbench import Engine, EngineConfig, SamplingParams
+from workbench.platforms.cpu import CpuPlatform
+from workbench.platforms.npu_attention import (NpuAttention, block_major_shape,
+                                               check_npu_config)
+
+
+def _attend(q, keys, values, scale, causal_offset=None):
+    """q [n, H, D] over keys/values [L, kvH, D]; causal aligned to the end when asked."""
+    n, L = q.shape[0], keys.shape[0]
+    mask = None
+    if causal_offset is not None:
+        mask = torch.arange(L)[None, :] <= (torch.arange(n)[:, None] + L - n)
+    return F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1),
+                                          values.transpose(0, 1), attn_mask=mask, scale=scale,
+                                          enable_gqa=True).transpose(0, 1)
+
+
+class DocumentedOps:
+    """torch_npu's attention and cache ops as documented, on CPU tensors."""
+
+    def __init__(self):
+        self.calls = {"cache": 0, "paged": 0, "fia": 0}
+
+    def _npu_reshape_and_cache(self, key, value, key_cache, value_cache, slot_indices):
+        assert slot_indices.dtype == torch.int32 and key.is_contiguous()
+        nb, bs, kvh, d = key_cache.shape
+        key_cache.view(nb * bs, kvh, d)[slot_indices.long()] = key
+        value_cache.view(nb * bs, kvh, d)[slot_indices.long()] = value
+        self.calls["cache"] += 1
+
+    def _npu_paged_attention(self, query, key_cache, value_cache, num_kv_heads, num_heads,
+                             scale_value, block_table, context_lens, out):
+        nb, bs, kvh, d = key_cache.shape
+        assert block_table.dtype == torch.int32 and context_lens.dtype == torch.int32
+        assert context_lens.device.type == "cpu", "context_lens is a host tensor"
+        assert bs % 16 == 0 and bs * d <= 128 * 128 and d <= 256
+        assert (num_kv_heads, num_heads) == (kvh, query.shape[1])
+        for i, length in enumerate(context_lens.tolist()):
+            blocks = block_table[i, :math.ceil(length / bs)].long()
+            keys = key_cache[blocks].reshape(-1, kvh, d)[:length]
+            values = value_cache[blocks].reshape(-1, kvh, d)[:length]
+            out[i] = _attend(query[i:i + 1], keys, values, scale_value)[0]
+        self.calls["paged"] += 1
+
+    def npu_fused_infer_attention_score(self, q, k, v, *, atten_mask, actual_seq_lengths,
+                                        actual_seq_lengths_kv, block_table, num_heads, scale,
+                                        input_layout, num_key_value_heads, sparse_mode,
+                                        block_size):
+        assert input_layout == "TND" and sparse_mode == 3
+        assert atten_mask.shape == (2048, 2048) and atten_mask.dtype == torch.bool
+        assert all(isinstance(x, int) for x in actual_seq_lengths + actual_seq_lengths_kv)
+        assert actual_seq_lengths[-1] == q.shape[0] and block_table.dtype == torch.int32
+        nb, bs, width = k.shape
+        kvh = num_key_value_heads
+        d = width // kvh
+        assert bs == block_size and num_heads == q.shape[1]
+        out, start = torch.empty_like(q), 0
+        for i, (end, length) in enumerate(zip(actual_seq_lengths, actual_seq_lengths_kv)):
+            blocks = block_table[i, :math.ceil(length / bs)].long()
+            keys = k[blocks].reshape(-1, kvh, d)[:length]
+            values = v[blocks].reshape(-1, kvh, d)[:length]
+            out[start:end] = _attend(q[start:end], keys, values, scale, causal_offset=True)
+            start = end
+        self.calls["fia"] += 1
+        return out, torch.zeros(1)
+
+
+class StandInNpuPlatform(CpuPlatform):
+    """The NPU platform's layout and backend, on the CPU, with the documented stand-ins."""
+
+    def __init__(self):
+        self.ops = DocumentedOps()
+
+    def kv_cache_shape(self, *shape):
+        return block_major_shape(*shape)
+
+    def attention_backend(self, dtype):
+        return NpuAttention(self.ops)
+
+    def check_config(self, config):
+        check_npu_config(config)
+
+
+def test_npu_backend_tokens_equal_the_reference(tiny_checkpoints, monkeypatch):
+    import workbench.engine
+    path, _ = tiny_checkpoints["qwen3"]
+    platform = StandInNpuPlatform()
+    monkeypatch.setattr(workbench.engine, "get_platform", lambda name: platform)
+    kw = dict(model=str(path), block_size=128, num_kv_blocks=24, max_num_seqs=6,
+              max_num_batched_tokens=160, enable_prefix_caching=True)
+    prompts = random_prompts(5, 5, 300, 1000, seed=4)
+    prompts.append(prompts[2][:260] + [7, 8, 9])            # a cached prefix, then a chunk
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    npu = Engine(**kw)
+    assert npu.runner.kv_cache.shape[2:4] == (25, 128)      # [L, 2, blocks + scratch, bs, ...]
+    got = [o.token_ids for o in npu.generate(prompts[:5], params)]
+    got += [o.token_ids for o in npu.generate(prompts[5:], params)]
+    monkeypatch.undo()
+    ref = Engine(**kw, device="cpu", attention_backend="reference")
+    want = [o.token_ids for o in ref.generate(prompts[:5], params)]
+    want += [o.token_ids for o in ref.generate(prompts[5:], params)]
+    assert got == want
+    steps = npu.telemetry.snapshot()[0]
+    assert any(s.phase == "mixed" for s in steps) and any(s.num_cached_tokens for s in steps)
+    assert all(platform.ops.calls[k] > 0 for k in ("cache", "paged", "fia"))
+
+
+def test_npu_config_rules():
+    with pytest.raises(ValueError, match="block_size"):
+        check_npu_config(EngineConfig(block_size=16))
+    with pytest.raises(ValueError, match="dtype"):
+        check_npu_config(EngineConfig(block_size=128, dtype="float32"))
+    with pytest.raises(ValueError, match="attention_backend"):
+        check_npu_config(EngineConfig(block_size=128, attention_backend="reference"))
+    check_npu_config(EngineConfig(block_size=128))

@@ -1,0 +1,94 @@
+"""Attention on Ascend NPUs through torch_npu's fused ops, written from their documented
+signatures (see ../shared/notes/torch_npu.md in the project's notes). Not yet run on NPU
+hardware: the CPU tests drive this code with stand-ins that follow those documented
+semantics, which checks our layouts and arguments, not the ops themselves.
+
+Pool layout (what the ATB ops read): per layer, K and V each
+[num_blocks, block_size, num_kv_heads, head_dim], ND, bf16 or fp16.
+
+Per step, for every layer:
+- KV write: `_npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices)`, int32
+  slots (block * block_size + offset);
+- decode: `_npu_paged_attention(...)` over the decodes' block tables (int32 on the device)
+  and context lengths (int32 on the host, as the op wants);
+- prefill chunks: `npu_fused_infer_attention_score` in TND layout with the chunks' block
+  tables, cumulative query ends and per-request KV lengths, sparse_mode=3 (causal aligned
+  to the end of each request's KV, which is what a chunk after a cached prefix needs) and
+  the 2048 x 2048 mask that mode expects.
+FIA's paged prefill wants block_size 128 (vLLM-Ascend's choice); `check_config` says so.
+"""
+from __future__ import annotations
+
+import torch
+
+BLOCK_SIZE = 128
+MASK_SIZE = 2048
+
+
+class NpuAttention:
+    def __init__(self, ops):
+        self.ops = ops
+        """The torch_npu module (or, in tests, something with the same functions)."""
+        self._mask: torch.Tensor | None = None
+
+    def prepare(self, meta) -> None:
+        """Per-step tensors every layer shares: int32 slots, prefill tables and lengths."""
+        dev = meta.slot_mapping.device
+        state = {"slots": meta.slot_mapping.to(torch.int32)}
+        if meta.prefills:
+            tables = meta.prefill_block_tables
+            width = max(len(t) for t in tables)
+            state["tables"] = torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                           dtype=torch.int32).to(dev)
+            first = meta.prefills[0].q_start
+            state["q_ends"] = [sp.q_end - first for sp in meta.prefills]
+            state["kv_lens"] = [sp.start + sp.q_end - sp.q_start for sp in meta.prefills]
+        meta.backend_state = state
+
+    def causal_mask(self, device) -> torch.Tensor:
+        if self._mask is None or self._mask.device != device:
+            self._mask = torch.triu(torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool,
+                                               device=device), diagonal=1)
+        return self._mask
+
+    def __call__(self, q, k, v, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+        ops, state = self.ops, meta.backend_state
+        ops._npu_reshape_and_cache(key=k.contiguous(), value=v.contiguous(), key_cache=k_cache,
+                                   value_cache=v_cache, slot_indices=state["slots"])
+        heads, kv_heads = q.shape[1], k_cache.shape[2]
+        out = torch.empty_like(q)
+        nd = meta.num_decode
+        if nd:
+            ops._npu_paged_attention(query=q[:nd].contiguous(), key_cache=k_cache,
+                                     value_cache=v_cache, num_kv_heads=kv_heads,
+                                     num_heads=heads, scale_value=scale,
+                                     block_table=meta.decode_block_tables,
+                                     context_lens=meta.decode_lens, out=out[:nd])
+        if meta.prefills:
+            num_blocks, block_size, _, d = k_cache.shape
+            o, _ = ops.npu_fused_infer_attention_score(
+                q[nd:].contiguous(), k_cache.view(num_blocks, block_size, kv_heads * d),
+                v_cache.view(num_blocks, block_size, kv_heads * d),
+                atten_mask=self.causal_mask(q.device), actual_seq_lengths=state["q_ends"],
+                actual_seq_lengths_kv=state["kv_lens"], block_table=state["tables"],
+                num_heads=heads, scale=scale, input_layout="TND",
+                num_key_value_heads=kv_heads, sparse_mode=3, block_size=block_size)
+            out[nd:] = o
+        return out
+
+
+def block_major_shape(num_layers: int, kv_heads: int, num_blocks: int, block_size: int,
+                      head_dim: int) -> tuple[int, ...]:
+    return (num_layers, 2, num_blocks, block_size, kv_heads, head_dim)
+
+
+def check_npu_config(config) -> None:
+    if config.block_size != BLOCK_SIZE:
+        raise ValueError(f"block_size: the NPU's fused prefill attention pages KV in blocks of "
+                         f"{BLOCK_SIZE} tokens (got {config.block_size}); set block_size=128")
+    if config.dtype == "float32":
+        raise ValueError("dtype: the NPU's fused attention ops take bfloat16 or float16 "
+                         "(got float32)")
+    if config.attention_backend == "reference":
+        raise ValueError("attention_backend: the NPU runs its fused ops; 'reference' is the "
+                         "CPU/CUDA plain-torch path")
