@@ -143,6 +143,20 @@ def test_cpu_graph_modes_say_they_run_eager():
     assert e.graph_mode == "eager" and "not available on cpu" in e.notices[0]
     e.generate([[1, 2, 3]], SamplingParams(max_tokens=3))
     assert not any(s.graph for s in e.telemetry.snapshot()[0])
+    import json
+    assert json.loads(e.telemetry.to_json())["notices"] == e.notices     # exported too
+
+
+def test_stepper_shows_graph_replays(replaying_platform):
+    pytest.importorskip("ipywidgets")
+    from widgets import Stepper
+    st = Stepper(Engine(model="random:tiny", device="cpu", max_num_seqs=4, num_kv_blocks=16,
+                        cudagraph_capture_sizes=[1, 2, 4]))
+    st.add([5, 6, 7], max_tokens=3)
+    st.add([8, 9], max_tokens=3)
+    prefill, decode = st.step(), st.step()
+    assert prefill.graph_size is None and decode.graph_size == 2
+    assert "graph replay @2" in st.view.value
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

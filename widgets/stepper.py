@@ -48,6 +48,8 @@ class StepRecord:
     rows: list[RequestRow] = field(default_factory=list)
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    graph_size: int | None = None
+    """The captured decode graph size replayed, or None when the step ran eager."""
 
     def row(self, request_id: str) -> RequestRow:
         return next(r for r in self.rows if r.request_id == request_id)
@@ -115,7 +117,8 @@ class Stepper(w.VBox):
         tok = e.tokenizer
         rec = StepRecord(ev.step, ev.phase, ev.duration, ev.num_prefill_tokens,
                          ev.num_decode_tokens, kv_blocks_used=ev.kv_blocks_used,
-                         kv_blocks_total=ev.kv_blocks_used + ev.kv_blocks_free)
+                         kv_blocks_total=ev.kv_blocks_used + ev.kv_blocks_free,
+                         graph_size=ev.graph_size if ev.graph else None)
         for rid in dict.fromkeys([*before, *after]):
             st = after.get(rid) or before[rid]
             t = events.get(rid)
@@ -169,7 +172,9 @@ class Stepper(w.VBox):
             rows = "".join(self._row(r) for r in rec.rows)
             self.view.value = (
                 f'<div class="wb"><h3>Step {rec.step} <span class="badge b-{esc(rec.phase)}">'
-                f'{esc(rec.phase)}</span> <span class="muted">{rec.duration * 1e3:.1f} ms · '
+                f'{esc(rec.phase)}</span> <span class="muted">'
+                f'{"graph replay @" + str(rec.graph_size) if rec.graph_size else "eager"} · '
+                f'{rec.duration * 1e3:.1f} ms · '
                 f'{rec.num_prefill_tokens} prefill + {rec.num_decode_tokens} decode tokens · '
                 f'KV {rec.kv_blocks_used}/{rec.kv_blocks_total} blocks</span></h3>'
                 '<table class="steps"><tr><th>request</th><th>scheduler chose</th><th>fed</th>'

@@ -144,8 +144,9 @@ class Engine:
         self.telemetry.memory = MemoryStats(weights, self.runner.kv_cache_bytes,
                                             self.platform.peak_memory_bytes(), per_block, num_blocks)
         self.eos_token_ids = self._eos_ids()
-        self.notices: list[str] = []
-        """Things the user asked for that this engine does differently, in words for a UI."""
+        self.notices: list[str] = self.telemetry.notices
+        """Things the user asked for that this engine does differently, in words for a UI
+        (the same list is exported with the telemetry)."""
         self.graph_mode = config.graph_mode
         self.capture_sizes = (config.cudagraph_capture_sizes
                               or default_capture_sizes(config.max_num_seqs))

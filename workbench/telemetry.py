@@ -119,6 +119,8 @@ class Telemetry:
         self.num_requests = 0
         """Finished request records ever added (RequestMetrics are numbered from 0)."""
         self.memory: MemoryStats | None = None
+        self.notices: list[str] = []
+        """What the engine does differently from what was asked (e.g. graph mode on a CPU)."""
 
     def add_step(self, ev: StepEvent) -> None:
         with self._lock:
@@ -152,6 +154,7 @@ class Telemetry:
     def to_dict(self) -> dict:
         steps, reqs = self.snapshot()
         return {"memory": asdict(self.memory) if self.memory else None,
+                "notices": list(self.notices),
                 "steps": [asdict(s) for s in steps],
                 "requests": [r.to_dict() for r in reqs]}
 
