@@ -85,6 +85,7 @@ class DocumentedOps:
 
 class StandInNpuPlatform(CpuPlatform):
     """The NPU platform's layout and backend, on the CPU, with the documented stand-ins."""
+    default_block_size = 128
 
     def __init__(self):
         self.ops = DocumentedOps()
@@ -104,17 +105,21 @@ def test_npu_backend_tokens_equal_the_reference(tiny_checkpoints, monkeypatch):
     path, _ = tiny_checkpoints["qwen3"]
     platform = StandInNpuPlatform()
     monkeypatch.setattr(workbench.engine, "get_platform", lambda name: platform)
-    kw = dict(model=str(path), block_size=128, num_kv_blocks=24, max_num_seqs=6,
+    kw = dict(model=str(path), num_kv_blocks=24, max_num_seqs=6,
               max_num_batched_tokens=160, enable_prefix_caching=True)
     prompts = random_prompts(5, 5, 300, 1000, seed=4)
     prompts.append(prompts[2][:260] + [7, 8, 9])            # a cached prefix, then a chunk
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    npu = Engine(**kw)
+    npu = Engine(**kw)                                       # block_size: the device's 128
+    assert npu.config.block_size == 128
     assert npu.runner.kv_cache.shape[2:4] == (25, 128)      # [L, 2, blocks + scratch, bs, ...]
+    with pytest.raises(ValueError, match="block_size"):
+        Engine(**kw, block_size=16)
     got = [o.token_ids for o in npu.generate(prompts[:5], params)]
     got += [o.token_ids for o in npu.generate(prompts[5:], params)]
     monkeypatch.undo()
-    ref = Engine(**kw, device="cpu", attention_backend="reference")
+    ref = Engine(**kw, device="cpu", attention_backend="reference", block_size=128)
+    assert Engine(model="random:tiny", device="cpu", num_kv_blocks=4).config.block_size == 16
     want = [o.token_ids for o in ref.generate(prompts[:5], params)]
     want += [o.token_ids for o in ref.generate(prompts[5:], params)]
     assert got == want

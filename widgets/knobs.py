@@ -60,7 +60,7 @@ class KnobPanel(w.VBox):
                                 **_label("model", "smollm2 (embedded), random:<shape>, or a local HF checkpoint directory"))
         self.device = w.Dropdown(options=available_devices(), value=c.device
                                  if c.device in available_devices() else "auto", **_label("device", "auto picks npu, then cuda, then cpu"))
-        self.block_size = w.Dropdown(options=BLOCK_SIZES, value=c.block_size,
+        self.block_size = w.Dropdown(options=BLOCK_SIZES, value=c.block_size or 16,
                                      **_label("block_size", "tokens per KV block"))
         self.num_kv_blocks = w.IntText(value=c.num_kv_blocks or 0,
                                        **_label("num_kv_blocks", "KV pool size in blocks; 0 sizes it from "

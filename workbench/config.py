@@ -22,8 +22,9 @@ class EngineConfig:
     kernel built on first use), else the plain-torch reference; 'reference': always torch."""
 
     # KV cache
-    block_size: int = 16
-    """Tokens per KV block: a power of two from 8 to 256."""
+    block_size: int | None = None
+    """Tokens per KV block: a power of two from 8 to 256. None: the device's choice (16; 128
+    on the NPU, whose fused prefill pages in blocks of 128)."""
     num_kv_blocks: int | None = None
     """Blocks in the KV pool; None sizes it from kv_cache_memory_gb or, on a GPU/NPU, from
     gpu_memory_utilization."""
@@ -88,7 +89,7 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "reference"):
             bad("attention_backend", "must be 'auto' or 'reference'")
         bs = self.block_size
-        if not isinstance(bs, int) or bs < 8 or bs > 256 or bs & (bs - 1):
+        if bs is not None and (not isinstance(bs, int) or bs < 8 or bs > 256 or bs & (bs - 1)):
             bad("block_size", "must be a power of two from 8 to 256")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int)
                                                or self.num_kv_blocks < 1):

@@ -103,8 +103,11 @@ Prompt = Any   # str | list[dict] (chat messages) | list[int] (token ids)
 class Engine:
     def __init__(self, config: EngineConfig | None = None, **overrides):
         config = replace(config, **overrides) if config is not None else EngineConfig(**overrides)
-        self.config = config
         self.platform = get_platform(config.device)
+        if config.block_size is None:
+            config = replace(config, block_size=self.platform.default_block_size)
+        self.config = config
+        """The knobs as run (block_size resolved for the device)."""
         self.platform.check_config(config)
         dtype = self.platform.default_dtype if config.dtype == "auto" else DTYPES[config.dtype]
 

@@ -7,6 +7,7 @@ class Platform:
     """What the engine needs to know about a device. Subclasses fill in the specifics."""
     name = "base"
     default_dtype = torch.float32
+    default_block_size = 16
     supports_graphs = False
     """Whether this platform can capture and replay step graphs (graph_mode 'decode'/'full')."""
 

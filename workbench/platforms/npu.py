@@ -33,6 +33,7 @@ def import_torch_npu():
 class NpuPlatform(Platform):
     name = "npu"
     default_dtype = torch.bfloat16
+    default_block_size = 128      # the fused prefill's paging unit (npu_attention.BLOCK_SIZE)
 
     def __init__(self):
         self.torch_npu = import_torch_npu()
