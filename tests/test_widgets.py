@@ -282,3 +282,7 @@ def test_timeline_draws_graph_steps_apart_and_keeps_a_window():
     assert list(eager.y) == [None, 4, None, 4, None] and list(graphed.y) == [4, None, 4, None, 4]
     assert graphed.showlegend and "graph (size 4)" in graphed.hovertext[0]
     assert list(tl.fig.data[6].y) == [75.0] * 5          # KV used %
+    assert tl.fig.layout.xaxis2.dtick == 1                # few steps: whole-step ticks
+    wide = BatchTimeline()
+    wide.update(Update(steps=[step(i, graph=False) for i in range(40)]))
+    assert wide.fig.layout.xaxis2.dtick is None           # many: plotly picks the ticks

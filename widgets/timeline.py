@@ -116,6 +116,9 @@ class BatchTimeline(w.VBox):
             data[4].x, data[4].y = x, [p.num_running for p in pts]
             data[5].x, data[5].y = x, [p.num_waiting for p in pts]
             data[6].x, data[6].y = x, [round(100 * p.kv_usage, 1) for p in pts]
+            # Whole-step ticks while there are few steps (plotly would put ticks at halves).
+            dtick = 1 if x and x[-1] - x[0] < 12 else None
+            self.fig.layout.xaxis.dtick = self.fig.layout.xaxis2.dtick = dtick
         self.num_points = len(pts)
         self.num_updates += 1
         self.last_step = x[-1] if x else -1
