@@ -14,6 +14,7 @@ token rate.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any, Iterable
 
@@ -94,7 +95,6 @@ class Pump:
             try:
                 self.tick()
             except Exception as e:   # a broken panel must not stop the others updating
-                import logging
                 logging.getLogger("workbench.widgets").exception("panel update failed: %s", e)
             await asyncio.sleep(max(period - (time.monotonic() - t0), 0.001))
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -23,7 +22,6 @@ from typing import Any
 
 from workbench import Engine, SamplingParams
 
-log = logging.getLogger("workbench.widgets")
 
 
 @dataclass

@@ -190,7 +190,7 @@ def format_table(report: dict) -> str:
     res = report["results"]
     rows = [("workbench (continuous batching)", res.get("workbench", {}).get("out_tok_s"), "")]
     if "hf_static" in res:
-        rows.append((f"HF generate, static batches", res["hf_static"]["out_tok_s"],
+        rows.append(("HF generate, static batches", res["hf_static"]["out_tok_s"],
                      report["ratios"].get("vs_hf_static")))
     if "hf_generate_batch" in res:
         rows.append(("HF generate_batch", res["hf_generate_batch"]["out_tok_s"],

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from .config import EngineConfig
 
@@ -113,9 +114,8 @@ def cmd_serve(a) -> int:
     return 0
 
 
-def notebooks_dir() -> "Path":
+def notebooks_dir() -> Path:
     """The repository's notebooks/ (the dashboard and the lab open them from a checkout)."""
-    from pathlib import Path
     d = Path(__file__).resolve().parents[1] / "notebooks"
     if not (d / "dashboard.ipynb").is_file():
         raise FileNotFoundError(f"{d / 'dashboard.ipynb'} not found: the dashboard and the lab "

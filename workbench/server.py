@@ -38,7 +38,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import Engine
 from .sampling_params import SamplingParams
-from .telemetry import RequestMetrics
 
 log = logging.getLogger("workbench.server")
 
