@@ -70,7 +70,9 @@ class ReplayGraph:
         self.fn, self.out, self.replays = fn, out, 0
 
     def replay(self):
-        self.out.copy_(self.fn())
+        out = self.fn()
+        if self.out is not None:
+            self.out.copy_(out)
         self.replays += 1
 
 
@@ -125,16 +127,43 @@ def test_decode_batches_beyond_the_largest_capture_run_eager(replaying_platform)
     assert any(not s.graph for s in decodes)
 
 
-def test_full_mode_says_prefill_runs_eager(replaying_platform):
-    e = Engine(model="random:tiny", device="cpu", graph_mode="full", max_num_seqs=2,
-               num_kv_blocks=16)
-    assert e.graph_mode == "decode" and "prefill and mixed steps run eager" in e.notices[0]
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_full_mode_replays_prefill_and_mixed_steps_piecewise(replaying_platform, backend):
+    """graph_mode='full': decode steps replay whole graphs (with the fused kernel; with the
+    plain-torch attention they go piecewise too), chunks, prefills and mixed steps replay
+    piecewise at padded token buckets, and greedy tokens equal eager's."""
+    kw = dict(model="random:tiny-qwen3", device="cpu", block_size=16, num_kv_blocks=128,
+              max_num_seqs=8, max_num_batched_tokens=96, enable_prefix_caching=True,
+              attention_backend=backend)
+    full = Engine(**kw, graph_mode="full", cudagraph_capture_sizes=[1, 2, 4, 8])
+    eager = Engine(**kw, graph_mode="eager")
+    assert full.graph_mode == "full" and full.piecewise_sizes == [16, 32, 64, 96]
+    assert sorted(full.runner.piecewise.graphs) == [16, 32, 64, 96]
+    assert all(len(p) == full.model.num_layers + 1 for p in full.runner.piecewise.graphs.values())
+    assert bool(full.notices) == (backend == "reference")
+    prompts = random_prompts(7, 5, 150, full.vocab_size, seed=5)
+    prompts.append(prompts[0][:40] + [11, 12, 13])          # shares a cached prefix
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+              for n in (12, 3, 17, 9, 25, 1, 6, 20)]
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    got = [o.token_ids for o in full.generate(prompts, params)]
+    assert got == want
+    steps = full.telemetry.snapshot()[0]
+    assert all(s.graph for s in steps)                        # every step fits a bucket
+    pw = [s for s in steps if s.graph_kind == "piecewise"]
+    assert {s.phase for s in pw} >= {"prefill", "mixed"}
+    assert any("chunk" in s.kinds.values() for s in pw)
+    assert all(s.graph_size >= s.num_tokens and s.graph_size in (16, 32, 64, 96) for s in pw)
+    assert any(s.graph_size > s.num_tokens for s in pw)       # padded
+    decode_kind = "full" if backend == "auto" else "piecewise"
+    assert all(s.graph_kind == decode_kind for s in steps if s.phase == "decode")
+    assert full.block_manager.num_used_blocks == 0
 
 
 def test_capture_needs_the_fused_kernel(replaying_platform):
     e = Engine(model="random:tiny", device="cpu", attention_backend="reference",
                max_num_seqs=2, num_kv_blocks=16)
-    assert e.graph_mode == "eager" and "fused decode-attention kernel" in e.notices[0]
+    assert e.graph_mode == "eager" and "fused paged attention" in e.notices[0]
     assert e.runner.graphs is None
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from workbench import Engine, EngineConfig, SamplingParams
-from workbench.graphs import default_capture_sizes, padded_size
+from workbench.graphs import default_capture_sizes, default_piecewise_sizes, padded_size
 
 
 def test_default_capture_sizes():
@@ -16,6 +16,15 @@ def test_default_capture_sizes():
 @pytest.mark.parametrize("batch,expect", [(1, 1), (3, 4), (8, 8), (9, 16), (33, 48), (64, 64), (65, None)])
 def test_padding_goes_to_the_next_captured_size(batch, expect):
     assert padded_size(batch, default_capture_sizes(64)) == expect
+
+
+def test_piecewise_buckets_stop_at_512_or_the_token_budget():
+    assert default_piecewise_sizes(2048) == [16, 32, 64, 128, 192, 256, 384, 512]
+    assert default_piecewise_sizes(512) == [16, 32, 64, 128, 192, 256, 384, 512]
+    assert default_piecewise_sizes(300) == [16, 32, 64, 128, 192, 256, 300]
+    assert default_piecewise_sizes(8) == [8]
+    sizes = default_piecewise_sizes(2048)
+    assert [padded_size(t, sizes) for t in (1, 17, 200, 512, 513)] == [16, 32, 256, 512, None]
 
 
 @pytest.mark.parametrize("kw,field", [

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from conftest import random_prompts
 from workbench import Engine, EngineConfig, SamplingParams
 from workbench.platforms.cpu import CpuPlatform
+from workbench.platforms.npu import NpuPlatform
 from workbench.platforms.npu_attention import (NpuAttention, block_major_shape,
                                                check_npu_config)
 
@@ -38,6 +39,10 @@ class DocumentedOps:
 
     def __init__(self):
         self.calls = {"cache": 0, "paged": 0, "fia": 0}
+        self.replay_context_lens = None
+        """Set while a stand-in graph replays: the lengths its last update() handed the
+        recorded paged-attention calls (a real NPUGraph keeps the captured host values
+        unless updated)."""
 
     def _npu_reshape_and_cache(self, key, value, key_cache, value_cache, slot_indices):
         assert slot_indices.dtype == torch.int32 and key.is_contiguous()
@@ -53,6 +58,9 @@ class DocumentedOps:
         assert context_lens.device.type == "cpu", "context_lens is a host tensor"
         assert bs % 16 == 0 and bs * d <= 128 * 128 and d <= 256
         assert (num_kv_heads, num_heads) == (kvh, query.shape[1])
+        if self.replay_context_lens is not None:
+            context_lens = self.replay_context_lens
+            assert context_lens.dtype == torch.int32 and len(context_lens) == query.shape[0]
         for i, length in enumerate(context_lens.tolist()):
             blocks = block_table[i, :math.ceil(length / bs)].long()
             keys = key_cache[blocks].reshape(-1, kvh, d)[:length]
@@ -98,6 +106,73 @@ class StandInNpuPlatform(CpuPlatform):
 
     def check_config(self, config):
         check_npu_config(config)
+
+
+class StandInNpuGraph:
+    """An NPUGraph captured with auto_dispatch_capture, as far as our side can tell: replay
+    reruns the captured work on the static buffers, and the paged-attention calls see the
+    context lengths from the last update(), never the host tensor passed at capture."""
+
+    def __init__(self, fn, out, ops):
+        self.fn, self.out, self.ops, self.lens, self.updates = fn, out, ops, None, 0
+
+    def update(self, cpu_update_input):
+        (changes,) = cpu_update_input             # one dict: applies to every recorded op
+        self.lens = changes["context_lens"]
+        self.updates += 1
+
+    def replay(self):
+        self.ops.replay_context_lens = self.lens
+        try:
+            out = self.fn()
+            if self.out is not None:
+                self.out.copy_(out)
+        finally:
+            self.ops.replay_context_lens = None
+
+
+class StandInNpuGraphPlatform(StandInNpuPlatform):
+    supports_graphs = True
+    replay_graph = NpuPlatform.replay_graph       # the real update-then-replay
+
+    def graph_pool(self):
+        return None
+
+    def capture_graph(self, fn, pool):
+        out = fn()
+        return StandInNpuGraph(fn, out, self.ops), out
+
+
+@pytest.mark.parametrize("mode", ["decode", "full"])
+def test_npu_graphs_update_host_lengths_and_match_the_reference(tiny_checkpoints, monkeypatch,
+                                                                mode):
+    """Decode graphs on the NPU path: int32 static tables, KV writes into the scratch block
+    for padding, and each replay hands the host-side lengths over through NPUGraph.update.
+    'full' adds piecewise graphs around the fused prefill."""
+    import workbench.engine
+    path, _ = tiny_checkpoints["qwen3"]
+    platform = StandInNpuGraphPlatform()
+    monkeypatch.setattr(workbench.engine, "get_platform", lambda name: platform)
+    kw = dict(model=str(path), num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=160,
+              enable_prefix_caching=True)
+    npu = Engine(**kw, graph_mode=mode, cudagraph_capture_sizes=[1, 2, 4, 6])
+    assert npu.graph_mode == mode and not npu.notices
+    prompts = random_prompts(5, 5, 300, 1000, seed=4)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (20, 3, 11, 14, 7)]
+    got = [o.token_ids for o in npu.generate(prompts, params)]
+    monkeypatch.undo()
+    ref = Engine(**kw, device="cpu", attention_backend="reference", block_size=128)
+    assert got == [o.token_ids for o in ref.generate(prompts, params)]
+    steps = npu.telemetry.snapshot()[0]
+    full = [s for s in steps if s.graph_kind == "full"]
+    assert full and all(s.phase == "decode" for s in full)
+    assert {s.graph_size for s in full} >= {4, 2, 1} and any(s.graph_size > s.num_decode_tokens
+                                                             for s in full)
+    updates = sum(g.updates for g in npu.runner.graphs.graphs.values())
+    assert updates == len(full)
+    piecewise = [s for s in steps if s.graph_kind == "piecewise"]
+    assert bool(piecewise) == (mode == "full")
+    assert all(s.num_prefill_tokens for s in piecewise)
 
 
 def test_npu_backend_tokens_equal_the_reference(tiny_checkpoints, monkeypatch):

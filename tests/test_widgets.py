@@ -273,14 +273,14 @@ def test_timeline_draws_graph_steps_apart_and_keeps_a_window():
                          kinds={f"r{j}": "decode" for j in range(4)}, num_running=4,
                          num_waiting=1, kv_blocks_used=3, kv_blocks_free=1, kv_blocks_cached=0,
                          num_preempted=0, preempted=[], graph=graph,
-                         graph_size=4 if graph else None)
+                         graph_size=4 if graph else None, graph_kind="full" if graph else None)
 
     tl = BatchTimeline(window=5)
     tl.update(Update(steps=[step(i, graph=i % 2 == 1) for i in range(8)]))
     eager, graphed = tl.fig.data[1], tl.fig.data[3]
     assert list(eager.x) == [3, 4, 5, 6, 7] and tl.num_points == 5
     assert list(eager.y) == [None, 4, None, 4, None] and list(graphed.y) == [4, None, 4, None, 4]
-    assert graphed.showlegend and "graph (size 4)" in graphed.hovertext[0]
+    assert graphed.showlegend and "graph replay @4" in graphed.hovertext[0]
     assert list(tl.fig.data[6].y) == [75.0] * 5          # KV used %
     assert tl.fig.layout.xaxis2.dtick == 1                # few steps: whole-step ticks
     wide = BatchTimeline()

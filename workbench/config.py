@@ -39,8 +39,9 @@ class EngineConfig:
 
     # Graph capture
     graph_mode: str = "decode"
-    """'eager', 'decode' (capture decode steps; vLLM-Ascend's FULL_DECODE_ONLY) or 'full'.
-    Platforms without graph capture (the CPU) run eager and report it in Engine.notices."""
+    """'eager', 'decode' (capture decode steps; vLLM-Ascend's FULL_DECODE_ONLY) or 'full'
+    (also prefill and mixed steps, piecewise around attention; see graphs.py). Platforms
+    without graph capture (the CPU) run eager and report it in Engine.notices."""
     cudagraph_capture_sizes: list[int] | None = None
     """Decode batch sizes to capture; None: 1, 2, 4, 8, then every 16 up to max_num_seqs."""
 

@@ -25,7 +25,7 @@ import torch
 
 from .block_manager import BlockManager, KVBlockSnapshot
 from .config import EngineConfig
-from .graphs import default_capture_sizes
+from .graphs import default_capture_sizes, default_piecewise_sizes
 from .detokenizer import IncrementalDetokenizer
 from .models import build_model, load_checkpoint
 from .platforms import get_platform
@@ -153,6 +153,8 @@ class Engine:
         self.graph_mode = config.graph_mode
         self.capture_sizes = (config.cudagraph_capture_sizes
                               or default_capture_sizes(config.max_num_seqs))
+        self.piecewise_sizes: list[int] = []
+        """Token buckets captured piecewise (graph_mode 'full'); see graphs.py."""
         self.vocab_size = self.hf_config.vocab_size
         self._setup_graphs()
 
@@ -205,34 +207,43 @@ class Engine:
         log.info(text)
 
     def _setup_graphs(self) -> None:
-        """Capture decode graphs where the platform can; otherwise say why it runs eager."""
+        """Capture what graph_mode asks for where the platform can; otherwise say what runs
+        eager and why (Engine.notices)."""
         asked = self.config.graph_mode
         if asked == "eager":
             return
         why = None
+        decode = self.runner.can_capture_decode
         if not self.platform.supports_graphs:
             why = f"graph capture is not available on {self.platform.name} in this build"
-        elif self.runner.decode_kernel is None:
-            why = ("capture needs the platform's fused decode-attention kernel, and this "
-                   "engine uses the plain-torch path (attention_backend or dtype)")
+        elif not decode and asked == "decode":
+            why = ("capture needs the platform's fused paged attention, and this engine "
+                   "uses the plain-torch path (attention_backend or dtype)")
         if why is not None:
             self.graph_mode = "eager"
             self._notice(f"graph_mode={asked!r} asked for, but {why}: every step runs eager "
                          "(StepEvent.graph stays False)")
             return
         from tqdm.auto import tqdm
-        t0 = time.perf_counter()
-        with tqdm(total=len(self.capture_sizes), desc="capturing decode graphs", unit="graph",
-                  leave=False) as bar:
-            self.runner.capture_decode_graphs(self.capture_sizes, self.max_model_len,
-                                              lambda done, total: bar.update(1))
-        log.info("captured %d decode graphs (batch sizes %s) in %.1f s", len(self.capture_sizes),
-                 self.capture_sizes, time.perf_counter() - t0)
+        decode_sizes = self.capture_sizes if decode else []
         if asked == "full":
-            self.graph_mode = "decode"
-            self._notice("graph_mode='full' asked for: decode steps replay captured graphs; "
-                         "prefill and mixed steps run eager in this build (their token counts "
-                         "vary too much to capture without bucketing)")
+            self.piecewise_sizes = default_piecewise_sizes(self.config.max_num_batched_tokens)
+        total = len(decode_sizes) + len(self.piecewise_sizes) * (self.model.num_layers + 1)
+        t0 = time.perf_counter()
+        with tqdm(total=total, desc="capturing graphs", unit="graph", leave=False) as bar:
+            tick = lambda done, total: bar.update(1)   # noqa: E731
+            if decode_sizes:
+                self.runner.capture_decode_graphs(decode_sizes, self.max_model_len, tick)
+            if self.piecewise_sizes:
+                self.runner.capture_piecewise_graphs(self.piecewise_sizes, tick)
+        log.info("captured %d graphs in %.1f s: decode batch sizes %s, piecewise token "
+                 "buckets %s", total, time.perf_counter() - t0, decode_sizes,
+                 self.piecewise_sizes)
+        if asked == "full" and not decode:
+            self._notice("graph_mode='full': decode steps replay piecewise graphs with "
+                         "attention eager; whole decode-step graphs need the platform's "
+                         "fused paged attention (attention_backend or dtype)")
+
     def _eos_ids(self) -> set[int]:
         """EOS ids from the config, the tokenizer and generation_config.json, together."""
         found = [getattr(self.hf_config, "eos_token_id", None),
@@ -368,7 +379,7 @@ class Engine:
         sched = self.scheduler.schedule(t0)
         events: list[TokenEvent] = []
         finished: list[str] = []
-        graph_size = None
+        graph = None
         for seq in sched.preempted:
             self._requests[seq.request_id].metrics.num_preemptions += 1
         if not sched.is_empty:
@@ -377,7 +388,7 @@ class Engine:
                 if m.first_scheduled_time is None:
                     m.first_scheduled_time = t0
                     m.cached_tokens = s.seq.num_cached_tokens
-            logits, sampling, graph_size = self.runner.execute(sched)
+            logits, sampling, graph = self.runner.execute(sched)
             reqs = [self._requests[s.seq.request_id] for s in sampling]
             tokens = sample(logits, [r.seq.params for r in reqs], [r.generator for r in reqs])
             self.scheduler.update_after_step(sched)
@@ -398,7 +409,8 @@ class Engine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=bstats.used, kv_blocks_free=bstats.free, kv_blocks_cached=bstats.cached,
             num_preempted=len(sched.preempted), preempted=[s.request_id for s in sched.preempted],
-            graph=graph_size is not None, graph_size=graph_size, finished=finished))
+            graph=graph is not None, graph_kind=graph and graph[0],
+            graph_size=graph and graph[1], finished=finished))
         if self._kv_wanted:
             self._kv_wanted = False
             self._kv_last = self._kv_snapshot()

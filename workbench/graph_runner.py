@@ -1,6 +1,7 @@
-"""Decode steps as captured graphs (graph_mode 'decode', vLLM-Ascend's FULL_DECODE_ONLY).
+"""Steps as captured graphs: whole decode steps (DecodeGraphs, graph_mode 'decode') and,
+for graph_mode 'full', prefill and mixed steps piecewise (PiecewiseGraphs).
 
-At start-up the model's decode forward is captured once per size in the capture list, into
+DecodeGraphs (vLLM-Ascend's FULL_DECODE_ONLY). At start-up the model's decode forward is captured once per size in the capture list, into
 one shared memory pool, reading its inputs from static buffers: token ids, positions, KV
 slots, block tables and context lengths. A decode step of b requests then copies its inputs
 into the first b rows of those buffers, fills the rows up to the next captured size B with
@@ -20,28 +21,40 @@ from typing import Callable
 
 import torch
 
-from .attention import AttentionMetadata
+from .attention import AttentionMetadata, paged_attention
 from .graphs import padded_size
 
 
 class DecodeGraphs:
-    def __init__(self, model, layer_caches, platform, kernel: Callable, sizes: list[int],
-                 max_blocks: int, scratch_block: int, block_size: int):
+    """Decode steps as graphs, with the platform's fused paged attention inside: either a
+    decode kernel (CUDA's Triton kernel: int64 tables, lengths on the device) or a whole
+    attention backend that supports capture (torch_npu's ops: int32 tables, lengths on the
+    host, handed to each replay through platform.replay_graph)."""
+
+    def __init__(self, model, layer_caches, platform, sizes: list[int], max_blocks: int,
+                 scratch_block: int, block_size: int, kernel: Callable | None = None,
+                 backend=None):
         dev = platform.device
         self.model = model
         self.layer_caches = layer_caches
         self.platform = platform
         self.kernel = kernel
+        self.backend = backend
         self.sizes = sorted(sizes)
         self.block_size = block_size
         self.scratch_block = scratch_block
         self.max_blocks = max_blocks
         n = self.sizes[-1]
+        index = torch.int32 if backend is not None else torch.long
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
         self.slots = torch.full((n,), scratch_block * block_size, dtype=torch.long, device=dev)
-        self.tables = torch.full((n, max_blocks), scratch_block, dtype=torch.long, device=dev)
-        self.lens = torch.ones(n, dtype=torch.long, device=dev)
+        self.tables = torch.full((n, max_blocks), scratch_block, dtype=index, device=dev)
+        self.host_lens = backend is not None
+        """Whether the attention op reads context lengths from host memory. Then a replay
+        would reuse the ones seen at capture: they go to platform.replay_graph instead of
+        being copied into `lens`."""
+        self.lens = torch.ones(n, dtype=index, device="cpu" if self.host_lens else dev)
         self.rows = torch.arange(n, dtype=torch.long, device=dev)
         self.graphs: dict[int, object] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -50,9 +63,11 @@ class DecodeGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         meta = AttentionMetadata(slot_mapping=self.slots[:size], num_decode=size,
                                  decode_rows=None, decode_bias=None, prefills=[],
-                                 decode_kernel=self.kernel,
+                                 decode_kernel=self.kernel, backend=self.backend,
                                  decode_block_tables=self.tables[:size],
                                  decode_lens=self.lens[:size])
+        if self.backend is not None:
+            self.backend.prepare(meta)     # captured too: what it derives reads the buffers
         return self.model(self.input_ids[:size], self.positions[:size], self.layer_caches, meta,
                           self.rows[:size])
 
@@ -79,13 +94,110 @@ class DecodeGraphs:
         width = self.max_blocks
         rows = [t + [self.scratch_block] * (width - len(t)) for t in tables]
         pad = size - b
+        lens = torch.tensor(lens + [1] * pad, dtype=self.lens.dtype)
         host = dict(
             input_ids=torch.tensor(input_ids + [0] * pad, dtype=torch.long),
             positions=torch.tensor(positions + [0] * pad, dtype=torch.long),
             slots=torch.tensor(slots + [self.scratch_block * self.block_size] * pad, dtype=torch.long),
-            tables=torch.tensor(rows + [[self.scratch_block] * width] * pad, dtype=torch.long),
-            lens=torch.tensor(lens + [1] * pad, dtype=torch.long))
+            tables=torch.tensor(rows + [[self.scratch_block] * width] * pad, dtype=self.tables.dtype))
+        if not self.host_lens:
+            host["lens"] = lens
         for name, t in host.items():
             getattr(self, name)[:size].copy_(t, non_blocking=True)
-        self.graphs[size].replay()
+        self.platform.replay_graph(self.graphs[size], lens if self.host_lens else None)
         return self.outputs[size][:b], size
+
+
+class PiecewiseGraphs:
+    """Any step whose token count fits a bucket, as L + 1 captured pieces with attention
+    run eager between them (see graphs.py for why).
+
+    Piece 0 embeds the tokens and runs layer 0 up to attention; piece i (1..L-1) finishes
+    layer i-1 after attention (o_proj, residual, MLP) and runs layer i up to attention; piece
+    L finishes the last layer. Every piece reads and writes static buffers sized for the
+    largest bucket (token ids, positions, RoPE rows, the residual stream, q/k/v and attention
+    output), so all buckets and layers share them, and a step only copies its inputs in.
+
+    A step of t tokens replays the pieces of the smallest bucket T >= t. Rows t..T hold
+    whatever an earlier step left there: every captured op works row by row, so they never
+    touch the real rows, and attention and the logits only read rows [0, t).
+    """
+
+    def __init__(self, model, layer_caches, platform, sizes: list[int]):
+        dev = platform.device
+        self.model = model
+        self.layer_caches = layer_caches
+        self.platform = platform
+        self.sizes = sorted(sizes)
+        n = self.sizes[-1]
+        dtype = next(model.parameters()).dtype
+        attn = model.layers[0].self_attn
+        heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.cos = torch.zeros(n, 1, d, dtype=model.rope_cos.dtype, device=dev)
+        self.sin = torch.zeros_like(self.cos)
+        self.hidden = torch.zeros(n, model.config.hidden_size, dtype=dtype, device=dev)
+        self.q = torch.zeros(n, heads, d, dtype=dtype, device=dev)
+        self.k = torch.zeros(n, kv_heads, d, dtype=dtype, device=dev)
+        self.v = torch.zeros_like(self.k)
+        self.attn_out = torch.zeros_like(self.q)
+        self.graphs: dict[int, list] = {}
+        self.pool = None
+
+    @property
+    def num_pieces(self) -> int:
+        return self.model.num_layers + 1
+
+    def _piece(self, i: int, t: int) -> None:
+        m = self.model
+        if i == 0:
+            x, cos, sin = m.embed(self.input_ids[:t], self.positions[:t])
+            self.cos[:t].copy_(cos)
+            self.sin[:t].copy_(sin)
+        else:
+            x = m.layers[i - 1].after_attention(self.hidden[:t], self.attn_out[:t])
+        if i < m.num_layers:
+            q, k, v = m.layers[i].before_attention(x, self.cos[:t], self.sin[:t])
+            self.q[:t].copy_(q)
+            self.k[:t].copy_(k)
+            self.v[:t].copy_(v)
+        self.hidden[:t].copy_(x)
+
+    @torch.inference_mode()
+    def capture(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Capture every bucket, largest first, its pieces in the order they replay."""
+        self.pool = self.platform.graph_pool()
+        total, done = len(self.sizes) * self.num_pieces, 0
+        for size in reversed(self.sizes):
+            pieces = []
+            for i in range(self.num_pieces):
+                graph, _ = self.platform.capture_graph(lambda i=i, t=size: self._piece(i, t),
+                                                       self.pool)
+                pieces.append(graph)
+                done += 1
+                if progress is not None:
+                    progress(done, total)
+            self.graphs[size] = pieces
+
+    def size_for(self, num_tokens: int) -> int | None:
+        return padded_size(num_tokens, self.sizes)
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            logits_indices: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """One step (inputs as ModelRunner.prepare makes them); returns its logits and the
+        bucket replayed."""
+        t = input_ids.shape[0]
+        size = self.size_for(t)
+        assert size is not None, "step larger than every captured bucket"
+        self.input_ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(positions)
+        pieces, m = self.graphs[size], self.model
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(m.layers, self.layer_caches)):
+            pieces[i].replay()
+            o = paged_attention(self.q[:t], self.k[:t], self.v[:t], k_cache, v_cache, meta,
+                                layer.self_attn.scale)
+            self.attn_out[:t].copy_(o)
+        pieces[-1].replay()
+        return m.compute_logits(self.hidden[:t], logits_indices), size

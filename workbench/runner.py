@@ -33,18 +33,33 @@ class ModelRunner:
             raise ValueError("attention_backend: this device's KV layout needs its own attention "
                              "backend; 'reference' is not available here")
         self.graphs = None
+        """DecodeGraphs, once captured."""
+        self.piecewise = None
+        """PiecewiseGraphs, once captured (graph_mode 'full')."""
+
+    @property
+    def can_capture_decode(self) -> bool:
+        """Whole decode steps can be captured: the platform's fused paged attention (a
+        decode kernel, or a backend that supports capture) reads the pool in place."""
+        return self.decode_kernel is not None or getattr(self.backend, "supports_graphs", False)
 
     def capture_decode_graphs(self, sizes: list[int], max_model_len: int, progress=None) -> None:
         """Capture the decode forward at each batch size (see graph_runner.py)."""
         from .graph_runner import DecodeGraphs
-        if self.decode_kernel is None:
+        if not self.can_capture_decode:
             raise ValueError("graph_mode: capturing decode graphs needs the platform's fused "
-                             "decode-attention kernel (attention_backend='auto')")
+                             "paged attention (attention_backend='auto')")
         max_blocks = -(-max_model_len // self.block_size)
-        self.graphs = DecodeGraphs(self.model, self.layer_caches, self.platform,
-                                   self.decode_kernel, sizes, max_blocks, self.scratch_block,
-                                   self.block_size)
+        self.graphs = DecodeGraphs(self.model, self.layer_caches, self.platform, sizes,
+                                   max_blocks, self.scratch_block, self.block_size,
+                                   kernel=self.decode_kernel, backend=self.backend)
         self.graphs.capture(progress)
+
+    def capture_piecewise_graphs(self, sizes: list[int], progress=None) -> None:
+        """Capture every step but attention at each token bucket (see graph_runner.py)."""
+        from .graph_runner import PiecewiseGraphs
+        self.piecewise = PiecewiseGraphs(self.model, self.layer_caches, self.platform, sizes)
+        self.piecewise.capture(progress)
 
     @property
     def attention_backend(self) -> str:
@@ -158,15 +173,21 @@ class ModelRunner:
         logits, size = g.run([q.token_ids[p] for q, p in seqs], [p for _, p in seqs],
                              [q.block_table[p // bs] * bs + p % bs for q, p in seqs],
                              [q.block_table for q, _ in seqs], [p + 1 for _, p in seqs])
-        return logits, list(out.scheduled), size
+        return logits, list(out.scheduled), ("full", size)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq], int | None]:
+    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq],
+                                                     tuple[str, int] | None]:
         """Run one step; returns fp32 logits [len(sampling), vocab], the sampling rows, and
-        the captured size replayed (None when the step ran eager)."""
+        how graphs ran it: ('full', batch size) for a replayed decode graph, ('piecewise',
+        token bucket), or None when the step ran eager."""
         replayed = self._replay_decode(out)
         if replayed is not None:
             return replayed
         (input_ids, positions, logits_indices), meta, sampling = self.prepare(out)
+        pw = self.piecewise
+        if pw is not None and pw.size_for(input_ids.shape[0]) is not None:
+            logits, size = pw.run(input_ids, positions, meta, logits_indices)
+            return logits, sampling, ("piecewise", size)
         logits = self.model(input_ids, positions, self.layer_caches, meta, logits_indices)
         return logits, sampling, None

@@ -37,13 +37,28 @@ class StepEvent:
     num_preempted: int
     preempted: list[str]
     graph: bool = False
-    """Whether a captured graph ran this step (always False in eager mode)."""
+    """Whether captured graphs ran this step (always False in eager mode)."""
     graph_size: int | None = None
+    """The captured size replayed: a decode batch size ('full') or a token bucket
+    ('piecewise'); padding fills the rest."""
+    graph_kind: str | None = None
+    """'full': the whole step was one graph (decode steps); 'piecewise': graphs between
+    eagerly run attention (graph_mode 'full', prefill and mixed steps); None: eager."""
     finished: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def graph_label(self) -> str:
+        """How the step ran, in words: 'eager', 'graph replay @4' (a whole decode step at
+        batch 4) or 'piecewise replay @64 tokens'."""
+        if not self.graph:
+            return "eager"
+        if self.graph_kind == "piecewise":
+            return f"piecewise replay @{self.graph_size} tokens"
+        return f"graph replay @{self.graph_size}"
 
     @property
     def kv_usage(self) -> float:

@@ -82,7 +82,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if qk_norm else None
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
+    def qkv(self, x, cos, sin):
+        """Project and rotate: x [T, hidden] -> q [T, H, D], k and v [T, kvH, D]."""
         t = x.shape[0]
         qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
@@ -90,8 +91,7 @@ class Attention(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return q, k, v
 
 
 class MLP(nn.Module):
@@ -114,8 +114,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
+        q, k, v = self.before_attention(x, cos, sin)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.self_attn.scale)
+        return self.after_attention(x, o)
+
+    # The layer is cut around attention so that piecewise graphs (graph_runner.py) can
+    # capture everything but attention itself.
+    def before_attention(self, x, cos, sin):
+        return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+
+    def after_attention(self, x, o):
+        """x: the layer's input (the residual); o: attention's output [T, H, D]."""
+        x = x + self.self_attn.o_proj(o.reshape(x.shape[0], self.self_attn.q_size))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -155,12 +166,20 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches,
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids/positions: [T]; returns fp32 logits for the rows in logits_indices."""
-        x = self.embed_tokens(input_ids)
-        cos = self.rope_cos.index_select(0, positions).unsqueeze(1)
-        sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
+        x, cos, sin = self.embed(input_ids, positions)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv, meta)
-        x = self.norm(x.index_select(0, logits_indices))
+        return self.compute_logits(x, logits_indices)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        """Token embeddings [T, hidden] and the RoPE rows cos, sin [T, 1, D] of the positions."""
+        cos = self.rope_cos.index_select(0, positions).unsqueeze(1)
+        sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
+        return self.embed_tokens(input_ids), cos, sin
+
+    def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head on the rows that sample: fp32 [len(logits_indices), vocab]."""
+        x = self.norm(hidden.index_select(0, logits_indices))
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, weight).float()
 

@@ -39,8 +39,13 @@ class Platform:
 
     def capture_graph(self, fn, pool) -> tuple[object, object]:
         """Warm `fn` up, capture it into a graph using `pool`, and return (graph, output):
-        `graph.replay()` reruns the captured work, refreshing `output` in place."""
+        replaying the graph reruns the captured work, refreshing `output` in place."""
         raise NotImplementedError
+
+    def replay_graph(self, graph, context_lens: torch.Tensor | None = None) -> None:
+        """Replay a captured graph. context_lens: this step's host-side lengths, for attention
+        ops that read them from host memory (which a graph would otherwise keep as captured)."""
+        graph.replay()
 
     def kv_cache_shape(self, num_layers: int, kv_heads: int, num_blocks: int, block_size: int,
                        head_dim: int) -> tuple[int, ...]:
@@ -61,3 +66,50 @@ class Platform:
         plain-torch reference in `workbench/attention.py`. Signature:
         (q [B,H,D], k_cache, v_cache, block_tables [B,max_blocks], context_lens [B], scale)."""
         return None
+
+
+class AcceleratorPlatform(Platform):
+    """What CUDA GPUs and Ascend NPUs share: torch.cuda and torch.npu (torch_npu) mirror each
+    other, so memory queries, synchronisation and graph capture are written once against
+    `torch.<name>`."""
+    default_dtype = torch.bfloat16
+    graph_class = "CUDAGraph"
+    """The graph type in torch.<name>."""
+    capture_kwargs: dict = {}
+    """Extra arguments for torch.<name>.graph(...)."""
+
+    @property
+    def api(self):
+        return getattr(torch, self.name)
+
+    def synchronize(self) -> None:
+        self.api.synchronize()
+
+    def peak_memory_bytes(self) -> int:
+        return self.api.max_memory_allocated()
+
+    def reset_peak_memory(self) -> None:
+        self.api.reset_peak_memory_stats()
+
+    def memory_info(self) -> tuple[int, int]:
+        """(free, total) bytes on the device."""
+        return self.api.mem_get_info()
+
+    def graph_pool(self):
+        return self.api.graph_pool_handle()
+
+    def capture_graph(self, fn, pool):
+        # Warm up on a side stream (lazy inits, kernel compiles and autotuning happen here,
+        # not inside the capture), then capture.
+        api = self.api
+        stream = api.Stream()
+        stream.wait_stream(api.current_stream())
+        with api.stream(stream):
+            for _ in range(2):
+                fn()
+        api.current_stream().wait_stream(stream)
+        graph = getattr(api, self.graph_class)()
+        with api.graph(graph, pool=pool, **self.capture_kwargs):
+            out = fn()
+        api.synchronize()
+        return graph, out

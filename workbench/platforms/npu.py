@@ -4,7 +4,13 @@ torch_npu hooks itself into `import torch` and fails without the CANN runtime, s
 a hard dependency: the engine only looks for it (`find_spec`) when choosing a device, and
 imports it when the NPU platform is actually selected. Attention runs on torch_npu's fused
 ops (`npu_attention.py`), written from their documented signatures; nothing here has run on
-NPU hardware yet. NPUGraph capture is not in this build: graph modes run eager and say so.
+NPU hardware yet.
+
+Graphs are torch.npu.NPUGraph, captured with auto_dispatch_capture=True: torch_npu then
+records each `_npu_paged_attention` call so that `graph.update(cpu_update_input=...)` can
+hand it new host-side context lengths, which a replay would otherwise keep as they were at
+capture (see replay_graph). Piecewise graphs (graph_mode 'full') hold no attention and
+need no update.
 """
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ import importlib.util
 
 import torch
 
-from .base import Platform
+from .base import AcceleratorPlatform
 
 INSTALL_HINT = ("device 'npu' needs Ascend's torch_npu matched to your torch version and a "
                 "sourced CANN toolkit: `source /usr/local/Ascend/ascend-toolkit/set_env.sh` "
@@ -30,10 +36,12 @@ def import_torch_npu():
     return torch_npu
 
 
-class NpuPlatform(Platform):
+class NpuPlatform(AcceleratorPlatform):
     name = "npu"
-    default_dtype = torch.bfloat16
     default_block_size = 128      # the fused prefill's paging unit (npu_attention.BLOCK_SIZE)
+    supports_graphs = True
+    graph_class = "NPUGraph"
+    capture_kwargs = {"auto_dispatch_capture": True}
 
     def __init__(self):
         self.torch_npu = import_torch_npu()
@@ -49,17 +57,13 @@ class NpuPlatform(Platform):
         except ValueError:
             return False
 
-    def synchronize(self) -> None:
-        torch.npu.synchronize()
-
-    def peak_memory_bytes(self) -> int:
-        return torch.npu.max_memory_allocated()
-
-    def reset_peak_memory(self) -> None:
-        torch.npu.reset_peak_memory_stats()
-
-    def memory_info(self) -> tuple[int, int]:
-        return torch.npu.mem_get_info()
+    def replay_graph(self, graph, context_lens: torch.Tensor | None = None) -> None:
+        # One update dict applies to every recorded op (each layer's paged attention);
+        # torch_npu re-issues them on its update stream, and each captured attention waits
+        # on its event until its update has landed.
+        if context_lens is not None:
+            graph.update(cpu_update_input=[{"context_lens": context_lens}])
+        graph.replay()
 
     def kv_cache_shape(self, num_layers, kv_heads, num_blocks, block_size, head_dim):
         from .npu_attention import block_major_shape

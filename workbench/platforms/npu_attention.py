@@ -26,6 +26,11 @@ MASK_SIZE = 2048
 
 
 class NpuAttention:
+    supports_graphs = True
+    """Decode steps can be captured (graph_runner.DecodeGraphs): the KV write and paged
+    attention read static buffers, and the host-side context lengths reach each replay
+    through NPUGraph.update (NpuPlatform.replay_graph)."""
+
     def __init__(self, ops):
         self.ops = ops
         """The torch_npu module (or, in tests, something with the same functions)."""
