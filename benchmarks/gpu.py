@@ -7,12 +7,14 @@ Each part is time-guarded and prints one JSON line (also appended to DIR/gpu.jso
 of our figures beside the HF peers, measured in this same call, comes last.
 
 1. correctness: a random Qwen3 checkpoint (saved as safetensors, loaded like any local
-   checkpoint). Greedy tokens of our engine in fp32, eager and with decode graphs, against
+   checkpoint). Greedy tokens of our engine in fp32, eager, with decode graphs and with
+   'full' (decode graphs plus piecewise prefill graphs), against
    HF `generate` one prompt at a time; in bf16, the first step's logits against HF fp32,
    beside HF bf16's own error.
 2. batch-1 decode: `random:qwen3-0.6b` in bf16, time per output token, eager vs decode graphs.
 3. W1: 256 requests, prompts uniform in [100, 1024] tokens drawn exactly as gpu_anchor.py
-   draws them (random.Random(0)), 512 new tokens each, EOS ignored: output tokens/s.
+   draws them (random.Random(0)), 512 new tokens each, EOS ignored: output tokens/s, with
+   graph_mode 'decode' and 'full'.
 4. peers: gpu_anchor.py (HF `generate` batch 1 and static batches of 64, HF
    `generate_batch`) in a subprocess, in this same call.
 """
@@ -101,14 +103,15 @@ def correctness(small: bool) -> None:
                               min_new_tokens=new, do_sample=False, pad_token_id=0)
             want.append(out[0, len(p):].tolist())
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
-    for mode in ("eager", "decode"):
+    for mode in ("eager", "decode", "full"):
         e = Engine(model=str(tmp), device=DEV, dtype="float32", graph_mode=mode, max_num_seqs=8,
                    num_kv_blocks=256)
         got = [o.token_ids for o in e.generate(prompts, params)]
-        graphs = sum(s.graph for s in e.telemetry.snapshot()[0])
+        steps = e.telemetry.snapshot()[0]
         emit(f"correctness_fp32_{mode}", equal=got == want,
              prompts_equal=sum(g == w for g, w in zip(got, want)), of=len(prompts),
-             graph_mode_run=e.graph_mode, graph_steps=graphs, notices=e.notices)
+             graph_mode_run=e.graph_mode, graph_steps=sum(s.graph for s in steps),
+             piecewise_steps=sum(s.graph_kind == "piecewise" for s in steps), notices=e.notices)
         free_engine(e)
     # bf16: first-step logits of a prompt, against HF fp32, beside HF bf16's own error.
     p = prompts[0]
@@ -156,16 +159,20 @@ def w1_shape(small: bool) -> tuple[int, int, int, int]:
     return (16, 100, 200, 16) if small else (256, 100, 1024, 512)
 
 
-def w1(small: bool) -> None:
+def w1(small: bool, mode: str) -> None:
     model = "random:tiny" if small else "random:qwen3-0.6b"
     n, lo, hi, new = w1_shape(small)
-    e = Engine(model=model, device=DEV, graph_mode="decode", max_num_seqs=256,
+    t = time.perf_counter()
+    e = Engine(model=model, device=DEV, graph_mode=mode, max_num_seqs=256,
                max_num_batched_tokens=8192, max_model_len=2048)
+    build_s = time.perf_counter() - t
     wl = Workload(anchor_workload(n, lo, hi, e.vocab_size), [new] * n)
     r = run_engine(e, wl)
     steps = e.telemetry.snapshot()[0]
-    emit("w1_ours", model=model, requests=n, prompt_len=[lo, hi], new=new,
+    emit("w1_ours" + ("" if mode == "decode" else f"_{mode}"), model=model, graph_mode=mode,
+         requests=n, prompt_len=[lo, hi], new=new, build_s=round(build_s, 1),
          kv_blocks=e.block_manager.num_blocks, graph_steps=sum(s.graph for s in steps),
+         piecewise_steps=sum(s.graph_kind == "piecewise" for s in steps),
          decode_steps=sum(s.phase == "decode" for s in steps), **r)
     free_engine(e)
 
@@ -192,6 +199,7 @@ def table() -> None:
             ("  eager / graphs (target >= 3)", g("b1_ratio", "eager_over_decode")),
             ("HF generate batch-1 TPOT ms", g("anchor_hf_generate_b1", "tpot_ms")),
             ("W1 ours, output tok/s", g("w1_ours", "out_tok_s")),
+            ("W1 ours, graph_mode full", g("w1_ours_full", "out_tok_s")),
             ("W1 HF generate, static 64", g("anchor_hf_generate_static", "out_tok_s")),
             ("W1 HF generate_batch", g("anchor_hf_generate_batch", "out_tok_s"))]
     ours, cb = g("w1_ours", "out_tok_s"), g("anchor_hf_generate_batch", "out_tok_s")
@@ -200,7 +208,7 @@ def table() -> None:
         rows.append(("  ours / generate_batch (target >= 10)", round(ours / cb, 2)))
     if ours and st:
         rows.append(("  ours / static", round(ours / st, 2)))
-    for part in ("correctness_fp32_eager", "correctness_fp32_decode"):
+    for part in ("correctness_fp32_eager", "correctness_fp32_decode", "correctness_fp32_full"):
         rows.append((part, g(part, "equal")))
     rows.append(("bf16 logits ok", g("correctness_bf16_logits", "ok")))
     print("\n" + "\n".join(f"{k:<42} {v}" for k, v in rows))
@@ -212,7 +220,7 @@ def main() -> int:
     ap.add_argument("--anchor", default=None, help="gpu_anchor.py, for the HF peers")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--small", action="store_true")
-    ap.add_argument("--parts", default="correctness,b1,w1,peers")
+    ap.add_argument("--parts", default="correctness,b1,w1,w1full,peers")
     a = ap.parse_args()
     if a.out:
         OUT = Path(a.out)
@@ -226,7 +234,9 @@ def main() -> int:
     if "b1" in parts:
         guarded("b1", batch1, a.small)
     if "w1" in parts:
-        guarded("w1", w1, a.small)
+        guarded("w1", w1, a.small, "decode")
+    if "w1full" in parts:
+        guarded("w1full", w1, a.small, "full")
     if "peers" in parts and a.anchor:
         guarded("peers", peers, a.anchor, a.small)
     table()

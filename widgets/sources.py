@@ -56,6 +56,7 @@ class MetricsPoint:
     graph: bool | None = None
     """Unknown: a server's /metrics does not say."""
     graph_size: int | None = None
+    graph_kind: str | None = None
     tokens_per_request: dict = field(default_factory=dict)
     kinds: dict = field(default_factory=dict)
     preempted: list = field(default_factory=list)

@@ -49,7 +49,9 @@ class StepRecord:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     graph_size: int | None = None
-    """The captured decode graph size replayed, or None when the step ran eager."""
+    """The captured size replayed (decode batch or token bucket), or None when eager."""
+    graph_label: str = "eager"
+    """StepEvent.graph_label: eager, a whole-step graph, or piecewise graphs."""
 
     def row(self, request_id: str) -> RequestRow:
         return next(r for r in self.rows if r.request_id == request_id)
@@ -118,7 +120,8 @@ class Stepper(w.VBox):
         rec = StepRecord(ev.step, ev.phase, ev.duration, ev.num_prefill_tokens,
                          ev.num_decode_tokens, kv_blocks_used=ev.kv_blocks_used,
                          kv_blocks_total=ev.kv_blocks_used + ev.kv_blocks_free,
-                         graph_size=ev.graph_size if ev.graph else None)
+                         graph_size=ev.graph_size if ev.graph else None,
+                         graph_label=ev.graph_label)
         for rid in dict.fromkeys([*before, *after]):
             st = after.get(rid) or before[rid]
             t = events.get(rid)
@@ -173,7 +176,7 @@ class Stepper(w.VBox):
             self.view.value = (
                 f'<div class="wb"><h3>Step {rec.step} <span class="badge b-{esc(rec.phase)}">'
                 f'{esc(rec.phase)}</span> <span class="muted">'
-                f'{"graph replay @" + str(rec.graph_size) if rec.graph_size else "eager"} · '
+                f'{esc(rec.graph_label)} · '
                 f'{rec.duration * 1e3:.1f} ms · '
                 f'{rec.num_prefill_tokens} prefill + {rec.num_decode_tokens} decode tokens · '
                 f'KV {rec.kv_blocks_used}/{rec.kv_blocks_total} blocks</span></h3>'

@@ -28,8 +28,7 @@ def _hover(s) -> str:
         return (f"poll {s.step} · {s.duration * 1e3:.0f} ms<br>{s.num_prefill_tokens} prompt + "
                 f"{s.num_decode_tokens} output tokens<br>{s.num_running} running · "
                 f"{s.num_waiting} waiting · KV {s.kv_usage:.0%}")
-    mode = f"graph (size {s.graph_size})" if s.graph else "eager"
-    lines = [f"step {s.step} · {s.phase} · {mode} · {s.duration * 1e3:.1f} ms",
+    lines = [f"step {s.step} · {s.phase} · {s.graph_label} · {s.duration * 1e3:.1f} ms",
              f"{s.num_prefill_tokens} prefill + {s.num_decode_tokens} decode tokens"]
     items = list(s.tokens_per_request.items())
     for rid, n in items[:HOVER_REQUESTS]:
