@@ -93,6 +93,17 @@ def replaying_platform(monkeypatch):
     monkeypatch.setattr(workbench.engine, "get_platform", lambda name: ReplayingCpuPlatform())
 
 
+def same_greedy_tokens(engine, eager, longest: int, seed: int, max_tokens) -> list:
+    """Run one batch (8 prompts up to `longest` tokens, the last sharing the first's cached
+    prefix) on both engines; greedy tokens must be equal. Returns the engine's steps."""
+    prompts = random_prompts(7, 5, longest, engine.vocab_size, seed=seed)
+    prompts.append(prompts[0][:40] + [11, 12, 13])
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in max_tokens]
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    assert [o.token_ids for o in engine.generate(prompts, params)] == want
+    return engine.telemetry.snapshot()[0]
+
+
 def test_decode_graphs_pad_replay_and_match_eager(replaying_platform):
     kw = dict(model="random:tiny", device="cpu", block_size=16, num_kv_blocks=96, max_num_seqs=8,
               enable_prefix_caching=True)
@@ -100,14 +111,7 @@ def test_decode_graphs_pad_replay_and_match_eager(replaying_platform):
     eager = Engine(**kw, graph_mode="eager")
     assert graphs.graph_mode == "decode" and not graphs.notices
     assert sorted(graphs.runner.graphs.graphs) == [1, 2, 4, 8]
-    prompts = random_prompts(7, 5, 60, graphs.vocab_size, seed=3)
-    prompts.append(prompts[0][:40] + [11, 12, 13])          # shares a cached prefix
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-              for n in (30, 3, 17, 9, 25, 1, 12, 20)]
-    want = [o.token_ids for o in eager.generate(prompts, params)]
-    got = [o.token_ids for o in graphs.generate(prompts, params)]
-    assert got == want
-    steps = graphs.telemetry.snapshot()[0]
+    steps = same_greedy_tokens(graphs, eager, 60, 3, (30, 3, 17, 9, 25, 1, 12, 20))
     replayed = [s for s in steps if s.graph]
     assert replayed and all(s.phase == "decode" for s in replayed)
     assert all(s.graph_size >= s.num_decode_tokens and s.graph_size in (1, 2, 4, 8)
@@ -141,14 +145,7 @@ def test_full_mode_replays_prefill_and_mixed_steps_piecewise(replaying_platform,
     assert sorted(full.runner.piecewise.graphs) == [16, 32, 64, 96]
     assert all(len(p) == full.model.num_layers + 1 for p in full.runner.piecewise.graphs.values())
     assert bool(full.notices) == (backend == "reference")
-    prompts = random_prompts(7, 5, 150, full.vocab_size, seed=5)
-    prompts.append(prompts[0][:40] + [11, 12, 13])          # shares a cached prefix
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-              for n in (12, 3, 17, 9, 25, 1, 6, 20)]
-    want = [o.token_ids for o in eager.generate(prompts, params)]
-    got = [o.token_ids for o in full.generate(prompts, params)]
-    assert got == want
-    steps = full.telemetry.snapshot()[0]
+    steps = same_greedy_tokens(full, eager, 150, 5, (12, 3, 17, 9, 25, 1, 6, 20))
     assert all(s.graph for s in steps)                        # every step fits a bucket
     pw = [s for s in steps if s.graph_kind == "piecewise"]
     assert {s.phase for s in pw} >= {"prefill", "mixed"}

@@ -73,9 +73,10 @@ class KnobPanel(w.VBox):
                                                          "token budget of one step (prompts "
                                                          "are chunked to fit)"))
         self.graph_mode = w.ToggleButtons(options=["eager", "decode", "full"], value=c.graph_mode,
-                                          **_label("graph_mode", "capture decode steps (decode) or "
-                                                   "every step (full) as graphs where the "
-                                                   "device supports it"))
+                                          **_label("graph_mode", "capture decode steps (decode), "
+                                                   "and prefill steps piecewise around "
+                                                   "attention (full), where the device "
+                                                   "supports it"))
         self.graph_mode.style.button_width = "70px"
         self.enable_prefix_caching = w.Checkbox(value=c.enable_prefix_caching, indent=False,
                                                 description="enable_prefix_caching")

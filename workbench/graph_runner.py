@@ -58,7 +58,6 @@ class DecodeGraphs:
         self.rows = torch.arange(n, dtype=torch.long, device=dev)
         self.graphs: dict[int, object] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = None
 
     def _forward(self, size: int) -> torch.Tensor:
         meta = AttentionMetadata(slot_mapping=self.slots[:size], num_decode=size,
@@ -72,12 +71,13 @@ class DecodeGraphs:
                           self.rows[:size])
 
     @torch.inference_mode()
-    def capture(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Capture every size, largest first (so smaller graphs reuse its pool memory)."""
-        self.pool = self.platform.graph_pool()
+    def capture(self, pool, progress: Callable[[int, int], None] | None = None) -> None:
+        """Capture every size into `pool`, largest first (so smaller graphs reuse its
+        memory). Each graph's logits are read right after its replay, before any other
+        graph of the pool replays, which is what makes sharing one pool safe."""
         for i, size in enumerate(reversed(self.sizes)):
             self.graphs[size], self.outputs[size] = self.platform.capture_graph(
-                lambda s=size: self._forward(s), self.pool)
+                lambda s=size: self._forward(s), pool)
             if progress is not None:
                 progress(i + 1, len(self.sizes))
 
@@ -143,7 +143,6 @@ class PiecewiseGraphs:
         self.v = torch.zeros_like(self.k)
         self.attn_out = torch.zeros_like(self.q)
         self.graphs: dict[int, list] = {}
-        self.pool = None
 
     @property
     def num_pieces(self) -> int:
@@ -165,15 +164,16 @@ class PiecewiseGraphs:
         self.hidden[:t].copy_(x)
 
     @torch.inference_mode()
-    def capture(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Capture every bucket, largest first, its pieces in the order they replay."""
-        self.pool = self.platform.graph_pool()
+    def capture(self, pool, progress: Callable[[int, int], None] | None = None) -> None:
+        """Capture every bucket into `pool`, largest first, its pieces in the order they
+        replay (a piece's temporaries then never overlap what an earlier piece of its
+        bucket left for it; the pieces' results live in the static buffers anyway)."""
         total, done = len(self.sizes) * self.num_pieces, 0
         for size in reversed(self.sizes):
             pieces = []
             for i in range(self.num_pieces):
                 graph, _ = self.platform.capture_graph(lambda i=i, t=size: self._piece(i, t),
-                                                       self.pool)
+                                                       pool)
                 pieces.append(graph)
                 done += 1
                 if progress is not None:

@@ -36,6 +36,14 @@ class ModelRunner:
         """DecodeGraphs, once captured."""
         self.piecewise = None
         """PiecewiseGraphs, once captured (graph_mode 'full')."""
+        self._graph_pool = None
+
+    @property
+    def graph_pool(self):
+        """The one memory pool every captured graph of this runner shares."""
+        if self._graph_pool is None:
+            self._graph_pool = self.platform.graph_pool()
+        return self._graph_pool
 
     @property
     def can_capture_decode(self) -> bool:
@@ -53,13 +61,13 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.layer_caches, self.platform, sizes,
                                    max_blocks, self.scratch_block, self.block_size,
                                    kernel=self.decode_kernel, backend=self.backend)
-        self.graphs.capture(progress)
+        self.graphs.capture(self.graph_pool, progress)
 
     def capture_piecewise_graphs(self, sizes: list[int], progress=None) -> None:
         """Capture every step but attention at each token bucket (see graph_runner.py)."""
         from .graph_runner import PiecewiseGraphs
         self.piecewise = PiecewiseGraphs(self.model, self.layer_caches, self.platform, sizes)
-        self.piecewise.capture(progress)
+        self.piecewise.capture(self.graph_pool, progress)
 
     @property
     def attention_backend(self) -> str:
