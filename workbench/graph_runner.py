@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from .attention import AttentionMetadata, paged_attention
+from .attention import AttentionMetadata, block_table_array, paged_attention
 from .graphs import padded_size
 
 
@@ -91,19 +91,21 @@ class DecodeGraphs:
         b = len(input_ids)
         size = self.size_for(b)
         assert size is not None, "batch larger than every captured size"
-        width = self.max_blocks
-        rows = [t + [self.scratch_block] * (width - len(t)) for t in tables]
         pad = size - b
         lens = torch.tensor(lens + [1] * pad, dtype=self.lens.dtype)
+        # Only the table columns this batch uses are copied: the kernels read no entry past
+        # a row's context length, and a padding row's length is 1 (its scratch block).
+        width = max(map(len, tables))
+        table = block_table_array(tables, width, self.scratch_block, rows=size)
         host = dict(
             input_ids=torch.tensor(input_ids + [0] * pad, dtype=torch.long),
             positions=torch.tensor(positions + [0] * pad, dtype=torch.long),
-            slots=torch.tensor(slots + [self.scratch_block * self.block_size] * pad, dtype=torch.long),
-            tables=torch.tensor(rows + [[self.scratch_block] * width] * pad, dtype=self.tables.dtype))
+            slots=torch.tensor(slots + [self.scratch_block * self.block_size] * pad, dtype=torch.long))
         if not self.host_lens:
             host["lens"] = lens
         for name, t in host.items():
             getattr(self, name)[:size].copy_(t, non_blocking=True)
+        self.tables[:size, :width].copy_(table, non_blocking=True)
         self.platform.replay_graph(self.graphs[size], lens if self.host_lens else None)
         return self.outputs[size][:b], size
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionMetadata, PrefillSpan, pool_rows
+from .attention import AttentionMetadata, PrefillSpan, block_table_array, pool_rows
 from .scheduler import ScheduledSeq, SchedulerOutput
 
 
@@ -112,8 +112,7 @@ class ModelRunner:
         kv_heads = self.model.num_kv_heads
         if decodes:
             max_blocks = max(len(s.seq.block_table) for s in decodes)
-            tables = torch.tensor([s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table))
-                                   for s in decodes], dtype=torch.long)
+            tables = block_table_array([s.seq.block_table for s in decodes], max_blocks, 0)
             lens = torch.tensor([s.start + 1 for s in decodes])
             if self.decode_kernel is None and self.backend is None:
                 decode_rows = pool_rows(tables, kv_heads, self.num_blocks + 1)
