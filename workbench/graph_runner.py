@@ -115,10 +115,11 @@ class PiecewiseGraphs:
     run eager between them (see graphs.py for why).
 
     Piece 0 embeds the tokens and runs layer 0 up to attention; piece i (1..L-1) finishes
-    layer i-1 after attention (o_proj, residual, MLP) and runs layer i up to attention; piece
-    L finishes the last layer. Every piece reads and writes static buffers sized for the
-    largest bucket (token ids, positions, RoPE rows, the residual stream, q/k/v and attention
-    output), so all buckets and layers share them, and a step only copies its inputs in.
+    layer i-1 after attention (o_proj, residual add, MLP) and runs layer i up to attention;
+    piece L finishes the last layer. Every piece reads and writes static buffers sized for
+    the largest bucket (token ids, positions, RoPE rows, hidden states and the residual
+    stream, q/k/v and attention output), so all buckets and layers share them, and a step
+    only copies its inputs in.
 
     A step of t tokens replays the pieces of the smallest bucket T >= t. Rows t..T hold
     whatever an earlier step left there: every captured op works row by row, so they never
@@ -140,6 +141,7 @@ class PiecewiseGraphs:
         self.cos = torch.zeros(n, 1, d, dtype=model.rope_cos.dtype, device=dev)
         self.sin = torch.zeros_like(self.cos)
         self.hidden = torch.zeros(n, model.config.hidden_size, dtype=dtype, device=dev)
+        self.residual = torch.zeros_like(self.hidden)
         self.q = torch.zeros(n, heads, d, dtype=dtype, device=dev)
         self.k = torch.zeros(n, kv_heads, d, dtype=dtype, device=dev)
         self.v = torch.zeros_like(self.k)
@@ -151,19 +153,24 @@ class PiecewiseGraphs:
         return self.model.num_layers + 1
 
     def _piece(self, i: int, t: int) -> None:
-        m = self.model
+        m, ops = self.model, self.model.ops
         if i == 0:
             x, cos, sin = m.embed(self.input_ids[:t], self.positions[:t])
             self.cos[:t].copy_(cos)
             self.sin[:t].copy_(sin)
+            residual = None
         else:
-            x = m.layers[i - 1].after_attention(self.hidden[:t], self.attn_out[:t])
+            x, residual = m.layers[i - 1].after_attention(ops, self.attn_out[:t],
+                                                          self.residual[:t])
         if i < m.num_layers:
-            q, k, v = m.layers[i].before_attention(x, self.cos[:t], self.sin[:t])
+            q, k, v, residual = m.layers[i].before_attention(ops, x, residual, self.cos[:t],
+                                                             self.sin[:t])
             self.q[:t].copy_(q)
             self.k[:t].copy_(k)
             self.v[:t].copy_(v)
-        self.hidden[:t].copy_(x)
+        else:
+            self.hidden[:t].copy_(x)
+        self.residual[:t].copy_(residual)
 
     @torch.inference_mode()
     def capture(self, pool, progress: Callable[[int, int], None] | None = None) -> None:
@@ -202,4 +209,4 @@ class PiecewiseGraphs:
                                 layer.self_attn.scale)
             self.attn_out[:t].copy_(o)
         pieces[-1].replay()
-        return m.compute_logits(self.hidden[:t], logits_indices), size
+        return m.compute_logits(self.hidden[:t], self.residual[:t], logits_indices), size

@@ -16,23 +16,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionMetadata, paged_attention
+from .ops import TorchOps
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class RMSNorm(nn.Module):
+    """Holds the weight and eps; the arithmetic is the model's ops' (models/ops.py)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:   # HF's steps, minus its no-op casts: five ops
-            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
 
 
 def rope_tables(cfg, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,16 +53,6 @@ def rope_tables(cfg, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     return emb.cos() * scaling, emb.sin() * scaling
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x: [T, heads, D]; cos/sin_signed: [T, 1, D].
-
-    HF writes it as x * cos + cat(-x2, x1) * sin. The sign is folded into the table
-    (sin_signed = cat(-sin1, sin2)), so the rotation is one roll: cat(x2, x1) * sin_signed.
-    Negation is exact, so the result is bitwise the same in four ops instead of six.
-    """
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
-
-
 class Attention(nn.Module):
     def __init__(self, cfg, head_dim: int, qkv_bias: bool, o_bias: bool, qk_norm: bool):
         super().__init__()
@@ -82,31 +67,36 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if qk_norm else None
 
-    def qkv(self, x, cos, sin):
+    def qkv(self, ops, x, cos, sin):
         """Project and rotate: x [T, hidden] -> q [T, H, D], k and v [T, kvH, D]."""
         t = x.shape[0]
         qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = ops.qk_rope(qk, cos, sin, self.num_heads, self.q_norm.weight, self.k_norm.weight,
+                             self.q_norm.eps)
+        else:
+            qk = ops.qk_rope(qk, cos, sin, self.num_heads)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return q, k, v
 
 
 class MLP(nn.Module):
     def __init__(self, cfg, bias: bool):
         super().__init__()
-        self.intermediate = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, ops, x):
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
+    """One layer on the residual stream, as vLLM writes it: a layer takes (x, residual) and
+    returns its MLP output and the residual stream *before* that output is added; the next
+    norm adds them (ops.add_rms_norm, one fused kernel where the platform has it). The sums
+    are HF's, in HF's order, so the numbers do not change."""
+
     def __init__(self, cfg, head_dim, qkv_bias, o_bias, qk_norm, mlp_bias):
         super().__init__()
         self.self_attn = Attention(cfg, head_dim, qkv_bias, o_bias, qk_norm)
@@ -114,20 +104,31 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
-        q, k, v = self.before_attention(x, cos, sin)
+    def forward(self, ops, x, residual, cos, sin, kv_cache, meta: AttentionMetadata):
+        q, k, v, residual = self.before_attention(ops, x, residual, cos, sin)
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.self_attn.scale)
-        return self.after_attention(x, o)
+        return self.after_attention(ops, o, residual)
 
     # The layer is cut around attention so that piecewise graphs (graph_runner.py) can
     # capture everything but attention itself.
-    def before_attention(self, x, cos, sin):
-        return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+    def before_attention(self, ops, x, residual, cos, sin):
+        """-> q, k, v and the residual stream (x + residual; x itself in layer 0, where
+        residual is None)."""
+        norm = self.input_layernorm
+        if residual is None:
+            residual, x = x, ops.rms_norm(x, norm.weight, norm.eps)
+        else:
+            x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        q, k, v = self.self_attn.qkv(ops, x, cos, sin)
+        return q, k, v, residual
 
-    def after_attention(self, x, o):
-        """x: the layer's input (the residual); o: attention's output [T, H, D]."""
-        x = x + self.self_attn.o_proj(o.reshape(x.shape[0], self.self_attn.q_size))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def after_attention(self, ops, o, residual):
+        """o: attention's output [T, H, D] -> (MLP output, residual stream)."""
+        attn = self.self_attn
+        x = attn.o_proj(o.reshape(o.shape[0], attn.q_size))
+        norm = self.post_attention_layernorm
+        x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        return self.mlp(ops, x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -157,7 +158,9 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", torch.empty(max_positions, self.head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(max_positions, self.head_dim), persistent=False)
         """rope_cos / rope_sin hold HF's tables (fp32, then cast to the model dtype as HF does
-        before applying them); rope_sin's first half is negated for apply_rope."""
+        before applying them); rope_sin's first half is negated for ops.apply_rope."""
+        self.ops = TorchOps()
+        """The fusable ops (models/ops.py); a platform may swap in fused kernels."""
 
     @property
     def num_layers(self) -> int:
@@ -167,9 +170,10 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids/positions: [T]; returns fp32 logits for the rows in logits_indices."""
         x, cos, sin = self.embed(input_ids, positions)
+        residual = None
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv, meta)
-        return self.compute_logits(x, logits_indices)
+            x, residual = layer(self.ops, x, residual, cos, sin, kv, meta)
+        return self.compute_logits(x, residual, logits_indices)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
         """Token embeddings [T, hidden] and the RoPE rows cos, sin [T, 1, D] of the positions."""
@@ -177,9 +181,13 @@ class LlamaForCausalLM(nn.Module):
         sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
         return self.embed_tokens(input_ids), cos, sin
 
-    def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head on the rows that sample: fp32 [len(logits_indices), vocab]."""
-        x = self.norm(hidden.index_select(0, logits_indices))
+    def compute_logits(self, x: torch.Tensor, residual: torch.Tensor,
+                       logits_indices: torch.Tensor) -> torch.Tensor:
+        """The last residual add, final norm and LM head, on the rows that sample: fp32
+        [len(logits_indices), vocab]."""
+        x, _ = self.ops.add_rms_norm(x.index_select(0, logits_indices),
+                                     residual.index_select(0, logits_indices),
+                                     self.norm.weight, self.norm.eps)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, weight).float()
 

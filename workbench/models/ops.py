@@ -1,0 +1,59 @@
+"""The decoder's fusable ops, in plain torch with HF's numerics: the reference.
+
+A layer spends most of its small kernels here: RMSNorm alone is eight kernels in bf16 (cast,
+square, mean, add, rsqrt, multiply, cast back, scale), and Qwen3 runs it three times per
+layer. Where one decode step is a few hundred microseconds of weights to read, that many
+launches set the pace, even inside a graph. So the model calls these through an object
+(`LlamaForCausalLM.ops`) that a platform can replace with fused kernels computing the same
+thing (`platforms/triton_ops.py` on CUDA for bf16/fp16), as vLLM's custom ops do.
+
+Every method here is exactly what the model did inline before: these are the numbers that
+match HF transformers, and the fused versions are tested against them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x: [T, heads, D]; cos/sin_signed: [T, 1, D].
+
+    HF writes it as x * cos + cat(-x2, x1) * sin. The sign is folded into the table
+    (sin_signed = cat(-sin1, sin2)), so the rotation is one roll: cat(x2, x1) * sin_signed.
+    Negation is exact, so the result is bitwise the same in four ops instead of six.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+class TorchOps:
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dtype == torch.float32:   # HF's steps, minus its no-op casts: five ops
+            return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x.to(dtype)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add, then RMSNorm: returns (normed, x + residual)."""
+        residual = x + residual
+        return self.rms_norm(residual, weight, eps), residual
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] (gate, then up) -> silu(gate) * up, [T, I]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def qk_rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int,
+                q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                eps: float = 0.0) -> torch.Tensor:
+        """qk: [T, Hq + Hk, D], query heads first. Per-head RMSNorm with q_norm / k_norm
+        when given (Qwen3), then RoPE. Returns a new [T, Hq + Hk, D] tensor."""
+        if q_norm is not None:
+            q, k = qk.split([num_q_heads, qk.shape[1] - num_q_heads], dim=1)
+            qk = torch.cat((self.rms_norm(q, q_norm, eps), self.rms_norm(k, k_norm, eps)), dim=1)
+        return apply_rope(qk, cos, sin)
