@@ -132,6 +132,19 @@ def correctness(small: bool) -> None:
 
 
 # ---- 2. batch-1 decode ----------------------------------------------------------------------
+def device_kernels_per_decode_step(e: Engine, prompt: list[int]) -> int | None:
+    """Kernels one batch-1 decode step launches (from the profiler), or None off CUDA."""
+    if DEV != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    e.add_request(prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    e.step()                                                  # the prefill
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        e.step()
+    e.generate([[1, 2]], SamplingParams(max_tokens=1))          # drains the rest
+    return sum(1 for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA)
+
+
 def batch1(small: bool) -> None:
     model = "random:tiny" if small else "random:qwen3-0.6b"
     new = 32 if small else 256
@@ -142,7 +155,14 @@ def batch1(small: bool) -> None:
         prompt = [random.Random(2).randrange(10, e.vocab_size) for _ in range(128)]
         r = run_engine_b1(e, prompt, new)
         rows[mode] = r
-        emit(f"b1_{mode}", model=model, graph_mode_run=e.graph_mode, **r)
+        kernels = None
+        if mode == "eager":
+            try:
+                kernels = device_kernels_per_decode_step(e, prompt)
+            except Exception as ex:                           # a diagnostic, never fatal
+                kernels = f"{type(ex).__name__}: {ex}"[:200]
+        emit(f"b1_{mode}", model=model, graph_mode_run=e.graph_mode, ops=e.model.ops.name,
+             kernels_per_decode_step=kernels, **r)
         free_engine(e)
     emit("b1_ratio", eager_over_decode=round(rows["eager"]["tpot_ms"] / rows["decode"]["tpot_ms"], 2))
 

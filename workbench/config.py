@@ -18,8 +18,9 @@ class EngineConfig:
     """Seeds random weights and requests that give no seed of their own."""
 
     attention_backend: str = "auto"
-    """'auto': the platform's fused paged-attention kernel where it has one (on CPU, a C++
-    kernel built on first use), else the plain-torch reference; 'reference': always torch."""
+    """'auto': the platform's fused kernels where it has them: paged attention (on CPU, a
+    C++ kernel built on first use) and, on CUDA in bf16/fp16, fused norms, SiLU-and-mul and
+    RoPE; else the plain-torch reference. 'reference': plain torch throughout."""
 
     # KV cache
     block_size: int | None = None

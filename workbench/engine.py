@@ -124,6 +124,8 @@ class Engine:
         self.platform.reset_peak_memory()
         self.model = build_model(ckpt, dtype, self.platform.device, max_model_len, config.seed)
         del ckpt
+        if config.attention_backend == "auto":
+            self.model.ops = self.platform.model_ops(dtype)
         bs = config.block_size
         per_block = ModelRunner.kv_bytes_per_block(self.model, bs, dtype)
         num_blocks = config.num_kv_blocks or max(1, int(self._kv_budget(dtype) // per_block) - 1)

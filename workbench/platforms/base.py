@@ -61,6 +61,13 @@ class Platform:
     def check_config(self, config) -> None:
         """Refuse knob values this device's kernels cannot run (ValueError naming the knob)."""
 
+    def model_ops(self, dtype):
+        """The decoder's fusable ops (RMSNorm, SiLU-and-mul, q/k norm + RoPE) for this
+        device and dtype: fused kernels where the platform has them, else the torch
+        reference (models/ops.py)."""
+        from ..models.ops import TorchOps
+        return TorchOps()
+
     def decode_attention_kernel(self, dtype):
         """A fused paged decode-attention op for this device and dtype, or None to use the
         plain-torch reference in `workbench/attention.py`. Signature:

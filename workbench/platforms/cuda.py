@@ -1,4 +1,5 @@
-"""CUDA GPUs: bf16 by default, a Triton paged decode-attention kernel, CUDA graphs."""
+"""CUDA GPUs: bf16 by default, Triton kernels (paged decode attention, fused norms,
+SiLU-and-mul and RoPE), CUDA graphs."""
 from __future__ import annotations
 
 import importlib.util
@@ -19,6 +20,12 @@ class CudaPlatform(AcceleratorPlatform):
     @property
     def supports_graphs(self) -> bool:
         return importlib.util.find_spec("triton") is not None
+
+    def model_ops(self, dtype):
+        if importlib.util.find_spec("triton") is None:
+            return super().model_ops(dtype)
+        from .triton_ops import TritonOps      # fused for bf16/fp16; fp32 stays on torch
+        return TritonOps()
 
     def decode_attention_kernel(self, dtype):
         if importlib.util.find_spec("triton") is None:
