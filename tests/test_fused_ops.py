@@ -5,8 +5,9 @@ In fp16, SiLU-and-mul and RoPE must match bit for bit (the kernels round whereve
 rounds) and the norms to one unit in the last place (a row's sum of squares is added in
 another order). bf16 is checked to four units, because the interpreter truncates
 fp32 -> bf16 where a GPU rounds to nearest (benchmarks/gpu.py checks bf16 logits on a real
-GPU). Then a whole engine in fp16 with the fused ops must give the reference engine's greedy
-tokens, for a Qwen3 (q/k norms) and a Llama.
+GPU). The fused KV write must equal attention.write_kv exactly. Then a whole engine in fp16
+with every Triton kernel the CUDA platform uses (these ops, the KV write, paged decode
+attention) must give the reference engine's greedy tokens, for a Qwen3 and a Llama.
 """
 from __future__ import annotations
 
@@ -50,12 +51,29 @@ CODE = textwrap.dedent('''
         diff(f"qk_norm_rope {n}", fused.qk_rope(qk, cos, sin, h, qn, kn, 1e-6),
              ref.qk_rope(qk, cos, sin, h, qn, kn, 1e-6))
 
+    from workbench.attention import write_kv
+    from workbench.platforms.triton_attention import write_kv_cache
+    for dt in (torch.float32, torch.float16):
+        kvh, nb, bs, d, t = 3, 10, 16, 48, 9
+        pool = [torch.randn(kvh, nb, bs, d, dtype=dt) for _ in range(2)]
+        pool += [p.clone() for p in pool]
+        qkv = torch.randn(t, 4 + 2 * kvh, d, dtype=dt)        # k, v: strided views
+        k, v = qkv[:, 4:4 + kvh], qkv[:, 4 + kvh:]
+        slots = torch.randperm(nb * bs)[:t]
+        write_kv(pool[0], pool[1], k, v, slots)
+        write_kv_cache(pool[2], pool[3], k, v, slots)
+        out[f"write_kv {str(dt).split('.')[1]} exact"] = [
+            bool(torch.equal(pool[0], pool[2]) and torch.equal(pool[1], pool[3])), 0.0]
+
     prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(5 + 9 * i)] for i in range(4)]
     p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    from workbench.platforms.triton_attention import paged_decode_attention
     for model in ("random:tiny-qwen3", "random:tiny"):
         kw = dict(model=model, device="cpu", dtype="float16", num_kv_blocks=64)
         a, b = Engine(**kw), Engine(**kw)
+        # b: every Triton kernel the CUDA platform plugs in, through the same plumbing
         b.model.ops = TritonOps()
+        b.runner.decode_kernel, b.runner.write_kernel = paged_decode_attention, write_kv_cache
         out[model] = [[o.token_ids for o in a.generate(prompts, p)] ==
                       [o.token_ids for o in b.generate(prompts, p)]]
     print(json.dumps(out))
@@ -70,7 +88,9 @@ def test_fused_ops_match_the_torch_reference_in_the_interpreter():
     import json
     res = json.loads(r.stdout.strip().splitlines()[-1])
     for name, (equal, worst) in ((k, v) for k, v in res.items() if " " in k):
-        if name.endswith("bfloat16"):
+        if name.endswith("exact"):
+            assert equal, name
+        elif name.endswith("bfloat16"):
             assert worst < 2 ** -5, (name, worst)           # up to four truncations: 4 units
         elif "norm" in name:                                # sums of squares add up in
             assert worst <= 2 ** -10, (name, worst)         # another order: <= 1 unit

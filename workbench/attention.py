@@ -52,6 +52,8 @@ class AttentionMetadata:
     decode_kernel: Callable | None = None
     """A platform's fused paged decode attention; when set, decodes use it with
     decode_block_tables / decode_lens instead of the gather path above."""
+    write_kernel: Callable | None = None
+    """A platform's fused KV write, called as write_kv is; None uses write_kv."""
     decode_block_tables: torch.Tensor | None = None
     """[num_decode, max_blocks] block ids (for decode_kernel)."""
     decode_lens: torch.Tensor | None = None
@@ -143,7 +145,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """Write this step's K/V to the pool, then attend. q: [T, H, D] -> [T, H, D]."""
     if meta.backend is not None:
         return meta.backend(q, k, v, k_cache, v_cache, meta, scale)
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    (meta.write_kernel or write_kv)(k_cache, v_cache, k, v, meta.slot_mapping)
     parts = []
     nd = meta.num_decode
     if nd:

@@ -33,13 +33,14 @@ class DecodeGraphs:
 
     def __init__(self, model, layer_caches, platform, sizes: list[int], max_blocks: int,
                  scratch_block: int, block_size: int, kernel: Callable | None = None,
-                 backend=None):
+                 backend=None, write_kernel: Callable | None = None):
         dev = platform.device
         self.model = model
         self.layer_caches = layer_caches
         self.platform = platform
         self.kernel = kernel
         self.backend = backend
+        self.write_kernel = write_kernel
         self.sizes = sorted(sizes)
         self.block_size = block_size
         self.scratch_block = scratch_block
@@ -63,6 +64,7 @@ class DecodeGraphs:
         meta = AttentionMetadata(slot_mapping=self.slots[:size], num_decode=size,
                                  decode_rows=None, decode_bias=None, prefills=[],
                                  decode_kernel=self.kernel, backend=self.backend,
+                                 write_kernel=self.write_kernel,
                                  decode_block_tables=self.tables[:size],
                                  decode_lens=self.lens[:size])
         if self.backend is not None:

@@ -29,6 +29,7 @@ class ModelRunner:
         auto = attention_backend == "auto"
         self.backend = platform.attention_backend(self.dtype) if auto else None
         self.decode_kernel = platform.decode_attention_kernel(self.dtype) if auto else None
+        self.write_kernel = platform.kv_write_kernel(self.dtype) if auto else None
         if self.backend is None and len(shape) != 6:
             raise ValueError("attention_backend: this device's KV layout needs its own attention "
                              "backend; 'reference' is not available here")
@@ -60,7 +61,8 @@ class ModelRunner:
         max_blocks = -(-max_model_len // self.block_size)
         self.graphs = DecodeGraphs(self.model, self.layer_caches, self.platform, sizes,
                                    max_blocks, self.scratch_block, self.block_size,
-                                   kernel=self.decode_kernel, backend=self.backend)
+                                   kernel=self.decode_kernel, backend=self.backend,
+                                   write_kernel=self.write_kernel)
         self.graphs.capture(self.graph_pool, progress)
 
     def capture_piecewise_graphs(self, sizes: list[int], progress=None) -> None:
@@ -156,6 +158,7 @@ class ModelRunner:
             prefills=spans,
             decode_scratch=scratch,
             decode_kernel=self.decode_kernel if decodes else None,
+            write_kernel=self.write_kernel,
             decode_block_tables=tables,
             decode_lens=lens,
             backend=self.backend,

@@ -68,6 +68,11 @@ class Platform:
         from ..models.ops import TorchOps
         return TorchOps()
 
+    def kv_write_kernel(self, dtype):
+        """A fused KV-cache write with attention.write_kv's signature, or None for
+        write_kv itself."""
+        return None
+
     def decode_attention_kernel(self, dtype):
         """A fused paged decode-attention op for this device and dtype, or None to use the
         plain-torch reference in `workbench/attention.py`. Signature:

@@ -27,6 +27,12 @@ class CudaPlatform(AcceleratorPlatform):
         from .triton_ops import TritonOps      # fused for bf16/fp16; fp32 stays on torch
         return TritonOps()
 
+    def kv_write_kernel(self, dtype):
+        if importlib.util.find_spec("triton") is None:
+            return None
+        from .triton_attention import write_kv_cache
+        return write_kv_cache
+
     def decode_attention_kernel(self, dtype):
         if importlib.util.find_spec("triton") is None:
             return None

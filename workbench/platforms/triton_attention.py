@@ -64,6 +64,32 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, sca
              out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
 
 
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_kt, stride_kh,
+                     stride_vt, stride_vh, stride_cache_head, D: tl.constexpr,
+                     D_PAD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    d = tl.arange(0, D_PAD)
+    ok = d < D
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    dst = h * stride_cache_head + slot * D + d
+    tl.store(k_cache_ptr + dst, tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=ok), mask=ok)
+    tl.store(v_cache_ptr + dst, tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=ok), mask=ok)
+
+
+def write_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """What attention.write_kv does (k/v [T, kvH, D], any strides with a unit last one, into
+    the head-major pool at their slots), as one kernel for K and V together instead of two
+    index_copy_ calls."""
+    t, kv_heads, d = k.shape
+    if t:
+        _write_kv_kernel[(t, kv_heads)](k, v, k_cache, v_cache, slot_mapping, k.stride(0),
+                                        k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0),
+                                        D=d, D_PAD=triton.next_power_of_2(d))
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -72,11 +98,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     b, h, d = q.shape
     kv_heads, _, block_size, _ = k_cache.shape
     g = h // kv_heads
-    q = q.contiguous()
-    out = torch.empty_like(q) if out is None else out
+    if q.stride(-1) != 1:
+        q = q.contiguous()                     # a head's row must be contiguous; rows may not
+    out = torch.empty(b, h, d, dtype=q.dtype, device=q.device) if out is None else out
     if b == 0:
         return out
-    block_n = max(16, min(64, block_size))     # tl.dot needs >= 16 on every side
+    # Context tiles span blocks (each token finds its own block), so the tile is sized for
+    # the loads, not for block_size: tl.dot wants >= 16 on every side.
+    block_n = 64 if d <= 128 else 32
     _paged_decode_kernel[(b, kv_heads)](
         q, k_cache, v_cache, out, block_tables, context_lens, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), block_tables.stride(0),
