@@ -1,11 +1,13 @@
-"""The NPU attention backend, driven on the CPU by stand-ins for torch_npu's ops.
+"""The NPU attention backend, fused ops and graphs, driven on the CPU by stand-ins for
+torch_npu's ops.
 
 No Ascend hardware is reachable from here, and torch_npu cannot even be installed without
 CANN. The stand-ins below compute what the ops' documentation says they compute (and check
 the argument rules it states: int32 slots and tables, host-side context lengths, TND
-cumulative query ends, sparse_mode 3, the 2048 x 2048 mask). So these tests check our side:
-the block-major pool layout, the slots, tables and lengths we pass, and the split between
-decode and prefill; they cannot check the ops themselves.
+cumulative query ends, sparse_mode 3, the 2048 x 2048 mask, the norms' and SwiGLU's return
+values). So these tests check our side: the block-major pool layout, the slots, tables and
+lengths we pass, the split between decode and prefill, the graph-update protocol; they
+cannot check the ops themselves.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from workbench.platforms.cpu import CpuPlatform
 from workbench.platforms.npu import NpuPlatform
 from workbench.platforms.npu_attention import (NpuAttention, block_major_shape,
                                                check_npu_config)
+from workbench.platforms.npu_ops import NpuOps
 
 
 def _attend(q, keys, values, scale, causal_offset=None):
@@ -38,7 +41,8 @@ class DocumentedOps:
     """torch_npu's attention and cache ops as documented, on CPU tensors."""
 
     def __init__(self):
-        self.calls = {"cache": 0, "paged": 0, "fia": 0}
+        self.calls = {"cache": 0, "paged": 0, "fia": 0, "rms_norm": 0, "add_rms_norm": 0,
+                      "swiglu": 0}
         self.replay_context_lens = None
         """Set while a stand-in graph replays: the lengths its last update() handed the
         recorded paged-attention calls (a real NPUGraph keeps the captured host values
@@ -91,6 +95,26 @@ class DocumentedOps:
         return out, torch.zeros(1)
 
 
+    def npu_rms_norm(self, x, gamma, epsilon=1e-6):
+        assert gamma.shape == x.shape[-1:]
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + epsilon)
+        self.calls["rms_norm"] += 1
+        return (xf * rstd * gamma.float()).to(x.dtype), rstd
+
+    def npu_add_rms_norm(self, x1, x2, gamma, epsilon=1e-6):
+        s = x1 + x2
+        y, rstd = self.npu_rms_norm(s, gamma, epsilon)
+        self.calls["rms_norm"] -= 1
+        self.calls["add_rms_norm"] += 1
+        return y, rstd, s
+
+    def npu_swiglu(self, x, dim=-1):
+        a, b = x.chunk(2, dim=dim)
+        self.calls["swiglu"] += 1
+        return F.silu(a) * b
+
+
 class StandInNpuPlatform(CpuPlatform):
     """The NPU platform's layout and backend, on the CPU, with the documented stand-ins."""
     default_block_size = 128
@@ -103,6 +127,9 @@ class StandInNpuPlatform(CpuPlatform):
 
     def attention_backend(self, dtype):
         return NpuAttention(self.ops)
+
+    def model_ops(self, dtype):
+        return NpuOps(self.ops)
 
     def check_config(self, config):
         check_npu_config(config)
@@ -200,7 +227,7 @@ def test_npu_backend_tokens_equal_the_reference(tiny_checkpoints, monkeypatch):
     assert got == want
     steps = npu.telemetry.snapshot()[0]
     assert any(s.phase == "mixed" for s in steps) and any(s.num_cached_tokens for s in steps)
-    assert all(platform.ops.calls[k] > 0 for k in ("cache", "paged", "fia"))
+    assert all(n > 0 for n in platform.ops.calls.values()), platform.ops.calls
 
 
 def test_npu_config_rules():

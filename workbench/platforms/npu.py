@@ -65,6 +65,10 @@ class NpuPlatform(AcceleratorPlatform):
             graph.update(cpu_update_input=[{"context_lens": context_lens}])
         graph.replay()
 
+    def model_ops(self, dtype):
+        from .npu_ops import NpuOps
+        return NpuOps(self.torch_npu)
+
     def kv_cache_shape(self, num_layers, kv_heads, num_blocks, block_size, head_dim):
         from .npu_attention import block_major_shape
         return block_major_shape(num_layers, kv_heads, num_blocks, block_size, head_dim)
