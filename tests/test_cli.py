@@ -12,15 +12,23 @@ def run(*args, timeout=600):
 
 
 def test_generate_streams_and_reports_latency(smollm2_dir):
-    r = run("generate", "What is the capital of France?", "--max-tokens", "12", "--device", "cpu")
+    r = run("generate", "What is the capital of France?", "--max-tokens", "12", "--device", "cpu",
+            "--graph-mode", "decode", "--cudagraph-capture-sizes", "1,2")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "TTFT" in r.stderr and "TPOT" in r.stderr
+    assert "note: graph_mode='decode' asked for, but graph capture is not available on cpu" \
+        in r.stderr                                      # the CPU says it runs eager
 
 
 def test_generate_bad_knob_is_a_clear_error():
-    r = run("generate", "hi", "--block-size", "24", "--device", "cpu")
-    assert r.returncode == 2 and "block_size" in r.stderr and "Traceback" not in r.stderr
+    for knob in (["--block-size", "24"], ["--graph-mode", "always"],
+                 ["--cudagraph-capture-sizes", "0,4"]):
+        r = run("generate", "hi", "--device", "cpu", *knob)
+        name = knob[0][2:].replace("-", "_")
+        assert r.returncode == 2 and name in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = run("generate", "hi", "--cudagraph-capture-sizes", "1,x")
+    assert r.returncode == 2 and "integers separated by commas" in r.stderr
 
 
 def test_bench_small_run_writes_json(tmp_path, smollm2_dir):

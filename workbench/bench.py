@@ -150,7 +150,10 @@ def run(model: str = "smollm2", num_requests: int = 64, in_range=(16, 256), out_
                                 output_len=list(out_range), seed=seed,
                                 prompt_tokens=sum(map(len, wl.prompts)),
                                 output_tokens=wl.output_tokens),
-                  engine_config=engine.config.to_dict(), results={})
+                  engine_config=engine.config.to_dict(), notices=list(engine.notices),
+                  results={})
+    for note in engine.notices:
+        log(f"note: {note}")
     res = report["results"]
     with tqdm(total=num_requests, desc="workbench engine", unit="req") as bar:
         res["workbench"] = run_engine(engine, wl, progress=lambda d, n: bar.update(d - bar.n))

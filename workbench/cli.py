@@ -14,23 +14,47 @@ def _range(text: str) -> tuple[int, int]:
     return int(lo), int(hi or lo)
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}")
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig.__dataclass_fields__
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (embedded), 'random:<shape>' or a local HF checkpoint dir")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or npu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--block-size", type=int, default=d["block_size"].default)
     p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"].default)
     p.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"].default)
     p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   default=d["gpu_memory_utilization"].default,
+                   help="share of the device's memory the engine may take (KV pool sizing)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--graph-mode", default=d["graph_mode"].default,
+                   help="eager, decode (capture decode steps) or full (prefill too, piecewise)")
+    p.add_argument("--cudagraph-capture-sizes", type=_int_list, default=None,
+                   help="decode batch sizes to capture, e.g. 1,2,4,8,16")
+    p.add_argument("--attention-backend", default=d["attention_backend"].default,
+                   help="auto (the device's fused kernels) or reference (plain torch)")
 
 
 def _engine_kwargs(a) -> dict:
     return dict(device=a.device, dtype=a.dtype, block_size=a.block_size,
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                num_kv_blocks=a.num_kv_blocks, enable_prefix_caching=not a.no_prefix_caching)
+                num_kv_blocks=a.num_kv_blocks, gpu_memory_utilization=a.gpu_memory_utilization,
+                enable_prefix_caching=not a.no_prefix_caching, graph_mode=a.graph_mode,
+                cudagraph_capture_sizes=a.cudagraph_capture_sizes,
+                attention_backend=a.attention_backend)
+
+
+def _say_notices(engine) -> None:
+    for note in engine.notices:
+        print(f"note: {note}", file=sys.stderr, flush=True)
 
 
 def cmd_generate(a) -> int:
@@ -39,6 +63,7 @@ def cmd_generate(a) -> int:
     print(f"loading {a.model} …", file=sys.stderr, flush=True)
     engine = Engine(model=a.model, **_engine_kwargs(a))
     print(f"ready in {time.perf_counter() - t:.1f} s on {engine.platform.name}", file=sys.stderr)
+    _say_notices(engine)
     prompt = a.prompt
     if not a.raw and engine.tokenizer is not None and engine.tokenizer.chat_template:
         prompt = [{"role": "user", "content": a.prompt}]
@@ -106,6 +131,7 @@ def cmd_serve(a) -> int:
     print(f"ready in {time.perf_counter() - t:.1f} s on {engine.platform.name}; "
           f"max_model_len {engine.max_model_len}, {engine.block_manager.num_blocks} KV blocks",
           file=sys.stderr, flush=True)
+    _say_notices(engine)
     if api_key is None and a.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: serving on {a.host} without --api-key: anyone who can reach it can "
               "use it", file=sys.stderr)
