@@ -1,19 +1,20 @@
 """Steps as captured graphs: whole decode steps (DecodeGraphs, graph_mode 'decode') and,
 for graph_mode 'full', prefill and mixed steps piecewise (PiecewiseGraphs).
 
-DecodeGraphs (vLLM-Ascend's FULL_DECODE_ONLY). At start-up the model's decode forward is captured once per size in the capture list, into
-one shared memory pool, reading its inputs from static buffers: token ids, positions, KV
-slots, block tables and context lengths. A decode step of b requests then copies its inputs
-into the first b rows of those buffers, fills the rows up to the next captured size B with
-padding, and replays graph B; the first b rows of the captured logits are the answer.
+DecodeGraphs (vLLM-Ascend's FULL_DECODE_ONLY). At start-up the model's decode forward is
+captured once per size in the capture list, into the engine's one graph memory pool,
+reading its inputs from static buffers: token ids, positions, KV slots, block tables and
+context lengths. A decode step of b requests then copies its inputs into the first b rows
+of those buffers, fills the rows up to the next captured size B with padding, and replays
+graph B; the first b rows of the captured logits are the answer.
 
 Padding rows must not disturb anyone: each feeds token 0 at position 0, writes its K/V to
 a scratch block that no request owns (the pool has one block more than the block manager
 hands out), and attends over that one slot. Their logits are computed and ignored.
 
-Capture and replay are the platform's (torch.cuda.CUDAGraph, torch.npu.NPUGraph); a
-decode batch larger than every captured size, and every step with a prefill in it, runs
-eager.
+Capture and replay are the platform's (torch.cuda.CUDAGraph, torch.npu.NPUGraph). A decode
+batch larger than every captured size runs eager; so does a step with a prefill in it,
+unless graph_mode is 'full' and its token count fits a piecewise bucket.
 """
 from __future__ import annotations
 
