@@ -66,6 +66,12 @@ class AttentionMetadata:
     """Each prefill chunk's block table, in span order (for backends that page prefill)."""
     backend_state: object = None
     """What the backend's prepare(meta) derived once per step, for every layer to reuse."""
+    prefill_kernel: Callable | None = None
+    """A platform's ragged paged prefill attention: all prefill chunks in one call per layer,
+    reading their context (cached prefix and the chunk) from the pool through prefill_plan,
+    instead of the per-chunk loop below."""
+    prefill_plan: object = None
+    """What prefill_kernel.plan(...) built for this step's chunks."""
 
 
 def block_table_array(tables: list[list[int]], width: int, fill: int,
@@ -150,6 +156,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     nd = meta.num_decode
     if nd:
         parts.append(decode_attention(q[:nd], k_cache, v_cache, meta, scale))
+    if meta.prefill_kernel is not None and meta.prefills:
+        parts.append(meta.prefill_kernel(q[nd:], k_cache, v_cache, meta.prefill_plan, scale))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
     for span in meta.prefills:
         s, e = span.q_start, span.q_end
         parts.append(prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, span, scale))

@@ -30,6 +30,8 @@ class ModelRunner:
         self.backend = platform.attention_backend(self.dtype) if auto else None
         self.decode_kernel = platform.decode_attention_kernel(self.dtype) if auto else None
         self.write_kernel = platform.kv_write_kernel(self.dtype) if auto else None
+        self.prefill_kernel = (platform.prefill_attention_kernel(self.dtype)
+                               if auto and self.backend is None else None)
         if self.backend is None and len(shape) != 6:
             raise ValueError("attention_backend: this device's KV layout needs its own attention "
                              "backend; 'reference' is not available here")
@@ -138,7 +140,7 @@ class ModelRunner:
             positions += range(s.start, s.start + n)
             slots += self._slots(s.seq.block_table, s.start, n)
             rows = mask = None
-            if s.start > 0 and self.backend is None:
+            if s.start > 0 and self.backend is None and self.prefill_kernel is None:
                 ctx = s.start + n
                 block_ids = torch.tensor(s.seq.block_table[:-(-ctx // bs)], dtype=torch.long)
                 rows = pool_rows(block_ids, kv_heads, self.num_blocks + 1)
@@ -150,6 +152,13 @@ class ModelRunner:
                 logits_rows.append(q_start + n - 1)
                 sampling.append(s)
 
+        plan = None
+        if prefills and self.prefill_kernel is not None:
+            m = self.model
+            plan = self.prefill_kernel.plan(
+                [s.num_new_tokens for s in prefills], [s.start + s.num_new_tokens for s in prefills],
+                [s.seq.block_table for s in prefills], m.layers[0].self_attn.num_heads,
+                m.num_kv_heads, dev)
         meta = AttentionMetadata(
             slot_mapping=to(torch.tensor(slots, dtype=torch.long)),
             num_decode=len(decodes),
@@ -164,6 +173,8 @@ class ModelRunner:
             backend=self.backend,
             prefill_block_tables=([s.seq.block_table for s in prefills]
                                   if self.backend is not None else None),
+            prefill_kernel=self.prefill_kernel if plan is not None else None,
+            prefill_plan=plan,
         )
         if self.backend is not None:
             self.backend.prepare(meta)

@@ -73,6 +73,12 @@ class Platform:
         write_kv itself."""
         return None
 
+    def prefill_attention_kernel(self, dtype):
+        """A ragged paged prefill attention for this device (one call per layer for all of a
+        step's prefill chunks: see triton_attention.PagedPrefill), or None for the per-chunk
+        plain-torch path in `workbench/attention.py`."""
+        return None
+
     def decode_attention_kernel(self, dtype):
         """A fused paged decode-attention op for this device and dtype, or None to use the
         plain-torch reference in `workbench/attention.py`. Signature:

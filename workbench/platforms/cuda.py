@@ -33,6 +33,12 @@ class CudaPlatform(AcceleratorPlatform):
         from .triton_attention import write_kv_cache
         return write_kv_cache
 
+    def prefill_attention_kernel(self, dtype):
+        if importlib.util.find_spec("triton") is None:
+            return None
+        from .triton_attention import PagedPrefill
+        return PagedPrefill()
+
     def decode_attention_kernel(self, dtype):
         if importlib.util.find_spec("triton") is None:
             return None

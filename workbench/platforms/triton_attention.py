@@ -1,5 +1,12 @@
-"""Paged decode attention in Triton: each query reads its K/V straight from the block pool.
+"""Paged attention in Triton: every query reads its K/V straight from the block pool.
 
+Two kernels, one launch each per layer: `paged_decode_attention` for the step's decodes and
+`paged_prefill_attention` for all of its prefill chunks at once (ragged, causal, over the
+cached prefix and the chunk itself). Both run after the step's K/V are written to the pool
+(`write_kv_cache`), so prefix-cache hits and chunked prefill need nothing special: a chunk's
+context is just the first ctx_len slots of its block table.
+
+Decode:
 One program per (request, KV head). It loads the G query heads that share that KV head as
 one [G, D] tile and walks the request's context in tiles of BLOCK_N tokens: each token's
 pool slot comes from the block table (block_table[n // block_size] * block_size +
@@ -12,11 +19,20 @@ device), so the kernel can be captured in a CUDA graph and replayed with new tab
 lengths. Runs on CUDA; under TRITON_INTERPRET=1 it also runs on CPU tensors, which is how
 the CPU test suite checks it against the plain-torch reference.
 
+Prefill: the chunks' query tokens are cut into tiles of BLOCK_Q tokens (a tile never spans
+two chunks); one program per (tile, KV head) loads the tile's BLOCK_Q x G query rows as one
+[BLOCK_M, D] matrix and walks the context up to its last query's position, masking the
+causal diagonal. The tile map is built on the host (`plan_prefill`), where the chunk lengths
+are known anyway, so the kernel does no searching.
+
 Pool layout per layer: [num_kv_heads, num_blocks, block_size, head_dim] (head-major), as in
 `workbench/attention.py`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -115,3 +131,148 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         # fp32 stays fp32 (Triton would use tf32 for an fp32 dot); bf16/fp16 use the units.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     return out
+
+
+@triton.jit
+def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, ctx_lens_ptr, q_starts_ptr,
+                          tile_seq_ptr, tile_q_ptr, scale, stride_qt, stride_qh, stride_kv_head,
+                          stride_tb, stride_ot, stride_oh, G: tl.constexpr, G_PAD: tl.constexpr,
+                          D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                          BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.load(tile_seq_ptr + tile)                 # which chunk
+    q0 = tl.load(tile_q_ptr + tile)                  # first query of the tile, in the chunk
+    q_begin = tl.load(q_starts_ptr + s)
+    q_len = tl.load(q_starts_ptr + s + 1) - q_begin
+    ctx_len = tl.load(ctx_lens_ptr + s)              # cached prefix + the chunk
+    first_pos = ctx_len - q_len                      # position of the chunk's first token
+    # Row r of the tile is query token q0 + r // G_PAD, query head kvh * G + r % G_PAD.
+    r = tl.arange(0, BLOCK_Q * G_PAD)
+    qi = q0 + r // G_PAD
+    g = r % G_PAD
+    row_ok = (qi < q_len) & (g < G)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
+    tok = (q_begin + qi).to(tl.int64)
+    head = kvh * G + g
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    pos = first_pos + qi                             # each row's own position
+    m = tl.full([BLOCK_Q * G_PAD], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * G_PAD, D_PAD], tl.float32)
+    kv_head = kvh.to(tl.int64) * stride_kv_head
+    table = tables_ptr + s.to(tl.int64) * stride_tb
+    # Keys up to the tile's last query position; the causal mask does the rest.
+    end = tl.minimum(ctx_len, first_pos + q0 + BLOCK_Q)
+    for start in range(0, end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
+        offs = kv_head + slot[:, None] * D + d[None, :]
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)
+        sc = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+        sc = tl.where((n[None, :] <= pos[:, None]) & n_ok[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, 1))
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)     # padding rows see nothing
+        p = tl.exp(sc - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        denom = denom * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
+                                            input_precision=PRECISION).to(tl.float32)
+        m = m_new
+    out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
+    tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def prefill_block_q(num_heads: int, kv_heads: int) -> int:
+    """Query tokens per prefill tile: a tile is BLOCK_Q tokens x the G_PAD query heads that
+    share a KV head, 64 rows in all (tl.dot wants at least 16)."""
+    g_pad = triton.next_power_of_2(num_heads // kv_heads)
+    return max(64 // g_pad, 1) if g_pad <= 16 else 1
+
+
+@dataclass(slots=True)
+class PrefillPlan:
+    """One step's prefill chunks, as the prefill kernel reads them (all on the device)."""
+    block_tables: torch.Tensor
+    """[chunks, max_blocks] int32 block ids of each chunk's request."""
+    ctx_lens: torch.Tensor
+    """[chunks] int32: cached prefix + the chunk's tokens."""
+    q_starts: torch.Tensor
+    """[chunks + 1] int32: where each chunk's queries start in the prefill token stream."""
+    tile_seq: torch.Tensor
+    """[tiles] int32: the chunk each query tile belongs to."""
+    tile_q: torch.Tensor
+    """[tiles] int32: the tile's first query, counted within its chunk."""
+    block_q: int
+
+
+def plan_prefill(q_lens: list[int], ctx_lens: list[int], tables: list[list[int]],
+                 block_q: int, device) -> PrefillPlan:
+    """The tile map and tables for `paged_prefill_attention`, built from host lists with
+    numpy and moved to the device in one copy."""
+    n = len(q_lens)
+    qn = np.asarray(q_lens, dtype=np.int64)
+    tiles = -(-qn // block_q)
+    tile_seq = np.repeat(np.arange(n), tiles)
+    first = np.cumsum(tiles) - tiles                  # each chunk's first tile
+    tile_q = (np.arange(int(tiles.sum())) - np.repeat(first, tiles)) * block_q
+    width = max(map(len, tables))
+    flat = np.zeros(n * width + 2 * n + 1 + 2 * len(tile_seq), dtype=np.int32)
+    tab = flat[:n * width].reshape(n, width)
+    for i, t in enumerate(tables):
+        tab[i, :len(t)] = t
+    o = n * width
+    flat[o:o + n] = ctx_lens
+    flat[o + n + 1:o + 2 * n + 1] = np.cumsum(qn)
+    o += 2 * n + 1
+    flat[o:o + len(tile_seq)] = tile_seq
+    flat[o + len(tile_seq):] = tile_q
+    dev = torch.from_numpy(flat).to(device, non_blocking=True)
+    o = n * width
+    t = len(tile_seq)
+    return PrefillPlan(dev[:o].view(n, width), dev[o:o + n], dev[o + n:o + 2 * n + 1],
+                       dev[o + 2 * n + 1:o + 2 * n + 1 + t], dev[o + 2 * n + 1 + t:], block_q)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            plan: PrefillPlan, scale: float,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, H, D]: every prefill chunk's queries, in plan order; k/v_cache [kvH, num_blocks,
+    block_size, D], holding each chunk's K/V already. One launch for all chunks."""
+    t, h, d = q.shape
+    kv_heads, _, block_size, _ = k_cache.shape
+    g = h // kv_heads
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty(t, h, d, dtype=q.dtype, device=q.device) if out is None else out
+    tiles = plan.tile_seq.shape[0]
+    if t == 0 or tiles == 0:
+        return out
+    fp32 = q.dtype == torch.float32
+    _paged_prefill_kernel[(tiles, kv_heads)](
+        q, k_cache, v_cache, out, plan.block_tables, plan.ctx_lens, plan.q_starts,
+        plan.tile_seq, plan.tile_q, scale, q.stride(0), q.stride(1), k_cache.stride(0),
+        plan.block_tables.stride(0), out.stride(0), out.stride(1),
+        G=g, G_PAD=triton.next_power_of_2(g), D=d, D_PAD=max(16, triton.next_power_of_2(d)),
+        BLOCK_SIZE=block_size, BLOCK_Q=plan.block_q, BLOCK_N=32 if fp32 or d > 128 else 64,
+        PRECISION="ieee" if fp32 else "tf32", num_warps=4, num_stages=2)
+    return out
+
+
+class PagedPrefill:
+    """What the runner plugs in for prefill: `plan(...)` once per step, then a call per layer."""
+
+    def plan(self, q_lens: list[int], ctx_lens: list[int], tables: list[list[int]],
+             num_heads: int, kv_heads: int, device) -> PrefillPlan:
+        return plan_prefill(q_lens, ctx_lens, tables, prefill_block_q(num_heads, kv_heads),
+                            device)
+
+    def __call__(self, q, k_cache, v_cache, plan: PrefillPlan, scale: float) -> torch.Tensor:
+        return paged_prefill_attention(q, k_cache, v_cache, plan, scale)
