@@ -360,3 +360,37 @@ def test_requests_since_counts_records(tiny_engine):
     tiny_engine.generate(prompts(3), SamplingParams(max_tokens=2, temperature=0))
     assert len(tiny_engine.telemetry.requests_since(n)) == 3
     assert tiny_engine.telemetry.requests_since(n + 3) == []
+
+
+def test_close_and_drop_free_the_engine_without_the_garbage_collector(tiny_checkpoints):
+    """close() frees the KV pool, graphs and weights at once; an engine dropped without
+    close() is freed by reference counting alone (no cycles hold it)."""
+    import gc
+    import weakref
+    Engine(model=str(tiny_checkpoints["qwen3"][0]), device="cpu", num_kv_blocks=16)   # one-time import state
+    gc.collect()
+    gc.disable()
+    try:
+        p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        e = Engine(model=str(tiny_checkpoints["qwen3"][0]), device="cpu", num_kv_blocks=32)
+        e.start()
+        e.generate(prompts(2), p)
+        rid = e.add_request(prompts(1)[0], SamplingParams(max_tokens=10_000, ignore_eos=True))
+        pool, weights = weakref.ref(e.runner.kv_cache), weakref.ref(e.model.embed_tokens.weight)
+        e.close()
+        assert pool() is None and weights() is None
+        assert {m.request_id: m.finish_reason for m in e.telemetry.requests}[rid] == "abort"
+        with pytest.raises(RuntimeError, match="closed"):
+            e.generate(prompts(1), p)
+        e.close()                                                   # idempotent
+        for background in (False, True):
+            e = Engine(model=str(tiny_checkpoints["qwen3"][0]), device="cpu", num_kv_blocks=32)
+            if background:
+                e.start()
+            e.generate(prompts(2), p)
+            e.shutdown()
+            engine, pool = weakref.ref(e), weakref.ref(e.runner.kv_cache)
+            del e
+            assert engine() is None and pool() is None, background
+    finally:
+        gc.enable()

@@ -177,6 +177,8 @@ class Dashboard(w.VBox):
         self.pump.source = self.source = new
         old.close()                           # stops it; its unfinished requests are aborted
         self.streams.update(old.poll())       # show those aborts
+        old.engine.close()                    # its KV pool, graphs and weights, freed now: a
+                                              # GPU needs that memory for the new engine
         self.timeline.clear()                 # step numbers restart with the new engine
         self.summary.clear()
         self.num_rebuilds += 1

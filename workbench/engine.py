@@ -121,6 +121,7 @@ class Engine:
                              f"(got {config.max_model_len})")
         max_model_len = config.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)
 
+        self.platform.empty_cache()       # what dropped engines left cached counts as free
         self.platform.reset_peak_memory()
         self.model = build_model(ckpt, dtype, self.platform.device, max_model_len, config.seed)
         del ckpt
@@ -171,6 +172,7 @@ class Engine:
         self._stop = threading.Event()
         self._kv_wanted = False
         self._kv_last: KVBlockSnapshot | None = None
+        self._closed = False
 
     # ---- set-up helpers -------------------------------------------------------------------
     def _kv_budget(self, dtype: torch.dtype) -> float:
@@ -317,6 +319,7 @@ class Engine:
         return _Request(seq, prompt, detok, metrics, gen)
 
     def _submit(self, reqs: list[_Request]) -> None:
+        self._check_open()
         with self._lock:
             dup = [r.seq.request_id for r in reqs if r.seq.request_id in self._requests]
             if dup or len({r.seq.request_id for r in reqs}) < len(reqs):
@@ -372,6 +375,7 @@ class Engine:
 
     def step(self) -> list[TokenEvent]:
         """Run one scheduler step: admit, run the model, sample, deliver. Returns the events."""
+        self._check_open()
         with self._step_lock:
             return self._step()
 
@@ -599,6 +603,7 @@ class Engine:
 
     def start(self) -> "Engine":
         """Step in a daemon thread until `shutdown()`. Idempotent."""
+        self._check_open()
         if self._thread is None:
             self._stop.clear()
             self._thread = threading.Thread(target=self._loop, name="workbench-engine", daemon=True)
@@ -606,7 +611,8 @@ class Engine:
         return self
 
     def shutdown(self, abort_all: bool = True) -> None:
-        """Stop the background loop (aborting what is left, unless told not to)."""
+        """Stop the background loop (aborting what is left, unless told not to). The engine
+        keeps its memory and can be started again; `close()` frees it."""
         thread = self._thread
         if thread is None:
             return
@@ -644,8 +650,36 @@ class Engine:
                     if r is not None:
                         self._finish(r, time.monotonic())
 
+    # ---- release ----------------------------------------------------------------------------
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("engine: closed (close() freed its KV pool and weights); "
+                               "build a new Engine")
+
+    def close(self) -> None:
+        """Stop the loop, abort every request, and free the KV pool, captured graphs and
+        weights now, without waiting for the garbage collector (a rebuild on a GPU needs
+        the memory back at once). Idempotent; the engine refuses work afterwards. Its
+        config, telemetry and notices stay readable. Dropping the last reference to an
+        engine frees the same memory (the engine holds no reference cycles)."""
+        if self._closed:
+            return
+        self.shutdown()
+        with self._step_lock:
+            for rid in list(self._requests):
+                self.abort(rid)
+            self._drain_inbox()
+            self._closed = True
+            self.runner.release()
+            self.model = None
+        self.platform.empty_cache()
+
     def __enter__(self) -> "Engine":
         return self
 
     def __exit__(self, *exc) -> None:
-        self.shutdown()
+        self.close()

@@ -41,6 +41,12 @@ class ModelRunner:
         """PiecewiseGraphs, once captured (graph_mode 'full')."""
         self._graph_pool = None
 
+    def release(self) -> None:
+        """Drop the KV pool, the captured graphs (and their memory pool) and the model."""
+        self.graphs = self.piecewise = self._graph_pool = None
+        self.kv_cache = self.layer_caches = None
+        self.model = None
+
     @property
     def graph_pool(self):
         """The one memory pool every captured graph of this runner shares."""

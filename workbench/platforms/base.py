@@ -28,6 +28,10 @@ class Platform:
     def reset_peak_memory(self) -> None:
         """Start a new peak-memory window, where the device tracks one."""
 
+    def empty_cache(self) -> None:
+        """Hand memory that freed tensors left in the allocator's cache back to the device
+        (so memory_info counts it as free)."""
+
     def memory_info(self) -> tuple[int, int] | None:
         """(free, total) device memory in bytes, or None where the device does not say (the
         CPU: its KV pool is sized by kv_cache_memory_gb or 1 GiB)."""
@@ -108,6 +112,9 @@ class AcceleratorPlatform(Platform):
 
     def reset_peak_memory(self) -> None:
         self.api.reset_peak_memory_stats()
+
+    def empty_cache(self) -> None:
+        self.api.empty_cache()
 
     def memory_info(self) -> tuple[int, int]:
         """(free, total) bytes on the device."""
