@@ -17,6 +17,15 @@ of our figures beside the HF peers, measured in this same call, comes last.
    graph_mode 'decode' and 'full'.
 4. peers: gpu_anchor.py (HF `generate` batch 1 and static batches of 64, HF
    `generate_batch`) in a subprocess, in this same call.
+5. ceilings: this card's copy bandwidth (bytes read + written) and bf16 matmul rate,
+   measured here; every speed figure is also given as a fraction of its physical limit.
+6. prefill: prompt tokens/s on 8k-token steps (64 prompts of 1024 tokens, one new token).
+7. release: build -> close -> build three times at gpu_memory_utilization 0.9, then an
+   engine dropped without close() (garbage collector off): is its memory back?
+8. concurrency: W1's requests through a closed-loop client holding 1, 16, 64 or 256 in
+   flight (4x that many requests, at most W1's 256): throughput and TTFT against concurrency.
+9. vllm: the workload of a published vLLM run (Qwen3-0.6B shape, 500 prompts of 512 random
+   ids, 128 new tokens, EOS ignored): requests/s.
 """
 from __future__ import annotations
 
@@ -40,6 +49,10 @@ from workbench.bench import Workload, run_engine, run_engine_b1  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 RESULTS: dict[str, dict] = {}
 OUT: Path | None = None
+
+
+def ceiling(key: str):
+    return RESULTS.get("ceilings", {}).get(key)
 
 
 def emit(part: str, **kw) -> None:
@@ -186,21 +199,199 @@ def w1(small: bool, mode: str) -> None:
     e = Engine(model=model, device=DEV, graph_mode=mode, max_num_seqs=256,
                max_num_batched_tokens=8192, max_model_len=2048)
     build_s = time.perf_counter() - t
-    wl = Workload(anchor_workload(n, lo, hi, e.vocab_size), [new] * n)
-    r = run_engine(e, wl)
+    prompts = anchor_workload(n, lo, hi, e.vocab_size)
+    r = run_engine(e, Workload(prompts, [new] * n))
     steps = e.telemetry.snapshot()[0]
+    # The physical floor: every decode token reads its request's whole context once, every
+    # decode step the weights (at least new - 1 steps), at the copy bandwidth measured here;
+    # prefill at the matmul peak (its linear layers only: a lower bound too).
+    mn = model_numbers(e)
+    kv = sum(sum(len(p) + j + 1 for j in range(1, new)) for p in prompts) * mn["kv_bytes_per_token"]
+    bw, peak = ceiling("copy_TBps"), ceiling("bf16_TFLOPs")
+    bound = None
+    if bw and peak:
+        bound = ((kv + (new - 1) * mn["weight_bytes"]) / (bw * 1e12)
+                 + 2 * mn["layer_params"] * sum(map(len, prompts)) / (peak * 1e12))
     emit("w1_ours" + ("" if mode == "decode" else f"_{mode}"), model=model, graph_mode=mode,
          requests=n, prompt_len=[lo, hi], new=new, build_s=round(build_s, 1),
          kv_blocks=e.block_manager.num_blocks, graph_steps=sum(s.graph for s in steps),
          piecewise_steps=sum(s.graph_kind == "piecewise" for s in steps),
-         decode_steps=sum(s.phase == "decode" for s in steps), **r)
+         decode_steps=sum(s.phase == "decode" for s in steps),
+         bound_tok_s=round(n * new / bound) if bound else None,
+         fraction_of_bound=round(bound / r["seconds"], 3) if bound else None, **r)
+    free_engine(e)
+
+
+# ---- 5. ceilings ----------------------------------------------------------------------------
+def timed(fn, reps: int) -> float:
+    """Median seconds of fn() over reps runs (device events on CUDA)."""
+    fn()
+    fn()
+    times = []
+    for _ in range(reps):
+        if DEV == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def ceilings(small: bool) -> None:
+    n = (1 << 20) if small else (1 << 30)                       # 2 GiB of bf16 per buffer
+    a = torch.randn(n, dtype=torch.bfloat16, device=DEV)
+    b = torch.empty_like(a)
+    copy = 2 * a.numel() * 2 / timed(lambda: b.copy_(a), 10)
+    m = 256 if small else 8192
+    x, y = (torch.randn(m, m, dtype=torch.bfloat16, device=DEV) for _ in range(2))
+    mm = 2 * m ** 3 / timed(lambda: x @ y, 10)
+    emit("ceilings", copy_TBps=round(copy / 1e12, 3), bf16_TFLOPs=round(mm / 1e12, 1))
+    del a, b, x, y
+
+
+def model_numbers(e: Engine) -> dict:
+    """Weight bytes read by one forward (the embedding is gathered, not read whole, unless
+    it is the tied LM head), linear-layer params, and KV bytes per token."""
+    m = e.model
+    layers = sum(p.numel() for p in m.layers.parameters())
+    head = (m.embed_tokens.weight if m.lm_head is None else m.lm_head.weight).numel()
+    elem = next(m.parameters()).element_size()
+    cfg = e.hf_config
+    return dict(weight_bytes=(layers + head) * elem, layer_params=layers,
+                kv_bytes_per_token=2 * m.num_layers * m.num_kv_heads * m.head_dim * elem,
+                heads=cfg.num_attention_heads, head_dim=m.head_dim, layers=m.num_layers)
+
+
+# ---- 6. prefill -----------------------------------------------------------------------------
+def prefill(small: bool) -> None:
+    model = "random:tiny" if small else "random:qwen3-0.6b"
+    n, length, budget = (8, 128, 256) if small else (64, 1024, 8192)
+    e = Engine(model=model, device=DEV, graph_mode="eager", max_num_seqs=256,
+               max_num_batched_tokens=budget, max_model_len=2048)
+    r = random.Random(3)
+    prompts = [[r.randrange(10, e.vocab_size) for _ in range(length)] for _ in range(n)]
+    p = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    e.generate(prompts[:2], p)                                  # warm-up (kernel compiles)
+    e.block_manager.reset_prefix_cache()
+    first = e.telemetry.num_steps
+    sync()
+    t = time.perf_counter()
+    e.generate(prompts, p)
+    sync()
+    dt = time.perf_counter() - t
+    steps = e.telemetry.steps_since(first)
+    full = sorted(s.duration for s in steps if s.num_prefill_tokens == budget)
+    mn = model_numbers(e)
+    # FLOPs: the linear layers (2 per param per token), causal attention (QK and PV: 2 * 2 *
+    # heads * head_dim * L^2 / 2 per layer), the LM head on the one sampled row per prompt.
+    flops = (2 * mn["layer_params"] * n * length
+             + 2 * mn["heads"] * mn["head_dim"] * length ** 2 * mn["layers"] * n)
+    peak = ceiling("bf16_TFLOPs")
+    emit("prefill", model=model, prompts=n, prompt_len=length, step_budget=budget,
+         prompt_tok_s=round(n * length / dt), seconds=round(dt, 3), steps=len(steps),
+         full_step_ms_median=round(full[len(full) // 2] * 1e3, 2) if full else None,
+         tflops=round(flops / dt / 1e12, 1),
+         fraction_of_matmul_peak=round(flops / dt / 1e12 / peak, 3) if peak else None)
+    free_engine(e)
+
+
+# ---- 7. release -----------------------------------------------------------------------------
+def release(small: bool) -> None:
+    import gc
+    model = "random:tiny" if small else "random:qwen3-0.6b"
+    kw = dict(model=model, device=DEV, gpu_memory_utilization=0.9, graph_mode="decode",
+              cudagraph_capture_sizes=[1, 2, 4], max_num_seqs=8, max_model_len=2048)
+    free0 = torch.cuda.mem_get_info()[0] if DEV == "cuda" else None
+    p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    built = []
+    for _ in range(3):
+        e = Engine(**kw)
+        e.generate([[5, 6, 7, 8]] * 3, p)
+        built.append(e.block_manager.num_blocks)
+        e.close()
+        del e
+    gc.collect()
+    gc.disable()                       # an engine dropped without close(): refcounting alone
+    try:
+        e = Engine(**kw)
+        e.generate([[5, 6, 7, 8]] * 3, p)
+        del e
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+        free1 = torch.cuda.mem_get_info()[0] if DEV == "cuda" else None
+    finally:
+        gc.enable()
+    back = None if free0 is None else round((free0 - free1) / 2**30, 2)
+    emit("release", builds=len(built), kv_blocks=built, dropped_engine_gib_still_held=back,
+         ok=len(built) == 3 and (back is None or back < 1.0))
+
+
+# ---- 8. concurrency -------------------------------------------------------------------------
+def closed_loop(e: Engine, prompts: list[list[int]], new: int, c: int) -> dict:
+    """Keep c requests in flight until every prompt has run; TTFT counts from submission."""
+    params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    pending, inflight, rids = list(prompts), set(), set()
+    first = len(e.telemetry.requests)
+    sync()
+    t = time.perf_counter()
+    while pending or inflight:
+        while pending and len(inflight) < c:
+            rid = e.add_request(pending.pop(0), params)
+            inflight.add(rid)
+            rids.add(rid)
+        for ev in e.step():
+            if ev.finished:
+                inflight.discard(ev.request_id)
+    dt = time.perf_counter() - t
+    done = [m for m in list(e.telemetry.requests)[first:] if m.request_id in rids]
+    ttft = sorted(m.ttft for m in done)
+    tpot = sorted(m.tpot for m in done if m.tpot is not None)
+    pct = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))]   # noqa: E731
+    return dict(requests=len(prompts), out_tok_s=round(len(prompts) * new / dt, 1),
+                seconds=round(dt, 2), ttft_p50_ms=round(pct(ttft, 0.5) * 1e3, 1),
+                ttft_p99_ms=round(pct(ttft, 0.99) * 1e3, 1),
+                tpot_p50_ms=round(pct(tpot, 0.5) * 1e3, 2))
+
+
+def concurrency(small: bool) -> None:
+    model = "random:tiny" if small else "random:qwen3-0.6b"
+    n, lo, hi, new = w1_shape(small)
+    e = Engine(model=model, device=DEV, graph_mode="decode", max_num_seqs=256,
+               max_num_batched_tokens=8192, max_model_len=2048)
+    wl = anchor_workload(n, lo, hi, e.vocab_size)
+    e.generate(wl[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    for c in ((1, 4) if small else (1, 16, 64, 256)):
+        e.block_manager.reset_prefix_cache()
+        emit(f"concurrency_{c}", concurrency=c, **closed_loop(e, wl[:min(n, 4 * c)], new, c))
+    free_engine(e)
+
+
+# ---- 9. the published vLLM workload ---------------------------------------------------------
+def vllm_workload(small: bool, max_num_seqs: int, budget: int) -> None:
+    model = "random:tiny" if small else "random:qwen3-0.6b"
+    n, length, new = (16, 32, 8) if small else (500, 512, 128)
+    e = Engine(model=model, device=DEV, graph_mode="decode", max_num_seqs=max_num_seqs,
+               max_num_batched_tokens=budget, max_model_len=2048)
+    r = random.Random(5)
+    prompts = [[r.randrange(10, e.vocab_size) for _ in range(length)] for _ in range(n)]
+    res = run_engine(e, Workload(prompts, [new] * n))
+    emit(f"vllm_{max_num_seqs}_{budget}", model=model, requests=n, prompt_len=length, new=new,
+         max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+         req_s=round(n / res["seconds"], 1),
+         total_tok_s=round(n * (length + new) / res["seconds"]), **res)
     free_engine(e)
 
 
 # ---- 4. peers -------------------------------------------------------------------------------
-def peers(anchor: str, small: bool) -> None:
+def peers(anchor: str, small: bool, anchor_parts: str) -> None:
     n, lo, hi, new = w1_shape(small)
-    env = {**os.environ, "ANCHOR_N": str(n), "ANCHOR_IN_LO": str(lo), "ANCHOR_IN_HI": str(hi),
+    env = {**os.environ, "ANCHOR_PARTS": anchor_parts, "ANCHOR_N": str(n), "ANCHOR_IN_LO": str(lo), "ANCHOR_IN_HI": str(hi),
            "ANCHOR_OUT": str(new), **({"ANCHOR_SMALL": "1"} if small else {})}
     p = subprocess.run([sys.executable, anchor], capture_output=True, text=True, env=env,
                        timeout=1800)
@@ -214,24 +405,36 @@ def peers(anchor: str, small: bool) -> None:
 
 def table() -> None:
     g = lambda part, key: RESULTS.get(part, {}).get(key)   # noqa: E731
-    rows = [("batch-1 TPOT ms, eager", g("b1_eager", "tpot_ms")),
-            ("batch-1 TPOT ms, decode graphs", g("b1_decode", "tpot_ms")),
-            ("  eager / graphs (target >= 3)", g("b1_ratio", "eager_over_decode")),
+    rows = [("copy TB/s, bf16 matmul TFLOP/s (ceilings)",
+             f"{g('ceilings', 'copy_TBps')}, {g('ceilings', 'bf16_TFLOPs')}"),
+            ("prefill prompt tok/s, 8k steps (>= 200k)", g("prefill", "prompt_tok_s")),
+            ("  fraction of matmul peak", g("prefill", "fraction_of_matmul_peak")),
+            ("batch-1 TPOT ms, eager", g("b1_eager", "tpot_ms")),
+            ("batch-1 TPOT ms, decode graphs (<= 1.2)", g("b1_decode", "tpot_ms")),
+            ("  eager / graphs", g("b1_ratio", "eager_over_decode")),
             ("HF generate batch-1 TPOT ms", g("anchor_hf_generate_b1", "tpot_ms")),
-            ("W1 ours, output tok/s", g("w1_ours", "out_tok_s")),
+            ("W1 ours, output tok/s (>= 26k)", g("w1_ours", "out_tok_s")),
+            ("  fraction of the physical bound", g("w1_ours", "fraction_of_bound")),
             ("W1 ours, graph_mode full", g("w1_ours_full", "out_tok_s")),
             ("W1 HF generate, static 64", g("anchor_hf_generate_static", "out_tok_s")),
             ("W1 HF generate_batch", g("anchor_hf_generate_batch", "out_tok_s"))]
     ours, cb = g("w1_ours", "out_tok_s"), g("anchor_hf_generate_batch", "out_tok_s")
     st = g("anchor_hf_generate_static", "out_tok_s")
     if ours and cb:
-        rows.append(("  ours / generate_batch (target >= 10)", round(ours / cb, 2)))
+        rows.append(("  ours / generate_batch (>= 34)", round(ours / cb, 2)))
     if ours and st:
         rows.append(("  ours / static", round(ours / st, 2)))
+    for part, d in RESULTS.items():
+        if part.startswith("vllm_"):
+            rows.append((f"vLLM workload req/s ({part})", d.get("req_s")))
+        if part.startswith("concurrency_"):
+            rows.append((f"concurrency {d['concurrency']}: tok/s, TTFT p99 ms",
+                         f"{d['out_tok_s']}, {d['ttft_p99_ms']}"))
     for part in ("correctness_fp32_eager", "correctness_fp32_decode", "correctness_fp32_full"):
         rows.append((part, g(part, "equal")))
     rows.append(("bf16 logits ok", g("correctness_bf16_logits", "ok")))
-    print("\n" + "\n".join(f"{k:<42} {v}" for k, v in rows))
+    rows.append(("release ok (3 rebuilds at 0.9, drop frees)", g("release", "ok")))
+    print("\n" + "\n".join(f"{k:<46} {v}" for k, v in rows))
 
 
 def main() -> int:
@@ -240,7 +443,12 @@ def main() -> int:
     ap.add_argument("--anchor", default=None, help="gpu_anchor.py, for the HF peers")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--small", action="store_true")
-    ap.add_argument("--parts", default="correctness,b1,w1,peers,w1full")
+    ap.add_argument("--parts", default="ceilings,correctness,prefill,b1,w1,vllm,concurrency,"
+                                       "release,peers,w1full")
+    ap.add_argument("--anchor-parts", default="b1,static,cb",
+                    help="gpu_anchor.py's parts (HF static batching alone takes ~2 minutes)")
+    ap.add_argument("--vllm-configs", default="256:8192,512:16384",
+                    help="max_num_seqs:max_num_batched_tokens pairs for the vLLM workload")
     a = ap.parse_args()
     if a.out:
         OUT = Path(a.out)
@@ -249,16 +457,17 @@ def main() -> int:
     emit("env", device=DEV, name=torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
          torch=torch.__version__, transformers=transformers.__version__, date=time.strftime("%F"))
     parts = a.parts.split(",")
-    if "correctness" in parts:
-        guarded("correctness", correctness, a.small)
-    if "b1" in parts:
-        guarded("b1", batch1, a.small)
-    if "w1" in parts:
-        guarded("w1", w1, a.small, "decode")
-    if "peers" in parts and a.anchor:
-        guarded("peers", peers, a.anchor, a.small)
-    if "w1full" in parts:                   # last: an extra, if the call's time allows
-        guarded("w1full", w1, a.small, "full")
+    steps = [("ceilings", ceilings), ("correctness", correctness), ("prefill", prefill),
+             ("b1", batch1), ("w1", lambda small: w1(small, "decode"))]
+    steps += [("vllm", lambda small, c=c: vllm_workload(small, *map(int, c.split(":"))))
+              for c in a.vllm_configs.split(",")]
+    steps += [("concurrency", concurrency), ("release", release)]
+    if a.anchor:
+        steps.append(("peers", lambda small: peers(a.anchor, small, a.anchor_parts)))
+    steps.append(("w1full", lambda small: w1(small, "full")))   # last: an extra
+    for name, fn in steps:
+        if name in parts:
+            guarded(name, fn, a.small)
     table()
     return 0
 

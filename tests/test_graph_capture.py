@@ -195,3 +195,61 @@ def test_cuda_decode_graphs_match_eager():
     e = Engine(**kw, graph_mode="decode")
     assert [o.token_ids for o in e.generate(prompts, p)] == want
     assert any(s.graph for s in e.telemetry.snapshot()[0])
+
+
+def test_async_scheduling_gives_the_synchronous_tokens(replaying_platform):
+    """Decode steps launched from the previous step's device-side ids, before the host has
+    them: the same greedy tokens and finish reasons as the synchronous engine, with requests
+    ending by length and by stop token mid-pipeline, an abort while a step is in flight, and
+    requests arriving while others decode; then in the background loop with streams."""
+    kw = dict(model="random:tiny", device="cpu", block_size=16, num_kv_blocks=200, max_num_seqs=8,
+              cudagraph_capture_sizes=[1, 2, 4, 8], enable_prefix_caching=True)
+    ahead, sync = Engine(**kw, async_scheduling=True), Engine(**kw, async_scheduling=False)
+    prompts = random_prompts(12, 3, 40, ahead.vocab_size, seed=5)
+    lens = [1, 30, 7, 22, 2, 15, 30, 9, 12, 3, 27, 18]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lens]
+    want = [o.token_ids for o in sync.generate(prompts, params)]
+    assert [o.token_ids for o in ahead.generate(prompts, params)] == want
+    # Stop tokens: the most frequent ids end most requests early, found out a step late.
+    counts = {}
+    for t in (t for w in want for t in w):
+        counts[t] = counts.get(t, 0) + 1
+    stops = sorted(counts, key=counts.get)[-3:]
+    stop_params = SamplingParams(max_tokens=30, temperature=0, stop_token_ids=stops)
+    runs = []
+    for e in (sync, ahead):
+        first = e.telemetry.num_steps
+        rids = [e.add_request(p, stop_params) for p in prompts[:6]]
+        for _ in range(4):
+            e.step()
+        e.abort(rids[1])
+        late = [e.add_request(p, stop_params) for p in prompts[6:]]   # arrive mid-decode
+        while e.has_unfinished_requests():
+            e.step()
+        e._finish_in_flight()
+        recs = {m.request_id: m for m in e.telemetry.requests}
+        runs.append(([recs[r].finish_reason for r in rids + late],
+                     [recs[r].output_tokens for r in rids + late]))
+        assert e.block_manager.num_used_blocks == 0
+        steps = e.telemetry.steps_since(first)
+    assert runs[0] == runs[1] and "stop" in runs[0][0] and runs[0][0][1] == "abort"
+    assert sum(s.scheduled_ahead for s in steps) >= 5
+    assert not any(s.scheduled_ahead for s in sync.telemetry.snapshot()[0])
+    # Background loop, several streams at once.
+    import threading
+    streamed = [None] * 3
+
+    def consume(i):
+        p = SamplingParams(max_tokens=lens[1 + i], temperature=0, ignore_eos=True)
+        streamed[i] = list(ahead.stream(prompts[1 + i], p))
+    ahead.start()
+    try:
+        threads = [threading.Thread(target=consume, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        ahead.shutdown()
+    assert [[ev.token_id for ev in evs] for evs in streamed] == want[1:4]
+    assert ahead._inflight is None and ahead.block_manager.num_used_blocks == 0

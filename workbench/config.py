@@ -47,6 +47,12 @@ class EngineConfig:
     """Decode batch sizes to capture; None: 1, 2, 4, 8, then every 16 up to max_num_seqs."""
 
     # Scheduler
+    async_scheduling: bool | None = None
+    """Overlap the host's work with the device (vLLM's async scheduling): a decode step
+    replayed as a graph is followed by the next one, launched from the sampled ids still
+    on the device, before the host hands out the first one's tokens. Applies to greedy
+    requests without stop strings; a request that ends by EOS costs one dropped row. None:
+    on where the device runs behind the host (CUDA) and decode graphs are captured."""
     max_num_seqs: int = 64
     """Most requests running at once (the batch size)."""
     max_num_batched_tokens: int = 2048
@@ -88,6 +94,8 @@ class EngineConfig:
             bad("graph_mode", f"must be one of {GRAPH_MODES}")
         if self.cudagraph_capture_sizes is not None and isinstance(self.max_num_seqs, int):
             validate_capture_sizes(self.cudagraph_capture_sizes, self.max_num_seqs)
+        if self.async_scheduling not in (None, True, False):
+            bad("async_scheduling", "must be True, False or None")
         if self.attention_backend not in ("auto", "reference"):
             bad("attention_backend", "must be 'auto' or 'reference'")
         bs = self.block_size

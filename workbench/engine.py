@@ -80,6 +80,22 @@ class _Request:
     done: threading.Event = field(default_factory=threading.Event)
 
 
+@dataclass(slots=True)
+class _InFlight:
+    """A launched step whose sampled ids are still on their way to the host."""
+    sched: Any
+    reqs: list[_Request]
+    token_ids: torch.Tensor
+    """[rows] on the device, in the step's sampling order (the next step's input ids)."""
+    host_ids: torch.Tensor
+    """Where they land on the host, once `ready` has passed."""
+    ready: Any
+    graph: tuple[str, int]
+    t0: float
+    ahead: bool
+    """Scheduled before the step before it had handed out its tokens."""
+
+
 @dataclass
 class RequestState:
     """Where one unfinished request stands (see Engine.request_states)."""
@@ -173,6 +189,14 @@ class Engine:
         self._kv_wanted = False
         self._kv_last: KVBlockSnapshot | None = None
         self._closed = False
+        self._async = (config.async_scheduling if config.async_scheduling is not None
+                       else self.platform.runs_async) and self.runner.graphs is not None
+        """Async scheduling (see _step): needs decode graphs (the next step's ids are fed on
+        the device) and pays off where the device runs behind the host."""
+        self._inflight: _InFlight | None = None
+        n = max(config.max_num_seqs, 1)
+        self._host_ids = [self.platform.host_buffer(n, torch.long) for _ in range(2)]
+        self._host_flip = 0
 
     # ---- set-up helpers -------------------------------------------------------------------
     def _kv_budget(self, dtype: torch.dtype) -> float:
@@ -379,16 +403,23 @@ class Engine:
         with self._step_lock:
             return self._step()
 
-    def _step(self) -> list[TokenEvent]:
+    def _step(self, speculate: bool = True) -> list[TokenEvent]:
+        """One step's worth of work; returns the events of the step whose tokens it handled.
+
+        Synchronously: schedule, run, sample, hand out the tokens. With async scheduling
+        (vLLM's name), a decode step that replayed a graph keeps its sampled ids on the
+        device and stays in flight; the next call schedules and launches the step after it
+        from those ids (Scheduler.schedule_next_decode) before waiting for them, so the
+        host's bookkeeping for step N runs while the device computes step N+1."""
         self._drain_inbox()
-        t0 = time.monotonic()
-        sched = self.scheduler.schedule(t0)
-        events: list[TokenEvent] = []
-        finished: list[str] = []
-        graph = None
-        for seq in sched.preempted:
-            self._requests[seq.request_id].metrics.num_preemptions += 1
-        if not sched.is_empty:
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            t0 = time.monotonic()
+            sched = self.scheduler.schedule(t0)
+            for seq in sched.preempted:
+                self._requests[seq.request_id].metrics.num_preemptions += 1
+            if sched.is_empty:
+                return self._record_step(sched, [], [], None, t0)
             for s in sched.scheduled:
                 m = self._requests[s.seq.request_id].metrics
                 if m.first_scheduled_time is None:
@@ -396,14 +427,62 @@ class Engine:
                     m.cached_tokens = s.seq.num_cached_tokens
             logits, sampling, graph = self.runner.execute(sched)
             reqs = [self._requests[s.seq.request_id] for s in sampling]
-            tokens = sample(logits, [r.seq.params for r in reqs], [r.generator for r in reqs])
-            self.scheduler.update_after_step(sched)
-            now = time.monotonic()
-            for r, tok in zip(reqs, tokens):
-                ev = self._append_token(r, tok, now)
-                events.append(ev)
-                if ev.finished:
-                    finished.append(r.seq.request_id)
+            if not (self._async and graph is not None and graph[0] == "full"
+                    and all(self._may_run_ahead(r) for r in reqs)):
+                tokens = sample(logits, [r.seq.params for r in reqs], [r.generator for r in reqs])
+                self.scheduler.update_after_step(sched)
+                return self._record_step(sched, reqs, tokens, graph, t0)
+            inflight = self._in_flight(sched, logits, reqs, graph, t0, ahead=False)
+        # Step N is in flight: advance its sequences, launch N+1 from its device-side ids,
+        # then wait for N's ids and hand them out.
+        self.scheduler.update_after_step(inflight.sched)
+        if speculate and not self._inbox and not self._aborts:
+            nxt = self.scheduler.schedule_next_decode(
+                inflight.sched, lambda seq: self._may_run_ahead(self._requests[seq.request_id]))
+            if nxt is not None:
+                t1 = time.monotonic()
+                rows, nsched = nxt
+                ids = inflight.token_ids
+                if rows != list(range(len(rows))) or len(rows) != ids.shape[0]:
+                    ids = ids.index_select(0, torch.tensor(rows).to(ids.device, non_blocking=True))
+                # No larger than the step before it, so a captured size holds it.
+                logits, sampling, graph = self.runner.execute(nsched, input_ids=ids)
+                self._inflight = self._in_flight(
+                    nsched, logits, [self._requests[s.seq.request_id] for s in sampling],
+                    graph, t1, ahead=True)
+        inflight.ready.synchronize()
+        tokens = inflight.host_ids.tolist()
+        return self._record_step(inflight.sched, inflight.reqs, tokens, inflight.graph,
+                                 inflight.t0, inflight.ahead)
+
+    def _may_run_ahead(self, r: _Request) -> bool:
+        """Whether a request's next step may be launched before its token is known: greedy
+        (the id is picked on the device) and no stop strings (they need the text)."""
+        return r.generator is None and not r.seq.params.stop
+
+    def _in_flight(self, sched, logits, reqs, graph, t0, ahead: bool) -> "_InFlight":
+        """Greedy ids picked on the device and copied to a pinned host buffer without
+        waiting; two buffers alternate, so the one being filled is never the one read."""
+        ids = logits.argmax(dim=-1)
+        self._host_flip ^= 1
+        host = self._host_ids[self._host_flip][:ids.shape[0]]
+        host.copy_(ids, non_blocking=True)
+        return _InFlight(sched, reqs, ids, host, self.platform.record_event(), graph, t0, ahead)
+
+    def _record_step(self, sched, reqs, tokens, graph, t0, ahead: bool = False
+                     ) -> list[TokenEvent]:
+        """Hand out one step's tokens and record the step. A request that ended while its
+        step was in flight (aborted, or finished by the step before) drops its token."""
+        events: list[TokenEvent] = []
+        finished: list[str] = []
+        now = time.monotonic()
+        for r, tok in zip(reqs, tokens):
+            if r.seq.is_finished:
+                continue
+            ev = self._append_token(r, tok, now)
+            events.append(ev)
+            if ev.finished:
+                finished.append(r.seq.request_id)
         bstats = self.block_manager.stats()
         self.telemetry.add_step(StepEvent(
             step=self.telemetry.num_steps, start=t0, duration=time.monotonic() - t0,
@@ -416,11 +495,18 @@ class Engine:
             kv_blocks_used=bstats.used, kv_blocks_free=bstats.free, kv_blocks_cached=bstats.cached,
             num_preempted=len(sched.preempted), preempted=[s.request_id for s in sched.preempted],
             graph=graph is not None, graph_kind=graph and graph[0],
-            graph_size=graph and graph[1], finished=finished))
+            graph_size=graph and graph[1], finished=finished, scheduled_ahead=ahead))
         if self._kv_wanted:
             self._kv_wanted = False
             self._kv_last = self._kv_snapshot()
         return events
+
+    def _finish_in_flight(self) -> None:
+        """Hand out the step still in flight, launching nothing after it."""
+        if self._inflight is not None:
+            with self._step_lock:
+                if self._inflight is not None:
+                    self._step(speculate=False)
 
     def _append_token(self, r: _Request, tok: int, now: float) -> TokenEvent:
         seq, p, m = r.seq, r.seq.params, r.metrics
@@ -532,6 +618,8 @@ class Engine:
             done = 0
             while not all(r.done.is_set() for r in reqs):
                 self.step()
+            if not self.has_unfinished_requests():
+                self._finish_in_flight()        # a run-ahead step of requests that ended
                 if progress is not None:
                     now_done = sum(r.done.is_set() for r in reqs)
                     if now_done != done:
@@ -621,6 +709,7 @@ class Engine:
             self._wake.notify_all()
         thread.join()
         self._thread = None
+        self._finish_in_flight()
         if abort_all:
             for rid in list(self._requests):
                 self.abort(rid)
@@ -630,7 +719,8 @@ class Engine:
     def _loop(self) -> None:
         while not self._stop.is_set():
             with self._lock:
-                idle = not self._inbox and not self._aborts and not self.scheduler.has_unfinished()
+                idle = (not self._inbox and not self._aborts and self._inflight is None
+                        and not self.scheduler.has_unfinished())
                 if idle:
                     self._wake.wait(timeout=0.5)
                     continue
@@ -644,6 +734,7 @@ class Engine:
                         self._wake.wait(timeout=min(wait if wait is not None else 0.01, 0.05))
             except Exception:   # keep serving: fail the requests of the broken step only
                 log.exception("engine step failed; aborting its requests")
+                self._inflight = None
                 for seq in list(self.scheduler.running):
                     r = self._requests.get(seq.request_id)
                     self.scheduler.finish(seq, "error")
@@ -669,6 +760,7 @@ class Engine:
         if self._closed:
             return
         self.shutdown()
+        self._finish_in_flight()
         with self._step_lock:
             for rid in list(self._requests):
                 self.abort(rid)

@@ -88,10 +88,12 @@ class DecodeGraphs:
         return padded_size(batch, self.sizes)
 
     @torch.inference_mode()
-    def run(self, input_ids: list[int], positions: list[int], slots: list[int],
+    def run(self, input_ids: list[int] | torch.Tensor, positions: list[int], slots: list[int],
             tables: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, int]:
-        """Replay for one decode batch; returns its logits [b, vocab] and the size replayed."""
-        b = len(input_ids)
+        """Replay for one decode batch; returns its logits [b, vocab] and the size replayed.
+        input_ids may already be on the device (async scheduling: the previous step's
+        sampled ids), and are then copied there without a round trip through the host."""
+        b = len(positions)
         size = self.size_for(b)
         assert size is not None, "batch larger than every captured size"
         pad = size - b
@@ -101,9 +103,13 @@ class DecodeGraphs:
         width = max(map(len, tables))
         table = block_table_array(tables, width, self.scratch_block, rows=size)
         host = dict(
-            input_ids=torch.tensor(input_ids + [0] * pad, dtype=torch.long),
             positions=torch.tensor(positions + [0] * pad, dtype=torch.long),
             slots=torch.tensor(slots + [self.scratch_block * self.block_size] * pad, dtype=torch.long))
+        if isinstance(input_ids, torch.Tensor):
+            self.input_ids[:b].copy_(input_ids)
+            self.input_ids[b:size].zero_()
+        else:
+            host["input_ids"] = torch.tensor(input_ids + [0] * pad, dtype=torch.long)
         if not self.host_lens:
             host["lens"] = lens
         for name, t in host.items():

@@ -189,28 +189,32 @@ class ModelRunner:
                   to(torch.tensor(logits_rows, dtype=torch.long)))
         return inputs, meta, sampling
 
-    def _replay_decode(self, out: SchedulerOutput):
-        """A pure decode step on a captured graph, or None to run it eager."""
+    def _replay_decode(self, out: SchedulerOutput, input_ids: torch.Tensor | None = None):
+        """A pure decode step on a captured graph, or None to run it eager. input_ids: the
+        step's ids already on the device (async scheduling), else read from the sequences."""
         g = self.graphs
         if g is None or not out.scheduled or not all(s.is_decode for s in out.scheduled) \
                 or g.size_for(len(out.scheduled)) is None:
             return None
         bs = self.block_size
         seqs = [(s.seq, s.start) for s in out.scheduled]
-        logits, size = g.run([q.token_ids[p] for q, p in seqs], [p for _, p in seqs],
+        ids = [q.token_ids[p] for q, p in seqs] if input_ids is None else input_ids
+        logits, size = g.run(ids, [p for _, p in seqs],
                              [q.block_table[p // bs] * bs + p % bs for q, p in seqs],
                              [q.block_table for q, _ in seqs], [p + 1 for _, p in seqs])
         return logits, list(out.scheduled), ("full", size)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq],
-                                                     tuple[str, int] | None]:
+    def execute(self, out: SchedulerOutput, input_ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, list[ScheduledSeq], tuple[str, int] | None]:
         """Run one step; returns fp32 logits [len(sampling), vocab], the sampling rows, and
         how graphs ran it: ('full', batch size) for a replayed decode graph, ('piecewise',
-        token bucket), or None when the step ran eager."""
-        replayed = self._replay_decode(out)
+        token bucket), or None when the step ran eager. input_ids: a decode step's ids on
+        the device, for a step scheduled before its tokens reached the host."""
+        replayed = self._replay_decode(out, input_ids)
         if replayed is not None:
             return replayed
+        assert input_ids is None, "device-side ids need a decode graph (async scheduling)"
         (input_ids, positions, logits_indices), meta, sampling = self.prepare(out)
         pw = self.piecewise
         if pw is not None and pw.size_for(input_ids.shape[0]) is not None:

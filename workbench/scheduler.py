@@ -37,6 +37,13 @@ class ScheduledSeq:
         self.samples = self.start + self.num_new_tokens == self.seq.num_tokens
         self.is_decode = self.num_new_tokens == 1 and self.samples and self.seq.num_output_tokens > 0
 
+    @classmethod
+    def ahead(cls, seq: Sequence, start: int) -> "ScheduledSeq":
+        """A decode scheduled before the token it feeds is known (async scheduling)."""
+        s = cls(seq, 1, start)
+        s.samples = s.is_decode = True
+        return s
+
 
 @dataclass(slots=True)
 class SchedulerOutput:
@@ -194,9 +201,43 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
+    def schedule_next_decode(self, prev: SchedulerOutput, may_run_ahead
+                             ) -> tuple[list[int], SchedulerOutput] | None:
+        """Async scheduling: the decode step after `prev` (a pure decode step whose sampled
+        tokens are not known yet, but whose computed-token counts are already advanced),
+        assuming each of its requests gets one more token. Returns the rows of `prev` that
+        continue (their sampled ids are this step's input ids) and the step, or None when it
+        must wait for prev's tokens: requests are waiting to be admitted, one may not run
+        ahead (may_run_ahead(seq) is False), or the pool is full. A request whose token from
+        `prev` is its last by length is left out; one that ends by EOS is only found out
+        afterwards, and its row in this step is computed and dropped."""
+        if self.waiting:
+            return None
+        rows, out = [], SchedulerOutput()
+        for i, s in enumerate(prev.scheduled):
+            seq = s.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            if not s.is_decode or not may_run_ahead(seq):
+                return None
+            length = seq.num_tokens + 1              # with the token prev is sampling
+            if (length - seq.num_prompt_tokens >= seq.params.max_tokens
+                    or length >= self.max_model_len):
+                continue
+            if not self.block_manager.allocate_slots(seq, 1):
+                return None                          # a preemption is the sync path's job
+            out.scheduled.append(ScheduledSeq.ahead(seq, seq.num_computed_tokens))
+            rows.append(i)
+        if not rows:
+            return None
+        self._steps_since_prefill += 1
+        return rows, out
+
     # ---- after the model ran --------------------------------------------------------------
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance computed-token counts and register newly full blocks for prefix caching."""
         for s in out.scheduled:
+            if s.seq.status is SequenceStatus.FINISHED:
+                continue                    # ended while its step was in flight: blocks freed
             s.seq.num_computed_tokens = s.start + s.num_new_tokens
             self.block_manager.cache_full_blocks(s.seq)

@@ -45,6 +45,9 @@ class StepEvent:
     """'full': the whole step was one graph (decode steps); 'piecewise': graphs between
     eagerly run attention (graph_mode 'full', prefill and mixed steps); None: eager."""
     finished: list[str] = field(default_factory=list)
+    scheduled_ahead: bool = False
+    """Launched before the previous step's tokens reached the host (async scheduling): its
+    input ids came from that step's sampled ids on the device."""
 
     @property
     def num_tokens(self) -> int:

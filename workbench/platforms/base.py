@@ -10,6 +10,9 @@ class Platform:
     default_block_size = 16
     supports_graphs = False
     """Whether this platform can capture and replay step graphs (graph_mode 'decode'/'full')."""
+    runs_async = False
+    """Whether device work runs behind the host (queued launches), so that async
+    scheduling can overlap the two; the CPU computes each op as it is called."""
 
     @classmethod
     def is_available(cls) -> bool:
@@ -31,6 +34,14 @@ class Platform:
     def empty_cache(self) -> None:
         """Hand memory that freed tensors left in the allocator's cache back to the device
         (so memory_info counts it as free)."""
+
+    def host_buffer(self, n: int, dtype) -> torch.Tensor:
+        """A host tensor that device-to-host copies can fill without blocking the host."""
+        return torch.empty(n, dtype=dtype)
+
+    def record_event(self):
+        """A marker after the work queued so far; `.synchronize()` waits for it."""
+        return _Done()
 
     def memory_info(self) -> tuple[int, int] | None:
         """(free, total) device memory in bytes, or None where the device does not say (the
@@ -90,6 +101,13 @@ class Platform:
         return None
 
 
+class _Done:
+    """The event of a platform whose ops finish before they return."""
+
+    def synchronize(self) -> None:
+        pass
+
+
 class AcceleratorPlatform(Platform):
     """What CUDA GPUs and Ascend NPUs share: torch.cuda and torch.npu (torch_npu) mirror each
     other, so memory queries, synchronisation and graph capture are written once against
@@ -106,6 +124,14 @@ class AcceleratorPlatform(Platform):
 
     def synchronize(self) -> None:
         self.api.synchronize()
+
+    def host_buffer(self, n: int, dtype) -> torch.Tensor:
+        return torch.empty(n, dtype=dtype, pin_memory=True)
+
+    def record_event(self):
+        event = self.api.Event()
+        event.record()
+        return event
 
     def peak_memory_bytes(self) -> int:
         return self.api.max_memory_allocated()

@@ -12,6 +12,7 @@ from .base import AcceleratorPlatform
 class CudaPlatform(AcceleratorPlatform):
     name = "cuda"
     graph_class = "CUDAGraph"
+    runs_async = True
 
     @classmethod
     def is_available(cls) -> bool:
