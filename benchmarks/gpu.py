@@ -80,10 +80,7 @@ def sync() -> None:
 
 
 def free_engine(e: Engine) -> None:
-    e.shutdown()
-    del e
-    if DEV == "cuda":
-        torch.cuda.empty_cache()
+    e.close()                       # frees the KV pool, graphs and weights now
 
 
 # ---- 1. correctness -------------------------------------------------------------------------
@@ -307,6 +304,8 @@ def release(small: bool) -> None:
     model = "random:tiny" if small else "random:qwen3-0.6b"
     kw = dict(model=model, device=DEV, gpu_memory_utilization=0.9, graph_mode="decode",
               cudagraph_capture_sizes=[1, 2, 4], max_num_seqs=8, max_model_len=2048)
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
     free0 = torch.cuda.mem_get_info()[0] if DEV == "cuda" else None
     p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     built = []

@@ -38,7 +38,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# A table's row stride is the step's widest table, which changes every step: not a value to
+# compile a kernel variant for (Triton specialises ints divisible by 16 by default).
+@triton.jit(do_not_specialize=["stride_tb"])
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, scale,
                          stride_qb, stride_qh, stride_kv_head, stride_tb, stride_ob, stride_oh,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
@@ -133,7 +135,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb"])
 def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, ctx_lens_ptr, q_starts_ptr,
                           tile_seq_ptr, tile_q_ptr, scale, stride_qt, stride_qh, stride_kv_head,
                           stride_tb, stride_ot, stride_oh, G: tl.constexpr, G_PAD: tl.constexpr,
@@ -224,21 +226,22 @@ def plan_prefill(q_lens: list[int], ctx_lens: list[int], tables: list[list[int]]
     first = np.cumsum(tiles) - tiles                  # each chunk's first tile
     tile_q = (np.arange(int(tiles.sum())) - np.repeat(first, tiles)) * block_q
     width = max(map(len, tables))
-    flat = np.zeros(n * width + 2 * n + 1 + 2 * len(tile_seq), dtype=np.int32)
+    # One int32 buffer, one copy to the device. Each part starts on a 16-byte boundary:
+    # Triton compiles a kernel variant per pointer alignment, and unaligned parts would
+    # make the first steps of a run compile several.
+    sizes = [n * width, n, n + 1, len(tile_seq), len(tile_seq)]
+    starts = np.cumsum([0] + [-(-k // 4) * 4 for k in sizes])
+    flat = np.zeros(int(starts[-1]), dtype=np.int32)
     tab = flat[:n * width].reshape(n, width)
     for i, t in enumerate(tables):
         tab[i, :len(t)] = t
-    o = n * width
-    flat[o:o + n] = ctx_lens
-    flat[o + n + 1:o + 2 * n + 1] = np.cumsum(qn)
-    o += 2 * n + 1
-    flat[o:o + len(tile_seq)] = tile_seq
-    flat[o + len(tile_seq):] = tile_q
+    flat[starts[1]:starts[1] + n] = ctx_lens
+    flat[starts[2] + 1:starts[2] + n + 1] = np.cumsum(qn)
+    flat[starts[3]:starts[3] + len(tile_seq)] = tile_seq
+    flat[starts[4]:starts[4] + len(tile_seq)] = tile_q
     dev = torch.from_numpy(flat).to(device, non_blocking=True)
-    o = n * width
-    t = len(tile_seq)
-    return PrefillPlan(dev[:o].view(n, width), dev[o:o + n], dev[o + n:o + 2 * n + 1],
-                       dev[o + 2 * n + 1:o + 2 * n + 1 + t], dev[o + 2 * n + 1 + t:], block_q)
+    parts = [dev[a:a + k] for a, k in zip(starts[:-1].tolist(), sizes)]
+    return PrefillPlan(parts[0].view(n, width), *parts[1:], block_q)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
