@@ -394,3 +394,12 @@ def test_close_and_drop_free_the_engine_without_the_garbage_collector(tiny_check
             assert engine() is None and pool() is None, background
     finally:
         gc.enable()
+
+
+def test_default_graph_mode_is_the_devices_choice_and_says_nothing():
+    """No graph capture on the CPU: the default runs eager without a notice; asking for
+    'decode' by name still says that it runs eager."""
+    e = Engine(model="random:tiny", device="cpu", num_kv_blocks=16)
+    assert e.config.graph_mode == "eager" == e.graph_mode and e.notices == []
+    asked = Engine(model="random:tiny", device="cpu", num_kv_blocks=16, graph_mode="decode")
+    assert asked.graph_mode == "eager" and "graph_mode='decode' asked for" in asked.notices[0]

@@ -72,7 +72,7 @@ class KnobPanel(w.VBox):
                                                 **_label("max_num_batched_tokens",
                                                          "token budget of one step (prompts "
                                                          "are chunked to fit)"))
-        self.graph_mode = w.ToggleButtons(options=["eager", "decode", "full"], value=c.graph_mode,
+        self.graph_mode = w.ToggleButtons(options=["eager", "decode", "full"], value=c.graph_mode or "decode",
                                           **_label("graph_mode", "capture decode steps (decode), "
                                                    "and prefill steps piecewise around "
                                                    "attention (full), where the device "

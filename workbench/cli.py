@@ -36,7 +36,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="share of the device's memory the engine may take (KV pool sizing)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--graph-mode", default=d["graph_mode"].default,
-                   help="eager, decode (capture decode steps) or full (prefill too, piecewise)")
+                   help="eager, decode (capture decode steps) or full (prefill too, piecewise); "
+                        "default: decode where the device captures graphs, else eager")
     p.add_argument("--cudagraph-capture-sizes", type=_int_list, default=None,
                    help="decode batch sizes to capture, e.g. 1,2,4,8,16")
     p.add_argument("--attention-backend", default=d["attention_backend"].default,

@@ -39,10 +39,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
 
     # Graph capture
-    graph_mode: str = "decode"
+    graph_mode: str | None = None
     """'eager', 'decode' (capture decode steps; vLLM-Ascend's FULL_DECODE_ONLY) or 'full'
-    (also prefill and mixed steps, piecewise around attention; see graphs.py). Platforms
-    without graph capture (the CPU) run eager and report it in Engine.notices."""
+    (also prefill and mixed steps, piecewise around attention; see graphs.py). None: the
+    device's choice, 'decode' where it can capture graphs and 'eager' where it cannot (the
+    CPU). A mode asked for by name on a device without capture runs eager and says so in
+    Engine.notices."""
     cudagraph_capture_sizes: list[int] | None = None
     """Decode batch sizes to capture; None: 1, 2, 4, 8, then every 16 up to max_num_seqs."""
 
@@ -90,7 +92,7 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             bad("dtype", "must be 'auto', 'float32', 'bfloat16' or 'float16'")
         from .graphs import GRAPH_MODES, validate_capture_sizes
-        if self.graph_mode not in GRAPH_MODES:
+        if self.graph_mode is not None and self.graph_mode not in GRAPH_MODES:
             bad("graph_mode", f"must be one of {GRAPH_MODES}")
         if self.cudagraph_capture_sizes is not None and isinstance(self.max_num_seqs, int):
             validate_capture_sizes(self.cudagraph_capture_sizes, self.max_num_seqs)

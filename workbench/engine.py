@@ -122,6 +122,9 @@ class Engine:
         self.platform = get_platform(config.device)
         if config.block_size is None:
             config = replace(config, block_size=self.platform.default_block_size)
+        if config.graph_mode is None:
+            config = replace(config, graph_mode="decode" if self.platform.supports_graphs
+                             else "eager")
         self.config = config
         """The knobs as run (block_size resolved for the device)."""
         self.platform.check_config(config)

@@ -210,8 +210,9 @@ class Scheduler:
         must wait for prev's tokens: requests are waiting to be admitted, one may not run
         ahead (may_run_ahead(seq) is False), or the pool is full. A request whose token from
         `prev` is its last by length is left out; one that ends by EOS is only found out
-        afterwards, and its row in this step is computed and dropped."""
-        if self.waiting:
+        afterwards, and its row in this step is computed and dropped. Waiting requests are
+        admitted one step late when a request ends (the running batch was full before)."""
+        if self.waiting and len(self.running) < self.config.max_num_seqs:
             return None
         rows, out = [], SchedulerOutput()
         for i, s in enumerate(prev.scheduled):
