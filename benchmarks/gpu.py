@@ -142,8 +142,9 @@ def correctness(small: bool) -> None:
 
 
 # ---- 2. batch-1 decode ----------------------------------------------------------------------
-def device_kernels_per_decode_step(e: Engine, prompt: list[int]) -> int | None:
-    """Kernels one batch-1 decode step launches (from the profiler), or None off CUDA."""
+def device_kernels_per_decode_step(e: Engine, prompt: list[int]) -> dict | None:
+    """Kernels one eager batch-1 decode step launches (from the profiler), the device time
+    they take, and the kernels that take most of it; None off CUDA."""
     if DEV != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -152,7 +153,21 @@ def device_kernels_per_decode_step(e: Engine, prompt: list[int]) -> int | None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         e.step()
     e.generate([[1, 2]], SamplingParams(max_tokens=1))          # drains the rest
-    return sum(1 for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA)
+    kernels = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, list[float]] = {}
+    for ev in kernels:
+        by_name.setdefault(ev.name[:70], []).append(ev.device_time)
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:8]
+    return dict(kernels=len(kernels), device_ms=round(sum(ev.device_time for ev in kernels) / 1e3, 3),
+                top=[[name, len(t), round(sum(t), 1)] for name, t in top])
+
+
+def graph_replay_ms(e: Engine, size: int) -> float | None:
+    """Device time of one replay of the decode graph for `size` requests (no host work)."""
+    graphs = e.runner.graphs
+    if DEV != "cuda" or graphs is None or size not in graphs.graphs:
+        return None
+    return round(timed(graphs.graphs[size].replay, 50) * 1e3, 3)
 
 
 def batch1(small: bool) -> None:
@@ -172,7 +187,7 @@ def batch1(small: bool) -> None:
             except Exception as ex:                           # a diagnostic, never fatal
                 kernels = f"{type(ex).__name__}: {ex}"[:200]
         emit(f"b1_{mode}", model=model, graph_mode_run=e.graph_mode, ops=e.model.ops.name,
-             kernels_per_decode_step=kernels, **r)
+             eager_decode_step=kernels, graph_replay_ms=graph_replay_ms(e, 1), **r)
         free_engine(e)
     emit("b1_ratio", eager_over_decode=round(rows["eager"]["tpot_ms"] / rows["decode"]["tpot_ms"], 2))
 
