@@ -104,6 +104,7 @@ def correctness(small: bool) -> None:
     hf = Qwen3ForCausalLM.from_pretrained(tmp, dtype=torch.float32).to(DEV).eval()
     r = random.Random(1)
     prompts = [[r.randrange(10, 4096) for _ in range(r.randint(20, 200))] for _ in range(6)]
+    prompts.append(prompts[5][:70] + [11, 12, 13])          # a prefix-cache hit, mid-block
     new = 24
     want = []
     with torch.inference_mode():
@@ -114,14 +115,19 @@ def correctness(small: bool) -> None:
             want.append(out[0, len(p):].tolist())
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
     for mode in ("eager", "decode", "full"):
+        # A 256-token step budget: prompts are chunked, and 'full' replays its steps
+        # piecewise (buckets up to 512 tokens).
         e = Engine(model=str(tmp), device=DEV, dtype="float32", graph_mode=mode, max_num_seqs=8,
-                   num_kv_blocks=256)
-        got = [o.token_ids for o in e.generate(prompts, params)]
+                   num_kv_blocks=256, max_num_batched_tokens=256)
+        got = [o.token_ids for o in e.generate(prompts[:6], params)]
+        got += [o.token_ids for o in e.generate(prompts[6:], params)]   # hits prompt 5's cache
         steps = e.telemetry.snapshot()[0]
         emit(f"correctness_fp32_{mode}", equal=got == want,
              prompts_equal=sum(g == w for g, w in zip(got, want)), of=len(prompts),
              graph_mode_run=e.graph_mode, graph_steps=sum(s.graph for s in steps),
-             piecewise_steps=sum(s.graph_kind == "piecewise" for s in steps), notices=e.notices)
+             piecewise_steps=sum(s.graph_kind == "piecewise" for s in steps),
+             ahead_steps=sum(s.scheduled_ahead for s in steps),
+             cached_tokens=sum(s.num_cached_tokens for s in steps), notices=e.notices)
         free_engine(e)
     # bf16: first-step logits of a prompt, against HF fp32, beside HF bf16's own error.
     p = prompts[0]
