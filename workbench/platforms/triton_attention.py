@@ -38,6 +38,36 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _attend_kv_tile(q, m, denom, acc, k_ptr, v_ptr, table, kv_head, start, end, pos, d, d_ok,
+                    scale, CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """One BLOCK_N-token tile of context [start, end) for a [rows, D] query tile: find each
+    token's slot through the block table, load K and V from the pool, and fold the tile
+    into the online softmax (running max m, sum denom, output acc). CAUSAL masks tokens past
+    each row's own position (pos)."""
+    n = start + tl.arange(0, BLOCK_N)
+    n_ok = n < end
+    block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0)
+    slot = block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
+    offs = kv_head + slot[:, None] * D + d[None, :]
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+    ok = n_ok[None, :]
+    if CAUSAL:
+        ok = ok & (n[None, :] <= pos[:, None])
+    s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_new = tl.where(m_new == float("-inf"), 0.0, m_new)     # a row that sees nothing yet
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    denom = denom * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+    return m_new, denom, acc
+
+
 # A table's row stride is the step's widest table, which changes every step: not a value to
 # compile a kernel variant for (Triton specialises ints divisible by 16 by default).
 @triton.jit(do_not_specialize=["stride_tb"])
@@ -60,23 +90,9 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, sca
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     head = kvh.to(tl.int64) * stride_kv_head
     for start in range(0, length, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < length
-        block = tl.load(tables_ptr + b * stride_tb + n // BLOCK_SIZE, mask=n_ok, other=0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
-        offs = head + slot[:, None] * D + d[None, :]
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        denom = denom * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
-                                            input_precision=PRECISION).to(tl.float32)
-        m = m_new
+        m, denom, acc = _attend_kv_tile(q, m, denom, acc, k_ptr, v_ptr, tables_ptr + b * stride_tb,
+                                        head, start, length, m, d, d_ok, scale, False, D,
+                                        BLOCK_SIZE, BLOCK_N, PRECISION)
     out = acc / denom[:, None]
     tl.store(out_ptr + b * stride_ob + (kvh * G + g)[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
@@ -169,24 +185,9 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, ctx_lens_ptr
     # Keys up to the tile's last query position; the causal mask does the rest.
     end = tl.minimum(ctx_len, first_pos + q0 + BLOCK_Q)
     for start in range(0, end, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < end
-        block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
-        offs = kv_head + slot[:, None] * D + d[None, :]
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)
-        sc = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
-        sc = tl.where((n[None, :] <= pos[:, None]) & n_ok[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, 1))
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)     # padding rows see nothing
-        p = tl.exp(sc - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        denom = denom * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
-                                            input_precision=PRECISION).to(tl.float32)
-        m = m_new
+        m, denom, acc = _attend_kv_tile(q, m, denom, acc, k_ptr, v_ptr, table, kv_head, start,
+                                        end, pos, d, d_ok, scale, True, D, BLOCK_SIZE, BLOCK_N,
+                                        PRECISION)
     out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
