@@ -7,6 +7,10 @@ Two ways to drive it:
   callers (widgets, server handlers, asyncio tasks) add requests and stream at once.
 Requests enter through an inbox under a short lock, so adding or aborting never waits for a
 forward pass; the step loop picks them up at the start of the next step.
+
+With async scheduling (on by default on CUDA), a `step()` may launch the next decode step
+before handing out the tokens of the one it finishes: its events are that earlier step's,
+and the step still in flight is handed out by the next call (or by `shutdown`/`close`).
 """
 from __future__ import annotations
 
