@@ -201,8 +201,8 @@ class Engine:
         """Async scheduling (see _step): needs decode graphs (the next step's ids are fed on
         the device) and pays off where the device runs behind the host."""
         self._inflight: _InFlight | None = None
-        n = max(config.max_num_seqs, 1)
-        self._host_ids = [self.platform.host_buffer(n, torch.long) for _ in range(2)]
+        self._host_ids = ([self.platform.host_buffer(config.max_num_seqs, torch.long)
+                           for _ in range(2)] if self._async else [])
         self._host_flip = 0
 
     # ---- set-up helpers -------------------------------------------------------------------
