@@ -1,0 +1,144 @@
+"""Operations: what the workbench leaves behind when it is stopped, killed or left running.
+Every test here starts real processes (Voila, JupyterLab, kernels, the server) and checks that
+nothing of them survives."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+psutil = pytest.importorskip("psutil")
+httpx = pytest.importorskip("httpx")
+
+from test_server import free_port  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def kernels_below(pid: int) -> list:
+    """The Jupyter kernels started under process `pid`."""
+    try:
+        procs = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for p in procs:
+        try:
+            if "ipykernel_launcher" in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+def kill_all(procs: list) -> None:
+    """The test's own clean-up, whatever the code under test did."""
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+def wait_until(predicate, timeout: float, what: str, log: Path | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.25)
+    tail = log.read_text(errors="replace")[-3000:] if log is not None else ""
+    pytest.fail(f"timed out after {timeout} s waiting for {what}\n{tail}")
+
+
+def start_jupyter(command: str, tmp_path: Path, *extra: str):
+    """`workbench dashboard|lab` on a free port, with a kernel running under it."""
+    port = free_port()
+    log = tmp_path / f"{command}.log"
+    env = {**os.environ, "JUPYTER_TOKEN": "t0k3n"}
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", command, "--port",
+                                 str(port), *extra], stdout=f, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+
+    def up():
+        if proc.poll() is not None:
+            pytest.fail(f"{command} exited:\n{log.read_text(errors='replace')[-3000:]}")
+        try:
+            return httpx.get(f"{base}/api/status?token=t0k3n", timeout=3).status_code < 500
+        except httpx.HTTPError:
+            return False
+
+    wait_until(up, 90, f"{command} to answer", log)
+    return proc, base, log
+
+
+@pytest.mark.parametrize("command,sig", [("dashboard", signal.SIGTERM), ("lab", signal.SIGHUP),
+                                         ("lab", signal.SIGINT)])
+def test_a_stop_signal_stops_jupyter_and_its_kernels(command, sig, tmp_path):
+    """A plain `kill` (what a service manager or a container stop sends), a hang-up or a
+    Ctrl-C stops the server and every kernel it started: nothing is orphaned."""
+    pytest.importorskip("voila" if command == "dashboard" else "jupyterlab")
+    extra = ("--model", "random:tiny", "--device", "cpu") if command == "dashboard" else ()
+    proc, base, log = start_jupyter(command, tmp_path, *extra)
+    try:
+        if command == "dashboard":     # rendering the page runs the notebook in a kernel
+            assert httpx.get(base + "/", timeout=120).status_code == 200
+        else:
+            r = httpx.post(f"{base}/api/kernels?token=t0k3n", json={"name": "python3"}, timeout=60)
+            assert r.status_code == 201, r.text
+        wait_until(lambda: kernels_below(proc.pid), 60, "a kernel", log)
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        assert len(tree) >= 3                      # us, the Jupyter server, a kernel
+        proc.send_signal(sig)
+        proc.wait(60)
+        _, alive = psutil.wait_procs(tree, timeout=10)
+        assert not alive, f"left running after {sig.name}: {[p.pid for p in alive]}"
+    finally:
+        kill_all(locals().get("tree") or [psutil.Process(proc.pid)])
+
+
+def test_a_closed_dashboard_page_loses_its_kernel(tmp_path):
+    """Each page view runs the dashboard in a kernel of its own. Open four pages in Chromium
+    and close three: their kernels are shut down once idle for --kernel-idle-timeout, the open
+    page keeps its kernel."""
+    pytest.importorskip("voila")
+    playwright_api = pytest.importorskip("playwright.sync_api")
+    from test_browser import CHROMIUM, FLAGS
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Debian's chromium is not installed (apt-get install -y chromium)")
+    proc, base, log = start_jupyter("dashboard", tmp_path, "--model", "random:tiny", "--device",
+                                    "cpu", "--kernel-idle-timeout", "4")
+    try:
+        with playwright_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
+            try:
+                pages = []
+                for _ in range(4):
+                    page = browser.new_page()
+                    page.goto(base + "/", timeout=180_000)
+                    page.get_by_role("button", name="Send").wait_for(timeout=180_000)
+                    pages.append(page)
+                assert len(kernels_below(proc.pid)) == 4
+                for page in pages[:3]:
+                    page.close()
+                wait_until(lambda: len(kernels_below(proc.pid)) == 1, 60,
+                           "the closed pages' kernels to be culled", log)
+                time.sleep(6)                      # the open page's kernel stays
+                assert len(kernels_below(proc.pid)) == 1
+                pages[3].get_by_role("button", name="Send").click()   # and still serves
+            finally:
+                browser.close()
+    finally:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        _, alive = psutil.wait_procs(tree, timeout=10)
+        kill_all(alive)
+        assert not alive
