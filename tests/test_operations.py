@@ -142,3 +142,97 @@ def test_a_closed_dashboard_page_loses_its_kernel(tmp_path):
         _, alive = psutil.wait_procs(tree, timeout=10)
         kill_all(alive)
         assert not alive
+
+
+# ---- the server under abuse -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def abused_server(smollm2_dir, tmp_path_factory):
+    from test_server import start_server, stop_process
+    log = tmp_path_factory.mktemp("abuse") / "server.log"
+    proc, url = start_server(["--model", "smollm2", "--max-model-len", "1024",
+                              "--header-timeout", "2"], log)
+    yield url, proc
+    stop_process(proc)
+
+
+def assert_openai_error(r, status: int, param: str | None = None) -> str:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert err["param"] == param, err
+    # No Python exception's text reaches a client.
+    assert not any(w in err["message"] for w in ("Error:", "Traceback", "Exception", "Union[")), err
+    return err["message"]
+
+
+def test_a_huge_prompt_is_refused_by_size_and_does_not_stall_others(abused_server):
+    """A 15 MB prompt is refused from its size before tokenizing; prompts that must be
+    tokenized are tokenized off the event loop, so /health keeps answering meanwhile."""
+    import concurrent.futures
+    url, _ = abused_server
+    t = time.perf_counter()
+    r = httpx.post(url + "/v1/completions", json={"prompt": "hello " * 2_500_000}, timeout=60)
+    assert time.perf_counter() - t < 5
+    assert "cannot fit in max_model_len" in assert_openai_error(r, 400, "prompt")
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+    big = "tokens of text " * 20_000      # 300 kB: under the size bound, too long once tokenized
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(httpx.post, url + "/v1/completions", json={"prompt": big},
+                               timeout=120) for _ in range(8)]
+        worst = 0.0
+        while not all(f.done() for f in futures):
+            t = time.perf_counter()
+            assert httpx.get(url + "/health", timeout=30).status_code == 200
+            worst = max(worst, time.perf_counter() - t)
+            time.sleep(0.05)
+        for f in futures:
+            assert_openai_error(f.result(), 400, "prompt")
+    assert worst < 0.5, f"/health took {worst:.2f} s while prompts were tokenized"
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", '{"prompt": "\\udfff"}', "prompt"),
+    ("/v1/completions", '{"prompt": "hi", "model": "\\udfff"}', "model"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\udfffb"}]}',
+     "messages"),
+    ("/v1/completions", '{"prompt": "hi", "stop": ["\\ud800"]}', "stop"),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": ', None),
+])
+def test_bad_text_is_a_400_in_openai_shape(abused_server, path, body, param):
+    url, _ = abused_server
+    r = httpx.post(url + path, content=body.encode(),
+                   headers={"Content-Type": "application/json"}, timeout=30)
+    assert_openai_error(r, 400, param)
+
+
+def test_half_sent_headers_do_not_hold_connections(abused_server):
+    """100 connections that never finish their request head are closed after the header
+    timeout (2 s here), and the server still answers."""
+    import socket
+    url, _ = abused_server
+    host, port = url.removeprefix("http://").split(":")
+    socks = []
+    try:
+        for _ in range(100):
+            s = socket.create_connection((host, int(port)), timeout=10)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: appl")
+            socks.append(s)
+        t = time.perf_counter()
+        for s in socks:
+            s.settimeout(max(0.1, 10 - (time.perf_counter() - t)))
+            try:
+                assert s.recv(1024) == b""          # closed by the server
+            except socket.timeout:
+                pytest.fail("a connection with half-sent headers was still open after 10 s")
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_head_health_is_200(abused_server):
+    url, _ = abused_server
+    r = httpx.head(url + "/health", timeout=10)
+    assert r.status_code == 200

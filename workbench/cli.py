@@ -146,8 +146,10 @@ def cmd_serve(a) -> int:
     if api_key is None and a.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: serving on {a.host} without --api-key: anyone who can reach it can "
               "use it", file=sys.stderr)
+    limits = {k: v for k, v in (("header_timeout", a.header_timeout),
+                                ("limit_concurrency", a.limit_concurrency)) if v is not None}
     serve(engine, host=a.host, port=a.port, api_key=api_key, model_name=a.served_model_name,
-          log_level=a.log_level)
+          log_level=a.log_level, **limits)
     return 0
 
 
@@ -317,6 +319,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $WORKBENCH_API_KEY)")
     s.add_argument("--served-model-name", default=None,
                    help="model id clients send and /v1/models lists (default: --model)")
+    s.add_argument("--header-timeout", type=float, default=None, metavar="S",
+                   help="close a connection that has not sent a whole request head in S "
+                        "seconds (default 10)")
+    s.add_argument("--limit-concurrency", type=_positive_int, default=None, metavar="N",
+                   help="answer 503 past N open connections or requests in flight (default 512)")
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=cmd_serve)
