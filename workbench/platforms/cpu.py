@@ -4,6 +4,7 @@ import hashlib
 import logging
 import platform
 import resource
+import threading
 from pathlib import Path
 
 from .base import Platform
@@ -92,6 +93,47 @@ def load_cpu_kernels():
     return _kernels or None
 
 
+def kernel_is_built() -> bool:
+    from ..models.loader import cache_root
+    return (cache_root() / "kernels" / kernel_key() / "built").is_file()
+
+
+_build_lock = threading.Lock()
+_build_thread: threading.Thread | None = None
+
+
+def build_in_background() -> threading.Thread:
+    """Start building the kernel in a daemon thread (once); engines made meanwhile decode with
+    `decode_when_built`."""
+    global _build_thread
+    with _build_lock:
+        if _build_thread is None:
+            _build_thread = threading.Thread(target=load_cpu_kernels, daemon=True,
+                                             name="workbench-kernel-build")
+            _build_thread.start()
+        return _build_thread
+
+
+def decode_when_built(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """The kernel's signature, for an engine built while the kernel was still compiling: plain
+    torch (one request at a time) until the build is done, the C++ kernel from then on. This
+    is what lets the first start on a machine serve at once instead of after 25-40 s."""
+    if _kernels:
+        return _kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
+                                               scale)
+    import torch
+    import torch.nn.functional as F
+    kv_heads, _, bs, d = k_cache.shape
+    out = torch.empty_like(q)
+    for i, n in enumerate(context_lens.tolist()):
+        blocks = block_tables[i, :(n + bs - 1) // bs].long()
+        k = k_cache[:, blocks].reshape(kv_heads, -1, d)[:, :n]          # [kvH, n, D]
+        v = v_cache[:, blocks].reshape(kv_heads, -1, d)[:, :n]
+        qi = q[i].view(kv_heads, -1, d)                                 # [kvH, G, D]
+        out[i] = F.scaled_dot_product_attention(qi, k, v, scale=scale).reshape(q.shape[1:])
+    return out
+
+
 class CpuPlatform(Platform):
     name = "cpu"
 
@@ -107,5 +149,8 @@ class CpuPlatform(Platform):
         import torch
         if dtype != torch.float32:
             return None
+        if _kernels is None and not kernel_is_built():
+            build_in_background()             # first start on this machine: don't wait for it
+            return decode_when_built
         mod = load_cpu_kernels()
         return None if mod is None else mod.paged_decode_attention
