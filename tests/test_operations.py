@@ -46,7 +46,9 @@ def kill_all(procs: list) -> None:
     psutil.wait_procs(procs, timeout=10)
 
 
-def wait_until(predicate, timeout: float, what: str, log: Path | None = None):
+def wait_until(predicate, timeout: float, what: str, log: Path | None = None, detail=None):
+    """predicate()'s first true value, polled for at most `timeout` s; else fail with the
+    log's tail (or what `detail()` says)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
@@ -54,7 +56,8 @@ def wait_until(predicate, timeout: float, what: str, log: Path | None = None):
             return value
         time.sleep(0.25)
     tail = log.read_text(errors="replace")[-3000:] if log is not None else ""
-    pytest.fail(f"timed out after {timeout} s waiting for {what}\n{tail}")
+    pytest.fail(f"timed out after {timeout} s waiting for {what}{detail() if detail else ''}"
+                f"\n{tail}")
 
 
 def start_jupyter(command: str, tmp_path: Path, *extra: str):
