@@ -239,3 +239,26 @@ def test_head_health_is_200(abused_server):
     url, _ = abused_server
     r = httpx.head(url + "/health", timeout=10)
     assert r.status_code == 200
+
+
+def test_the_server_shuts_its_engine_down_on_exit(monkeypatch):
+    """Leaving the app (SIGTERM to `workbench serve` ends there) calls Engine.shutdown(),
+    which is what releases the engine's memory, and stops the tokenizing thread."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from workbench import Engine
+    from workbench.server import create_app
+    engine = Engine(model="random:tiny", device="cpu", num_kv_blocks=32)
+    calls = []
+    real = Engine.shutdown
+    monkeypatch.setattr(Engine, "shutdown", lambda self, *a, **k: (calls.append(self),
+                                                                    real(self, *a, **k))[1])
+    with TestClient(create_app(engine)) as client:
+        r = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        assert engine.is_running_in_background
+    assert calls == [engine] and not engine.is_running_in_background
+    time.sleep(0.2)
+    assert not [t for t in threading.enumerate() if t.name.startswith("workbench-tokenize")]
