@@ -17,6 +17,7 @@ playwright_api = pytest.importorskip("playwright.sync_api")
 pytest.importorskip("voila")
 httpx = pytest.importorskip("httpx")
 
+from test_operations import wait_until  # noqa: E402
 from test_server import free_port, stop_process  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,14 +63,10 @@ def bar_points(page) -> int:
 
 
 def wait_for(predicate, timeout: float, what: str, page, shot: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.25)
-    page.screenshot(path=str(ARTIFACTS / shot), full_page=True)
-    pytest.fail(f"timed out after {timeout} s waiting for {what}; screenshot in {ARTIFACTS / shot}")
+    def screenshot() -> str:
+        page.screenshot(path=str(ARTIFACTS / shot), full_page=True)
+        return f"; screenshot in {ARTIFACTS / shot}"
+    return wait_until(predicate, timeout, what, detail=screenshot)
 
 
 def test_dashboard_streams_and_rebuilds_in_chromium(dashboard):

@@ -287,3 +287,40 @@ def test_timeline_draws_graph_steps_apart_and_keeps_a_window():
     wide = BatchTimeline()
     wide.update(Update(steps=[step(i, graph=False) for i in range(40)]))
     assert wide.fig.layout.xaxis2.dtick is None           # many: plotly picks the ticks
+
+
+
+def test_apply_shuts_the_old_engine_down(comms, monkeypatch):
+    """Apply calls the old engine's shutdown(), which is what releases its memory."""
+    from widgets import Dashboard
+    dash = Dashboard(config=EngineConfig(model="random:tiny", device="cpu", num_kv_blocks=64))
+    old, shut = dash.source.engine, []
+    real = Engine.shutdown
+    monkeypatch.setattr(Engine, "shutdown", lambda self, *a, **k: (shut.append(id(self)),
+                                                                    real(self, *a, **k))[1])
+    dash.knobs.set_values(block_size=32)
+    new = dash.knobs.apply()
+    assert new is not None and dash.source.engine is new
+    assert shut == [id(old)]
+    dash.source.close()
+
+
+def test_apply_leaves_one_engine_in_memory(comms):
+    """With the cyclic GC off, the old engine is freed once Apply has put the new one in
+    place: a device never holds two engines' KV pools (at gpu_memory_utilization=0.9 the
+    second would not fit)."""
+    import gc
+    import weakref
+
+    from widgets import Dashboard
+    dash = Dashboard(config=EngineConfig(model="random:tiny", device="cpu", num_kv_blocks=64))
+    gone = weakref.ref(dash.source.engine)
+    dash.knobs.set_values(block_size=32)
+    gc.collect()
+    gc.disable()
+    try:
+        assert dash.knobs.apply() is not None
+        assert gone() is None, "the old engine is still referenced after Apply"
+    finally:
+        gc.enable()
+        dash.source.close()

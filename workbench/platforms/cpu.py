@@ -4,6 +4,7 @@ import hashlib
 import logging
 import platform
 import resource
+import threading
 from pathlib import Path
 
 from .base import Platform
@@ -15,39 +16,122 @@ _kernels = None
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 
 
-def _cpu_key() -> str:
-    """The build is tuned for this CPU (-march=native): key the cache by what the CPU is."""
+_NAME = "workbench_cpu_attention"
+
+
+def _compiler() -> str:
+    """The compiler torch's extension builder will call, as `c++ --version` names it."""
+    import os
+    import subprocess
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True,
+                              timeout=30).stdout.split("\n", 1)[0]
+    except (OSError, subprocess.SubprocessError):
+        return f"{cxx} (not found)"
+
+
+def kernel_key() -> str:
+    """What the built module depends on, and nothing else (not where the venv is): the source
+    and flags, the compiler, torch's and Python's ABI, and the CPU (-march=native)."""
+    import sys
+    import sysconfig
+
+    import torch
     try:
         info = Path("/proc/cpuinfo").read_text()
         flags = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
         model = next((ln for ln in info.splitlines() if ln.startswith("model name")), "")
     except OSError:
         flags = model = ""
-    import torch
-    text = f"{platform.machine()}|{model}|{flags}|{torch.__version__}|{_CFLAGS}|{_CSRC.read_bytes()!r}"
-    return hashlib.sha1(text.encode()).hexdigest()[:12]
+    text = "|".join([platform.machine(), model, flags, torch.__version__,
+                     str(torch.version.git_version), sys.version, str(sysconfig.get_config_var("EXT_SUFFIX")),
+                     _compiler(), repr(_CFLAGS), _CSRC.read_text()])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _import_built(path: Path):
+    import importlib.machinery
+    import importlib.util
+    loader = importlib.machinery.ExtensionFileLoader(_NAME, str(path))
+    spec = importlib.util.spec_from_file_location(_NAME, path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
 
 
 def load_cpu_kernels():
-    """Build the C++ CPU kernels once (about 25 s; cached per CPU and torch version under the
-    workbench cache) and return the module, or None if no compiler is available."""
+    """Build the C++ CPU kernels once per `kernel_key()` (about 25-40 s) and return the module,
+    or None if no compiler is available.
+
+    A built module is imported directly, without asking torch's builder (whose ninja file
+    names this venv's paths, so two venvs would rebuild each other's module). The build runs
+    under an fcntl lock that dies with its holder; torch's own `lock` file, which a killed
+    build leaves behind and which would make every later build wait forever, is removed
+    under it."""
     global _kernels
     if _kernels is None:
-        from ..models.loader import cache_root
-        from torch.utils.cpp_extension import load
-        build = cache_root() / "kernels" / _cpu_key()
-        build.mkdir(parents=True, exist_ok=True)
-        if not any(build.glob("*.so")):
-            log.warning("building the CPU attention kernel (once per machine, about 25 s)…")
+        from ..models.loader import cache_lock, cache_root
+        build = cache_root() / "kernels" / kernel_key()
+        done = build / "built"        # written once the module loaded: a killed link leaves none
         try:
-            _kernels = load(name="workbench_cpu_attention", sources=[str(_CSRC)],
-                            extra_cflags=_CFLAGS,
-                            build_directory=str(build), verbose=False)
+            with cache_lock(build / ".build.lock"):
+                if done.is_file():
+                    _kernels = _import_built(build / f"{_NAME}.so")
+                else:
+                    log.warning("building the CPU attention kernel (once per machine and torch "
+                                "version, about 25-40 s)…")
+                    (build / "lock").unlink(missing_ok=True)
+                    from torch.utils.cpp_extension import load
+                    _kernels = load(name=_NAME, sources=[str(_CSRC)], extra_cflags=_CFLAGS,
+                                    build_directory=str(build), verbose=False)
+                    done.write_text(f"{_NAME}.so\n")
         except Exception as e:   # no compiler / ninja: the plain-torch path still works
             log.warning("CPU attention kernel unavailable (%s); using the plain-torch path",
                         str(e).splitlines()[0] if str(e) else type(e).__name__)
             _kernels = False
     return _kernels or None
+
+
+def kernel_is_built() -> bool:
+    from ..models.loader import cache_root
+    return (cache_root() / "kernels" / kernel_key() / "built").is_file()
+
+
+_build_lock = threading.Lock()
+_build_thread: threading.Thread | None = None
+
+
+def build_in_background() -> threading.Thread:
+    """Start building the kernel in a daemon thread (once); engines made meanwhile decode with
+    `decode_when_built`."""
+    global _build_thread
+    with _build_lock:
+        if _build_thread is None:
+            _build_thread = threading.Thread(target=load_cpu_kernels, daemon=True,
+                                             name="workbench-kernel-build")
+            _build_thread.start()
+        return _build_thread
+
+
+def decode_when_built(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """The kernel's signature, for an engine built while the kernel was still compiling: plain
+    torch (one request at a time) until the build is done, the C++ kernel from then on. This
+    is what lets the first start on a machine serve at once instead of after 25-40 s."""
+    if _kernels:
+        return _kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
+                                               scale)
+    import torch
+    import torch.nn.functional as F
+    kv_heads, _, bs, d = k_cache.shape
+    out = torch.empty_like(q)
+    for i, n in enumerate(context_lens.tolist()):
+        blocks = block_tables[i, :(n + bs - 1) // bs].long()
+        k = k_cache[:, blocks].reshape(kv_heads, -1, d)[:, :n]          # [kvH, n, D]
+        v = v_cache[:, blocks].reshape(kv_heads, -1, d)[:, :n]
+        qi = q[i].view(kv_heads, -1, d)                                 # [kvH, G, D]
+        out[i] = F.scaled_dot_product_attention(qi, k, v, scale=scale).reshape(q.shape[1:])
+    return out
 
 
 class CpuPlatform(Platform):
@@ -65,5 +149,8 @@ class CpuPlatform(Platform):
         import torch
         if dtype != torch.float32:
             return None
+        if _kernels is None and not kernel_is_built():
+            build_in_background()             # first start on this machine: don't wait for it
+            return decode_when_built
         mod = load_cpu_kernels()
         return None if mod is None else mod.paged_decode_attention

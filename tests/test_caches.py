@@ -1,0 +1,170 @@
+"""The cache under $WORKBENCH_CACHE: the converted model and the CPU kernel are keyed by what
+they are made from, shared between environments, and survive a start killed with kill -9."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def start(code: str, cache: Path) -> subprocess.Popen:
+    """A fresh Python process running `code` against the cache `cache`, in a session of its
+    own so that a kill reaches its compiler too."""
+    env = {**os.environ, "WORKBENCH_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def kill9_when(proc: subprocess.Popen, ready, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"never saw {what}: {proc.communicate()[0][-2000:]}")
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)      # the start and its ninja/compiler children
+    proc.wait(10)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out = proc.communicate()[0]
+        pytest.fail(f"did not finish within {timeout} s (a lock left by the killed start?):\n"
+                    f"{out[-2000:]}")
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+KERNEL = ("import torch; from workbench.platforms.cpu import load_cpu_kernels\n"
+          "k = load_cpu_kernels(); print('KERNEL', k is not None)")
+
+# A first start on a machine: the engine serves at once, decoding in plain torch while the
+# kernel builds in the background, then with the kernel; greedy tokens equal the reference.
+FIRST_START = """
+import json, sys, time
+from workbench import Engine, SamplingParams
+from workbench.platforms import cpu
+model = sys.argv[1]
+params = SamplingParams(max_tokens=12, temperature=0)
+prompts = ["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea."]
+t = time.perf_counter()
+engine = Engine(model=model, device="cpu", num_kv_blocks=64)
+during = [o.token_ids for o in engine.generate(prompts, params)]
+first_s = time.perf_counter() - t
+building = cpu._kernels is None and cpu._build_thread.is_alive()
+cpu._build_thread.join(600)
+after = [o.token_ids for o in engine.generate(prompts, params)]
+ref = Engine(model=model, device="cpu", num_kv_blocks=64, attention_backend="reference")
+expected = [o.token_ids for o in ref.generate(prompts, params)]
+print("RESULT", json.dumps(dict(first_s=first_s, building=building, built=bool(cpu._kernels),
+                                during=during == expected, after=after == expected)))
+"""
+
+
+@pytest.fixture(scope="module")
+def kernel_cache(tmp_path_factory, smollm2_dir):
+    """A cache whose kernel build was killed with kill -9 half-way; then a start that must
+    not wait for the dead build's lock, and serves while it builds the kernel again."""
+    cache = tmp_path_factory.mktemp("cache")
+    first = start(KERNEL, cache)
+    kill9_when(first, lambda: any((cache / "kernels").glob("*/build.ninja")), 120,
+               "the kernel build start")
+    second = subprocess.Popen([sys.executable, "-c", FIRST_START, str(smollm2_dir)],
+                              env={**os.environ, "WORKBENCH_CACHE": str(cache),
+                                   "PYTHONPATH": str(ROOT)}, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    out = finish(second, 600)
+    result = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
+    print(f"first start after a killed build: {result}")
+    return cache, result
+
+
+def test_a_build_killed_with_kill9_does_not_block_the_next_start(kernel_cache):
+    cache, result = kernel_cache
+    (build,) = (cache / "kernels").iterdir()
+    assert (build / "built").is_file() and result["built"]
+
+
+def test_the_first_start_serves_while_the_kernel_builds(kernel_cache):
+    _, result = kernel_cache
+    assert result["building"], "the first requests waited for the kernel build"
+    assert result["during"] and result["after"]     # greedy tokens equal the reference path
+
+
+def test_a_built_kernel_is_loaded_without_the_builder(kernel_cache, monkeypatch):
+    """Another venv (other paths in torch's ninja file) loads the module that is there
+    instead of rebuilding it: torch's builder is not even called."""
+    import torch.utils.cpp_extension
+
+    from workbench.platforms import cpu
+
+    def no_build(*a, **k):
+        raise AssertionError("torch's extension builder was called for a cached kernel")
+    monkeypatch.setenv("WORKBENCH_CACHE", str(kernel_cache[0]))
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_build)
+    monkeypatch.setattr(cpu, "_kernels", None)
+    assert cpu.load_cpu_kernels() is not None
+
+
+def test_the_kernel_key_follows_the_compiler(tmp_path, monkeypatch):
+    from workbench.platforms import cpu
+    key = cpu.kernel_key()
+    fake = tmp_path / "c++"
+    fake.write_text("#!/bin/sh\necho 'g++ (Fake) 99.1'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    assert cpu.kernel_key() != key
+    monkeypatch.delenv("CXX")
+    assert cpu.kernel_key() == key
+
+
+CONVERT = ("from workbench.models.loader import smollm2_checkpoint_dir\n"
+           "print('DIR', smollm2_checkpoint_dir())")
+
+
+@pytest.fixture(scope="module")
+def converted_cache(tmp_path_factory):
+    pytest.importorskip("gguf")
+    from workbench.models.loader import smollm2_gguf_path
+    smollm2_gguf_path()            # skips the module's tests with the install line if absent
+    cache = tmp_path_factory.mktemp("cache")
+    first = start(CONVERT, cache)
+    # Killed while it writes the checkpoint (its temporary directory exists).
+    kill9_when(first, lambda: any(cache.glob(".convert-*/*")), 180, "the conversion writing")
+    out = finish(start(CONVERT, cache), 300)
+    return cache, Path(out.split("DIR ")[-1].strip())
+
+
+def test_a_conversion_killed_with_kill9_leaves_one_clean_copy(converted_cache):
+    cache, out = converted_cache
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    assert sorted(p.name for p in cache.iterdir() if p.is_dir()) == [out.name]   # no leftovers
+
+
+def test_the_converted_model_is_keyed_by_content_not_place(converted_cache, tmp_path,
+                                                           monkeypatch):
+    """The same GGUF installed in another venv (another path, another mtime) reuses the
+    conversion; nothing is converted again."""
+    from workbench.models import loader
+    cache, out = converted_cache
+    other = tmp_path / "other-venv" / loader.SMOLLM2_GGUF
+    other.parent.mkdir()
+    shutil.copyfile(loader.smollm2_gguf_path(), other)
+    monkeypatch.setenv("WORKBENCH_CACHE", str(cache))
+    monkeypatch.setattr(loader, "smollm2_gguf_path", lambda: other)
+    t = time.perf_counter()
+    assert loader.smollm2_checkpoint_dir() == out
+    assert time.perf_counter() - t < 10          # a conversion takes 20 s or more

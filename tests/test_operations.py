@@ -1,0 +1,266 @@
+"""Operations: what the workbench leaves behind when it is stopped, killed or left running.
+Every test here starts real processes (Voila, JupyterLab, kernels, the server) and checks that
+nothing of them survives."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+psutil = pytest.importorskip("psutil")
+httpx = pytest.importorskip("httpx")
+
+from test_server import free_port  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def kernels_below(pid: int) -> list:
+    """The Jupyter kernels started under process `pid`."""
+    try:
+        procs = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for p in procs:
+        try:
+            if "ipykernel_launcher" in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+def kill_all(procs: list) -> None:
+    """The test's own clean-up, whatever the code under test did."""
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+def wait_until(predicate, timeout: float, what: str, log: Path | None = None, detail=None):
+    """predicate()'s first true value, polled for at most `timeout` s; else fail with the
+    log's tail (or what `detail()` says)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.25)
+    tail = log.read_text(errors="replace")[-3000:] if log is not None else ""
+    pytest.fail(f"timed out after {timeout} s waiting for {what}{detail() if detail else ''}"
+                f"\n{tail}")
+
+
+def start_jupyter(command: str, tmp_path: Path, *extra: str):
+    """`workbench dashboard|lab` on a free port, with a kernel running under it."""
+    port = free_port()
+    log = tmp_path / f"{command}.log"
+    env = {**os.environ, "JUPYTER_TOKEN": "t0k3n"}
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", command, "--port",
+                                 str(port), *extra], stdout=f, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+
+    def up():
+        if proc.poll() is not None:
+            pytest.fail(f"{command} exited:\n{log.read_text(errors='replace')[-3000:]}")
+        try:
+            return httpx.get(f"{base}/api/status?token=t0k3n", timeout=3).status_code < 500
+        except httpx.HTTPError:
+            return False
+
+    wait_until(up, 90, f"{command} to answer", log)
+    return proc, base, log
+
+
+@pytest.mark.parametrize("command,sig", [("dashboard", signal.SIGTERM), ("lab", signal.SIGHUP),
+                                         ("lab", signal.SIGINT)])
+def test_a_stop_signal_stops_jupyter_and_its_kernels(command, sig, tmp_path):
+    """A plain `kill` (what a service manager or a container stop sends), a hang-up or a
+    Ctrl-C stops the server and every kernel it started: nothing is orphaned."""
+    pytest.importorskip("voila" if command == "dashboard" else "jupyterlab")
+    extra = ("--model", "random:tiny", "--device", "cpu") if command == "dashboard" else ()
+    proc, base, log = start_jupyter(command, tmp_path, *extra)
+    try:
+        if command == "dashboard":     # rendering the page runs the notebook in a kernel
+            assert httpx.get(base + "/", timeout=120).status_code == 200
+        else:
+            r = httpx.post(f"{base}/api/kernels?token=t0k3n", json={"name": "python3"}, timeout=60)
+            assert r.status_code == 201, r.text
+        wait_until(lambda: kernels_below(proc.pid), 60, "a kernel", log)
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        assert len(tree) >= 3                      # us, the Jupyter server, a kernel
+        proc.send_signal(sig)
+        proc.wait(60)
+        _, alive = psutil.wait_procs(tree, timeout=10)
+        assert not alive, f"left running after {sig.name}: {[p.pid for p in alive]}"
+    finally:
+        kill_all(locals().get("tree") or [psutil.Process(proc.pid)])
+
+
+def test_a_closed_dashboard_page_loses_its_kernel(tmp_path):
+    """Each page view runs the dashboard in a kernel of its own. Open four pages in Chromium
+    and close three: their kernels are shut down once idle for --kernel-idle-timeout, the open
+    page keeps its kernel."""
+    pytest.importorskip("voila")
+    playwright_api = pytest.importorskip("playwright.sync_api")
+    from test_browser import CHROMIUM, FLAGS
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Debian's chromium is not installed (apt-get install -y chromium)")
+    proc, base, log = start_jupyter("dashboard", tmp_path, "--model", "random:tiny", "--device",
+                                    "cpu", "--kernel-idle-timeout", "4")
+    try:
+        with playwright_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
+            try:
+                pages = []
+                for _ in range(4):
+                    page = browser.new_page()
+                    page.goto(base + "/", timeout=180_000)
+                    page.get_by_role("button", name="Send").wait_for(timeout=180_000)
+                    pages.append(page)
+                assert len(kernels_below(proc.pid)) == 4
+                for page in pages[:3]:
+                    page.close()
+                wait_until(lambda: len(kernels_below(proc.pid)) == 1, 60,
+                           "the closed pages' kernels to be culled", log)
+                time.sleep(6)                      # the open page's kernel stays
+                assert len(kernels_below(proc.pid)) == 1
+                pages[3].get_by_role("button", name="Send").click()   # and still serves
+            finally:
+                browser.close()
+    finally:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        _, alive = psutil.wait_procs(tree, timeout=10)
+        kill_all(alive)
+        assert not alive
+
+
+# ---- the server under abuse -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def abused_server(smollm2_dir, tmp_path_factory):
+    from test_server import start_server, stop_process
+    log = tmp_path_factory.mktemp("abuse") / "server.log"
+    proc, url = start_server(["--model", "smollm2", "--max-model-len", "8192",
+                              "--header-timeout", "2"], log)
+    yield url, proc
+    stop_process(proc)
+
+
+def assert_openai_error(r, status: int, param: str | None = None) -> str:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert err["param"] == param, err
+    # No Python exception's text reaches a client.
+    assert not any(w in err["message"] for w in ("Error:", "Traceback", "Exception", "Union[")), err
+    return err["message"]
+
+
+def test_a_huge_prompt_is_refused_by_size_and_does_not_stall_others(abused_server):
+    """A 15 MB prompt is refused from its size before tokenizing; prompts that must be
+    tokenized are tokenized off the event loop, so /health keeps answering meanwhile."""
+    import concurrent.futures
+    url, _ = abused_server
+    t = time.perf_counter()
+    r = httpx.post(url + "/v1/completions", json={"prompt": "hello " * 2_500_000}, timeout=60)
+    assert time.perf_counter() - t < 10          # tokenizing it took 40 s
+    assert "cannot fit in max_model_len" in assert_openai_error(r, 400, "prompt")
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+    # 2.5 MB: under the size bound (8192 tokens x 324 bytes), far too long once tokenized,
+    # which takes about 2 s each: on the event loop, /health would wait that long.
+    big = "xq" * 1_250_000
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(httpx.post, url + "/v1/completions", json={"prompt": big},
+                               timeout=120) for _ in range(4)]
+        worst = 0.0
+        while not all(f.done() for f in futures):
+            t = time.perf_counter()
+            assert httpx.get(url + "/health", timeout=30).status_code == 200
+            worst = max(worst, time.perf_counter() - t)
+            time.sleep(0.05)
+        for f in futures:
+            assert_openai_error(f.result(), 400, "prompt")
+    assert worst < 1.0, f"/health took {worst:.2f} s while prompts were tokenized"
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", '{"prompt": "\\udfff"}', "prompt"),
+    ("/v1/completions", '{"prompt": "hi", "model": "\\udfff"}', "model"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\udfffb"}]}',
+     "messages"),
+    ("/v1/completions", '{"prompt": "hi", "stop": ["\\ud800"]}', "stop"),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": ', None),
+])
+def test_bad_text_is_a_400_in_openai_shape(abused_server, path, body, param):
+    url, _ = abused_server
+    r = httpx.post(url + path, content=body.encode(),
+                   headers={"Content-Type": "application/json"}, timeout=30)
+    assert_openai_error(r, 400, param)
+
+
+def test_half_sent_headers_do_not_hold_connections(abused_server):
+    """100 connections that never finish their request head are closed after the header
+    timeout (2 s here), and the server still answers."""
+    import socket
+    url, _ = abused_server
+    host, port = url.removeprefix("http://").split(":")
+    socks = []
+    try:
+        for _ in range(100):
+            s = socket.create_connection((host, int(port)), timeout=10)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: appl")
+            socks.append(s)
+        t = time.perf_counter()
+        for s in socks:
+            s.settimeout(max(0.1, 10 - (time.perf_counter() - t)))
+            try:
+                assert s.recv(1024) == b""          # closed by the server
+            except socket.timeout:
+                pytest.fail("a connection with half-sent headers was still open after 10 s")
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_head_health_is_200(abused_server):
+    url, _ = abused_server
+    r = httpx.head(url + "/health", timeout=10)
+    assert r.status_code == 200
+
+
+def test_the_server_shuts_its_engine_down_on_exit(monkeypatch):
+    """Leaving the app (SIGTERM to `workbench serve` ends there) calls Engine.shutdown(),
+    which is what releases the engine's memory, and stops the tokenizing thread."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from workbench import Engine
+    from workbench.server import create_app
+    engine = Engine(model="random:tiny", device="cpu", num_kv_blocks=32)
+    calls = []
+    real = Engine.shutdown
+    monkeypatch.setattr(Engine, "shutdown", lambda self, *a, **k: (calls.append(self),
+                                                                    real(self, *a, **k))[1])
+    with TestClient(create_app(engine)) as client:
+        r = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        assert engine.is_running_in_background
+    assert calls == [engine] and not engine.is_running_in_background
+    time.sleep(0.2)
+    assert not [t for t in threading.enumerate() if t.name.startswith("workbench-tokenize")]
