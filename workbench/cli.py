@@ -149,8 +149,11 @@ def cmd_serve(a) -> int:
               "use it", file=sys.stderr)
     limits = {k: v for k, v in (("header_timeout", a.header_timeout),
                                 ("limit_concurrency", a.limit_concurrency)) if v is not None}
-    serve(engine, host=a.host, port=a.port, api_key=api_key, model_name=a.served_model_name,
-          log_level=a.log_level, **limits)
+    try:
+        serve(engine, host=a.host, port=a.port, api_key=api_key, model_name=a.served_model_name,
+              log_level=a.log_level, **limits)
+    finally:
+        engine.close()       # the KV pool, graphs and weights, freed before the process ends
     return 0
 
 
