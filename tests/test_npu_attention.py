@@ -54,7 +54,7 @@ def test_npu_backend_tokens_equal_the_reference(qwen3_d128, reference_tokens, mo
     prompts = random_prompts(5, 5, 300, 1000, seed=4)
     prompts.append(prompts[2][:260] + [7, 8, 9])            # a cached prefix, then a chunk
     params = _params(20, 20, 20, 20, 20, 20)
-    npu = Engine(model=str(qwen3_d128), device="npu", **KW)
+    npu = Engine(model=str(qwen3_d128), device="npu", **KW, graph_mode="eager")
     assert npu.platform.name == "npu" and npu.config.block_size == 128
     attn = npu.model.layers[0].self_attn
     # NpuPlatform.kv_cache_shape: [layers, K/V, blocks + scratch, block_size, kv_heads, D]
@@ -209,3 +209,28 @@ def test_npu_config_rules():
     with pytest.raises(ValueError, match="attention_backend"):
         check_npu_config(EngineConfig(block_size=128, attention_backend="reference"))
     check_npu_config(EngineConfig(block_size=128))
+
+
+def test_npu_benchmark_script_runs_small(monkeypatch, capsys):
+    """benchmarks/npu.py end to end at toy sizes, with the fake torch_npu and HF's reference
+    on the CPU: every part runs, graphs give eager's tokens, logits are within bf16's error."""
+    import importlib.util
+    from pathlib import Path
+    # HF's Qwen3 first, while torch_npu is absent: with the fake present, transformers would
+    # take its NPU integrations (npu_fusion_attention), which the fake does not model.
+    import transformers.models.qwen3.modeling_qwen3  # noqa: F401
+    fake_torch_npu.install(monkeypatch)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "npu.py"
+    spec = importlib.util.spec_from_file_location("npu_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "REF_DEVICE", "cpu")
+    assert bench.main(["--small", "--parts", "doctor,correctness,b1,w1"]) == 0
+    r = bench.RESULTS
+    assert not [k for k in r if k.endswith("_error")], capsys.readouterr().out[-3000:]
+    assert r["doctor"]["chip"] == "A2" and r["doctor"]["graphs"]
+    for mode in ("eager", "decode", "full"):
+        assert r[f"correctness_{mode}"]["logits_ok"] and r[f"correctness_{mode}"]["tokens_equal_eager"]
+    assert r["correctness_decode"]["graph_steps"] > 0 and r["correctness_full"]["piecewise_steps"] > 0
+    assert r["b1_decode"]["graph_mode_run"] == "decode" and r["b1_ratio"]["eager_over_decode"] > 0
+    assert r["w1_decode"]["graph_steps"] > 0
