@@ -23,6 +23,7 @@ attention and replay plainly.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import re
 from dataclasses import dataclass, field
 
@@ -30,6 +31,7 @@ import torch
 
 from .base import AcceleratorPlatform
 
+log = logging.getLogger("workbench")
 INSTALL_HINT = ("device 'npu' needs Ascend's torch_npu matched to your torch version and a "
                 "sourced CANN toolkit: `source /usr/local/Ascend/ascend-toolkit/set_env.sh` "
                 "then `pip install -e \".[npu]\"` (see README, Ascend NPU)")
@@ -156,6 +158,7 @@ class NpuPlatform(AcceleratorPlatform):
     def __init__(self):
         self.torch_npu = import_torch_npu()
         self.report = probe(self.torch_npu)
+        log.info("NPU platform:\n  %s", "\n  ".join(self.report.lines()))
         if self.report.refusal:
             raise ValueError(self.report.refusal)
         self._attention = None
