@@ -1,7 +1,8 @@
 """Attention on Ascend NPUs through torch_npu's fused ops, written from their documented
 signatures (see ../shared/notes/torch_npu.md in the project's notes). Not yet run on NPU
-hardware: the CPU tests drive this code with stand-ins that follow those documented
-semantics, which checks our layouts and arguments, not the ops themselves.
+hardware: the CPU tests drive it through NpuPlatform with a fake torch_npu
+(tests/fake_torch_npu.py) that follows those documented semantics, which checks our
+layouts, arguments and graph protocol, not the ops themselves.
 
 Pool layout (what the ATB ops read): per layer, K and V each
 [num_blocks, block_size, num_kv_heads, head_dim], ND, bf16 or fp16.
