@@ -25,7 +25,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -102,7 +102,6 @@ class NpuReport:
     """How a replayed decode graph gets each step's host-side context lengths, and why."""
     refusal: str | None = None
     """Why this device cannot be used at all, or None."""
-    notes: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
         out = [f"torch_npu      {self.torch_npu} (torch {torch.__version__})",
@@ -111,7 +110,6 @@ class NpuReport:
                f"({self.chip})",
                f"head sizes     {', '.join(map(str, self.head_sizes))}",
                f"decode graphs  {'yes' if self.graphs else 'no'}: {self.graph_update}"]
-        out += [f"note           {n}" for n in self.notes]
         out.append(f"verdict        {'REFUSED: ' + self.refusal if self.refusal else 'usable'}")
         return out
 

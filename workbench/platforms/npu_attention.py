@@ -31,8 +31,9 @@ BLOCK_SIZE = 128
 MASK_SIZE = 2048
 SEQ_LEN_WITH_MAX_PA_WORKSPACE = 6144
 """Context length at which _npu_paged_attention_get_workspace returns the largest workspace
-(vLLM-Ascend's constant, from PR #5833: shorter contexts can need more than the capture-time
-lengths of 1 would get, so the workspace is sized here once, not at each update)."""
+(vLLM-Ascend's constant, PR #5833). The workspace a step needs depends on its lengths, so one
+sized for the capture-time lengths of 1 can be too small later, and asking again at each
+update allocates on the update stream; each graph gets this one at capture instead."""
 
 
 @dataclass(slots=True)
