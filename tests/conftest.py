@@ -52,10 +52,11 @@ def smollm2_tokenizer(smollm2_dir):
     return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
-def make_tiny_checkpoint(path, kind: str, seed: int = 0):
+def make_tiny_checkpoint(path, kind: str, seed: int = 0, head_dim: int = 48):
     """A small random HF checkpoint of the given family, saved as safetensors, with the HF
     model returned for reference. Weights are drawn wider than HF's default init so that
-    logits are peaked and greedy choices are not near-ties."""
+    logits are peaked and greedy choices are not near-ties. head_dim: Qwen3's (the NPU's
+    fused attention takes only a few sizes)."""
     import transformers
     common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
@@ -64,7 +65,7 @@ def make_tiny_checkpoint(path, kind: str, seed: int = 0):
         cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True)
         cls = transformers.Qwen2ForCausalLM
     elif kind == "qwen3":
-        cfg = transformers.Qwen3Config(**common, head_dim=48, tie_word_embeddings=False)
+        cfg = transformers.Qwen3Config(**common, head_dim=head_dim, tie_word_embeddings=False)
         cls = transformers.Qwen3ForCausalLM
     elif kind == "llama3":
         cfg = transformers.LlamaConfig(**common, rope_scaling={

@@ -1,233 +1,204 @@
-"""The NPU attention backend, fused ops and graphs, driven on the CPU by stand-ins for
-torch_npu's ops.
+"""The real NpuPlatform (attention backend, fused ops, decode graphs, chip and head-size
+checks, `workbench doctor`), driven on the CPU by the fake torch_npu in fake_torch_npu.py.
 
-No Ascend hardware is reachable from here, and torch_npu cannot even be installed without
-CANN. The stand-ins below compute what the ops' documentation says they compute (and check
-the argument rules it states: int32 slots and tables, host-side context lengths, TND
-cumulative query ends, sparse_mode 3, the 2048 x 2048 mask, the norms' and SwiGLU's return
-values). So these tests check our side: the block-major pool layout, the slots, tables and
-lengths we pass, the split between decode and prefill, the graph-update protocol; they
-cannot check the ops themselves.
+No Ascend hardware is reachable from here, and torch_npu cannot be installed without CANN.
+The fake computes what the ops' docs say and models what real hardware would do to us (see
+its docstring): graphs that bake host values in, task updates and their ordering, the
+paged-attention workspace, releases whose auto_dispatch_capture records no paged attention,
+head sizes and chips the ops refuse. These tests check our side against that model; they
+cannot check the ops or NPUGraph themselves.
 """
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-import torch.nn.functional as F
 
-from conftest import random_prompts
+import fake_torch_npu
+from conftest import make_tiny_checkpoint, random_prompts
 from workbench import Engine, EngineConfig, SamplingParams
-from workbench.platforms.cpu import CpuPlatform
-from workbench.platforms.npu import NpuPlatform
-from workbench.platforms.npu_attention import (NpuAttention, block_major_shape,
-                                               check_npu_config)
-from workbench.platforms.npu_ops import NpuOps
+from workbench.platforms.npu_attention import DecodeGraphTasks, check_npu_config
+
+KW = dict(num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=160,
+          enable_prefix_caching=True)
 
 
-def _attend(q, keys, values, scale, causal_offset=None):
-    """q [n, H, D] over keys/values [L, kvH, D]; causal aligned to the end when asked."""
-    n, L = q.shape[0], keys.shape[0]
-    mask = None
-    if causal_offset is not None:
-        mask = torch.arange(L)[None, :] <= (torch.arange(n)[:, None] + L - n)
-    return F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1),
-                                          values.transpose(0, 1), attn_mask=mask, scale=scale,
-                                          enable_gqa=True).transpose(0, 1)
+@pytest.fixture(scope="module")
+def qwen3_d128(tmp_path_factory):
+    """Qwen3 with head size 128, the one every A2/A3 CANN takes."""
+    path = tmp_path_factory.mktemp("qwen3_d128")
+    make_tiny_checkpoint(path, "qwen3", head_dim=128)
+    return path
 
 
-class DocumentedOps:
-    """torch_npu's attention and cache ops as documented, on CPU tensors."""
+@pytest.fixture(scope="module")
+def reference_tokens(qwen3_d128):
+    """Greedy tokens of the CPU's plain-torch path, computed once, for the prompts below."""
+    cache = {}
 
-    def __init__(self):
-        self.calls = {"cache": 0, "paged": 0, "fia": 0, "rms_norm": 0, "add_rms_norm": 0,
-                      "swiglu": 0}
-        self.replay_context_lens = None
-        """Set while a stand-in graph replays: the lengths its last update() handed the
-        recorded paged-attention calls (a real NPUGraph keeps the captured host values
-        unless updated)."""
-
-    def _npu_reshape_and_cache(self, key, value, key_cache, value_cache, slot_indices):
-        assert slot_indices.dtype == torch.int32 and key.is_contiguous()
-        nb, bs, kvh, d = key_cache.shape
-        key_cache.view(nb * bs, kvh, d)[slot_indices.long()] = key
-        value_cache.view(nb * bs, kvh, d)[slot_indices.long()] = value
-        self.calls["cache"] += 1
-
-    def _npu_paged_attention(self, query, key_cache, value_cache, num_kv_heads, num_heads,
-                             scale_value, block_table, context_lens, out):
-        nb, bs, kvh, d = key_cache.shape
-        assert block_table.dtype == torch.int32 and context_lens.dtype == torch.int32
-        assert context_lens.device.type == "cpu", "context_lens is a host tensor"
-        assert bs % 16 == 0 and bs * d <= 128 * 128 and d <= 256
-        assert (num_kv_heads, num_heads) == (kvh, query.shape[1])
-        if self.replay_context_lens is not None:
-            context_lens = self.replay_context_lens
-            assert context_lens.dtype == torch.int32 and len(context_lens) == query.shape[0]
-        for i, length in enumerate(context_lens.tolist()):
-            blocks = block_table[i, :math.ceil(length / bs)].long()
-            keys = key_cache[blocks].reshape(-1, kvh, d)[:length]
-            values = value_cache[blocks].reshape(-1, kvh, d)[:length]
-            out[i] = _attend(query[i:i + 1], keys, values, scale_value)[0]
-        self.calls["paged"] += 1
-
-    def npu_fused_infer_attention_score(self, q, k, v, *, atten_mask, actual_seq_lengths,
-                                        actual_seq_lengths_kv, block_table, num_heads, scale,
-                                        input_layout, num_key_value_heads, sparse_mode,
-                                        block_size):
-        assert input_layout == "TND" and sparse_mode == 3
-        assert atten_mask.shape == (2048, 2048) and atten_mask.dtype == torch.bool
-        assert all(isinstance(x, int) for x in actual_seq_lengths + actual_seq_lengths_kv)
-        assert actual_seq_lengths[-1] == q.shape[0] and block_table.dtype == torch.int32
-        nb, bs, width = k.shape
-        kvh = num_key_value_heads
-        d = width // kvh
-        assert bs == block_size and num_heads == q.shape[1]
-        out, start = torch.empty_like(q), 0
-        for i, (end, length) in enumerate(zip(actual_seq_lengths, actual_seq_lengths_kv)):
-            blocks = block_table[i, :math.ceil(length / bs)].long()
-            keys = k[blocks].reshape(-1, kvh, d)[:length]
-            values = v[blocks].reshape(-1, kvh, d)[:length]
-            out[start:end] = _attend(q[start:end], keys, values, scale, causal_offset=True)
-            start = end
-        self.calls["fia"] += 1
-        return out, torch.zeros(1)
+    def get(prompts, params):
+        key = (tuple(map(tuple, prompts)), tuple(p.max_tokens for p in params))
+        if key not in cache:
+            ref = Engine(model=str(qwen3_d128), **KW, device="cpu",
+                         attention_backend="reference", block_size=128)
+            cache[key] = [o.token_ids for o in ref.generate(prompts, params)]
+        return cache[key]
+    return get
 
 
-    def npu_rms_norm(self, x, gamma, epsilon=1e-6):
-        assert gamma.shape == x.shape[-1:]
-        xf = x.float()
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + epsilon)
-        self.calls["rms_norm"] += 1
-        return (xf * rstd * gamma.float()).to(x.dtype), rstd
-
-    def npu_add_rms_norm(self, x1, x2, gamma, epsilon=1e-6):
-        s = x1 + x2
-        y, rstd = self.npu_rms_norm(s, gamma, epsilon)
-        self.calls["rms_norm"] -= 1
-        self.calls["add_rms_norm"] += 1
-        return y, rstd, s
-
-    def npu_swiglu(self, x, dim=-1):
-        a, b = x.chunk(2, dim=dim)
-        self.calls["swiglu"] += 1
-        return F.silu(a) * b
+def _params(*ns):
+    return [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in ns]
 
 
-class StandInNpuPlatform(CpuPlatform):
-    """The NPU platform's layout and backend, on the CPU, with the documented stand-ins."""
-    default_block_size = 128
-
-    def __init__(self):
-        self.ops = DocumentedOps()
-
-    def kv_cache_shape(self, *shape):
-        return block_major_shape(*shape)
-
-    def attention_backend(self, dtype):
-        return NpuAttention(self.ops)
-
-    def model_ops(self, dtype):
-        return NpuOps(self.ops)
-
-    def check_config(self, config):
-        check_npu_config(config)
-
-
-class StandInNpuGraph:
-    """An NPUGraph captured with auto_dispatch_capture, as far as our side can tell: replay
-    reruns the captured work on the static buffers, and the paged-attention calls see the
-    context lengths from the last update(), never the host tensor passed at capture."""
-
-    def __init__(self, fn, out, ops):
-        self.fn, self.out, self.ops, self.lens, self.updates = fn, out, ops, None, 0
-
-    def update(self, cpu_update_input):
-        (changes,) = cpu_update_input             # one dict: applies to every recorded op
-        self.lens = changes["context_lens"]
-        self.updates += 1
-
-    def replay(self):
-        self.ops.replay_context_lens = self.lens
-        try:
-            out = self.fn()
-            if self.out is not None:
-                self.out.copy_(out)
-        finally:
-            self.ops.replay_context_lens = None
+def test_npu_backend_tokens_equal_the_reference(qwen3_d128, reference_tokens, monkeypatch):
+    fake = fake_torch_npu.install(monkeypatch)
+    prompts = random_prompts(5, 5, 300, 1000, seed=4)
+    prompts.append(prompts[2][:260] + [7, 8, 9])            # a cached prefix, then a chunk
+    params = _params(20, 20, 20, 20, 20, 20)
+    npu = Engine(model=str(qwen3_d128), device="npu", **KW, graph_mode="eager")
+    assert npu.platform.name == "npu" and npu.config.block_size == 128
+    attn = npu.model.layers[0].self_attn
+    # NpuPlatform.kv_cache_shape: [layers, K/V, blocks + scratch, block_size, kv_heads, D]
+    assert tuple(npu.runner.kv_cache.shape) == (3, 2, 25, 128, attn.num_kv_heads, 128)
+    got = [o.token_ids for o in npu.generate(prompts[:5], params[:5])]
+    got += [o.token_ids for o in npu.generate(prompts[5:], params[5:])]
+    want = reference_tokens(prompts[:5], params[:5]) + reference_tokens(prompts[5:], params[5:])
+    assert got == want
+    steps = npu.telemetry.snapshot()[0]
+    assert any(s.phase == "mixed" for s in steps) and any(s.num_cached_tokens for s in steps)
+    assert set(fake.calls) == {"cache", "paged", "fia", "rms_norm", "add_rms_norm", "swiglu"}
+    with pytest.raises(ValueError, match="block_size"):
+        Engine(model=str(qwen3_d128), device="npu", **KW, block_size=16)
 
 
-class StandInNpuGraphPlatform(StandInNpuPlatform):
-    supports_graphs = True
-    replay_graph = NpuPlatform.replay_graph       # the real update-then-replay
-
-    def graph_pool(self):
-        return None
-
-    def capture_graph(self, fn, pool):
-        out = fn()
-        return StandInNpuGraph(fn, out, self.ops), out
-
-
-@pytest.mark.parametrize("mode", ["decode", "full"])
-def test_npu_graphs_update_host_lengths_and_match_the_reference(tiny_checkpoints, monkeypatch,
-                                                                mode):
-    """Decode graphs on the NPU path: int32 static tables, KV writes into the scratch block
-    for padding, and each replay hands the host-side lengths over through NPUGraph.update.
-    'full' adds piecewise graphs around the fused prefill."""
-    import workbench.engine
-    path, _ = tiny_checkpoints["qwen3"]
-    platform = StandInNpuGraphPlatform()
-    monkeypatch.setattr(workbench.engine, "get_platform", lambda name: platform)
-    kw = dict(model=str(path), num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=160,
-              enable_prefix_caching=True)
-    npu = Engine(**kw, graph_mode=mode, cudagraph_capture_sizes=[1, 2, 4, 6])
+@pytest.mark.parametrize("release,mode", [("2.8.0", "decode"), ("2.9.0.post4", "full")])
+def test_npu_decode_graphs_hand_every_replay_its_lengths(qwen3_d128, reference_tokens,
+                                                         monkeypatch, release, mode):
+    """Decode graphs on the real platform. 2.8.0's auto_dispatch_capture records no paged
+    attention (NPUGraph.update would change nothing, and every replay would attend over the
+    capture-time length of 1), so the lengths go through task-group updates, which the fake
+    lets run only in vLLM-Ascend's order, with a workspace big enough for every step's
+    lengths. 'full' adds piecewise graphs around the fused prefill."""
+    fake = fake_torch_npu.install(monkeypatch, version=release)
+    npu = Engine(model=str(qwen3_d128), device="npu", **KW, graph_mode=mode,
+                 cudagraph_capture_sizes=[1, 2, 4, 6])
     assert npu.graph_mode == mode and not npu.notices
     prompts = random_prompts(5, 5, 300, 1000, seed=4)
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (20, 3, 11, 14, 7)]
+    params = _params(20, 3, 11, 14, 7)
     got = [o.token_ids for o in npu.generate(prompts, params)]
-    monkeypatch.undo()
-    ref = Engine(**kw, device="cpu", attention_backend="reference", block_size=128)
-    assert got == [o.token_ids for o in ref.generate(prompts, params)]
+    assert got == reference_tokens(prompts, params)
+    assert all(kw == {"auto_dispatch_capture": False} for kw in fake.npu.capture_kwargs)
+    graphs = npu.runner.graphs.graphs
+    assert all(isinstance(g, DecodeGraphTasks) and len(g.tasks) == 3 for g in graphs.values())
     steps = npu.telemetry.snapshot()[0]
     full = [s for s in steps if s.graph_kind == "full"]
     assert full and all(s.phase == "decode" for s in full)
     assert {s.graph_size for s in full} >= {4, 2, 1} and any(s.graph_size > s.num_decode_tokens
                                                              for s in full)
-    updates = sum(g.updates for g in npu.runner.graphs.graphs.values())
-    assert updates == len(full)
+    assert sum(g.graph.replays for g in graphs.values()) == len(full)
     piecewise = [s for s in steps if s.graph_kind == "piecewise"]
     assert bool(piecewise) == (mode == "full")
     assert all(s.num_prefill_tokens for s in piecewise)
 
 
-def test_npu_backend_tokens_equal_the_reference(tiny_checkpoints, monkeypatch):
-    import workbench.engine
-    path, _ = tiny_checkpoints["qwen3"]
-    platform = StandInNpuPlatform()
-    monkeypatch.setattr(workbench.engine, "get_platform", lambda name: platform)
-    kw = dict(model=str(path), num_kv_blocks=24, max_num_seqs=6,
-              max_num_batched_tokens=160, enable_prefix_caching=True)
-    prompts = random_prompts(5, 5, 300, 1000, seed=4)
-    prompts.append(prompts[2][:260] + [7, 8, 9])            # a cached prefix, then a chunk
-    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    npu = Engine(**kw)                                       # block_size: the device's 128
-    assert npu.config.block_size == 128
-    assert npu.runner.kv_cache.shape[2:4] == (25, 128)      # [L, 2, blocks + scratch, bs, ...]
-    with pytest.raises(ValueError, match="block_size"):
-        Engine(**kw, block_size=16)
-    got = [o.token_ids for o in npu.generate(prompts[:5], params)]
-    got += [o.token_ids for o in npu.generate(prompts[5:], params)]
-    monkeypatch.undo()
-    ref = Engine(**kw, device="cpu", attention_backend="reference", block_size=128)
-    assert Engine(model="random:tiny", device="cpu", num_kv_blocks=4).config.block_size == 16
-    want = [o.token_ids for o in ref.generate(prompts[:5], params)]
-    want += [o.token_ids for o in ref.generate(prompts[5:], params)]
-    assert got == want
-    steps = npu.telemetry.snapshot()[0]
-    assert any(s.phase == "mixed" for s in steps) and any(s.num_cached_tokens for s in steps)
-    assert all(n > 0 for n in platform.ops.calls.values()), platform.ops.calls
+def test_npu_graph_update_order_does_not_rest_on_the_sampler(qwen3_d128, monkeypatch):
+    """replay_graph synchronizes itself: two replays back to back, with nothing reading
+    their output in between, are fine; the orders the fake refuses would be wrong on
+    hardware (an update landing in the previous replay, or a replay that waits forever)."""
+    fake_torch_npu.install(monkeypatch)
+    npu = Engine(model=str(qwen3_d128), device="npu", **KW, graph_mode="decode",
+                 cudagraph_capture_sizes=[2])
+    platform, g = npu.platform, npu.runner.graphs.graphs[2]
+    lens = torch.tensor([1, 1], dtype=torch.int32)
+    platform.replay_graph(g, lens)
+    platform.replay_graph(g, lens)
+    npu.platform.synchronize()
+    stream = torch.npu.Stream()
+    platform.replay_graph(g, lens)        # replayed, not synchronized: ...
+    g.graph.replay = lambda: None         # ... then the old order: update, replay, no sync
+    with pytest.raises(RuntimeError, match="never synchronized"):
+        g.update(platform.torch_npu, stream, lens)
+    del g.graph.replay
+    torch.npu.unsynced = False
+    with pytest.raises(RuntimeError, match="not waiting in a replay"):
+        g.update(platform.torch_npu, stream, lens)    # an update with no replay waiting
+    g.graph.replay()                                  # a replay nobody updates
+    with pytest.raises(RuntimeError, match="hangs"):
+        npu.platform.synchronize()
+    with pytest.raises(RuntimeError, match="context lengths"):
+        platform.replay_graph(g)
+
+
+def test_fake_models_a_release_whose_auto_dispatch_misses_paged_attention(monkeypatch):
+    """The fake's side of the first point: with auto_dispatch_capture, update() reaches the
+    paged attention on 2.9.0.post4 and silently misses it on 2.8.0."""
+    results = {}
+    for release in ("2.8.0", "2.9.0.post4"):
+        fake = fake_torch_npu.install(monkeypatch, version=release)
+        torch.manual_seed(0)
+        k_cache, v_cache = torch.randn(2, 2, 128, 1, 128).unbind(0)
+        q, out = torch.randn(1, 2, 128), torch.zeros(1, 2, 128)
+        table = torch.tensor([[0, 1]], dtype=torch.int32)
+        args = dict(query=q, key_cache=k_cache, value_cache=v_cache, num_kv_heads=1,
+                    num_heads=2, scale_value=0.1, block_table=table, out=out)
+        g = torch.npu.NPUGraph()
+        with torch.npu.graph(g, auto_dispatch_capture=True):
+            fake._npu_paged_attention(**args, context_lens=torch.tensor([1], dtype=torch.int32),
+                                      workspace=torch.empty(1 << 16, dtype=torch.uint8))
+        g.update(cpu_update_input=[{"context_lens": torch.tensor([200], dtype=torch.int32)}])
+        g.replay()
+        results[release] = out.clone()
+    want = torch.zeros(1, 2, 128)
+    fake._npu_paged_attention(**{**args, "out": want},
+                              context_lens=torch.tensor([200], dtype=torch.int32))
+    assert torch.allclose(results["2.9.0.post4"], want)
+    assert not torch.allclose(results["2.8.0"], want)
+
+
+def test_npu_refuses_head_sizes_the_chip_does_not_take(tiny_checkpoints, tmp_path, monkeypatch):
+    """Checked at engine build, naming the size: the fused prefill would otherwise fail at
+    the first prompt with error 561002."""
+    fake_torch_npu.install(monkeypatch)
+    path, _ = tiny_checkpoints["qwen3"]                        # head size 48
+    with pytest.raises(ValueError, match="head size 48 .* takes 128"):
+        Engine(model=str(path), device="npu", **KW)
+    make_tiny_checkpoint(tmp_path, "qwen3", head_dim=64)
+    with pytest.raises(ValueError, match="head size 64 .*CANN 8.3.RC1"):
+        Engine(model=str(tmp_path), device="npu", **KW)
+    fake_torch_npu.install(monkeypatch, version="2.9.0.post4")   # CANN 9.0.0: 64 as well
+    e = Engine(model=str(tmp_path), device="npu", **KW)
+    assert len(e.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("soc,chip", [(202, "310P"), (260, "950"), (100, "unknown")])
+def test_npu_refuses_chips_it_was_not_written_for(qwen3_d128, monkeypatch, soc, chip):
+    fake_torch_npu.install(monkeypatch, soc=soc)
+    with pytest.raises(ValueError, match=f"soc_version {soc} is an Ascend {chip} chip"):
+        Engine(model=str(qwen3_d128), device="npu", **KW)
+
+
+def test_npu_graphs_need_the_workspace_api(qwen3_d128, monkeypatch):
+    """2.5.1.post1 has no workspace for _npu_paged_attention: graph modes run eager, said so."""
+    fake_torch_npu.install(monkeypatch, version="2.5.1.post1")
+    e = Engine(model=str(qwen3_d128), device="npu", **KW, graph_mode="decode")
+    assert e.graph_mode == "eager" and "not available on npu" in e.notices[0]
+    assert not e.platform.supports_graphs and "_npu_paged_attention_get_workspace" in \
+        e.platform.report.graph_update
+
+
+def test_doctor_reports_and_refuses(monkeypatch, capsys):
+    from workbench.cli import main
+    fake_torch_npu.install(monkeypatch, version="2.8.0")
+    assert main(["doctor", "--device", "npu"]) == 0
+    out = capsys.readouterr().out
+    for text in ("2.8.0", "8.3.RC1", "Ascend910B3", "soc_version 223 (A2)", "head sizes     128",
+                 "task groups", "auto_dispatch_capture", "usable"):
+        assert text in out, text
+    fake_torch_npu.install(monkeypatch, version="2.5.1.post1", soc=202)
+    assert main(["doctor", "--device", "npu"]) == 1
+    out = capsys.readouterr().out
+    assert "REFUSED" in out and "310P" in out and "decode graphs  no" in out
+    monkeypatch.delitem(__import__("sys").modules, "torch_npu")
+    assert main(["doctor", "--device", "npu"]) == 2             # not installed: the hint
 
 
 def test_npu_config_rules():
@@ -238,3 +209,28 @@ def test_npu_config_rules():
     with pytest.raises(ValueError, match="attention_backend"):
         check_npu_config(EngineConfig(block_size=128, attention_backend="reference"))
     check_npu_config(EngineConfig(block_size=128))
+
+
+def test_npu_benchmark_script_runs_small(monkeypatch, capsys):
+    """benchmarks/npu.py end to end at toy sizes, with the fake torch_npu and HF's reference
+    on the CPU: every part runs, graphs give eager's tokens, logits are within bf16's error."""
+    import importlib.util
+    from pathlib import Path
+    # HF's Qwen3 first, while torch_npu is absent: with the fake present, transformers would
+    # take its NPU integrations (npu_fusion_attention), which the fake does not model.
+    import transformers.models.qwen3.modeling_qwen3  # noqa: F401
+    fake_torch_npu.install(monkeypatch)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "npu.py"
+    spec = importlib.util.spec_from_file_location("npu_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "REF_DEVICE", "cpu")
+    assert bench.main(["--small", "--parts", "doctor,correctness,b1,w1"]) == 0
+    r = bench.RESULTS
+    assert not [k for k in r if k.endswith("_error")], capsys.readouterr().out[-3000:]
+    assert r["doctor"]["chip"] == "A2" and r["doctor"]["graphs"]
+    for mode in ("eager", "decode", "full"):
+        assert r[f"correctness_{mode}"]["logits_ok"] and r[f"correctness_{mode}"]["tokens_equal_eager"]
+    assert r["correctness_decode"]["graph_steps"] > 0 and r["correctness_full"]["piecewise_steps"] > 0
+    assert r["b1_decode"]["graph_mode_run"] == "decode" and r["b1_ratio"]["eager_over_decode"] > 0
+    assert r["w1_decode"]["graph_steps"] > 0

@@ -1,4 +1,4 @@
-"""`workbench dashboard|lab|serve|bench|generate`: the command line."""
+"""`workbench dashboard|lab|serve|bench|generate|doctor`: the command line."""
 from __future__ import annotations
 
 import argparse
@@ -274,6 +274,15 @@ def cmd_lab(a) -> int:
     return _jupyter("jupyterlab", args, {}, f"JupyterLab on {d}: http://{a.host}:{a.port}/lab")
 
 
+def cmd_doctor(a) -> int:
+    """A dry run: what the device offers and what the engine would do there; exit 1 where
+    the combination is known not to work."""
+    from .platforms.npu import import_torch_npu, probe
+    report = probe(import_torch_npu())
+    print("\n".join(report.lines()))
+    return 1 if report.refusal else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="workbench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -347,6 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shut down a page's kernel this many seconds after the page is closed "
                         "(default 60)")
     d.set_defaults(func=cmd_dashboard)
+
+    doc = sub.add_parser("doctor", help="check a device without loading a model: versions, "
+                                        "chip, head sizes, how decode graphs are updated")
+    doc.add_argument("--device", required=True, choices=["npu"],
+                     help="the device to check (only npu so far)")
+    doc.set_defaults(func=cmd_doctor)
 
     lab = sub.add_parser("lab", help="JupyterLab on the notebooks (needs 'ui')")
     lab.add_argument("--host", default="127.0.0.1")

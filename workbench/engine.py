@@ -148,6 +148,7 @@ class Engine:
         self.platform.reset_peak_memory()
         self.model = build_model(ckpt, dtype, self.platform.device, max_model_len, config.seed)
         del ckpt
+        self.platform.check_model(self.model)
         if config.attention_backend == "auto":
             self.model.ops = self.platform.model_ops(dtype)
         bs = config.block_size

@@ -62,6 +62,10 @@ class Platform:
         ops that read them from host memory (which a graph would otherwise keep as captured)."""
         graph.replay()
 
+    def check_model(self, model) -> None:
+        """Refuse a model whose shapes this device's kernels cannot run (ValueError), at
+        engine build rather than at the first step."""
+
     def kv_cache_shape(self, num_layers: int, kv_heads: int, num_blocks: int, block_size: int,
                        head_dim: int) -> tuple[int, ...]:
         """The pool: [layers, K/V, ...] with one layer's K (or V) laid out as the attention
@@ -115,8 +119,6 @@ class AcceleratorPlatform(Platform):
     default_dtype = torch.bfloat16
     graph_class = "CUDAGraph"
     """The graph type in torch.<name>."""
-    capture_kwargs: dict = {}
-    """Extra arguments for torch.<name>.graph(...)."""
 
     @property
     def api(self):
@@ -149,9 +151,9 @@ class AcceleratorPlatform(Platform):
     def graph_pool(self):
         return self.api.graph_pool_handle()
 
-    def capture_graph(self, fn, pool):
-        # Warm up on a side stream (lazy inits, kernel compiles and autotuning happen here,
-        # not inside the capture), then capture.
+    def warm_up(self, fn) -> None:
+        """Run `fn` twice on a side stream before capturing it: lazy inits, kernel compiles
+        and autotuning happen here, not inside the capture."""
         api = self.api
         stream = api.Stream()
         stream.wait_stream(api.current_stream())
@@ -159,8 +161,11 @@ class AcceleratorPlatform(Platform):
             for _ in range(2):
                 fn()
         api.current_stream().wait_stream(stream)
-        graph = getattr(api, self.graph_class)()
-        with api.graph(graph, pool=pool, **self.capture_kwargs):
+
+    def capture_graph(self, fn, pool):
+        self.warm_up(fn)
+        graph = getattr(self.api, self.graph_class)()
+        with self.api.graph(graph, pool=pool):
             out = fn()
-        api.synchronize()
+        self.api.synchronize()
         return graph, out

@@ -3,26 +3,42 @@
 torch_npu hooks itself into `import torch` and fails without the CANN runtime, so it is never
 a hard dependency: the engine only looks for it (`find_spec`) when choosing a device, and
 imports it when the NPU platform is actually selected. Attention runs on torch_npu's fused
-ops (`npu_attention.py`), written from their documented signatures; nothing here has run on
-NPU hardware yet.
+ops (`npu_attention.py`), written from their documented signatures and vLLM-Ascend's use of
+them; nothing here has run on NPU hardware yet.
 
-Graphs are torch.npu.NPUGraph, captured with auto_dispatch_capture=True: torch_npu then
-records each `_npu_paged_attention` call so that `graph.update(cpu_update_input=...)` can
-hand it new host-side context lengths, which a replay would otherwise keep as they were at
-capture (see replay_graph). Piecewise graphs (graph_mode 'full') hold no attention and
-need no update.
+At construction the platform probes what it runs on (`probe`, printed by `workbench doctor
+--device npu`): the torch_npu and CANN versions, the chip, the head sizes the fused ops
+take there, and whether decode graphs can be captured. It refuses the chips this backend
+cannot serve (310P, 950) with a message, rather than failing at the first step.
+
+Decode graphs (graph_mode 'decode') follow vLLM-Ascend's FULL_DECODE_ONLY: the graph is
+captured plainly (no auto_dispatch_capture: several torch_npu releases record no
+`_npu_paged_attention` that way, and NPUGraph.update then updates nothing and says nothing),
+each layer's paged attention is captured as a task group behind an ExternalEvent with an
+explicit workspace (npu_attention.DecodeGraphTasks), and every replay is: synchronize,
+replay, then re-issue each task with the step's host lengths on a separate update stream
+and record its event (replay_graph). Piecewise graphs (graph_mode 'full') hold no
+attention and replay plainly.
 """
 from __future__ import annotations
 
 import importlib.util
+import logging
+import re
+from dataclasses import dataclass
 
 import torch
 
 from .base import AcceleratorPlatform
 
+log = logging.getLogger("workbench")
 INSTALL_HINT = ("device 'npu' needs Ascend's torch_npu matched to your torch version and a "
                 "sourced CANN toolkit: `source /usr/local/Ascend/ascend-toolkit/set_env.sh` "
                 "then `pip install -e \".[npu]\"` (see README, Ascend NPU)")
+
+GRAPH_TASK_API = ("NPUGraph", "ExternalEvent", "graph_task_group_begin", "graph_task_group_end",
+                  "graph_task_update_begin", "graph_task_update_end")
+"""torch.npu's names the decode-graph update uses (all there since torch_npu 2.5.1)."""
 
 
 def import_torch_npu():
@@ -36,15 +52,115 @@ def import_torch_npu():
     return torch_npu
 
 
+def chip_family(soc_version: int) -> str:
+    """torch_npu.npu.get_soc_version()'s number as a family, with vLLM-Ascend's ranges."""
+    if 220 <= soc_version <= 225:
+        return "A2"           # Atlas A2: 910B
+    if 250 <= soc_version <= 255:
+        return "A3"           # Atlas A3: 910C
+    if 200 <= soc_version <= 205:
+        return "310P"
+    if soc_version == 260:
+        return "950"          # A5
+    return "unknown"
+
+
+REFUSED_CHIPS = {
+    "310P": ("vLLM-Ascend serves it with a separate backend (_npu_flash_attention with NZ-format "
+             "masks, no npu_fused_infer_attention_score), which this project does not have"),
+    "950": ("npu_fused_infer_attention_score is documented there, but _npu_paged_attention, "
+            "which this backend's decode needs, is not used on it by vLLM-Ascend"),
+    "unknown": "this backend was written for Atlas A2 (910B) and A3 (910C) only",
+}
+
+
+def version_tuple(text: str | None) -> tuple[int, ...]:
+    """'8.3.RC1' -> (8, 3); '9.0.0' -> (9, 0, 0); None or unparsable -> ()."""
+    m = re.match(r"(\d+(?:\.\d+)*)", text or "")
+    return tuple(int(x) for x in m.group(1).split(".")) if m else ()
+
+
+def supported_head_sizes(cann: str | None) -> tuple[int, ...]:
+    """Head sizes both attention ops take with block_size 128. The fused prefill in TND
+    layout takes 128 everywhere, and 64 (and 192) from the CANN 9 line on; paged attention
+    needs block_size x head_size <= 128 x 128, which rules out 192."""
+    return (64, 128) if version_tuple(cann)[:1] >= (9,) else (128,)
+
+
+@dataclass
+class NpuReport:
+    """What the NPU platform found and decided (`workbench doctor --device npu` prints it)."""
+    torch_npu: str
+    cann: str | None
+    soc_version: int
+    device_name: str
+    chip: str
+    head_sizes: tuple[int, ...]
+    graphs: bool
+    """Whether decode graphs can be captured (else every graph_mode runs eager)."""
+    graph_update: str
+    """How a replayed decode graph gets each step's host-side context lengths, and why."""
+    refusal: str | None = None
+    """Why this device cannot be used at all, or None."""
+
+    def lines(self) -> list[str]:
+        out = [f"torch_npu      {self.torch_npu} (torch {torch.__version__})",
+               f"CANN           {self.cann or 'unknown'}",
+               f"chip           {self.device_name}, soc_version {self.soc_version} "
+               f"({self.chip})",
+               f"head sizes     {', '.join(map(str, self.head_sizes))}",
+               f"decode graphs  {'yes' if self.graphs else 'no'}: {self.graph_update}"]
+        out.append(f"verdict        {'REFUSED: ' + self.refusal if self.refusal else 'usable'}")
+        return out
+
+
+def probe(torch_npu) -> NpuReport:
+    """Read versions, chip and graph support from an imported torch_npu; decide nothing
+    the hardware has not told us."""
+    npu = torch_npu.npu
+    try:
+        cann = npu.utils.get_cann_version()
+    except Exception:
+        cann = getattr(torch.version, "cann", None)
+    soc = int(npu.get_soc_version())
+    chip = chip_family(soc)
+    refusal = None
+    if chip in REFUSED_CHIPS:
+        refusal = (f"device 'npu': soc_version {soc} is an Ascend {chip} chip; "
+                   f"{REFUSED_CHIPS[chip]}. Supported: Atlas A2/A3")
+    missing = [n for n in GRAPH_TASK_API if not hasattr(npu, n)]
+    if not hasattr(torch_npu, "_npu_paged_attention_get_workspace"):
+        missing.append("torch_npu._npu_paged_attention_get_workspace")
+    if missing:
+        update = (f"none: this torch_npu lacks {', '.join(missing)} (the workspace API arrived "
+                  "with the 7.2.0 release line: 2.6.0.post3, 2.7.1, 2.8.0); graph modes run eager")
+    else:
+        update = ("task groups (graph_task_group_begin/end behind an ExternalEvent per layer, "
+                  "explicit workspace sized for 6144-token contexts); each step synchronizes, "
+                  "replays, then re-issues each task with its lengths on an update stream "
+                  "(graph_task_update_begin/end) and records its event. Not "
+                  "auto_dispatch_capture: 2.5.1.post1, 2.7.1, 2.8.0 and 2.8.0.post1 record no "
+                  "_npu_paged_attention that way, and NPUGraph.update then silently keeps the "
+                  "capture-time lengths")
+    return NpuReport(torch_npu=str(torch_npu.__version__), cann=cann, soc_version=soc,
+                     device_name=str(npu.get_device_name(0)), chip=chip,
+                     head_sizes=supported_head_sizes(cann), graphs=not missing,
+                     graph_update=update, refusal=refusal)
+
+
 class NpuPlatform(AcceleratorPlatform):
     name = "npu"
     default_block_size = 128      # the fused prefill's paging unit (npu_attention.BLOCK_SIZE)
-    supports_graphs = True
     graph_class = "NPUGraph"
-    capture_kwargs = {"auto_dispatch_capture": True}
 
     def __init__(self):
         self.torch_npu = import_torch_npu()
+        self.report = probe(self.torch_npu)
+        log.info("NPU platform:\n  %s", "\n  ".join(self.report.lines()))
+        if self.report.refusal:
+            raise ValueError(self.report.refusal)
+        self._attention = None
+        self._update_stream = None
 
     @classmethod
     def is_available(cls) -> bool:
@@ -57,13 +173,56 @@ class NpuPlatform(AcceleratorPlatform):
         except ValueError:
             return False
 
+    @property
+    def supports_graphs(self) -> bool:
+        return self.report.graphs
+
+    def check_model(self, model) -> None:
+        r = self.report
+        if model.head_dim not in r.head_sizes:
+            raise ValueError(
+                f"model: head size {model.head_dim} is not supported by the NPU's fused attention "
+                f"on {r.device_name} ({r.chip}) with CANN {r.cann or 'unknown'}: it takes "
+                f"{' or '.join(map(str, r.head_sizes))} (npu_fused_infer_attention_score in TND "
+                "layout; _npu_paged_attention needs block_size x head size <= 128 x 128)")
+
+    def capture_graph(self, fn, pool):
+        """Capture `fn`; the decode attention it runs is recorded as updatable task groups
+        (npu_attention.DecodeGraphTasks). Returns the tasks, which wrap the graph, when there
+        are any, else the plain NPUGraph (a piecewise piece)."""
+        from .npu_attention import DecodeGraphTasks
+        self.warm_up(fn)
+        graph = self.api.NPUGraph()
+        tasks = DecodeGraphTasks(graph)
+        if self._attention is not None:
+            self._attention.graph_tasks = tasks
+        try:
+            with self.api.graph(graph, pool=pool):
+                out = fn()
+        finally:
+            if self._attention is not None:
+                self._attention.graph_tasks = None
+        self.api.synchronize()
+        return (tasks if tasks.tasks else graph), out
+
     def replay_graph(self, graph, context_lens: torch.Tensor | None = None) -> None:
-        # One update dict applies to every recorded op (each layer's paged attention);
-        # torch_npu re-issues them on its update stream, and each captured attention waits
-        # on its event until its update has landed.
-        if context_lens is not None:
-            graph.update(cpu_update_input=[{"context_lens": context_lens}])
-        graph.replay()
+        from .npu_attention import DecodeGraphTasks
+        if context_lens is None:
+            if isinstance(graph, DecodeGraphTasks):
+                raise RuntimeError("a decode graph replays only with its step's context lengths")
+            graph.replay()
+            return
+        if not isinstance(graph, DecodeGraphTasks):
+            raise RuntimeError("this graph recorded no paged attention to update: replaying it "
+                               "would attend over the capture-time context lengths")
+        if self._update_stream is None:
+            self._update_stream = self.api.Stream()
+        # vLLM-Ascend's order: the previous replay must be over before tasks it may still be
+        # running are updated; then replay (each captured attention waits on its event);
+        # then update each task on the update stream and record its event.
+        self.api.current_stream().synchronize()
+        graph.graph.replay()
+        graph.update(self.torch_npu, self._update_stream, context_lens)
 
     def model_ops(self, dtype):
         from .npu_ops import NpuOps
@@ -75,7 +234,8 @@ class NpuPlatform(AcceleratorPlatform):
 
     def attention_backend(self, dtype):
         from .npu_attention import NpuAttention
-        return NpuAttention(self.torch_npu)
+        self._attention = NpuAttention(self.torch_npu)
+        return self._attention
 
     def check_config(self, config) -> None:
         from .npu_attention import check_npu_config

@@ -1,7 +1,8 @@
 """Attention on Ascend NPUs through torch_npu's fused ops, written from their documented
 signatures (see ../shared/notes/torch_npu.md in the project's notes). Not yet run on NPU
-hardware: the CPU tests drive this code with stand-ins that follow those documented
-semantics, which checks our layouts and arguments, not the ops themselves.
+hardware: the CPU tests drive it through NpuPlatform with a fake torch_npu
+(tests/fake_torch_npu.py) that follows those documented semantics, which checks our
+layouts, arguments and graph protocol, not the ops themselves.
 
 Pool layout (what the ATB ops read): per layer, K and V each
 [num_blocks, block_size, num_kv_heads, head_dim], ND, bf16 or fp16.
@@ -16,25 +17,94 @@ Per step, for every layer:
   to the end of each request's KV, which is what a chunk after a cached prefix needs) and
   the 2048 x 2048 mask that mode expects.
 FIA's paged prefill wants block_size 128 (vLLM-Ascend's choice); `check_config` says so.
+
+Inside a decode graph the paged attention is a task group (DecodeGraphTasks): its host-side
+lengths are baked into the graph at capture, and each replay re-issues it with the step's.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 BLOCK_SIZE = 128
 MASK_SIZE = 2048
+SEQ_LEN_WITH_MAX_PA_WORKSPACE = 6144
+"""Context length at which _npu_paged_attention_get_workspace returns the largest workspace
+(vLLM-Ascend's constant, PR #5833). The workspace a step needs depends on its lengths, so one
+sized for the capture-time lengths of 1 can be too small later, and asking again at each
+update allocates on the update stream; each graph gets this one at capture instead."""
+
+
+@dataclass(slots=True)
+class PagedAttentionTask:
+    event: object
+    """The torch.npu.ExternalEvent the captured attention waits on until its update lands."""
+    handle: object
+    """What graph_task_group_end returned: names the task for graph_task_update_begin."""
+    args: dict
+    """The op's arguments but context_lens and workspace: the captured tensors, reused as
+    they are by every update (a graph's addresses are fixed)."""
+
+
+class DecodeGraphTasks:
+    """One captured decode graph and its layers' paged-attention task groups, vLLM-Ascend's
+    FULL_DECODE_ONLY mechanism (attention_v1's full_graph_pa and update_graph_params).
+
+    Capture (NpuAttention, while `graph_tasks` is set): per layer, an ExternalEvent is
+    waited on and reset on the capture stream, then the op is issued between
+    graph_task_group_begin and graph_task_group_end with a workspace sized for the longest
+    lengths. Replay (NpuPlatform.replay_graph): after replay(), on an update stream, each
+    task is re-issued between graph_task_update_begin and graph_task_update_end with the
+    step's lengths and its event recorded, which lets the captured attention run."""
+
+    def __init__(self, graph):
+        self.graph = graph
+        self.tasks: list[PagedAttentionTask] = []
+        self.workspace: torch.Tensor | None = None
+
+    def capture(self, ops, args: dict, context_lens: torch.Tensor) -> None:
+        npu = ops.npu
+        stream = npu.current_stream()
+        if self.workspace is None:    # one per graph: its layers run one after another
+            longest = torch.full_like(context_lens, SEQ_LEN_WITH_MAX_PA_WORKSPACE)
+            self.workspace = ops._npu_paged_attention_get_workspace(**args, context_lens=longest)
+        event = npu.ExternalEvent()
+        event.wait(stream)
+        event.reset(stream)
+        npu.graph_task_group_begin(stream)
+        ops._npu_paged_attention(**args, context_lens=context_lens, workspace=self.workspace)
+        self.tasks.append(PagedAttentionTask(event, npu.graph_task_group_end(stream), args))
+
+    def update(self, ops, stream, context_lens: torch.Tensor) -> None:
+        """Hand every task this step's host-side lengths (int32, one per graph row)."""
+        rows = self.tasks[0].args["query"].shape[0]
+        if context_lens.dtype != torch.int32 or context_lens.shape != (rows,):
+            raise ValueError(f"context_lens: need int32 [{rows}] for this graph "
+                             f"(got {context_lens.dtype} {tuple(context_lens.shape)})")
+        npu = ops.npu
+        with npu.stream(stream):
+            for task in self.tasks:
+                npu.graph_task_update_begin(stream, task.handle)
+                ops._npu_paged_attention(**task.args, context_lens=context_lens,
+                                         workspace=self.workspace)
+                npu.graph_task_update_end(stream)
+                task.event.record(stream)
 
 
 class NpuAttention:
     supports_graphs = True
     """Decode steps can be captured (graph_runner.DecodeGraphs): the KV write and paged
     attention read static buffers, and the host-side context lengths reach each replay
-    through NPUGraph.update (NpuPlatform.replay_graph)."""
+    through task updates (DecodeGraphTasks, NpuPlatform.replay_graph)."""
 
     def __init__(self, ops):
         self.ops = ops
         """The torch_npu module (or, in tests, something with the same functions)."""
         self._mask: torch.Tensor | None = None
+        self.graph_tasks: DecodeGraphTasks | None = None
+        """Set by NpuPlatform.capture_graph while it captures: decode attention is then
+        recorded there as task groups."""
 
     def prepare(self, meta) -> None:
         """Per-step tensors every layer shares: int32 slots, prefill tables and lengths."""
@@ -64,11 +134,13 @@ class NpuAttention:
         out = torch.empty_like(q)
         nd = meta.num_decode
         if nd:
-            ops._npu_paged_attention(query=q[:nd].contiguous(), key_cache=k_cache,
-                                     value_cache=v_cache, num_kv_heads=kv_heads,
-                                     num_heads=heads, scale_value=scale,
-                                     block_table=meta.decode_block_tables,
-                                     context_lens=meta.decode_lens, out=out[:nd])
+            args = dict(query=q[:nd].contiguous(), key_cache=k_cache, value_cache=v_cache,
+                        num_kv_heads=kv_heads, num_heads=heads, scale_value=scale,
+                        block_table=meta.decode_block_tables, out=out[:nd])
+            if self.graph_tasks is not None:
+                self.graph_tasks.capture(ops, args, meta.decode_lens)
+            else:
+                ops._npu_paged_attention(**args, context_lens=meta.decode_lens)
         if meta.prefills:
             num_blocks, block_size, _, d = k_cache.shape
             o, _ = ops.npu_fused_infer_attention_score(

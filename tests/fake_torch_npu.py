@@ -1,0 +1,511 @@
+"""A stand-in for `torch_npu` on CPU tensors, for driving the real NpuPlatform without an NPU.
+
+torch_npu cannot be installed here (without CANN it breaks `import torch`), so `install()`
+puts this module object into `sys.modules["torch_npu"]` and its runtime at `torch.npu`.
+Everything below was written from torch_npu's and op-plugin's sources and docs and from how
+vLLM-Ascend calls them (see shared/notes/torch_npu.md); none of it was checked against
+hardware. It models:
+
+- the ops, computing what their docs say on CPU tensors, with the argument rules they state
+  (keyword names, int32 slots/tables, host int32 context lengths, TND cumulative ends,
+  sparse_mode 3 with the 2048 x 2048 mask, block_size x head size <= 128 x 128, the head
+  sizes TND takes on this CANN, which chip has which op);
+- graphs as traces: inside `torch.npu.graph(...)` every aten op and every fake op is
+  recorded with the tensors it used (a TorchDispatchMode); replay re-executes the trace on
+  those same tensors, so host values read at capture stay baked in, as on hardware;
+- task groups: an op between graph_task_group_begin/end is a task whose arguments
+  graph_task_update_begin/end can replace; an ExternalEvent waited on in the capture stops
+  a replay there until the event is recorded, so a replay whose tasks are never updated
+  hangs (synchronize raises);
+- the ordering rules vLLM-Ascend keeps: a task update needs its graph to be waiting in a
+  replay, and no earlier replay left unsynchronized (else it could land in that one), on a
+  stream that is not the capture stream;
+- the paged-attention workspace: its size depends on the lengths (short ones can need more
+  than one), the op checks it at every execution, and inside a graph or an update a call
+  without one is refused (it would allocate outside the graph's pool);
+- auto_dispatch_capture: NPUGraph.update(cpu_update_input=...) replaces the host arguments
+  of the ops it recorded, and on the releases that record no _npu_paged_attention it
+  updates nothing and says nothing.
+"""
+from __future__ import annotations
+
+import importlib.machinery
+import math
+import sys
+import types
+from collections import Counter
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+RELEASES = {
+    # version: CANN it pairs with, whether _npu_paged_attention has workspace= (op-plugin
+    # 7.2.0 on), whether auto_dispatch_capture records _npu_paged_attention (issue 15).
+    "2.5.1.post1": dict(cann="8.2.RC1", workspace=False, records_pa=False),
+    "2.8.0": dict(cann="8.3.RC1", workspace=True, records_pa=False),
+    "2.8.0.post2": dict(cann="8.5.0", workspace=True, records_pa=True),
+    "2.9.0.post4": dict(cann="9.0.0", workspace=True, records_pa=True),
+}
+SOCS = {223: "Ascend910B3", 253: "Ascend910_9392", 202: "Ascend310P3", 260: "Ascend950PR"}
+
+
+def _attend(q, keys, values, scale, causal=False):
+    """q [n, H, D] over keys/values [L, kvH, D]; causal aligned to the end when asked."""
+    n, L = q.shape[0], keys.shape[0]
+    mask = None
+    if causal:
+        mask = torch.arange(L)[None, :] <= (torch.arange(n)[:, None] + L - n)
+    return F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1),
+                                          values.transpose(0, 1), attn_mask=mask, scale=scale,
+                                          enable_gqa=True).transpose(0, 1)
+
+
+def pa_workspace_bytes(context_lens: torch.Tensor) -> int:
+    """What the fake paged attention needs: grows with the longest context up to 6144
+    tokens, and a batch holding a very short context needs a floor that lengths of a few
+    hundred do not (so a workspace sized at capture-time lengths of 1 is too small later)."""
+    lens = context_lens.tolist()
+    return len(lens) * max(4096 if min(lens) <= 16 else 0, 8 * min(max(lens), 6144))
+
+
+class FakeStream:
+    def __init__(self, rt, name):
+        self.rt, self.name = rt, name
+
+    def wait_stream(self, other):
+        pass
+
+    def synchronize(self):
+        self.rt.synchronize()
+
+
+class ExternalEvent:
+    def __init__(self, rt):
+        self.rt, self.signaled = rt, False
+
+    def wait(self, stream):
+        if self.rt.capturing is not None:
+            self.rt.capturing.entries.append(("wait", self))
+
+    def reset(self, stream):
+        if self.rt.capturing is not None:
+            self.rt.capturing.entries.append(("reset", self))
+        else:
+            self.signaled = False
+
+    def record(self, stream):
+        self.signaled = True
+        self.rt.advance()
+
+
+class Entry:
+    """One recorded op of a graph: an aten op or a fake torch_npu op."""
+    __slots__ = ("kind", "fn", "args", "kwargs", "out", "name", "task", "record", "graph",
+                 "fresh")
+
+    def __init__(self, kind, fn, args, kwargs, out=None, name=None):
+        self.kind, self.fn, self.args, self.kwargs, self.name = kind, fn, args, kwargs, name
+        self.set_out(out)
+        self.task = False       # captured between graph_task_group_begin and _end
+        self.record = False     # recorded by auto_dispatch_capture (NPUGraph.update reaches it)
+        self.graph = None
+
+    def set_out(self, out):
+        """Which outputs a replay refreshes: those in memory of their own. An output that
+        shares an input's storage (a view, an in-place result) is refreshed with it."""
+        self.out = out
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((self.args, self.kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        self.fresh = [isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in inputs
+                      for o in tree_flatten(out)[0]]
+
+    def run(self):
+        res = self.fn(*self.args, **self.kwargs)
+        for o, r, fresh in zip(tree_flatten(self.out)[0], tree_flatten(res)[0], self.fresh):
+            if fresh:
+                o.copy_(r)
+
+
+class NPUGraph:
+    def __init__(self, rt):
+        self.rt = rt
+        self.entries: list = []
+        self.auto_dispatch_capture = False
+        self.capture_stream = None
+        self.pending = False
+        self.cursor = 0
+        self.group_open = False
+        self.replays = 0
+
+    def replay(self):
+        if self.pending:
+            raise RuntimeError("fake NPUGraph: replayed while its previous replay still waits "
+                               "on an ExternalEvent (its tasks were never updated)")
+        self.replays += 1
+        self.cursor, self.pending = 0, True
+        self.rt.pending.append(self)
+        self.rt.advance()
+
+    def update(self, cpu_update_input):
+        if not self.auto_dispatch_capture:
+            raise RuntimeError("The current graph configuration does not support update, "
+                               "Try to capture by setting auto_dispatch_capture=True")
+        for changes in cpu_update_input:
+            for e in self.entries:
+                if e.kind == "npu" and e.record:
+                    for key, value in changes.items():
+                        if key in e.kwargs:
+                            e.kwargs[key] = value.clone() if isinstance(value, torch.Tensor) \
+                                else list(value)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, rt):
+        super().__init__()
+        self.rt = rt
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        rt = self.rt
+        if rt.capturing is not None and not rt.in_op:
+            if func is torch.ops.aten._local_scalar_dense.default:
+                raise RuntimeError("fake NPU: host read of a device value during graph capture "
+                                   "(error 107030 on hardware)")
+            rt.capturing.entries.append(Entry("aten", func, args, kwargs, out))
+        return out
+
+
+class NpuRuntime(types.SimpleNamespace):
+    """What torch_npu registers as torch.npu (and torch_npu.npu)."""
+
+    def __init__(self, cann, soc):
+        super().__init__()
+        self.soc, self.cann = soc, cann
+        self.utils = types.SimpleNamespace(get_cann_version=lambda module="CANN": cann)
+        self.default_stream = FakeStream(self, "default")
+        self.current = self.default_stream
+        self.capturing: NPUGraph | None = None
+        self.updating: Entry | None = None
+        self.update_issued = False
+        self.in_op = False
+        self.pending: list[NPUGraph] = []
+        self.unsynced = False
+        """A replay has run to its end and the host has not synchronized since."""
+        self.capture_kwargs: list[dict] = []
+        self.syncs = 0
+
+    # device, memory, streams
+    def is_available(self):
+        return True
+
+    def device_count(self):
+        return 1
+
+    def get_soc_version(self):
+        return self.soc
+
+    def get_device_name(self, i=0):
+        return SOCS.get(self.soc, f"Ascend-{self.soc}")
+
+    def synchronize(self, device=None):
+        if self.pending:
+            raise RuntimeError("fake NPU hangs: a replayed graph waits on an ExternalEvent that "
+                               "is never recorded (a task group was not updated)")
+        self.unsynced = False
+        self.syncs += 1
+
+    def mem_get_info(self, device=None):
+        return 64 * 2**30, 64 * 2**30
+
+    def max_memory_allocated(self, device=None):
+        return 0
+
+    def reset_peak_memory_stats(self, device=None):
+        pass
+
+    def empty_cache(self):
+        pass
+
+    def Stream(self):
+        return FakeStream(self, "side")
+
+    def current_stream(self, device=None):
+        return self.current
+
+    @contextmanager
+    def stream(self, s):
+        prev, self.current = self.current, s
+        try:
+            yield
+        finally:
+            self.current = prev
+
+    # graphs
+    def graph_pool_handle(self):
+        return object()
+
+    def NPUGraph(self):
+        return NPUGraph(self)
+
+    def ExternalEvent(self):
+        return ExternalEvent(self)
+
+    @contextmanager
+    def graph(self, g, pool=None, stream=None, auto_dispatch_capture=False):
+        self.capture_kwargs.append(dict(auto_dispatch_capture=auto_dispatch_capture))
+        self.synchronize()
+        g.auto_dispatch_capture = auto_dispatch_capture
+        g.capture_stream = stream or FakeStream(self, "capture")
+        prev, self.current, self.capturing = self.current, g.capture_stream, g
+        try:
+            with _Recorder(self):
+                yield
+        finally:
+            self.current, self.capturing = prev, None
+
+    def graph_task_group_begin(self, stream):
+        assert self.capturing is not None and stream is self.capturing.capture_stream
+        self.capturing.group_open = True
+
+    def graph_task_group_end(self, stream):
+        g = self.capturing
+        assert g is not None and stream is g.capture_stream
+        g.group_open = False
+        handle = g.entries[-1]
+        assert handle.kind == "npu" and handle.task, "an empty task group"
+        return handle
+
+    def graph_task_update_begin(self, stream, handle):
+        g = handle.graph
+        if stream is g.capture_stream or stream is self.default_stream:
+            raise RuntimeError("fake NPU: task update issued on the capture/compute stream; "
+                               "updates go on their own stream")
+        if self.unsynced:
+            raise RuntimeError("fake NPU: task update while an earlier replay was never "
+                               "synchronized: it could land in that replay (vLLM-Ascend: "
+                               "synchronize, replay, then update)")
+        if not g.pending:
+            raise RuntimeError("fake NPU: task update for a graph that is not waiting in a "
+                               "replay (replay first, then update)")
+        self.updating, self.update_issued = handle, False
+
+    def graph_task_update_end(self, stream):
+        assert self.updating is not None and self.update_issued, "an empty task update"
+        self.updating = None
+
+    def advance(self):
+        """Run pending replays as far as their events allow."""
+        for g in list(self.pending):
+            while g.cursor < len(g.entries):
+                e = g.entries[g.cursor]
+                if isinstance(e, tuple):
+                    kind, event = e
+                    if kind == "wait" and not event.signaled:
+                        break
+                    if kind == "reset":
+                        event.signaled = False
+                else:
+                    with torch.inference_mode():
+                        if e.kind == "npu":
+                            with self.op_scope():
+                                e.run()
+                        else:
+                            e.run()
+                g.cursor += 1
+            if g.cursor == len(g.entries):
+                g.pending = False
+                self.pending.remove(g)
+                self.unsynced = True
+
+    @contextmanager
+    def op_scope(self):
+        prev, self.in_op = self.in_op, True
+        try:
+            yield
+        finally:
+            self.in_op = prev
+
+
+class FakeTorchNpu(types.ModuleType):
+    """The torch_npu module: `npu` (the runtime) and the ops, counting executions."""
+
+    def __init__(self, version="2.8.0", soc=223, cann=None):
+        super().__init__("torch_npu")
+        release = RELEASES[version]
+        self.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
+        self.__version__ = version
+        self.release = release
+        self.npu = NpuRuntime(cann or release["cann"], soc)
+        self.calls = Counter()
+        if release["workspace"]:
+            self._npu_paged_attention_get_workspace = self._get_workspace
+
+    # calling convention: capture, update, or run now
+    def _call(self, name, impl, args, kwargs):
+        rt = self.npu
+        if rt.updating is not None:
+            return self._update(name, args, kwargs)
+        if rt.capturing is not None and not rt.in_op:
+            g = rt.capturing
+            if "context_lens" in kwargs:                  # a host tensor: baked in
+                kwargs = {**kwargs, "context_lens": kwargs["context_lens"].clone()}
+            e = Entry("npu", impl, args, kwargs, name=name)
+            e.graph = g
+            e.task, g.group_open = g.group_open, False
+            e.record = g.auto_dispatch_capture and (
+                name != "_npu_paged_attention" or self.release["records_pa"])
+            g.entries.append(e)
+            with rt.op_scope():
+                e.set_out(impl(*args, **kwargs))
+            return e.out
+        with rt.op_scope():
+            return impl(*args, **kwargs)
+
+    def _update(self, name, args, kwargs):
+        rt, e = self.npu, self.npu.updating
+        if name != e.name or args:
+            raise RuntimeError(f"fake NPU: task update re-issues {name}, captured {e.name}")
+        for key, value in e.kwargs.items():
+            if key == "context_lens":
+                continue
+            new = kwargs.get(key)
+            if isinstance(value, torch.Tensor) and (
+                    not isinstance(new, torch.Tensor) or new.data_ptr() != value.data_ptr()
+                    or new.shape != value.shape):
+                raise RuntimeError(f"fake NPU: task update moved {key}: a graph's tensors "
+                                   "keep their captured addresses")
+        if kwargs.get("workspace") is None:
+            raise RuntimeError("fake NPU: _npu_paged_attention updated without a workspace: "
+                               "it would allocate one on the update stream at every step")
+        e.kwargs = {**kwargs, "context_lens": kwargs["context_lens"].clone()}
+        rt.update_issued = True
+
+    # ---- ops -----------------------------------------------------------------------------
+    def _npu_reshape_and_cache(self, key, value, key_cache, value_cache, slot_indices):
+        return self._call("_npu_reshape_and_cache", self._reshape_and_cache, (),
+                          dict(key=key, value=value, key_cache=key_cache,
+                               value_cache=value_cache, slot_indices=slot_indices))
+
+    def _reshape_and_cache(self, key, value, key_cache, value_cache, slot_indices):
+        assert slot_indices.dtype == torch.int32 and key.is_contiguous()
+        nb, bs, kvh, d = key_cache.shape
+        key_cache.view(nb * bs, kvh, d)[slot_indices.long()] = key
+        value_cache.view(nb * bs, kvh, d)[slot_indices.long()] = value
+        self.calls["cache"] += 1
+
+    def _npu_paged_attention(self, query, key_cache, value_cache, num_kv_heads, num_heads,
+                             scale_value, block_table, context_lens, out, **kw):
+        if set(kw) - {"workspace"} or (kw and not self.release["workspace"]):
+            raise TypeError(f"_npu_paged_attention() got unexpected keyword(s) {sorted(kw)} "
+                            f"(torch_npu {self.__version__})")
+        if kw.get("workspace") is None and (self.npu.capturing is not None):
+            raise RuntimeError("fake NPU: _npu_paged_attention captured without a workspace: "
+                               "each update would allocate one outside the graph's pool")
+        return self._call("_npu_paged_attention", self._paged_attention, (),
+                          dict(query=query, key_cache=key_cache, value_cache=value_cache,
+                               num_kv_heads=num_kv_heads, num_heads=num_heads,
+                               scale_value=scale_value, block_table=block_table,
+                               context_lens=context_lens, out=out, **kw))
+
+    def _get_workspace(self, query, key_cache, value_cache, num_kv_heads, num_heads,
+                       scale_value, block_table, context_lens, out):
+        assert context_lens.dtype == torch.int32 and context_lens.device.type == "cpu"
+        return torch.empty(pa_workspace_bytes(context_lens), dtype=torch.uint8)
+
+    def _paged_attention(self, query, key_cache, value_cache, num_kv_heads, num_heads,
+                         scale_value, block_table, context_lens, out, workspace=None):
+        if self.npu.soc == 260:
+            raise RuntimeError("fake NPU: _npu_paged_attention is not available on Ascend950")
+        nb, bs, kvh, d = key_cache.shape
+        assert block_table.dtype == torch.int32 and context_lens.dtype == torch.int32
+        assert context_lens.device.type == "cpu", "context_lens is a host tensor"
+        if bs % 16 or bs * d > 128 * 128 or d > 256:
+            raise RuntimeError(f"fake NPU: paged attention refuses block_size {bs} x head "
+                               f"size {d}")
+        assert (num_kv_heads, num_heads) == (kvh, query.shape[1])
+        assert len(context_lens) == query.shape[0] == out.shape[0]
+        if workspace is not None and workspace.numel() < pa_workspace_bytes(context_lens):
+            raise RuntimeError("fake NPU: paged-attention workspace too small for these "
+                               "lengths (it would overrun on hardware)")
+        for i, length in enumerate(context_lens.tolist()):
+            blocks = block_table[i, :math.ceil(length / bs)].long()
+            keys = key_cache[blocks].reshape(-1, kvh, d)[:length]
+            values = value_cache[blocks].reshape(-1, kvh, d)[:length]
+            out[i] = _attend(query[i:i + 1], keys, values, scale_value)[0]
+        self.calls["paged"] += 1
+
+    def npu_fused_infer_attention_score(self, q, k, v, **kw):
+        return self._call("npu_fused_infer_attention_score", self._fia, (q, k, v), kw)
+
+    def _fia(self, q, k, v, *, atten_mask, actual_seq_lengths, actual_seq_lengths_kv,
+             block_table, num_heads, scale, input_layout, num_key_value_heads, sparse_mode,
+             block_size):
+        if self.npu.soc in range(200, 206):
+            raise RuntimeError("fake NPU: npu_fused_infer_attention_score is not supported on "
+                               "Ascend310P")
+        assert input_layout == "TND" and sparse_mode == 3
+        assert atten_mask.shape == (2048, 2048) and atten_mask.dtype == torch.bool
+        assert all(isinstance(x, int) for x in actual_seq_lengths + actual_seq_lengths_kv)
+        assert actual_seq_lengths[-1] == q.shape[0] and block_table.dtype == torch.int32
+        nb, bs, width = k.shape
+        kvh = num_key_value_heads
+        d = width // kvh
+        allowed = (64, 128, 192) if int(self.npu.cann.split(".")[0]) >= 9 else (128,)
+        if d not in allowed:
+            raise RuntimeError(f"fake NPU: aclnnFusedInferAttentionScore error 561002: TND "
+                               f"layout with head size {d}")
+        assert bs == block_size and num_heads == q.shape[1]
+        out, start = torch.empty_like(q), 0
+        for i, (end, length) in enumerate(zip(actual_seq_lengths, actual_seq_lengths_kv)):
+            blocks = block_table[i, :math.ceil(length / bs)].long()
+            keys = k[blocks].reshape(-1, kvh, d)[:length]
+            values = v[blocks].reshape(-1, kvh, d)[:length]
+            out[start:end] = _attend(q[start:end], keys, values, scale, causal=True)
+            start = end
+        self.calls["fia"] += 1
+        return out, torch.zeros(1)
+
+    def npu_rms_norm(self, x, gamma, epsilon=1e-6):
+        return self._call("npu_rms_norm", self._rms_norm, (x, gamma), dict(epsilon=epsilon))
+
+    def _rms_norm(self, x, gamma, epsilon=1e-6, count=True):
+        assert gamma.shape == x.shape[-1:]
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + epsilon)
+        self.calls["rms_norm"] += count
+        return (xf * rstd * gamma.float()).to(x.dtype), rstd
+
+    def npu_add_rms_norm(self, x1, x2, gamma, epsilon=1e-6):
+        return self._call("npu_add_rms_norm", self._add_rms_norm, (x1, x2, gamma),
+                          dict(epsilon=epsilon))
+
+    def _add_rms_norm(self, x1, x2, gamma, epsilon=1e-6):
+        s = x1 + x2
+        y, rstd = self._rms_norm(s, gamma, epsilon, count=False)
+        self.calls["add_rms_norm"] += 1
+        return y, rstd, s
+
+    def npu_swiglu(self, x, dim=-1):
+        return self._call("npu_swiglu", self._swiglu, (x,), dict(dim=dim))
+
+    def _swiglu(self, x, dim=-1):
+        a, b = x.chunk(2, dim=dim)
+        self.calls["swiglu"] += 1
+        return F.silu(a) * b
+
+
+def install(monkeypatch, version="2.8.0", soc=223, cann=None) -> FakeTorchNpu:
+    """Make `import torch_npu` and `torch.npu` the fake for one test, and let the real
+    NpuPlatform allocate on the CPU, in fp32 (so tokens compare exactly with the CPU
+    reference path; the fake ops do not check the dtype)."""
+    from workbench.platforms.npu import NpuPlatform
+    fake = FakeTorchNpu(version, soc, cann)
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    monkeypatch.setattr(torch, "npu", fake.npu, raising=False)
+    monkeypatch.setattr(NpuPlatform, "device", property(lambda self: torch.device("cpu")))
+    monkeypatch.setattr(NpuPlatform, "default_dtype", torch.float32)
+    return fake
