@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from workbench import Engine, SamplingParams  # noqa: E402
-from workbench.bench import Workload, run_engine, run_engine_b1  # noqa: E402
+from workbench.bench import Workload, run_engine, run_engine_b1, save_random_qwen3  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 RESULTS: dict[str, dict] = {}
@@ -84,23 +84,10 @@ def free_engine(e: Engine) -> None:
 
 
 # ---- 1. correctness -------------------------------------------------------------------------
-def random_qwen3(path: Path, small: bool):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    cfg = Qwen3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2 if small else 4,
-                      num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-                      vocab_size=4096, max_position_embeddings=2048, rms_norm_eps=1e-6,
-                      tie_word_embeddings=False, initializer_range=0.1)
-    cfg.eos_token_id = None
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(cfg).eval()
-    model.save_pretrained(path)
-    return model
-
-
 def correctness(small: bool) -> None:
     from transformers import Qwen3ForCausalLM
     tmp = Path(tempfile.mkdtemp(prefix="wb-qwen3-"))
-    random_qwen3(tmp, small)
+    save_random_qwen3(tmp, layers=2 if small else 4, heads=8, kv_heads=4, head_dim=64)
     hf = Qwen3ForCausalLM.from_pretrained(tmp, dtype=torch.float32).to(DEV).eval()
     r = random.Random(1)
     prompts = [[r.randrange(10, 4096) for _ in range(r.randint(20, 200))] for _ in range(6)]
@@ -270,7 +257,6 @@ def ceilings(small: bool) -> None:
     x, y = (torch.randn(m, m, dtype=torch.bfloat16, device=DEV) for _ in range(2))
     mm = 2 * m ** 3 / timed(lambda: x @ y, 10)
     emit("ceilings", copy_TBps=round(copy / 1e12, 3), bf16_TFLOPs=round(mm / 1e12, 1))
-    del a, b, x, y
 
 
 def model_numbers(e: Engine) -> dict:

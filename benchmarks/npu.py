@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from workbench import Engine, SamplingParams  # noqa: E402
-from workbench.bench import Workload, run_engine, run_engine_b1  # noqa: E402
+from workbench.bench import Workload, run_engine, run_engine_b1, save_random_qwen3  # noqa: E402
 
 REF_DEVICE = "npu"
 """Where HF's reference runs: the NPU itself (the CPU smoke test sets 'cpu')."""
@@ -71,21 +71,10 @@ def doctor() -> None:
          refusal=r.refusal)
 
 
-def random_qwen3(path: Path, small: bool) -> None:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    cfg = Qwen3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2 if small else 4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=128,
-                      vocab_size=4096, max_position_embeddings=2048, rms_norm_eps=1e-6,
-                      tie_word_embeddings=False, initializer_range=0.1)
-    cfg.eos_token_id = None
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(cfg).eval().save_pretrained(path)
-
-
 def correctness(small: bool) -> None:
     from transformers import Qwen3ForCausalLM
     tmp = Path(tempfile.mkdtemp(prefix="wb-qwen3-d128-"))
-    random_qwen3(tmp, small)
+    save_random_qwen3(tmp, layers=2 if small else 4, heads=4, kv_heads=2, head_dim=128)
     r = random.Random(1)
     prompts = [[r.randrange(10, 4096) for _ in range(r.randint(20, 200))]
                for _ in range(2 if small else 6)]
@@ -193,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     model = "random:qwen3-0.6b"
     if a.small:
         model = tempfile.mkdtemp(prefix="wb-qwen3-d128-small-")
-        random_qwen3(Path(model), small=True)
+        save_random_qwen3(Path(model), layers=2, heads=4, kv_heads=2, head_dim=128)
     if "doctor" in parts:
         guarded("doctor", doctor)
     if "correctness" in parts:

@@ -38,8 +38,8 @@ def main(src: str, dst: str) -> None:
     env = next((r for r in map(json.loads, open(src)) if r["part"] == "env"), {})
     tput = [(r["concurrency"], r["out_tok_s"]) for r in rows]
     ttft = [(r["concurrency"], r["ttft_p99_ms"]) for r in rows]
-    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="680" height="300" '
-           f'font-family="sans-serif" font-size="11">',
+    svg = ['<svg xmlns="http://www.w3.org/2000/svg" width="680" height="300" '
+           'font-family="sans-serif" font-size="11">',
            '<rect width="100%" height="100%" fill="white"/>',
            panel(10, "output tokens/s", tput, "log scale", "#1f77b4"),
            panel(350, "TTFT p99, ms", ttft, "log scale", "#ff7f0e"),

@@ -45,6 +45,19 @@ def make_workload(n: int, in_range: tuple[int, int], out_range: tuple[int, int],
     return Workload(prompts, outs)
 
 
+def save_random_qwen3(path, layers: int, heads: int, kv_heads: int, head_dim: int) -> None:
+    """A small random Qwen3 checkpoint (safetensors and config), for correctness checks that
+    load it like any local checkpoint, in our engine and in HF transformers alike."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    cfg = Qwen3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                      vocab_size=4096, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False, initializer_range=0.1)
+    cfg.eos_token_id = None
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(cfg).eval().save_pretrained(path)
+
+
 def _pct(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
