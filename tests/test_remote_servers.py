@@ -201,9 +201,10 @@ def test_remote_source_panels_fill(server):
 
     async def run():
         source = RemoteSource(server.url, model=server.model, metrics_interval=0.2)
-        live = Live(source, TokenStreamPanel(), BatchTimeline(), KVBlockMap(), SummaryPanel())
+        live = Live(source, TokenStreamPanel(), BatchTimeline(window=100_000), KVBlockMap(),
+                    SummaryPanel())
         rids = await live.generate(["Name a colour.", "Say hello.", "Count to three."],
-                                   SamplingParams(max_tokens=8, temperature=0), timeout=240)
+                                   SamplingParams(max_tokens=5, temperature=0), timeout=240)
         await asyncio.sleep(0.5)          # a couple more intervals, then one last tick
         live.pump.tick()
         n_points = len(live.panels[1].points)
