@@ -307,3 +307,25 @@ def test_server_that_lists_no_models(smollm2_dir, tmp_path):
         assert d2.errors.num_errors == 0 and "404" in d2.notices.value
     finally:
         _stop(proc)
+
+
+def test_panels_send_only_the_fields_that_were_set():
+    from widgets.sources import request_fields
+    from workbench import SamplingParams
+    assert request_fields(SamplingParams(max_tokens=5, temperature=0.3)) == {}
+    assert request_fields(SamplingParams(top_k=-1)) == {}
+    p = SamplingParams(top_p=0.9, top_k=20, seed=1, stop="x", stop_token_ids=[7], ignore_eos=True)
+    assert request_fields(p) == {"top_p": 0.9, "top_k": 20, "seed": 1, "stop": ["x"],
+                                 "stop_token_ids": [7], "ignore_eos": True}
+
+
+def test_error_log_counts_repeats_and_keeps_the_newest():
+    pytest.importorskip("ipywidgets")
+    from widgets.live import ErrorLog
+    log = ErrorLog(keep=2)
+    log.add([("remote-0", "400: prompt: too long"), ("/metrics", "500: boom")])
+    log.add([("remote-1", "400: prompt: too long"), ("remote-2", "422: refuses 'ignore_eos'")])
+    assert log.num_errors == 4
+    assert list(log.entries) == ["400: prompt: too long", "422: refuses 'ignore_eos'"]
+    assert log.entries["400: prompt: too long"] == [2, ["remote-0", "remote-1"]]
+    assert "×2" in log.value and "boom" not in log.value and "ignore_eos" in log.value
