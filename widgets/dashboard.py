@@ -4,6 +4,7 @@ block map, summary and knobs, all fed by one engine (or one remote server).
     from widgets import Dashboard
     Dashboard()                                   # the embedded model on this machine
     Dashboard(url="http://127.0.0.1:8000")        # watch and drive a vLLM / workbench server
+    Dashboard(url=..., model="org/name")          # a server that lists no model, or several
 
 `workbench dashboard` serves it with Voila (notebooks/dashboard.ipynb).
 """
@@ -19,9 +20,9 @@ from workbench import Engine, EngineConfig, SamplingParams
 
 from .knobs import KnobPanel
 from .kv_map import KVBlockMap
-from .live import Pump
+from .live import ErrorLog, Pump
 from .sources import LocalSource, RemoteSource, as_source
-from .style import css_widget, esc
+from .style import css_widget, esc, notices_html
 from .summary import SummaryPanel
 from .timeline import BatchTimeline
 from .token_stream import TokenStreamPanel
@@ -40,17 +41,22 @@ DASHBOARD_DEFAULTS = dict(max_num_seqs=32, num_kv_blocks=384)
 
 
 class Dashboard(w.VBox):
-    """The whole workbench on one page. Give an `engine`, a `config`, or a server `url`."""
+    """The whole workbench on one page. Give an `engine`, a `config`, or a server `url` (with
+    `api_key` and `model`, the model id to request, where needed)."""
 
     num_sent = traitlets.Int(0)
     num_rebuilds = traitlets.Int(0)
 
     def __init__(self, engine: Engine | None = None, *, config: EngineConfig | None = None,
-                 url: str | None = None, api_key: str | None = None, hz: float = 20.0):
+                 url: str | None = None, api_key: str | None = None, model: str | None = None,
+                 hz: float = 20.0):
         if sum(x is not None for x in (engine, config, url)) > 1:
             raise ValueError("give one of engine, config or url")
+        if url is None and (api_key is not None or model is not None):
+            raise ValueError("api_key, model: only with url= (a local engine's model is in its "
+                             "config)")
         if url is not None:
-            source = RemoteSource(url, api_key=api_key)
+            source = RemoteSource(url, api_key=api_key, model=model)
         else:
             source = as_source(engine if engine is not None
                                else Engine(config or EngineConfig(**DASHBOARD_DEFAULTS)))
@@ -74,6 +80,9 @@ class Dashboard(w.VBox):
         self.clear_button = w.Button(description="Clear panels", icon="eraser",
                                      layout=w.Layout(width="100%"))
         self.message = w.HTML()
+        """Why the last Send sent nothing (bad input)."""
+        self.errors = ErrorLog()
+        """What the engine or server answered with errors, each distinct one once, counted."""
         self.send_button.on_click(lambda _: self.send())
         self.abort_button.on_click(lambda _: self.source.abort_all())
         self.clear_button.on_click(lambda _: self.clear())
@@ -82,12 +91,11 @@ class Dashboard(w.VBox):
             self.knobs.apply_button.disabled = True
             self.knobs.status.value = ('<div class="wb muted">A remote server\'s engine knobs are '
                                        'set where it runs; temperature and max tokens apply.</div>')
-            self.kv.unavailable("A remote server does not publish its block table; the "
-                                "timeline shows its /metrics instead.")
+            self.kv.unavailable(source.kv_note())
 
         controls = w.VBox([w.HTML('<div class="wb"><h3>Send requests</h3></div>'), self.prompts,
                            self.n, self.chat, w.HBox([self.send_button, self.abort_button]),
-                           self.clear_button, self.message,
+                           self.clear_button, self.message, self.errors,
                            w.HTML('<div class="wb"><h3>Knobs</h3></div>'), self.knobs],
                           layout=w.Layout(width="390px", min_width="390px", padding="0 12px 0 0"))
         main = w.VBox([self.summary, self.streams, self.timeline, self.kv],
@@ -101,11 +109,12 @@ class Dashboard(w.VBox):
 
     @classmethod
     def from_env(cls) -> "Dashboard":
-        """Settings from WORKBENCH_URL (+ WORKBENCH_API_KEY) for a server, else
+        """Settings from WORKBENCH_URL (+ WORKBENCH_API_KEY, WORKBENCH_MODEL) for a server, else
         WORKBENCH_MODEL / WORKBENCH_DEVICE for an engine here (what `workbench dashboard` sets)."""
         url = os.environ.get("WORKBENCH_URL")
         if url:
-            return cls(url=url, api_key=os.environ.get("WORKBENCH_API_KEY"))
+            return cls(url=url, api_key=os.environ.get("WORKBENCH_API_KEY"),
+                       model=os.environ.get("WORKBENCH_MODEL"))
         config = EngineConfig(model=os.environ.get("WORKBENCH_MODEL", "smollm2"),
                               device=os.environ.get("WORKBENCH_DEVICE", "auto"),
                               **DASHBOARD_DEFAULTS)
@@ -118,13 +127,14 @@ class Dashboard(w.VBox):
         kind = "remote server" if isinstance(self.source, RemoteSource) else "engine"
         self.header.value = (f'<div class="wb"><h2 style="margin:4px 0">Prefill/decode '
                              f'workbench</h2><div class="engine-info">{kind}: {items}</div></div>')
-        self.notices.value = "".join(f'<div class="wb"><div class="notice">{esc(n)}</div></div>'
-                                     for n in self.source.notices)
+        self.notices.value = notices_html(self.source.notices)
 
     def _show_errors(self, u) -> None:
-        if u.errors:
-            self.message.value = ('<div class="wb"><div class="error">'
-                                  + "<br>".join(map(esc, u.errors[-5:])) + "</div></div>")
+        self.errors.add(u.errors)
+        if notices_html(self.source.notices) != self.notices.value:   # e.g. /metrics went away
+            self._describe()
+            if isinstance(self.source, RemoteSource):
+                self.kv.unavailable(self.source.kv_note())
 
     # ---- actions ------------------------------------------------------------------------------
     def prompt_list(self) -> list:
@@ -144,6 +154,7 @@ class Dashboard(w.VBox):
             base = params or self.knobs.sampling_params()
             base.validate()
             if isinstance(self.source, RemoteSource):
+                self.source.ready()
                 self.source.chat = self.chat.value
             else:
                 for p in prompts:
@@ -166,7 +177,7 @@ class Dashboard(w.VBox):
         return await self.pump.wait(timeout)
 
     def clear(self) -> None:
-        for p in (self.streams, self.timeline, self.summary):
+        for p in (self.streams, self.timeline, self.summary, self.errors):
             p.clear()
 
     def swap_engine(self, engine: Engine) -> None:

@@ -19,11 +19,13 @@ import time
 from typing import Any, Iterable
 
 import ipywidgets as w
+import traitlets
 
 from workbench import SamplingParams
 
 from .kv_map import KVBlockMap
 from .sources import LocalSource, RemoteSource, Update, as_source
+from .style import esc, notices_html
 from .summary import SummaryPanel
 
 
@@ -111,6 +113,42 @@ class Pump:
         return True
 
 
+class ErrorLog(w.HTML):
+    """The distinct errors of a source, each once with how often it came and from whom
+    (newest last, the last `keep` kept), so that a repeating error never hides another."""
+
+    num_errors = traitlets.Int(0, help="Errors received, repeats included.")
+
+    def __init__(self, keep: int = 8, **kw):
+        super().__init__(**kw)
+        self.keep = keep
+        self.entries: dict[str, list] = {}
+        """message -> [count, [who, ...]] in order of last arrival."""
+
+    def add(self, errors: list[tuple[str, str]]) -> None:
+        if not errors:
+            return
+        for who, message in errors:
+            count, whos = self.entries.pop(message, [0, []])
+            if who not in whos:
+                whos.append(who)
+            self.entries[message] = [count + 1, whos]
+            self.num_errors += 1
+        for old in list(self.entries)[:-self.keep]:
+            del self.entries[old]
+        rows = []
+        for message, (count, whos) in self.entries.items():
+            shown = ", ".join(whos[-3:]) + (f" +{len(whos) - 3}" if len(whos) > 3 else "")
+            times = f" <b>×{count}</b>" if count > 1 else ""
+            rows.append(f"<div>{esc(message)}{times} <span class=\"muted\">({esc(shown)})</span></div>")
+        self.value = f'<div class="wb"><div class="error">{"".join(rows)}</div></div>'
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.num_errors = 0
+        self.value = ""
+
+
 def prompts_and_params(prompts: Any, params) -> list[tuple[Any, SamplingParams]]:
     if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                     and isinstance(prompts[0], (int, dict))):
@@ -134,18 +172,20 @@ class Live(w.VBox):
             if hasattr(p, "set_resolution"):
                 p.set_resolution(self.source.resolution)
             if isinstance(p, KVBlockMap) and isinstance(self.source, RemoteSource):
-                p.unavailable("A remote server does not publish its block table.")
+                p.unavailable(self.source.kv_note())
         self.pump = Pump(self.source, self.panels, hz)
-        self.errors = w.HTML()
-        self.pump.on_tick.append(self._show_errors)
-        super().__init__([*self.panels, self.errors])
+        self.errors = ErrorLog()
+        self.notices = w.HTML()
+        self.pump.on_tick.append(self._show)
+        super().__init__([self.notices, *self.panels, self.errors])
+        self._show(Update())
         self.pump.start()
 
-    def _show_errors(self, u: Update) -> None:
-        if u.errors:
-            from .style import esc
-            self.errors.value = ('<div class="wb"><div class="error">'
-                                 + "<br>".join(map(esc, u.errors[-5:])) + "</div></div>")
+    def _show(self, u: Update) -> None:
+        self.errors.add(u.errors)
+        html = notices_html(self.source.notices)   # a server may lose its /metrics later
+        if html != self.notices.value:
+            self.notices.value = html
 
     def submit(self, prompts, params: SamplingParams | list[SamplingParams] | None = None
                ) -> list[str]:

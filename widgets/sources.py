@@ -8,8 +8,10 @@ Both sources give the panels the same shapes:
 - token events with `request_id, text, index, time, finished, finish_reason`
   (the engine's `TokenEvent`, or `RemoteTokenEvent` with the source's own request id);
 - timeline points with the fields of a `StepEvent` that a timeline draws (a remote server
-  has no per-step record, so each poll of its `/metrics` becomes one `MetricsPoint`);
-- one `RequestRecord` per finished request, for the summary.
+  has no per-step record, so each poll of its `/metrics` becomes one `MetricsPoint`; a server
+  without /metrics gets points from what this client sees of its streams);
+- one `RequestRecord` per finished request, for the summary;
+- errors as (who, message) pairs, for an error log that counts repeats.
 """
 from __future__ import annotations
 
@@ -40,19 +42,28 @@ class RequestRecord:
 
 @dataclass
 class MetricsPoint:
-    """One poll of a server's /metrics, with the StepEvent fields a timeline draws."""
+    """One interval of a remote server, with the StepEvent fields a timeline draws: a poll of
+    its /metrics (phase 'poll'), or, for a server without /metrics, what this client saw of
+    its own streams in that interval (phase 'client')."""
     step: int
     start: float
     duration: float
     num_prefill_tokens: int
-    """Prompt tokens the server counted since the previous poll."""
+    """Prompt tokens the server counted since the previous poll (0 in the client's view)."""
     num_decode_tokens: int
-    """Output tokens the server counted since the previous poll."""
+    """Output tokens since the previous point: the server's count, or in the client's view
+    the tokens its streams brought (a request's usage count, where the server gave one,
+    replaces its chunk count when it ends, as everywhere else)."""
     num_running: int
+    """Requests running (client's view: streaming, first token received)."""
     num_waiting: int
-    kv_usage: float
+    """Requests waiting (client's view: sent, no token yet)."""
+    kv_usage: float | None
+    """KV pool in use, 0..1; None where unknown (the client's view)."""
     num_preempted: int
     phase: str = "poll"
+    ttfts: list = field(default_factory=list)
+    """Client's view: TTFTs (s) of the requests whose first token came in this interval."""
     graph: bool | None = None
     """Unknown: a server's /metrics does not say."""
     graph_size: int | None = None
@@ -71,7 +82,8 @@ class Update:
     events: list = field(default_factory=list)
     steps: list = field(default_factory=list)
     finished: list[RequestRecord] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
+    errors: list[tuple[str, str]] = field(default_factory=list)
+    """(who: a request id or an endpoint, message)."""
 
     def __bool__(self) -> bool:
         return bool(self.submitted or self.events or self.steps or self.finished or self.errors)
@@ -164,81 +176,127 @@ class LocalSource:
         self.engine.shutdown()
 
 
+def request_fields(params: SamplingParams) -> dict[str, Any]:
+    """The request-body fields for `params` beyond max_tokens and temperature: only those set
+    away from their defaults, so a strict OpenAI server sees nothing the user did not ask for
+    (vLLM's extensions top_k, stop_token_ids and ignore_eos included)."""
+    default = SamplingParams()
+    out = {name: getattr(params, name) for name in ("top_p", "seed", "stop", "stop_token_ids",
+                                                     "ignore_eos")
+           if getattr(params, name) != getattr(default, name)}
+    if params.top_k > 0:
+        out["top_k"] = params.top_k
+    return out
+
+
 class RemoteSource:
-    """A remote OpenAI-compatible server (vLLM, vLLM-Ascend, `workbench serve`).
+    """A remote OpenAI-compatible server (vLLM, vLLM-Ascend, `workbench serve`, others).
 
-    Requests stream as asyncio tasks on the caller's running loop (in Jupyter, the kernel's),
-    and /metrics is polled every `metrics_interval` seconds into MetricsPoints: the timeline
-    then shows the server at that coarser resolution. Needs a running asyncio loop: create
-    and use it from a notebook cell, a widget callback, or an `async` function.
+    At connect it asks once what the server offers (`RemoteEngine.probe()`): its models, its
+    /metrics, its version. Requests stream as asyncio tasks on the caller's running loop (in
+    Jupyter, the kernel's). Where the server has vLLM's /metrics, they are polled every
+    `metrics_interval` seconds into MetricsPoints (`resolution` 'poll'); where it has none,
+    the points come from this client's own streams at that interval (`resolution` 'client'),
+    and `notices` says so. `model`: the model id to request (default: the first listed; a
+    server that lists none needs it, and says so in `notices` until given). Needs a running
+    asyncio loop to send: use it from a notebook cell, a widget callback or an `async` function.
     """
-
-    resolution = "poll"
 
     def __init__(self, url, *, api_key: str | None = None, model: str | None = None,
                  chat: bool = True, metrics_interval: float = 0.5):
-        from workbench.remote import RemoteEngine
+        from workbench.remote import RemoteEngine, RemoteError
         self.remote = url if isinstance(url, RemoteEngine) else RemoteEngine(url, model, api_key)
+        if model is not None:
+            self.remote.model = model
         self.chat = chat
         self.metrics_interval = metrics_interval
-        self.model = self.remote.model            # asks /v1/models once, if not given
+        self.info = self.remote.probe()
         self.config = None                        # a server's knobs are not ours to turn
         self.notices: list[str] = []
+        try:
+            self.model: str | None = self.remote.model
+        except RemoteError as e:
+            self.model = None
+            self.notices.append(f"{e}. Until then nothing can be sent.")
+        self.resolution = "poll" if self.info.metrics else "client"
+        if not self.info.metrics:
+            self.notices.append(self._no_metrics())
         self._ids = itertools.count()
         self._events: deque = deque()
         self._submitted: list[tuple[str, float, str]] = []
         self._points: list[MetricsPoint] = []
         self._records: list[RequestRecord] = []
-        self._errors: list[str] = []
+        self._errors: list[tuple[str, str]] = []
         self._tasks: dict[str, asyncio.Task] = {}
         self._metrics_task: asyncio.Task | None = None
         self._last: dict | None = None
         self._polls = 0
+        self._first_token: dict[str, float | None] = {}   # client's view: rid -> TTFT, in flight
+        self._tokens = 0                                  # client's view: tokens this interval
+        self._ttfts: list[float] = []
+
+    def _no_metrics(self) -> str:
+        return (f"{self.remote.url} has no vLLM /metrics (GET /metrics: {self.info.metrics_why}): "
+                "the timeline shows this client's own view of its requests (in flight, waiting "
+                "for a first token, tokens per interval, TTFT), not the server's.")
 
     def describe(self) -> dict[str, str]:
-        return {"server": self.remote.url, "model": self.model,
-                "metrics": f"polled every {self.metrics_interval:g} s"}
+        out = {"server": self.remote.url, "model": self.model or "none listed: pass model="}
+        if self.info.version:
+            out["version"] = self.info.version
+        out["metrics"] = (f"/metrics every {self.metrics_interval:g} s" if self.info.metrics
+                          else f"none ({self.info.metrics_why}): client view")
+        return out
 
     @property
     def num_pending(self) -> int:
         return len(self._tasks)
 
+    def ready(self) -> None:
+        """Raise ValueError if nothing can be sent yet (no model to name)."""
+        if self.model is None:
+            raise ValueError(f"model: the server at {self.remote.url} lists no models; give the "
+                             "model id to request (model=... or workbench dashboard --model)")
+
     def submit(self, prompt: Any, params: SamplingParams) -> str:
+        """Send one request (bad input, or no model to name, raises ValueError; nothing sent)."""
         params.validate()
+        self.ready()
         rid = f"remote-{next(self._ids)}"
         self._ensure_metrics()
         task = asyncio.ensure_future(self._stream(rid, prompt, params))
         self._tasks[rid] = task
+        self._first_token[rid] = None
         self._submitted.append((rid, time.monotonic(), prompt_label(prompt)))
         return rid
 
     async def _stream(self, rid: str, prompt: Any, params: SamplingParams) -> None:
-        extra: dict[str, Any] = {"top_p": params.top_p, "ignore_eos": params.ignore_eos}
-        if params.top_k and params.top_k > 0:
-            extra["top_k"] = params.top_k
-        if params.seed is not None:
-            extra["seed"] = params.seed
-        if params.stop:
-            extra["stop"] = list(params.stop)
         last = None
         try:
             async for ev in self.remote.astream(prompt, params.max_tokens, chat=self.chat,
-                                                temperature=params.temperature, **extra):
+                                                temperature=params.temperature,
+                                                **request_fields(params)):
                 ev.request_id = rid
                 last = ev
                 self._events.append(ev)
+                if ev.text:
+                    self._tokens += 1
+                    if self._first_token.get(rid, 0) is None:
+                        self._first_token[rid] = ev.since_start
+                        self._ttfts.append(ev.since_start)
             st = last.stats
-            n = st.completion_tokens if st.completion_tokens is not None else st.num_chunks
-            self._records.append(RequestRecord(rid, st.ttft, st.tpot, st.e2e, n,
+            self._tokens += st.num_tokens - st.num_chunks   # the usage count is the count
+            self._records.append(RequestRecord(rid, st.ttft, st.tpot, st.e2e, st.num_tokens,
                                                st.finish_reason, 0, time.monotonic()))
         except asyncio.CancelledError:
             self._final(rid, "abort")
             raise
         except Exception as e:   # the server said no, or the connection broke
-            self._errors.append(f"{rid}: {e}")
+            self._errors.append((rid, str(e)))
             self._final(rid, "error")
         finally:
             self._tasks.pop(rid, None)
+            self._first_token.pop(rid, None)
 
     def _final(self, rid: str, reason: str) -> None:
         from workbench.remote import RemoteTokenEvent
@@ -250,16 +308,33 @@ class RemoteSource:
             self._metrics_task = asyncio.ensure_future(self._poll_metrics())
 
     async def _poll_metrics(self) -> None:
+        """One point per interval: from /metrics while the server answers it (a 404 ends the
+        polling, with one notice, and the client's view takes over), else the client's view."""
         while True:
             t0 = time.monotonic()
-            try:
-                m = await self.remote.apoll_metrics()
-            except Exception as e:
-                if not self._errors or not self._errors[-1].startswith("/metrics"):
-                    self._errors.append(f"/metrics: {e}")
+            if self.resolution == "poll":
+                try:
+                    m = await self.remote.apoll_metrics()
+                except Exception as e:
+                    self._errors.append(("/metrics", str(e)))
+                else:
+                    if m is None:
+                        self.info.metrics, self.info.metrics_why = False, "404"
+                        self.resolution = "client"
+                        self.notices.append(self._no_metrics())
+                    else:
+                        self._add_point(m, t0)
             else:
-                self._add_point(m, t0)
+                self._add_client_point(t0)
             await asyncio.sleep(max(0.0, self.metrics_interval - (time.monotonic() - t0)))
+
+    def _add_client_point(self, t0: float) -> None:
+        running = sum(v is not None for v in self._first_token.values())
+        self._points.append(MetricsPoint(
+            self._polls, t0, self.metrics_interval, 0, self._tokens, running,
+            len(self._first_token) - running, None, 0, phase="client", ttfts=self._ttfts))
+        self._tokens, self._ttfts = 0, []
+        self._polls += 1
 
     def _add_point(self, m: dict, t0: float) -> None:
         prev, self._last = self._last, m
@@ -289,6 +364,12 @@ class RemoteSource:
 
     def kv_blocks(self):
         return None     # a server does not publish its block table
+
+    def kv_note(self) -> str:
+        """What the KV map says instead of a block table."""
+        return "A remote server does not publish its block table" + (
+            "; the timeline shows its KV usage from /metrics." if self.resolution == "poll"
+            else ", and this one has no /metrics either: nothing here shows its KV cache.")
 
     def prefix_cache_stats(self) -> tuple[int, int] | None:
         return None

@@ -86,6 +86,10 @@ def esc(text: str) -> str:
     return html.escape(text, quote=True)
 
 
+def notices_html(notices) -> str:
+    return "".join(f'<div class="wb"><div class="notice">{esc(n)}</div></div>' for n in notices)
+
+
 def ms(seconds: float | None, digits: int = 0) -> str:
     """Seconds -> '123 ms' (or '—')."""
     if seconds is None or (isinstance(seconds, float) and math.isnan(seconds)):

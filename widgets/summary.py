@@ -14,7 +14,8 @@ RATE_WINDOW = 3.0
 
 
 def _is_token(ev) -> bool:
-    """An event that brought a token: the engine's carry token_id; a server's are text chunks."""
+    """An event that brought a token: the engine's carry token_id; a server's are text chunks
+    (counted while a request streams; its record's count replaces them when it ends)."""
     if hasattr(ev, "token_id"):
         return ev.token_id is not None
     return bool(ev.text)
@@ -27,6 +28,8 @@ class SummaryPanel(w.VBox):
 
     def __init__(self, **kw):
         self.records: list[RequestRecord] = []
+        self._streaming: dict[str, int] = {}   # tokens counted so far of requests not yet ended
+        self._ended: set[str] = set()
         self._recent: deque[tuple[float, int]] = deque()   # (time, new tokens) for the live rate
         self._first: float | None = None
         self._last: float | None = None
@@ -37,6 +40,8 @@ class SummaryPanel(w.VBox):
 
     def clear(self) -> None:
         self.records.clear()
+        self._streaming.clear()
+        self._ended.clear()
         self._recent.clear()
         self._first = self._last = None
         self.num_finished = self.num_preemptions = self.output_tokens = 0
@@ -52,11 +57,16 @@ class SummaryPanel(w.VBox):
             if _is_token(ev):
                 new += 1
                 self._last = ev.time
+                if ev.request_id not in self._ended:
+                    self._streaming[ev.request_id] = self._streaming.get(ev.request_id, 0) + 1
         decaying = bool(self._recent)     # the live rate falls back to 0 after a run
         if new:
             self._recent.append((time.monotonic(), new))
-            self.output_tokens += new
         self.records.extend(u.finished)
+        for r in u.finished:               # an ended request counts as its record says
+            self._streaming.pop(r.request_id, None)
+            self._ended.add(r.request_id)
+        self.output_tokens = sum(r.output_tokens for r in self.records) + sum(self._streaming.values())
         self.num_preemptions += sum(s.num_preempted for s in u.steps)
         self.num_finished = len(self.records)
         if new or decaying or u.finished or u.submitted or changed or \

@@ -6,7 +6,9 @@ a bar names the requests in the step and what each did. Bottom: running and wait
 requests, and KV-pool usage on the right axis.
 
 For a remote server the x axis is the /metrics poll, not the step: the server does not
-publish its steps, so each bar is the tokens it counted between two polls.
+publish its steps, so each bar is the tokens it counted between two polls. A server without
+/metrics is drawn from the client's own view, and labelled so: output tokens its streams
+brought per interval, requests streaming and waiting for a first token, no KV line.
 """
 from __future__ import annotations
 
@@ -24,6 +26,12 @@ HOVER_REQUESTS = 8
 
 
 def _hover(s) -> str:
+    if s.phase == "client":
+        ttft = ", ".join(f"{t * 1e3:.0f}" for t in s.ttfts[:HOVER_REQUESTS])
+        return (f"client view {s.step} · {s.duration * 1e3:.0f} ms<br>{s.num_decode_tokens} "
+                f"output tokens ({s.num_decode_tokens / s.duration:.1f} tok/s)<br>"
+                f"{s.num_running} streaming · {s.num_waiting} waiting for a first token"
+                + (f"<br>TTFT ms: {ttft}" if ttft else ""))
     if s.phase == "poll":
         return (f"poll {s.step} · {s.duration * 1e3:.0f} ms<br>{s.num_prefill_tokens} prompt + "
                 f"{s.num_decode_tokens} output tokens<br>{s.num_running} running · "
@@ -78,11 +86,16 @@ class BatchTimeline(w.VBox):
         self.set_resolution(resolution)
         super().__init__([css_widget(), self.fig], **kw)
 
+    AXIS = {"step": "engine step", "poll": "/metrics poll",
+            "client": "interval, as this client saw its streams (the server has no /metrics)"}
+
     def set_resolution(self, resolution: str) -> None:
-        """'step' (the in-process engine) or 'poll' (a server's /metrics)."""
+        """'step' (the in-process engine), 'poll' (a server's /metrics) or 'client' (a server
+        without /metrics, seen through this client's streams)."""
+        if resolution not in self.AXIS:
+            raise ValueError(f"resolution: one of {', '.join(self.AXIS)} (got {resolution!r})")
         self.resolution = resolution
-        self.fig.update_xaxes(title_text="engine step" if resolution == "step"
-                              else "/metrics poll", row=2, col=1)
+        self.fig.update_xaxes(title_text=self.AXIS[resolution], row=2, col=1)
 
     def clear(self) -> None:
         self.points.clear()
@@ -91,6 +104,8 @@ class BatchTimeline(w.VBox):
     def update(self, u: Update) -> None:
         if not u.steps:
             return
+        if u.steps[-1].phase == "client" != self.resolution:
+            self.set_resolution("client")        # the server stopped answering /metrics
         self.points.extend(u.steps)
         self._draw()
 
@@ -114,7 +129,8 @@ class BatchTimeline(w.VBox):
                 trace.showlegend = any(graph)
             data[4].x, data[4].y = x, [p.num_running for p in pts]
             data[5].x, data[5].y = x, [p.num_waiting for p in pts]
-            data[6].x, data[6].y = x, [round(100 * p.kv_usage, 1) for p in pts]
+            data[6].x, data[6].y = x, [None if p.kv_usage is None else round(100 * p.kv_usage, 1)
+                                       for p in pts]
             # Whole-step ticks while there are few steps (plotly would put ticks at halves).
             dtick = 1 if x and x[-1] - x[0] < 12 else None
             self.fig.layout.xaxis.dtick = self.fig.layout.xaxis2.dtick = dtick

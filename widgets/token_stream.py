@@ -46,9 +46,9 @@ class StreamState:
                 self.first = ev.time
             self.last = ev.time
             self.num_tokens = ev.index
-        stats = getattr(ev, "stats", None)     # a server's final event: its usage count
-        if stats is not None and stats.completion_tokens is not None:
-            self.num_tokens = stats.completion_tokens
+        stats = getattr(ev, "stats", None)     # a server's final event: its token count
+        if stats is not None:
+            self.num_tokens = stats.num_tokens
         if ev.finished:
             self.status = ev.finish_reason or "stop"
         elif self.status == "waiting" and self.first is not None:

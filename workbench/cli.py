@@ -96,11 +96,17 @@ def cmd_generate(a) -> int:
 def cmd_bench_serving(a) -> int:
     import json
 
-    from .remote import bench, format_report
-    report = bench(a.url, num_requests=a.num_requests, concurrency=a.concurrency,
-                   request_rate=a.request_rate, input_words=_range(a.input_words),
-                   output_len=_range(a.output_len), model=a.served_model, api_key=a.api_key,
-                   seed=a.seed, chat=a.chat, progress=True)
+    import httpx
+
+    from .remote import RemoteError, bench, format_report
+    try:
+        report = bench(a.url, num_requests=a.num_requests, concurrency=a.concurrency,
+                       request_rate=a.request_rate, input_words=_range(a.input_words),
+                       output_len=_range(a.output_len), model=a.model, api_key=a.api_key,
+                       seed=a.seed, chat=a.chat, ignore_eos=bool(a.ignore_eos), progress=True)
+    except (RemoteError, httpx.HTTPError) as e:
+        print(f"error: {a.url}: {e}", file=sys.stderr)
+        return 2
     print(format_report(report))
     if a.output:
         with open(a.output, "w") as f:
@@ -112,9 +118,12 @@ def cmd_bench_serving(a) -> int:
 def cmd_bench(a) -> int:
     if a.url:
         return cmd_bench_serving(a)
+    if a.ignore_eos is not None:
+        raise ValueError("--ignore-eos/--no-ignore-eos: only for a server (--url); the offline "
+                         "benchmark always runs each request to its length")
     from .bench import format_table, run, save
     peers = tuple(x for x in a.peers.split(",") if x and x != "none")
-    report = run(model=a.model, num_requests=a.num_requests, in_range=_range(a.input_len),
+    report = run(model=a.model or "smollm2", num_requests=a.num_requests, in_range=_range(a.input_len),
                  out_range=_range(a.output_len), seed=a.seed, peers=peers,
                  static_batch=a.static_batch, engine_kwargs=_engine_kwargs(a),
                  log=lambda s: print(s, file=sys.stderr))
@@ -245,7 +254,9 @@ def _jupyter(module: str, args: list[str], env: dict[str, str], url: str) -> int
 
 def cmd_dashboard(a) -> int:
     nb = notebooks_dir() / "dashboard.ipynb"
-    env = {"WORKBENCH_MODEL": a.model, "WORKBENCH_DEVICE": a.device}
+    env = {"WORKBENCH_DEVICE": a.device}
+    if a.model:
+        env["WORKBENCH_MODEL"] = a.model
     if a.url:
         env["WORKBENCH_URL"] = a.url
         if a.api_key:
@@ -300,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="offline throughput benchmark against HF transformers")
     _engine_args(b)
+    b.set_defaults(model=None)   # smollm2 here; with --url, the model id to request
     b.add_argument("--num-requests", type=int, default=64)
     b.add_argument("--input-len", default="16:256", help="prompt length range LO:HI")
     b.add_argument("--output-len", default="16:256", help="output length range LO:HI")
@@ -311,9 +323,12 @@ def build_parser() -> argparse.ArgumentParser:
     serving = b.add_argument_group("serving benchmark (with --url, in the manner of vllm bench serve)")
     serving.add_argument("--url", default=None,
                          help="benchmark a running OpenAI-compatible server instead of the "
-                              "engine in this process")
+                              "engine in this process; --model then names the model to request "
+                              "(default: the first the server lists)")
     serving.add_argument("--api-key", default=None)
-    serving.add_argument("--served-model", default=None, help="model id (default: the first listed)")
+    serving.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
+                         help="send vLLM's ignore_eos so each request runs to its length "
+                              "(default: not sent; strict OpenAI servers refuse it)")
     serving.add_argument("--concurrency", type=int, default=16, help="most requests in flight")
     serving.add_argument("--request-rate", type=float, default=float("inf"),
                          help="Poisson arrivals, requests/s (default: all at once)")
@@ -342,8 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("dashboard", help="the live dashboard, served with Voila (needs 'ui')")
-    d.add_argument("--model", default="smollm2",
-                   help="'smollm2' (embedded), 'random:<shape>' or a local HF checkpoint dir")
+    d.add_argument("--model", default=None,
+                   help="'smollm2' (embedded, the default), 'random:<shape>' or a local HF "
+                        "checkpoint dir; with --url, the model id to request (default: the "
+                        "first the server lists)")
     d.add_argument("--device", default="auto", help="auto, cpu, cuda or npu")
     d.add_argument("--url", default=None,
                    help="watch and drive a running OpenAI-compatible server instead (vLLM, "

@@ -11,8 +11,15 @@ token source with client-side timings, plus its Prometheus /metrics as a dict.
 
 Events look like the local engine's TokenEvent (request_id, text, index, time, finished,
 finish_reason), so a UI can consume either. Times are the client's `time.monotonic()` when a
-chunk arrived; "tokens" are SSE chunks (one token each on workbench and vLLM, except where a
+chunk arrived. A request's token count is `RemoteStats.num_tokens`: the server's usage report
+when it sends one, else the text chunks (one token each on workbench and vLLM, except where a
 server holds text back for a multi-byte character or a stop string).
+
+Servers differ (vLLM, `workbench serve`, strict ones such as `transformers serve`), so the
+client sends only OpenAI's base fields plus what the caller asked for: vLLM's extensions
+(`VLLM_EXTENSIONS`) go out only when given, and a server that refuses one gets an error that
+names the field, the server and the way to leave it out. `probe()` asks once what the server
+offers (`/v1/models`, `/metrics`, `/version`, `/health`).
 
 `bench(url, ...)` (or `workbench bench --url URL`) is a small serving benchmark in the manner of
 `vllm bench serve`: N requests at a concurrency limit and/or a Poisson request rate, reporting
@@ -33,16 +40,26 @@ from typing import Any, AsyncIterator, Iterable, Iterator
 
 import httpx
 
-__all__ = ["RemoteEngine", "RemoteError", "RemoteTokenEvent", "RemoteStats", "parse_prometheus",
-           "summarize_metrics", "bench", "bench_async"]
+__all__ = ["RemoteEngine", "RemoteError", "RemoteTokenEvent", "RemoteStats", "ServerInfo",
+           "VLLM_EXTENSIONS", "parse_prometheus", "summarize_metrics", "bench", "bench_async"]
+
+VLLM_EXTENSIONS = ("ignore_eos", "min_tokens", "top_k", "min_p", "repetition_penalty",
+                   "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output")
+"""Request fields vLLM adds to OpenAI's. Strict servers refuse them (`transformers serve`
+answers 422), so nothing here sends one unless the caller asked for it."""
+
+_LEAVE_OUT = {"ignore_eos": "workbench bench --no-ignore-eos, SamplingParams(ignore_eos=False)",
+              "top_k": "top_k=0", "stop_token_ids": "stop_token_ids=[]"}
+"""How to stop sending an extension, for the error that says a server refused it."""
 
 
 class RemoteError(RuntimeError):
-    """An error answered by the server (HTTP status, or an error event inside a stream)."""
+    """An error answered by the server (HTTP status, or an error event inside a stream).
+    `where` names the operation when there is no status (default: inside a stream)."""
 
     def __init__(self, status: int | None, message: str, param: str | None = None,
-                 code: str | None = None, body: Any = None):
-        super().__init__(f"{status or 'stream'}: {message}")
+                 code: str | None = None, body: Any = None, where: str = "stream"):
+        super().__init__(f"{status if status is not None else where}: {message}")
         self.status, self.message, self.param, self.code, self.body = status, message, param, code, body
 
 
@@ -66,17 +83,39 @@ class RemoteStats:
     completion_tokens: int | None = None
 
     @property
+    def num_tokens(self) -> int:
+        """Output tokens: the server's usage count when it reported one, else the text chunks.
+        Every count of a remote request's tokens (bench, panels) is this one."""
+        return self.completion_tokens if self.completion_tokens is not None else self.num_chunks
+
+    @property
     def tpot(self) -> float | None:
-        """(e2e - ttft) / (tokens - 1), tokens from usage if reported, else chunks."""
-        n = self.completion_tokens if self.completion_tokens is not None else self.num_chunks
+        """(e2e - ttft) / (num_tokens - 1)."""
+        n = self.num_tokens
         if self.ttft is None or self.e2e is None or n < 2:
             return None
         return (self.e2e - self.ttft) / (n - 1)
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["tpot"] = self.tpot
+        d["tpot"], d["num_tokens"] = self.tpot, self.num_tokens
         return d
+
+
+@dataclass
+class ServerInfo:
+    """What a server offers, asked once when connecting (`RemoteEngine.probe()`)."""
+    url: str
+    models: list[str]
+    """GET /v1/models (may be empty: a server started without a model loads one on request)."""
+    metrics: bool
+    """Whether GET /metrics answers with vLLM's metric names."""
+    metrics_why: str
+    """How /metrics answered, in a few words ('vLLM names', '404', 'no vLLM names', ...)."""
+    version: str | None
+    """GET /version's `version` (vLLM, workbench serve); None where there is none."""
+    health: bool | None
+    """GET /health answered 200 (None: the server has no /health)."""
 
 
 @dataclass
@@ -196,17 +235,22 @@ def _sse_data(lines: Iterable[str]) -> Iterator[str]:
         yield "\n".join(data)
 
 
-def _raise_for_error_body(status: int, text: str) -> None:
+def _error(status: int, text: str) -> RemoteError:
+    """The RemoteError for an error response: OpenAI's `{"error": {...}}`, FastAPI's
+    `{"detail": ...}`, or the text itself."""
     try:
         body = json.loads(text)
     except ValueError:
         body = None
     err = body.get("error") if isinstance(body, dict) else None
     if isinstance(err, dict):
-        raise RemoteError(status, str(err.get("message")), err.get("param"), err.get("code"), body)
+        return RemoteError(status, str(err.get("message")), err.get("param"), err.get("code"), body)
     if isinstance(err, str):
-        raise RemoteError(status, err, body=body)
-    raise RemoteError(status, text[:500] or f"HTTP {status}", body=body)
+        return RemoteError(status, err, body=body)
+    detail = body.get("detail") if isinstance(body, dict) else None
+    if detail:
+        return RemoteError(status, detail if isinstance(detail, str) else json.dumps(detail), body=body)
+    return RemoteError(status, text[:500] or f"HTTP {status}", body=body)
 
 
 class _Tracker:
@@ -314,35 +358,86 @@ class RemoteEngine:
     def models(self) -> list[str]:
         r = self._client.get("/v1/models")
         if r.status_code != 200:
-            _raise_for_error_body(r.status_code, r.text)
+            raise _error(r.status_code, r.text)
         return [m["id"] for m in r.json().get("data", [])]
 
     @property
     def model(self) -> str:
+        """The model id requests name: the one given, else the first /v1/models lists."""
         if self._model is None:
             names = self.models()
             if not names:
-                raise RemoteError(None, "the server lists no models")
+                raise RemoteError(None, f"the server at {self.url} lists no models; name the "
+                                  "one to request (model=..., or --model on the command line)",
+                                  param="model", where="GET /v1/models")
             self._model = names[0]
         return self._model
 
-    def poll_metrics(self) -> dict:
-        """GET /metrics, parsed. Keys: time (time.time()), num_requests_running,
-        num_requests_waiting, kv_cache_usage_perc (0..1), num_preemptions_total,
-        prompt_tokens_total, generation_tokens_total, request_success_total ({reason: n}),
-        histograms ({name: {count, sum, mean, buckets}}), samples (every parsed sample)."""
+    @model.setter
+    def model(self, name: str) -> None:
+        self._model = name
+
+    def probe(self) -> ServerInfo:
+        """Ask once what this server offers. /v1/models must answer (a refused key or a wrong
+        URL raises here); /metrics, /version and /health may be missing."""
+        models = self.models()
+        try:
+            r = self._client.get("/metrics", timeout=10.0)
+            if r.status_code != 200:
+                metrics, why = False, str(r.status_code)
+            else:
+                metrics = any(k.startswith("vllm:") for k in parse_prometheus(r.text))
+                why = "vLLM names" if metrics else "no vLLM names"
+        except httpx.HTTPError as e:
+            metrics, why = False, type(e).__name__
+        version = None
+        try:
+            r = self._client.get("/version", timeout=5.0)
+            if r.status_code == 200:
+                version = str(r.json().get("version"))
+        except (httpx.HTTPError, ValueError, AttributeError):
+            pass
+        try:
+            status = self._client.get("/health", timeout=5.0).status_code
+            health = None if status == 404 else status == 200
+        except httpx.HTTPError:
+            health = False
+        return ServerInfo(self.url, models, metrics, why, version, health)
+
+    def poll_metrics(self) -> dict | None:
+        """GET /metrics, parsed; None when the server has none (404). Keys: time (time.time()),
+        num_requests_running, num_requests_waiting, kv_cache_usage_perc (0..1),
+        num_preemptions_total, prompt_tokens_total, generation_tokens_total,
+        request_success_total ({reason: n}), histograms ({name: {count, sum, mean, buckets}}),
+        samples (every parsed sample). Other failures raise RemoteError."""
         return self._metrics(self._client.get("/metrics"))
 
-    async def apoll_metrics(self) -> dict:
+    async def apoll_metrics(self) -> dict | None:
         """asyncio version of `poll_metrics`."""
         return self._metrics(await self._async_client().get("/metrics"))
 
     @staticmethod
-    def _metrics(r: httpx.Response) -> dict:
+    def _metrics(r: httpx.Response) -> dict | None:
+        if r.status_code == 404:
+            return None
         if r.status_code != 200:
-            _raise_for_error_body(r.status_code, r.text)
+            raise _error(r.status_code, r.text)
         samples = parse_prometheus(r.text)
         return {"time": time.time(), **summarize_metrics(samples), "samples": samples}
+
+    def _refused(self, status: int, text: str, body: dict) -> RemoteError:
+        """The error for a refused request; where the server refused a vLLM extension that
+        was sent, it says which field, which server, and how to leave the field out."""
+        err = _error(status, text)
+        if status in (400, 422):
+            for name in VLLM_EXTENSIONS:
+                if name in body and (err.param == name or re.search(rf"\b{name}\b", err.message)):
+                    how = _LEAVE_OUT.get(name, f"leave {name} out")
+                    return RemoteError(status, f"the server at {self.url} refuses {name!r}, a vLLM "
+                                       f"extension to the OpenAI API ({err.message}); send it only "
+                                       f"to servers that take it ({how})", name,
+                                       "unsupported_extension", err.body)
+        return err
 
     # ---- requests ----
     def _request(self, prompt, max_tokens: int, chat: bool | None, temperature: float,
@@ -367,15 +462,16 @@ class RemoteEngine:
                temperature: float = 0.0, **params) -> Iterator[RemoteTokenEvent]:
         """Stream one request. `prompt`: text (completions; chat=True wraps it as a user turn),
         chat messages (chat completions) or token ids. Extra keyword arguments go into the
-        request body as is (top_p, top_k, seed, stop, ignore_eos, ...). Yields one event per
-        text chunk, then a final event (finished=True) whose `stats` hold the timings.
+        request body as is, and nothing else is added (top_p, seed, stop; vLLM's top_k,
+        ignore_eos, ...). Yields one event per text chunk, then a final event (finished=True)
+        whose `stats` hold the timings.
         Closing the iterator early closes the connection (the server aborts the request)."""
         path, body = self._request(prompt, max_tokens, chat, temperature, params)
         tracker = _Tracker(time.monotonic())
         with self._client.stream("POST", path, json=body) as r:
             if r.status_code != 200:
                 r.read()
-                _raise_for_error_body(r.status_code, r.text)
+                raise self._refused(r.status_code, r.text, body)
             for data in _sse_data(r.iter_lines()):
                 if data.strip() == "[DONE]":
                     break
@@ -392,7 +488,7 @@ class RemoteEngine:
         async with self._async_client().stream("POST", path, json=body) as r:
             if r.status_code != 200:
                 await r.aread()
-                _raise_for_error_body(r.status_code, r.text)
+                raise self._refused(r.status_code, r.text, body)
             lines: list[str] = []
             finished = False
             async for line in r.aiter_lines():
@@ -451,15 +547,17 @@ def _percentiles(xs: list[float]) -> dict:
 async def bench_async(url: str, num_requests: int = 64, concurrency: int = 16,
                       input_words: tuple[int, int] = (16, 256), output_len: tuple[int, int] = (16, 256),
                       model: str | None = None, api_key: str | None = None, seed: int = 0,
-                      chat: bool = False, ignore_eos: bool = True,
+                      chat: bool = False, ignore_eos: bool = False,
                       metrics_interval: float = 0.5, request_rate: float = math.inf,
                       progress: bool = False) -> dict:
     """Send `num_requests` streamed requests, at most `concurrency` at a time, with random word
-    prompts of `input_words` words and `output_len` max_tokens (ignore_eos so each runs to its
-    length, on servers that honour it). `request_rate` (requests/s) spaces the arrivals as a
-    Poisson process (seeded); inf sends them all at once. While it runs, /metrics is polled for
-    the peak running / waiting / KV usage. `progress` shows a progress bar on stderr. Returns a
-    JSON-able report."""
+    prompts of `input_words` words and `output_len` max_tokens. `ignore_eos` (vLLM's extension,
+    sent only when True) makes each run to its length on servers that take it. `request_rate`
+    (requests/s) spaces the arrivals as a Poisson process (seeded); inf sends them all at
+    once. Where the server has /metrics, it is polled for the peak running / waiting / KV
+    usage (`server_peaks`; None where it has none). `progress` shows a progress bar on
+    stderr. Returns a JSON-able report; `errors` maps each distinct error to its count.
+    A server that lists no models, with no `model` given, raises RemoteError."""
     if concurrency < 1 or num_requests < 1 or not request_rate > 0:
         raise ValueError("num_requests and concurrency must be >= 1, request_rate > 0")
     rng = random.Random(seed)
@@ -469,48 +567,51 @@ async def bench_async(url: str, num_requests: int = 64, concurrency: int = 16,
     for _ in jobs:
         arrivals.append(t)
         t += rng.expovariate(request_rate) if math.isfinite(request_rate) else 0.0
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=num_requests, desc="requests", unit="req")
     remote = RemoteEngine(url, model=model, api_key=api_key)
-    sem = asyncio.Semaphore(concurrency)
     results: list[RemoteStats] = []
-    errors: list[str] = []
-    peaks = {"num_requests_running": 0.0, "num_requests_waiting": 0.0, "kv_cache_usage_perc": 0.0}
-    done = asyncio.Event()
+    errors: dict[str, int] = {}
+    bar = None
+    try:
+        info = remote.probe()
+        model_name = remote.model
+        peaks = dict.fromkeys(("num_requests_running", "num_requests_waiting",
+                               "kv_cache_usage_perc"), 0.0) if info.metrics else None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=num_requests, desc="requests", unit="req")
+        sem = asyncio.Semaphore(concurrency)
+        done = asyncio.Event()
+        extra = {"ignore_eos": True} if ignore_eos else {}
 
-    async def one(prompt: str, n: int, at: float) -> None:
-        await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
-        async with sem:
-            try:
-                extra = {"ignore_eos": True} if ignore_eos else {}
-                async for ev in remote.astream(prompt, n, chat=chat, **extra):
-                    if ev.stats is not None:
-                        results.append(ev.stats)
-            except (RemoteError, httpx.HTTPError) as e:
-                errors.append(f"{type(e).__name__}: {e}")
-            if bar is not None:
-                bar.update(1)
+        async def one(prompt: str, n: int, at: float) -> None:
+            await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
+            async with sem:
+                try:
+                    async for ev in remote.astream(prompt, n, chat=chat, **extra):
+                        if ev.stats is not None:
+                            results.append(ev.stats)
+                except (RemoteError, httpx.HTTPError) as e:
+                    key = f"{type(e).__name__}: {e}"
+                    errors[key] = errors.get(key, 0) + 1
+                if bar is not None:
+                    bar.update(1)
 
-    async def watch() -> None:
-        client = remote._async_client()
-        while not done.is_set():
-            try:
-                r = await client.get("/metrics", timeout=5.0)
-                m = summarize_metrics(parse_prometheus(r.text))
+        async def watch() -> None:
+            while peaks is not None and not done.is_set():
+                try:
+                    m = await remote.apoll_metrics()
+                except (RemoteError, httpx.HTTPError, ValueError):
+                    m = {}
+                if m is None:
+                    return          # the server stopped answering /metrics (404)
                 for k in peaks:
                     if m.get(k) is not None:
                         peaks[k] = max(peaks[k], m[k])
-            except (httpx.HTTPError, ValueError):
-                pass
-            try:
-                await asyncio.wait_for(done.wait(), metrics_interval)
-            except asyncio.TimeoutError:
-                pass
+                try:
+                    await asyncio.wait_for(done.wait(), metrics_interval)
+                except asyncio.TimeoutError:
+                    pass
 
-    try:
-        model_name = remote.model
         watcher = asyncio.ensure_future(watch())
         t0 = time.monotonic()
         await asyncio.gather(*(one(p, n, at) for (p, n), at in zip(jobs, arrivals)))
@@ -522,16 +623,15 @@ async def bench_async(url: str, num_requests: int = 64, concurrency: int = 16,
             bar.close()
         await remote.aclose()
         remote.close()
-    out_tokens = sum((s.completion_tokens if s.completion_tokens is not None else s.num_chunks)
-                     for s in results)
+    out_tokens = sum(s.num_tokens for s in results)
     in_tokens = sum(s.prompt_tokens or 0 for s in results)
     return {
-        "url": url, "model": model_name,
+        "url": url, "model": model_name, "server": asdict(info),
         "workload": {"num_requests": num_requests, "concurrency": concurrency,
                      "request_rate": request_rate if math.isfinite(request_rate) else "inf",
                      "input_words": list(input_words), "output_len": list(output_len),
                      "seed": seed, "chat": chat, "ignore_eos": ignore_eos},
-        "completed": len(results), "failed": len(errors), "errors": errors[:10],
+        "completed": len(results), "failed": sum(errors.values()), "errors": errors,
         "duration_s": duration,
         "arrival_span_s": arrivals[-1],
         "request_throughput": len(results) / duration if duration else None,
@@ -564,6 +664,12 @@ def format_report(r: dict) -> str:
         lines.append(f"  {name[:-2]:<8} {ms(d, 'mean'):>7} {ms(d, 'p50'):>7} {ms(d, 'p90'):>7} "
                      f"{ms(d, 'p99'):>7}")
     p = r["server_peaks"]
-    lines.append(f"  server peaks: running {p['num_requests_running']:.0f}, waiting "
-                 f"{p['num_requests_waiting']:.0f}, KV usage {p['kv_cache_usage_perc']:.0%}")
+    if p is None:
+        lines.append(f"  server peaks: no data (GET /metrics: {r['server']['metrics_why']}); "
+                     "the figures above are the client's")
+    else:
+        lines.append(f"  server peaks: running {p['num_requests_running']:.0f}, waiting "
+                     f"{p['num_requests_waiting']:.0f}, KV usage {p['kv_cache_usage_perc']:.0%}")
+    for message, n in r["errors"].items():
+        lines.append(f"  error x{n}: {message}")
     return "\n".join(lines)

@@ -5,6 +5,7 @@ Endpoints
     POST /v1/chat/completions   chat messages through the tokenizer's chat template
     GET  /v1/models             the one served model
     GET  /health                200 while the engine loop runs, 503 otherwise
+    GET  /version               {"version": the workbench's} (as vLLM's /version)
     GET  /metrics               Prometheus text, vLLM's metric names
 
 The engine steps in its own thread (`engine.start()`); every handler is an asyncio task that
@@ -719,6 +720,11 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
             raise APIError(503, "engine loop is not running", type="server_error",
                            code="unavailable")
         return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        from . import __version__
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def prometheus_metrics():
