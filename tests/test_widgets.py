@@ -290,18 +290,18 @@ def test_timeline_draws_graph_steps_apart_and_keeps_a_window():
 
 
 
-def test_apply_shuts_the_old_engine_down(comms, monkeypatch):
-    """Apply calls the old engine's shutdown(), which is what releases its memory."""
+def test_apply_closes_the_old_engine(comms, monkeypatch):
+    """Apply calls the old engine's close(), which frees its KV pool, graphs and weights at
+    once (shutdown() alone only stops its loop)."""
     from widgets import Dashboard
     dash = Dashboard(config=EngineConfig(model="random:tiny", device="cpu", num_kv_blocks=64))
-    old, shut = dash.source.engine, []
-    real = Engine.shutdown
-    monkeypatch.setattr(Engine, "shutdown", lambda self, *a, **k: (shut.append(id(self)),
-                                                                    real(self, *a, **k))[1])
+    old, closed = dash.source.engine, []
+    real = Engine.close
+    monkeypatch.setattr(Engine, "close", lambda self: (closed.append(id(self)), real(self))[1])
     dash.knobs.set_values(block_size=32)
     new = dash.knobs.apply()
     assert new is not None and dash.source.engine is new
-    assert shut == [id(old)]
+    assert closed == [id(old)] and old.is_closed and not new.is_closed
     dash.source.close()
 
 
