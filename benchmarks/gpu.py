@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from workbench import Engine, SamplingParams  # noqa: E402
-from workbench.bench import Workload, run_engine, run_engine_b1, save_random_qwen3  # noqa: E402
+from workbench.bench.offline import Workload, run_engine, run_engine_b1, save_random_qwen3  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 RESULTS: dict[str, dict] = {}

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from workbench import Engine, SamplingParams  # noqa: E402
-from workbench.bench import Workload, run_engine, run_engine_b1, save_random_qwen3  # noqa: E402
+from workbench.bench.offline import Workload, run_engine, run_engine_b1, save_random_qwen3  # noqa: E402
 
 REF_DEVICE = "npu"
 """Where HF's reference runs: the NPU itself (the CPU smoke test sets 'cpu')."""

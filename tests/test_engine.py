@@ -222,7 +222,7 @@ def test_incremental_text_with_multibyte_characters(smol):
     assert text == smol.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
     assert "\ufffd" not in text and len(text) > 10
     # Direct check on a token sequence that splits characters across tokens.
-    from workbench.detokenizer import IncrementalDetokenizer
+    from workbench.core.detokenizer import IncrementalDetokenizer
     ids = smol.tokenizer.encode("日本語 🚀 émoji")
     d = IncrementalDetokenizer(smol.tokenizer, [], [])
     pieces = []
@@ -268,7 +268,7 @@ def test_unseeded_sampling_repeats_across_processes():
 
 def test_top_p_keeps_the_nucleus_only():
     import torch
-    from workbench.sampler import sample
+    from workbench.executor.sampler import sample
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     p = SamplingParams(temperature=1.0, top_p=0.7)
     g = torch.Generator().manual_seed(0)
@@ -340,7 +340,7 @@ def test_tiny_temperature_is_greedy_and_safe(tiny_engine):
     t = tiny_engine.generate([x], SamplingParams(max_tokens=8, temperature=1e-40, ignore_eos=True))[0]
     assert t.token_ids == g.token_ids and t.finish_reason == "length"
     import torch
-    from workbench.sampler import sample
+    from workbench.executor.sampler import sample
     logits = torch.tensor([[1e3, -1e3, 5.0]])
     assert sample(logits, [SamplingParams(temperature=1e-4)], [torch.Generator().manual_seed(0)]) == [0]
 

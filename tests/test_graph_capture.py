@@ -27,7 +27,7 @@ def test_triton_decode_kernel_matches_the_reference_in_the_interpreter():
     pytest.importorskip("triton")
     code = textwrap.dedent('''
         import torch
-        from workbench.attention import AttentionMetadata, decode_attention, pool_rows
+        from workbench.executor.attention import AttentionMetadata, decode_attention, pool_rows
         from workbench.platforms.triton_attention import paged_decode_attention
         torch.manual_seed(0)
         worst = 0.0

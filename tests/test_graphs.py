@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from workbench import Engine, EngineConfig, SamplingParams
-from workbench.graphs import default_capture_sizes, default_piecewise_sizes, padded_size
+from workbench.executor.graphs import default_capture_sizes, default_piecewise_sizes, padded_size
 
 
 def test_default_capture_sizes():

@@ -204,7 +204,7 @@ class RemoteSource:
 
     def __init__(self, url, *, api_key: str | None = None, model: str | None = None,
                  chat: bool = True, metrics_interval: float = 0.5):
-        from workbench.remote import RemoteEngine, RemoteError
+        from workbench.serving.client import RemoteEngine, RemoteError
         self.remote = url if isinstance(url, RemoteEngine) else RemoteEngine(url, model, api_key)
         if model is not None:
             self.remote.model = model
@@ -299,7 +299,7 @@ class RemoteSource:
             self._first_token.pop(rid, None)
 
     def _final(self, rid: str, reason: str) -> None:
-        from workbench.remote import RemoteTokenEvent
+        from workbench.serving.client import RemoteTokenEvent
         now = time.monotonic()
         self._events.append(RemoteTokenEvent(rid, "", 0, now, 0.0, None, True, reason))
 
@@ -389,7 +389,7 @@ def as_source(obj) -> LocalSource | RemoteSource:
         return LocalSource(obj)
     if isinstance(obj, str) and obj.startswith(("http://", "https://")):
         return RemoteSource(obj)
-    from workbench.remote import RemoteEngine
+    from workbench.serving.client import RemoteEngine
     if isinstance(obj, RemoteEngine):
         return RemoteSource(obj)
     raise TypeError(f"expected an Engine, a RemoteEngine, a server URL or a source "

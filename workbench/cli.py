@@ -98,7 +98,8 @@ def cmd_bench_serving(a) -> int:
 
     import httpx
 
-    from .remote import RemoteError, bench, format_report
+    from .bench.serving import bench, format_report
+    from .serving.client import RemoteError
     try:
         report = bench(a.url, num_requests=a.num_requests, concurrency=a.concurrency,
                        request_rate=a.request_rate, input_words=_range(a.input_words),
@@ -139,7 +140,7 @@ def cmd_serve(a) -> int:
 
     from . import Engine
     try:
-        from .server import serve
+        from .serving.app import serve
     except ImportError as e:
         print(f"error: workbench serve needs the 'serve' extra (pip install -e \".[serve]\"): {e}",
               file=sys.stderr)

@@ -91,7 +91,7 @@ class EngineConfig:
             bad("model", "must be a non-empty string")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             bad("dtype", "must be 'auto', 'float32', 'bfloat16' or 'float16'")
-        from .graphs import GRAPH_MODES, validate_capture_sizes
+        from .executor.graphs import GRAPH_MODES, validate_capture_sizes
         if self.graph_mode is not None and self.graph_mode not in GRAPH_MODES:
             bad("graph_mode", f"must be one of {GRAPH_MODES}")
         if self.cudagraph_capture_sizes is not None and isinstance(self.max_num_seqs, int):

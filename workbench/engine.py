@@ -27,17 +27,17 @@ from typing import Any, AsyncIterator, Callable, Iterator
 
 import torch
 
-from .block_manager import BlockManager, KVBlockSnapshot
+from .core.block_manager import BlockManager, KVBlockSnapshot
 from .config import EngineConfig
-from .graphs import default_capture_sizes, default_piecewise_sizes
-from .detokenizer import IncrementalDetokenizer
-from .models import build_model, load_checkpoint
+from .executor.graphs import default_capture_sizes, default_piecewise_sizes
+from .core.detokenizer import IncrementalDetokenizer
+from .executor.models import build_model, load_checkpoint
 from .platforms import get_platform
-from .runner import ModelRunner
-from .sampler import sample
-from .sampling_params import SamplingParams
-from .scheduler import Scheduler
-from .sequence import Sequence
+from .executor.runner import ModelRunner
+from .executor.sampler import sample
+from .core.sampling_params import SamplingParams
+from .core.scheduler import Scheduler
+from .core.sequence import Sequence
 from .telemetry import MemoryStats, RequestMetrics, StepEvent, Telemetry
 
 log = logging.getLogger("workbench")

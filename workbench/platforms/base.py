@@ -83,8 +83,8 @@ class Platform:
     def model_ops(self, dtype):
         """The decoder's fusable ops (RMSNorm, SiLU-and-mul, q/k norm + RoPE) for this
         device and dtype: fused kernels where the platform has them, else the torch
-        reference (models/ops.py)."""
-        from ..models.ops import TorchOps
+        reference (platforms/ops.py)."""
+        from .ops import TorchOps
         return TorchOps()
 
     def kv_write_kernel(self, dtype):
@@ -95,12 +95,12 @@ class Platform:
     def prefill_attention_kernel(self, dtype):
         """A ragged paged prefill attention for this device (one call per layer for all of a
         step's prefill chunks: see triton_attention.PagedPrefill), or None for the per-chunk
-        plain-torch path in `workbench/attention.py`."""
+        plain-torch path in `workbench/executor/attention.py`."""
         return None
 
     def decode_attention_kernel(self, dtype):
         """A fused paged decode-attention op for this device and dtype, or None to use the
-        plain-torch reference in `workbench/attention.py`. Signature:
+        plain-torch reference in `workbench/executor/attention.py`. Signature:
         (q [B,H,D], k_cache, v_cache, block_tables [B,max_blocks], context_lens [B], scale)."""
         return None
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .attention import AttentionMetadata, PrefillSpan, block_table_array, pool_rows
-from .scheduler import ScheduledSeq, SchedulerOutput
+from ..core.scheduler import ScheduledSeq, SchedulerOutput
 
 
 class ModelRunner:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine import Engine
-from .sampling_params import SamplingParams
+from ..engine import Engine
+from ..core.sampling_params import SamplingParams
 
 
 @dataclass
