@@ -72,8 +72,8 @@ CODE = textwrap.dedent('''
         kw = dict(model=model, device="cpu", dtype="float16", num_kv_blocks=64)
         a, b = Engine(**kw), Engine(**kw)
         # b: every Triton kernel the CUDA platform plugs in, through the same plumbing
-        b.model.ops = TritonOps()
-        b.runner.decode_kernel, b.runner.write_kernel = paged_decode_attention, write_kv_cache
+        b.core.model.ops = TritonOps()
+        b.core.runner.decode_kernel, b.core.runner.write_kernel = paged_decode_attention, write_kv_cache
         out[model] = [[o.token_ids for o in a.generate(prompts, p)] ==
                       [o.token_ids for o in b.generate(prompts, p)]]
     print(json.dumps(out))

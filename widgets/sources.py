@@ -121,14 +121,13 @@ class LocalSource:
 
     def describe(self) -> dict[str, str]:
         """What runs, in a few words per item, for a header."""
-        e, c = self.engine, self.engine.config
-        dtype = str(next(e.model.parameters()).dtype).replace("torch.", "")
-        return {"model": c.model, "device": e.platform.name, "dtype": dtype,
-                "block size": str(c.block_size), "KV blocks": str(e.block_manager.num_blocks),
+        i, c = self.engine.info(), self.engine.config
+        return {"model": c.model, "device": i.device, "dtype": i.dtype,
+                "block size": str(c.block_size), "KV blocks": str(i.num_kv_blocks),
                 "max_num_seqs": str(c.max_num_seqs),
                 "max_num_batched_tokens": str(c.max_num_batched_tokens),
-                "graph mode": e.graph_mode if e.graph_mode == c.graph_mode
-                else f"{e.graph_mode} (asked: {c.graph_mode})",
+                "graph mode": i.graph_mode if i.graph_mode == c.graph_mode
+                else f"{i.graph_mode} (asked: {c.graph_mode})",
                 "prefix caching": "on" if c.enable_prefix_caching else "off"}
 
     def submit(self, prompt: Any, params: SamplingParams) -> str:
@@ -169,8 +168,8 @@ class LocalSource:
         return self.engine.kv_blocks()
 
     def prefix_cache_stats(self) -> tuple[int, int]:
-        bm = self.engine.block_manager
-        return bm.hits, bm.queries
+        st = self.engine.stats()
+        return st.prefix_cache_hits, st.prefix_cache_queries
 
     def close(self) -> None:
         self.engine.shutdown()

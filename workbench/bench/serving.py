@@ -13,6 +13,7 @@ from dataclasses import asdict
 import httpx
 
 from ..serving.client import RemoteEngine, RemoteError, RemoteStats
+from ..telemetry import distribution
 
 _WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at "
           "which but have an they you were her she there would their we him been has when who "
@@ -23,17 +24,6 @@ _WORDS = ("the of and to in is that for it as was with be by on not he this are 
           "make world still own see men work long get here between both life being under never "
           "day same another know while last might us great old year off come since against go "
           "came right used take three").split()
-
-
-def _percentiles(xs: list[float]) -> dict:
-    if not xs:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
-    s = sorted(xs)
-
-    def p(q):
-        return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
-
-    return {"mean": sum(s) / len(s), "p50": p(0.5), "p90": p(0.9), "p99": p(0.99)}
 
 
 async def bench_async(url: str, num_requests: int = 64, concurrency: int = 16,
@@ -129,10 +119,10 @@ async def bench_async(url: str, num_requests: int = 64, concurrency: int = 16,
         "request_throughput": len(results) / duration if duration else None,
         "output_throughput": out_tokens / duration if duration else None,
         "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
-        "ttft_s": _percentiles([s.ttft for s in results if s.ttft is not None]),
-        "tpot_s": _percentiles([s.tpot for s in results if s.tpot is not None]),
-        "itl_s": _percentiles([g for s in results for g in s.itl]),
-        "e2e_s": _percentiles([s.e2e for s in results if s.e2e is not None]),
+        "ttft_s": distribution([s.ttft for s in results if s.ttft is not None]),
+        "tpot_s": distribution([s.tpot for s in results if s.tpot is not None]),
+        "itl_s": distribution([g for s in results for g in s.itl]),
+        "e2e_s": distribution([s.e2e for s in results if s.e2e is not None]),
         "server_peaks": peaks,
     }
 

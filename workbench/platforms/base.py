@@ -2,12 +2,16 @@ from __future__ import annotations
 
 import torch
 
+from ..config import BLOCK_SIZES
+
 
 class Platform:
     """What the engine needs to know about a device. Subclasses fill in the specifics."""
     name = "base"
     default_dtype = torch.float32
     default_block_size = 16
+    supported_block_sizes = BLOCK_SIZES
+    """Block sizes its attention kernels page in (EngineConfig.block_size must be one)."""
     supports_graphs = False
     """Whether this platform can capture and replay step graphs (graph_mode 'decode'/'full')."""
     runs_async = False
@@ -79,6 +83,10 @@ class Platform:
 
     def check_config(self, config) -> None:
         """Refuse knob values this device's kernels cannot run (ValueError naming the knob)."""
+        if config.block_size not in self.supported_block_sizes:
+            raise ValueError(f"block_size: {self.name}'s attention pages KV in blocks of "
+                             f"{' or '.join(map(str, self.supported_block_sizes))} tokens "
+                             f"(got {config.block_size})")
 
     def model_ops(self, dtype):
         """The decoder's fusable ops (RMSNorm, SiLU-and-mul, q/k norm + RoPE) for this

@@ -23,7 +23,8 @@ offers (`/v1/models`, `/metrics`, `/version`, `/health`).
 
 The serving benchmark over this client is `workbench.bench.serving`.
 
-Needs httpx (the 'serve' extra); nothing else from the workbench is imported.
+Needs httpx (the 'serve' extra); from the workbench only its latency definitions
+(`workbench.telemetry`), so TTFT/TPOT mean the same here as in the engine.
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, AsyncIterator, Iterable, Iterator
 
 import httpx
+
+from ..telemetry import time_per_output_token
 
 __all__ = ["RemoteEngine", "RemoteError", "RemoteTokenEvent", "RemoteStats", "ServerInfo",
            "VLLM_EXTENSIONS", "parse_prometheus", "summarize_metrics"]
@@ -85,11 +88,8 @@ class RemoteStats:
 
     @property
     def tpot(self) -> float | None:
-        """(e2e - ttft) / (num_tokens - 1)."""
-        n = self.num_tokens
-        if self.ttft is None or self.e2e is None or n < 2:
-            return None
-        return (self.e2e - self.ttft) / (n - 1)
+        """(e2e - ttft) / (num_tokens - 1): the stream's end is its last token's arrival."""
+        return time_per_output_token(self.ttft, self.e2e, self.num_tokens)
 
     def to_dict(self) -> dict:
         d = asdict(self)

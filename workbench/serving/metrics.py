@@ -89,14 +89,11 @@ class EngineMetrics:
                 self.e2e.observe(m.e2e)
 
     def live(self) -> dict[str, float]:
-        e = self.engine
-        running, waiting = e.num_running, e.num_waiting
-        bm = e.block_manager
-        return {"running": running, "waiting": waiting,
-                "kv_usage": bm.num_used_blocks / bm.num_blocks,
-                "preemptions": e.scheduler.num_preemptions,
-                "prefix_queries": bm.queries * bm.block_size,
-                "prefix_hits": bm.hits * bm.block_size}
+        st, block_size = self.engine.stats(), self.engine.info().block_size
+        return {"running": st.num_running, "waiting": st.num_waiting, "kv_usage": st.kv_usage,
+                "preemptions": st.num_preemptions,
+                "prefix_queries": st.prefix_cache_queries * block_size,
+                "prefix_hits": st.prefix_cache_hits * block_size}
 
     def collect(self):
         with self._lock:
@@ -128,8 +125,8 @@ class EngineMetrics:
                         live["kv_usage"])
             info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration.",
                                      labels=["model_name", "block_size", "num_gpu_blocks"])
-            bm = self.engine.block_manager
-            info.add_metric([self.model_name, str(bm.block_size), str(bm.num_blocks)], 1)
+            ei = self.engine.info()
+            info.add_metric([self.model_name, str(ei.block_size), str(ei.num_kv_blocks)], 1)
             yield info
             yield counter("vllm:num_preemptions", "Preemptions (by recompute) since start.",
                           live["preemptions"])
