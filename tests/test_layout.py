@@ -46,13 +46,14 @@ def layer(mod: str) -> str:
 
 # What each part of the package may import from the workbench (besides itself).
 ALLOWED = {
+    "workbench.utils": set(),
     "workbench.config": set(),
     "workbench.cache": set(),
     "workbench.telemetry": set(),
-    "workbench.platforms": {"workbench.config", "workbench.cache"},
-    "workbench.executor": {"workbench.config", "workbench.cache", "workbench.telemetry",
+    "workbench.platforms": {"workbench.config", "workbench.cache", "workbench.utils"},
+    "workbench.executor": {"workbench.config", "workbench.cache", "workbench.telemetry", "workbench.utils",
                            "workbench.platforms", "workbench.core"},
-    "workbench.core": {"workbench.config", "workbench.telemetry", "workbench.executor",
+    "workbench.core": {"workbench.config", "workbench.telemetry", "workbench.executor", "workbench.utils",
                        "workbench.platforms"},
     "workbench.engine": {"workbench.config", "workbench.telemetry", "workbench.core"},
     "workbench.serving": {"workbench.engine", "workbench.core", "workbench.telemetry",

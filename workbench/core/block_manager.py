@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+from ..utils import cdiv
+
 
 
 @dataclass(slots=True)
@@ -115,7 +117,7 @@ class BlockManager:
                                [b.hash is not None for b in self.blocks], block_tables, step)
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     # ---- allocation -----------------------------------------------------------------------
     def _take_free_block(self) -> int:
