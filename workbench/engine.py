@@ -34,7 +34,8 @@ from .detokenizer import IncrementalDetokenizer
 from .models import build_model, load_checkpoint
 from .platforms import get_platform
 from .runner import ModelRunner
-from .sampler import sample
+from .core.structured_output import StructuredOutputManager
+from .sampler import apply_token_bitmask, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -80,6 +81,8 @@ class _Request:
     detok: IncrementalDetokenizer
     metrics: RequestMetrics
     generator: torch.Generator | None
+    grammar: Any = None
+    """The request's grammar matcher (structured output), or None."""
     listener: Callable[[TokenEvent], None] | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -183,6 +186,7 @@ class Engine:
         self.piecewise_sizes: list[int] = []
         """Token buckets captured piecewise (graph_mode 'full'); see graphs.py."""
         self.vocab_size = self.hf_config.vocab_size
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size)
         self._setup_graphs()
 
         self._requests: dict[str, _Request] = {}
@@ -337,6 +341,8 @@ class Engine:
             raise ValueError(f"params: must be SamplingParams (got {type(params).__name__})")
         params.validate()
         ids = self.tokenize(prompt)
+        grammar = (self.structured_output.compile(params.structured_outputs)
+                   if params.structured_outputs is not None else None)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seq = Sequence(rid, ids, params, max_len=self.max_model_len)
         gen = None
@@ -348,7 +354,7 @@ class Engine:
             gen = torch.Generator().manual_seed(seed)
         metrics = RequestMetrics(rid, seq.arrival_time, len(ids))
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
-        return _Request(seq, prompt, detok, metrics, gen)
+        return _Request(seq, prompt, detok, metrics, gen, grammar)
 
     def _submit(self, reqs: list[_Request]) -> None:
         self._check_open()
@@ -437,7 +443,7 @@ class Engine:
             reqs = [self._requests[s.seq.request_id] for s in sampling]
             if not (self._async and graph is not None and graph[0] == "full"
                     and all(self._may_run_ahead(r) for r in reqs)):
-                tokens = sample(logits, [r.seq.params for r in reqs], [r.generator for r in reqs])
+                tokens = self._sample(logits, reqs)
                 self.scheduler.update_after_step(sched)
                 return self._record_step(sched, reqs, tokens, graph, t0)
             inflight = self._in_flight(sched, logits, reqs, graph, t0, ahead=False)
@@ -463,10 +469,19 @@ class Engine:
         return self._record_step(inflight.sched, inflight.reqs, tokens, inflight.graph,
                                  inflight.t0, inflight.ahead)
 
+    def _sample(self, logits: torch.Tensor, reqs: list[_Request]) -> list[int]:
+        """Pick each row's token; rows with a grammar are masked first, all in one bitmask."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if rows:
+            bitmask = self.structured_output.grammar_bitmask([reqs[i].grammar for i in rows])
+            logits = apply_token_bitmask(logits, bitmask, rows)
+        return sample(logits, [r.seq.params for r in reqs], [r.generator for r in reqs])
+
     def _may_run_ahead(self, r: _Request) -> bool:
         """Whether a request's next step may be launched before its token is known: greedy
-        (the id is picked on the device) and no stop strings (they need the text)."""
-        return r.generator is None and not r.seq.params.stop
+        (the id is picked on the device), no stop strings (they need the text) and no
+        grammar (its mask for the next step depends on this step's token)."""
+        return r.generator is None and not r.seq.params.stop and r.grammar is None
 
     def _in_flight(self, sched, logits, reqs, graph, t0, ahead: bool) -> "_InFlight":
         """Greedy ids picked on the device and copied to a pinned host buffer without
@@ -528,6 +543,12 @@ class Engine:
             reason = "stop"
         elif r.detok.add(tok) is not None:
             reason = "stop"
+        elif r.grammar is not None and not r.grammar.consume_token(tok):
+            log.error("%s: the grammar refused token %d: %s", seq.request_id, tok,
+                      r.grammar.get_error())
+            reason = "error"
+        elif r.grammar is not None and r.grammar.is_stopped():
+            reason = "stop"      # the grammar is complete and allows nothing more
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is not None:
