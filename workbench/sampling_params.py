@@ -81,6 +81,8 @@ class SamplingParams:
     ignore_eos: bool = False
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON schema, a regex, a choice or a grammar."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the prompt's last k tokens (-1: as many as max_model_len allows)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -123,6 +125,9 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative integers")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "must be true or false")
+        tpt = self.truncate_prompt_tokens
+        if tpt is not None and (not is_int(tpt) or not (tpt >= 1 or tpt == -1)):
+            bad("truncate_prompt_tokens", "must be an integer >= 1, or -1 (max_model_len)")
         if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
             bad("structured_outputs", "must be StructuredOutputsParams or None")
 
