@@ -123,7 +123,6 @@ def bench_llguidance(tok, vocab: int, steps: list[int], batch: int) -> dict:
 
 def bench_outlines(tok, vocab: int, steps: list[int], batch: int) -> dict:
     t0 = time.perf_counter()
-    import outlines_core
     from outlines_core import Guide, Index, Vocabulary, json_schema
     import outlines_core.kernels.torch as ot
     out = {"import_ms": _ms(t0)}

@@ -4,7 +4,7 @@
 """
 from .config import EngineConfig
 from .engine import Engine, RequestOutput, TokenEvent
-from .sampling_params import SamplingParams, StructuredOutputsParams
+from .core.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = ["Engine", "EngineConfig", "SamplingParams", "RequestOutput", "TokenEvent",
            "StructuredOutputsParams"]

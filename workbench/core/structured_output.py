@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..sampling_params import StructuredOutputsParams
+from .sampling_params import StructuredOutputsParams
 
 JSON_OPTIONS = {"whitespace_flexible": False}
 """Compact JSON (no free-form whitespace between tokens): a sampling model cannot wander off

@@ -1,0 +1,451 @@
+"""The OpenAI protocol as `workbench serve` reads it: request bodies to SamplingParams and
+prompts, and every refusal as an OpenAI-shaped error (`APIError`). No FastAPI app lives here;
+`app.py` wires these into handlers."""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from ..core.sampling_params import SamplingParams, StructuredOutputsParams
+
+MAX_BODY_BYTES = 16 * 2**20
+"""Request bodies larger than this are refused (413) before any parsing."""
+
+GREEDY_BELOW = 1e-5
+"""Temperatures in (0, GREEDY_BELOW) are served greedily, as vLLM does."""
+
+
+# ---- errors ---------------------------------------------------------------------------------
+class APIError(Exception):
+    """An error answered as OpenAI does: status code + {"error": {...}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.type, self.code, self.headers = type, code, headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> Response:
+        # ASCII-escaped JSON: a message quoting a client's text renders whatever it holds.
+        return Response(json.dumps(self.body()), status_code=self.status, headers=self.headers,
+                        media_type="application/json")
+
+
+def bad_request(param: str | None, message: str, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def from_value_error(e: Exception, rename: dict[str, str] | None = None) -> APIError:
+    """The engine's ValueErrors start with the field's name ("max_tokens: must be ..."); keep
+    the message and report that field as `param` (renamed to the API's name where it differs)."""
+    msg = str(e)
+    head, sep, rest = msg.partition(":")
+    param = head if sep and head.isidentifier() else None
+    if param is not None and rename and param in rename:
+        param = rename[param]
+        msg = f"{param}:{rest}"
+    return bad_request(param, msg)
+
+
+# ---- parameter mapping ----------------------------------------------------------------------
+UNSET = object()
+
+
+def body_field(body: dict, name: str, kinds: tuple[type, ...], what: str) -> Any:
+    """body[name] if present and not null, checked against `kinds` (bools are never numbers)."""
+    v = body.get(name)
+    if v is None:
+        return UNSET
+    if isinstance(v, bool) and bool not in kinds:
+        raise bad_request(name, f"{name}: must be {what} (got {v!r})")
+    if not isinstance(v, kinds):
+        raise bad_request(name, f"{name}: must be {what} (got {v!r})")
+    return v
+
+
+# ---- the request fields: the one place that says which exist and how each is handled --------
+OURS, PART_A, NO = "supported", "supported by part A", "unsupported"
+BOTH, CHAT, COMPLETION = ("chat", "completion"), ("chat",), ("completion",)
+
+REQUEST_FIELDS: dict[str, tuple[tuple[str, ...], str, tuple]] = {
+    # name: (endpoints, status, values that ask for nothing). A field not listed here, or
+    # sent to an endpoint it does not belong to, is answered as OpenAI answers an unknown
+    # argument. A listed field that this server does not support is refused
+    # (unsupported_parameter) unless its value is null or one that asks for nothing.
+    # OpenAI's fields
+    "model": (BOTH, OURS, ()),
+    "messages": (CHAT, OURS, ()),
+    "prompt": (COMPLETION, OURS, ()),
+    "stream": (BOTH, OURS, ()),
+    "stream_options": (BOTH, OURS, ()),
+    "max_tokens": (BOTH, OURS, ()),
+    "max_completion_tokens": (CHAT, OURS, ()),
+    "temperature": (BOTH, OURS, ()),
+    "top_p": (BOTH, OURS, ()),
+    "seed": (BOTH, OURS, ()),
+    "stop": (BOTH, OURS, ()),
+    "response_format": (BOTH, OURS, ()),
+    "n": (BOTH, PART_A, (1,)),
+    "best_of": (COMPLETION, NO, (1,)),
+    "logprobs": (BOTH, PART_A, (False,)),
+    "top_logprobs": (CHAT, PART_A, (0,)),
+    "echo": (BOTH, PART_A, (False,)),
+    "presence_penalty": (BOTH, PART_A, (0,)),
+    "frequency_penalty": (BOTH, PART_A, (0,)),
+    "logit_bias": (BOTH, PART_A, ({},)),
+    "suffix": (COMPLETION, NO, ("",)),
+    "user": (BOTH, NO, ()),
+    "tools": (CHAT, NO, ([],)),
+    "tool_choice": (CHAT, NO, ("none",)),
+    "parallel_tool_calls": (CHAT, NO, ()),
+    "functions": (CHAT, NO, ([],)),
+    "function_call": (CHAT, NO, ("none",)),
+    "modalities": (CHAT, NO, (["text"],)),
+    "audio": (CHAT, NO, ()),
+    "prediction": (CHAT, NO, ()),
+    "service_tier": (CHAT, NO, ("auto", "default")),
+    "web_search_options": (CHAT, NO, ()),
+    "reasoning_effort": (CHAT, NO, ()),
+    "verbosity": (CHAT, NO, ()),
+    "store": (CHAT, NO, (False,)),
+    "metadata": (CHAT, NO, ({},)),
+    "prompt_cache_key": (CHAT, NO, ()),
+    "safety_identifier": (CHAT, NO, ()),
+    # vLLM's extra fields
+    "top_k": (BOTH, OURS, ()),
+    "stop_token_ids": (BOTH, OURS, ()),
+    "ignore_eos": (BOTH, OURS, ()),
+    "structured_outputs": (BOTH, OURS, ()),
+    "guided_json": (BOTH, OURS, ()),          # vLLM's legacy names for structured_outputs
+    "guided_regex": (BOTH, OURS, ()),
+    "guided_choice": (BOTH, OURS, ()),
+    "guided_grammar": (BOTH, OURS, ()),
+    "add_special_tokens": (BOTH, OURS, ()),
+    "truncate_prompt_tokens": (BOTH, OURS, ()),
+    "add_generation_prompt": (CHAT, OURS, ()),
+    "continue_final_message": (CHAT, OURS, ()),
+    "chat_template": (CHAT, OURS, ()),
+    "chat_template_kwargs": (CHAT, OURS, ()),
+    "min_p": (BOTH, PART_A, (0,)),
+    "repetition_penalty": (BOTH, PART_A, (1,)),
+    "min_tokens": (BOTH, PART_A, (0,)),
+    "prompt_logprobs": (BOTH, PART_A, ()),
+    "include_stop_str_in_output": (BOTH, PART_A, (False,)),
+    "skip_special_tokens": (BOTH, PART_A, (True,)),
+    "use_beam_search": (BOTH, NO, (False,)),
+    "length_penalty": (BOTH, NO, (1,)),
+    "guided_decoding_backend": (BOTH, NO, ()),
+    "guided_whitespace_pattern": (BOTH, NO, ()),
+    "allowed_token_ids": (BOTH, NO, ()),
+    "bad_words": (BOTH, NO, ([],)),
+    "spaces_between_special_tokens": (BOTH, NO, (True,)),
+    "priority": (BOTH, NO, (0,)),
+    "request_id": (BOTH, NO, ()),
+    "logits_processors": (BOTH, NO, ()),
+    "return_tokens_as_token_ids": (BOTH, NO, (False,)),
+    "return_token_ids": (BOTH, NO, (False,)),
+    "cache_salt": (BOTH, NO, ()),
+    "kv_transfer_params": (BOTH, NO, ()),
+    "vllm_xargs": (BOTH, NO, ()),
+    "documents": (CHAT, NO, ()),
+    "mm_processor_kwargs": (CHAT, NO, ()),
+}
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}
+"""vLLM's legacy structured-output fields -> the structured_outputs key each stands for."""
+
+
+def _asks_nothing(v: Any, neutral: tuple) -> bool:
+    return v is None or any(v == n and isinstance(v, bool) == isinstance(n, bool) for n in neutral)
+
+
+def check_fields(kind: str, body: dict) -> None:
+    """Every field of the request is known for this endpoint, and none asks for something
+    this server does not do."""
+    for name, value in body.items():
+        entry = REQUEST_FIELDS.get(name)
+        if entry is None or kind not in entry[0]:
+            raise bad_request(name, f"Unrecognized request argument supplied: {name}")
+        _, status, neutral = entry
+        if status != OURS and not _asks_nothing(value, neutral):
+            what = ("not supported by this server yet" if status == PART_A
+                    else "not supported by this server")
+            if name in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"):
+                what += " (tool calling is not supported)"
+            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+            raise bad_request(name, f"{name}: {what} (got {shown})", code="unsupported_parameter")
+
+
+def structured_outputs_from(body: dict) -> tuple[StructuredOutputsParams | None, str | None]:
+    """response_format, structured_outputs or vLLM's legacy guided_* fields -> the engine's
+    StructuredOutputsParams and the field that asked; at most one of the ways per request."""
+    asked = [n for n in ("response_format", "structured_outputs", *GUIDED) if body.get(n) is not None]
+    rf = body.get("response_format")
+    if rf is not None and not isinstance(rf, dict):
+        raise bad_request("response_format", "response_format: must be an object with a 'type'")
+    if rf is not None and rf.get("type") == "text" and set(rf) == {"type"}:
+        asked.remove("response_format")   # plain text: asks for nothing
+    if len(asked) > 1:
+        raise bad_request(asked[1], f"{asked[1]}: only one of {', '.join(asked)} may be given")
+    if not asked:
+        return None, None
+    name = asked[0]
+    return _structured_outputs(body, name), name
+
+
+def _structured_outputs(body: dict, name: str) -> StructuredOutputsParams:
+    rf = body.get("response_format")
+    try:
+        if name == "response_format":
+            kind = rf.get("type")
+            if kind == "json_object" and set(rf) == {"type"}:
+                return StructuredOutputsParams(json_object=True)
+            if kind == "json_schema" and set(rf) == {"type", "json_schema"}:
+                js = rf["json_schema"]
+                if not isinstance(js, dict) or not isinstance(js.get("schema", {}), (dict, bool)):
+                    raise bad_request(name, "response_format.json_schema: must be an object with "
+                                     "'name' and 'schema'")
+                extra = set(js) - {"name", "schema", "strict", "description"}
+                if extra:
+                    raise bad_request(name, f"response_format.json_schema: unknown field {sorted(extra)[0]!r}")
+                # No schema: any JSON value.
+                return StructuredOutputsParams(json=js.get("schema", {}))
+            raise bad_request(name, "response_format: must be {'type': 'text'}, {'type': 'json_object'} "
+                             "or {'type': 'json_schema', 'json_schema': {...}}")
+        if name == "structured_outputs":
+            so = body[name]
+            if not isinstance(so, dict):
+                raise bad_request(name, "structured_outputs: must be an object")
+            unknown = set(so) - set(StructuredOutputsParams.KINDS)
+            if unknown:
+                raise bad_request(name, f"structured_outputs: {sorted(unknown)[0]!r} is not supported "
+                                 f"(known: {', '.join(StructuredOutputsParams.KINDS)})",
+                           code="unsupported_parameter")
+            return StructuredOutputsParams(**so)
+        return StructuredOutputsParams(**{GUIDED[name]: body[name]})
+    except ValueError as e:
+        raise structured_error(name, e) from None
+
+
+def structured_error(name: str, e: ValueError) -> APIError:
+    """The engine names structured_outputs.<kind>; a request that used another field is told
+    about the field it sent."""
+    msg = str(e)
+    if name != "structured_outputs" and msg.startswith("structured_outputs"):
+        msg = name + msg[msg.index(":"):]
+    return bad_request(name, msg)
+
+
+def sampling_params_from(body: dict, default_max_tokens: int | None,
+                         structured_outputs: StructuredOutputsParams | None = None
+                         ) -> tuple[SamplingParams, str]:
+    """OpenAI request fields -> SamplingParams. Returns the params and the name of the field
+    that set max_tokens (for error messages). `default_max_tokens` None means "fill the
+    context" and is resolved by the caller once the prompt length is known. The fields
+    themselves were checked by check_fields."""
+    which = "max_tokens"
+    max_tokens = body.get("max_tokens")
+    if body.get("max_completion_tokens") is not None:
+        which, max_tokens = "max_completion_tokens", body["max_completion_tokens"]
+    if max_tokens is None:
+        max_tokens = default_max_tokens if default_max_tokens is not None else 1   # resolved later
+
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise bad_request("stop", f"stop: must be a string or a list of strings (got {stop!r})")
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is None:
+        stop_ids = []
+    elif not (isinstance(stop_ids, list)
+              and all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids)):
+        raise bad_request("stop_token_ids", f"stop_token_ids: must be a list of integers (got {stop_ids!r})")
+    ignore_eos = body_field(body, "ignore_eos", (bool,), "true or false")
+
+    def num(name, default):
+        v = body.get(name)
+        if isinstance(v, bool):   # JSON true/false is not a number here
+            raise bad_request(name, f"{name}: must be a number (got {v!r})")
+        return default if v is None else v
+
+    if isinstance(max_tokens, bool):
+        raise bad_request(which, f"{which}: must be an integer > 0 (got {max_tokens!r})")
+    seed = num("seed", None)
+    if isinstance(seed, int) and not -2**63 <= seed < 2**64:
+        raise bad_request("seed", f"seed: must fit in 64 bits (got {seed!r})")
+    temperature = num("temperature", 1.0)
+    if isinstance(temperature, (int, float)) and 0 < temperature < GREEDY_BELOW:
+        temperature = 0.0   # as vLLM: a vanishing temperature is greedy (and cannot overflow)
+
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=num("top_p", 1.0),
+            top_k=num("top_k", 0),
+            seed=seed,
+            stop=stop,
+            stop_token_ids=stop_ids,
+            ignore_eos=False if ignore_eos is UNSET else ignore_eos,
+            structured_outputs=structured_outputs,
+            truncate_prompt_tokens=num("truncate_prompt_tokens", None))
+    except (ValueError, TypeError) as e:
+        raise from_value_error(e, {"max_tokens": which}) from None
+    for name in ("temperature", "top_p"):   # the engine accepts inf/nan-free numbers only
+        v = getattr(params, name)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise bad_request(name, f"{name}: must be a finite number (got {v!r})")
+    return params, which
+
+
+def max_token_bytes(tokenizer) -> int:
+    """An upper bound on the UTF-8 bytes one token stands for: 4 bytes per character of the
+    longest vocabulary entry (byte-level BPE spells each byte as one character; SentencePiece
+    pieces are Unicode characters of at most 4 bytes each)."""
+    return 4 * max(len(t) for t in tokenizer.get_vocab())
+
+
+def is_template_error(e: Exception) -> bool:
+    try:
+        from jinja2 import TemplateError
+    except ImportError:
+        return False
+    return isinstance(e, TemplateError) and isinstance(getattr(e, "message", None), str)
+
+
+MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id"}
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """OpenAI messages -> what chat templates read: text content, and assistant tool calls
+    (their JSON arguments parsed, as templates expect a mapping) and tool results passed
+    through."""
+    msgs = body.get("messages")
+    if msgs is None:
+        raise bad_request("messages", "messages: required")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad_request("messages", "messages: must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad_request("messages", f"{where}: must be an object with a string 'role'")
+        extra = sorted(set(m) - MESSAGE_FIELDS)
+        if extra:
+            raise bad_request("messages", f"{where}.{extra[0]}: not supported by this server",
+                       code="unsupported_parameter")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):   # content parts: only text ones
+            texts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)):
+                    raise bad_request("messages", f"{where}.content: only text parts are supported")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif not isinstance(content, str):
+            raise bad_request("messages", f"{where}.content: must be a string or a list of text parts")
+        role = "system" if m["role"] == "developer" else m["role"]
+        msg = {"role": role, "content": content}
+        for key in ("name", "tool_call_id"):
+            if m.get(key) is not None:
+                if not isinstance(m[key], str):
+                    raise bad_request("messages", f"{where}.{key}: must be a string")
+                msg[key] = m[key]
+        if m.get("tool_calls") is not None:
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+        out.append(msg)
+    return out
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict]:
+    if not isinstance(calls, list):
+        raise bad_request("messages", f"{where}: must be a list")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                and isinstance(fn.get("arguments"), str)):
+            raise bad_request("messages", f"{where}[{j}]: must be {{'type': 'function', 'function': "
+                                   "{'name': str, 'arguments': JSON text}}")
+        try:
+            args = json.loads(fn["arguments"])
+        except ValueError:
+            raise bad_request("messages", f"{where}[{j}].function.arguments: not valid JSON") from None
+        out.append({"id": c.get("id"), "type": c.get("type", "function"),
+                    "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def completion_prompt(body: dict) -> str | list[int]:
+    p = body.get("prompt")
+    if p is None:
+        raise bad_request("prompt", "prompt: required")
+    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+        if len(p) != 1:
+            raise bad_request("prompt", f"prompt: only one prompt per request is supported (got {len(p)})")
+        p = p[0]
+    if isinstance(p, str):
+        return p
+    if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        return p
+    raise bad_request("prompt", "prompt: must be a string or a list of token ids")
+
+
+async def read_json(request: Request) -> dict:
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+        raise APIError(413, f"body: larger than {MAX_BODY_BYTES} bytes", code="body_too_large")
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > MAX_BODY_BYTES:
+            raise APIError(413, f"body: larger than {MAX_BODY_BYTES} bytes", code="body_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise bad_request(None, f"body: not valid JSON (line {e.lineno}, column {e.colno})",
+                   code="invalid_json") from None
+    except UnicodeDecodeError as e:
+        raise bad_request(None, f"body: not valid UTF-8 (byte {e.start})", code="invalid_json") from None
+    except RecursionError:
+        raise bad_request(None, "body: nested too deeply", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request(None, "body: must be a JSON object", code="invalid_json")
+    check_text(body)
+    return body
+
+
+def check_text(body: dict) -> None:
+    """JSON may escape lone UTF-16 surrogates ("\\udfff"), which are not text: refuse them here,
+    naming the field, rather than fail later in the tokenizer or in a response."""
+    stack = [(k, k, v) for k, v in body.items()]
+    while stack:
+        param, key, value = stack.pop()
+        for text in ((key, value) if isinstance(value, str) else (key,)):
+            bad = next((c for c in text if "\ud800" <= c <= "\udfff"), None)
+            if bad is not None:
+                raise bad_request(param, f"{param}: contains a lone surrogate (\\u{ord(bad):04x}), "
+                                  "which is not Unicode text", code="invalid_text")
+        if isinstance(value, dict):
+            stack.extend((param, k, v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((param, "", v) for v in value)
+
