@@ -29,7 +29,8 @@ SCHEMAS = {
         "count": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["colors", "count"]},
 }
 ANSWER = json.dumps({"id": 12, "tags": ["alpha", "beta", "gamma"],
-                     "owner": {"email": "someone@example.com", "active": True}, "score": 3.25})
+                     "owner": {"email": "someone@example.com", "active": True}, "score": 3.25},
+                    separators=(",", ":"))   # compact: what the engine's JSON grammar allows
 REGEX = r"\d{3}-\d{3}-\d{4}"
 
 
@@ -162,17 +163,48 @@ def bench_outlines(tok, vocab: int, steps: list[int], batch: int) -> dict:
     return out
 
 
+def bench_workbench(tok, vocab: int, steps: list[int], batch: int) -> dict:
+    """What the engine runs: StructuredOutputManager (llguidance, one parallel fill for all
+    rows) and the sampler's own apply_token_bitmask (no torch.compile)."""
+    from workbench.core.sampling_params import StructuredOutputsParams
+    from workbench.core.structured_output import StructuredOutputManager
+    from workbench.executor.sampler import apply_token_bitmask
+    t0 = time.perf_counter()
+    manager = StructuredOutputManager(tok, vocab)
+    manager.compile(StructuredOutputsParams(json_object=True))
+    out = {"tokenizer_ms": _ms(t0)}
+    for name, s in SCHEMAS.items():
+        t0 = time.perf_counter()
+        manager.compile(StructuredOutputsParams(json=s))
+        out[f"compile_{name}_ms"] = _ms(t0)
+    t0 = time.perf_counter(); manager.compile(StructuredOutputsParams(regex=REGEX)); out["compile_regex_ms"] = _ms(t0)
+    matchers = [manager.compile(StructuredOutputsParams(json=SCHEMAS["nested"])) for _ in range(batch)]
+    logits = torch.randn(batch, vocab)
+    rows = list(range(batch))
+    times = []
+    for t in steps:
+        t0 = time.perf_counter()
+        apply_token_bitmask(logits, manager.grammar_bitmask(matchers), rows)
+        for m in matchers:
+            assert m.consume_token(t), m.get_error()
+        times.append(time.perf_counter() - t0)
+    out[f"first_step_b{batch}_ms"] = round(times[0] * 1e3, 3)
+    out[f"step_b{batch}_ms"] = round(statistics.median(times) * 1e3, 3)
+    return out
+
+
 def main() -> None:
     from importlib.metadata import version
     from transformers import AutoTokenizer
-    from workbench.models.loader import smollm2_checkpoint_dir
+    from workbench.executor.models.loader import smollm2_checkpoint_dir
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(smollm2_checkpoint_dir())
     vocab = len(tok)
     steps = tok.encode(ANSWER, add_special_tokens=False)
     for name, fn, dist in (("xgrammar", bench_xgrammar, "xgrammar"),
                            ("llguidance", bench_llguidance, "llguidance"),
-                           ("outlines-core", bench_outlines, "outlines-core")):
+                           ("outlines-core", bench_outlines, "outlines-core"),
+                           ("workbench (llguidance)", bench_workbench, "llguidance")):
         row = {"engine": name, "version": version(dist), "answer_tokens": len(steps)}
         for b in (1, 16):
             r = fn(tok, vocab, steps, b)
