@@ -46,6 +46,19 @@ def _ms(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1e3, 2)
 
 
+def _time_steps(steps: list[int], batch: int, fill_and_apply, advance) -> dict:
+    """Per step: fill + apply the mask (`fill_and_apply()`), then advance every row by the
+    step's token (`advance(token)`). The first step apart (lazy engines build there)."""
+    times = []
+    for t in steps:
+        t0 = time.perf_counter()
+        fill_and_apply()
+        advance(t)
+        times.append(time.perf_counter() - t0)
+    return {f"first_step_b{batch}_ms": round(times[0] * 1e3, 3),
+            f"step_b{batch}_ms": round(statistics.median(times) * 1e3, 3)}
+
+
 def bench_xgrammar(tok, vocab: int, steps: list[int], batch: int) -> dict:
     t0 = time.perf_counter()
     import xgrammar as xgr
@@ -65,20 +78,17 @@ def bench_xgrammar(tok, vocab: int, steps: list[int], batch: int) -> dict:
     bitmask = xgr.allocate_token_bitmask(batch, vocab)
     logits = torch.randn(batch, vocab)
     batcher = xgr.BatchGrammarMatcher(max_threads=min(batch, 8)) if batch > 1 else None
-    times = []
-    for t in steps:
-        t0 = time.perf_counter()
+
+    def fill_and_apply():
         if batcher is None:
             matchers[0].fill_next_token_bitmask(bitmask, 0)
         else:
             batcher.batch_fill_next_token_bitmask(matchers, bitmask)
         xgr.apply_token_bitmask_inplace(logits, bitmask)
-        for m in matchers:
-            assert m.accept_token(t)
-        times.append(time.perf_counter() - t0)
-    out[f"first_step_b{batch}_ms"] = round(times[0] * 1e3, 3)   # lazy engines build here
-    out[f"step_b{batch}_ms"] = round(statistics.median(times) * 1e3, 3)
-    return out
+
+    def advance(t):
+        assert all(m.accept_token(t) for m in matchers)
+    return {**out, **_time_steps(steps, batch, fill_and_apply, advance)}
 
 
 def bench_llguidance(tok, vocab: int, steps: list[int], batch: int) -> dict:
@@ -106,20 +116,17 @@ def bench_llguidance(tok, vocab: int, steps: list[int], batch: int) -> dict:
     bitmask = lt.allocate_token_bitmask(batch, vocab)
     logits = torch.randn(batch, vocab)
     pool = llguidance.LLExecutor() if batch > 1 else None
-    times = []
-    for t in steps:
-        t0 = time.perf_counter()
+
+    def fill_and_apply():
         if pool is None:
             lt.fill_next_token_bitmask(matchers[0], bitmask, 0)
         else:
             lt.fill_next_token_bitmask_par(pool, [(m, i) for i, m in enumerate(matchers)], bitmask)
         lt.apply_token_bitmask_inplace(logits, bitmask)
-        for m in matchers:
-            assert m.consume_token(t), m.get_error()
-        times.append(time.perf_counter() - t0)
-    out[f"first_step_b{batch}_ms"] = round(times[0] * 1e3, 3)   # lazy engines build here
-    out[f"step_b{batch}_ms"] = round(statistics.median(times) * 1e3, 3)
-    return out
+
+    def advance(t):
+        assert all(m.consume_token(t) for m in matchers)
+    return {**out, **_time_steps(steps, batch, fill_and_apply, advance)}
 
 
 def bench_outlines(tok, vocab: int, steps: list[int], batch: int) -> dict:
@@ -149,18 +156,16 @@ def bench_outlines(tok, vocab: int, steps: list[int], batch: int) -> dict:
     bitmask = ot.allocate_token_bitmask(vocab)
     bitmask = bitmask.expand(batch, -1).contiguous() if bitmask.dim() == 2 else bitmask
     logits = torch.randn(batch, vocab)
-    times = []
-    for t in steps:
-        t0 = time.perf_counter()
+
+    def fill_and_apply():
         for i, g in enumerate(guides):
             ot.fill_next_token_bitmask(g, bitmask[i:i + 1])
         ot.apply_token_bitmask_inplace(logits, bitmask)
+
+    def advance(t):
         for g in guides:
             g.advance(t)
-        times.append(time.perf_counter() - t0)
-    out[f"first_step_b{batch}_ms"] = round(times[0] * 1e3, 3)   # lazy engines build here
-    out[f"step_b{batch}_ms"] = round(statistics.median(times) * 1e3, 3)
-    return out
+    return {**out, **_time_steps(steps, batch, fill_and_apply, advance)}
 
 
 def bench_workbench(tok, vocab: int, steps: list[int], batch: int) -> dict:
@@ -181,16 +186,12 @@ def bench_workbench(tok, vocab: int, steps: list[int], batch: int) -> dict:
     matchers = [manager.compile(StructuredOutputsParams(json=SCHEMAS["nested"])) for _ in range(batch)]
     logits = torch.randn(batch, vocab)
     rows = list(range(batch))
-    times = []
-    for t in steps:
-        t0 = time.perf_counter()
-        apply_token_bitmask(logits, manager.grammar_bitmask(matchers), rows)
-        for m in matchers:
-            assert m.consume_token(t), m.get_error()
-        times.append(time.perf_counter() - t0)
-    out[f"first_step_b{batch}_ms"] = round(times[0] * 1e3, 3)
-    out[f"step_b{batch}_ms"] = round(statistics.median(times) * 1e3, 3)
-    return out
+
+    def advance(t):
+        assert all(m.consume_token(t) for m in matchers)
+    return {**out, **_time_steps(
+        steps, batch, lambda: apply_token_bitmask(logits, manager.grammar_bitmask(matchers), rows),
+        advance)}
 
 
 def main() -> None:
