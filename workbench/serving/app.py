@@ -170,7 +170,7 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
                 raise structured_error(so_field, e) from None
         field = "messages" if kind == "chat" else "prompt"
         if max_text_bytes is not None:
-            texts = ([json.dumps(m) for m in prompt] if kind == "chat"
+            texts = ([json.dumps(m, ensure_ascii=False) for m in prompt] if kind == "chat"
                      else [prompt] if isinstance(prompt, str) else [])
             size = sum(len(t.encode()) for t in texts)
             if size > max_text_bytes:
