@@ -135,6 +135,10 @@ class Engine:
             raise ValueError(f"prompt: must be text, chat messages or token ids "
                              f"(got {type(prompt).__name__})")
         if truncate_prompt_tokens is not None:
+            if (not isinstance(truncate_prompt_tokens, int) or isinstance(truncate_prompt_tokens, bool)
+                    or not (truncate_prompt_tokens >= 1 or truncate_prompt_tokens == -1)):
+                raise ValueError("truncate_prompt_tokens: must be an integer >= 1, or -1 "
+                                 f"(max_model_len) (got {truncate_prompt_tokens!r})")
             keep = self.max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
             ids = ids[-keep:]
         if not ids:
@@ -165,9 +169,9 @@ class Engine:
         if continue_final_message and messages[-1]["role"] != "assistant":
             raise ValueError("continue_final_message: the last message must be the assistant's "
                              f"(got role {messages[-1]['role']!r})")
-        kwargs = dict(chat_template_kwargs or {})
         if not isinstance(chat_template_kwargs or {}, dict):
             raise ValueError("chat_template_kwargs: must be a dict")
+        kwargs = dict(chat_template_kwargs or {})
         clash = sorted(set(kwargs) & self.CHAT_RESERVED)
         if clash:
             raise ValueError(f"chat_template_kwargs: {clash[0]!r} is an argument of the "
