@@ -18,11 +18,16 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from .sampling_params import StructuredOutputsParams
+
+CACHE_SIZE = 64
+"""Compiled grammars kept (least recently used out): a request checked by the server and then
+added compiles once, and clients that send the same schema again do not wait for it."""
 
 JSON_OPTIONS = {"whitespace_flexible": False}
 """Compact JSON (no free-form whitespace between tokens): a sampling model cannot wander off
@@ -42,6 +47,7 @@ class StructuredOutputManager:
         self._lltok = None
         self._executor = None
         self._bitmask = torch.empty(0, self.words, dtype=torch.int32)
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
 
     def _llguidance(self):
         try:
@@ -63,6 +69,20 @@ class StructuredOutputManager:
         refuses the schema, regex or grammar."""
         llg, lltok = self._llguidance()
         kind, value = so.kind, so.value
+        key = (kind, json.dumps(value, sort_keys=True))
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key].deep_copy()   # a fresh matcher at the grammar's start
+        matcher = self._compile(llg, lltok, kind, value)
+        with self._lock:
+            self._cache[key] = matcher
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return matcher.deep_copy()
+
+    @staticmethod
+    def _compile(llg, lltok, kind: str, value: Any):
         where = f"structured_outputs.{kind}"
         try:
             if kind == "json":
