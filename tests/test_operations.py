@@ -153,7 +153,7 @@ def abused_server(smollm2_dir, tmp_path_factory):
     from test_server import start_server, stop_process
     log = tmp_path_factory.mktemp("abuse") / "server.log"
     proc, url = start_server(["--model", "smollm2", "--max-model-len", "8192",
-                              "--header-timeout", "2"], log)
+                              "--header-timeout", "2", "--allow-missing-model"], log)
     yield url, proc
     stop_process(proc)
 
@@ -264,7 +264,7 @@ def test_the_server_shuts_its_engine_down_on_exit(monkeypatch):
     real = Engine.shutdown
     monkeypatch.setattr(Engine, "shutdown", lambda self, *a, **k: (calls.append(self),
                                                                     real(self, *a, **k))[1])
-    with TestClient(create_app(engine)) as client:
+    with TestClient(create_app(engine, allow_missing_model=True)) as client:
         r = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4})
         assert r.status_code == 200, r.text
         assert engine.is_running_in_background
