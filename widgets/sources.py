@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workbench import Engine, SamplingParams
+from workbench.trace import prompt_label
 
 
 
@@ -87,15 +88,6 @@ class Update:
 
     def __bool__(self) -> bool:
         return bool(self.submitted or self.events or self.steps or self.finished or self.errors)
-
-
-def prompt_label(prompt: Any, width: int = 60) -> str:
-    if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
-        prompt = prompt[-1].get("content", "")
-    elif isinstance(prompt, (list, tuple)):
-        return f"{len(prompt)} token ids"
-    text = " ".join(str(prompt).split())
-    return text if len(text) <= width else text[:width - 1] + "…"
 
 
 class LocalSource:

@@ -33,6 +33,7 @@ from .graphs import default_capture_sizes, default_piecewise_sizes
 from .detokenizer import IncrementalDetokenizer
 from .models import build_model, load_checkpoint
 from .platforms import get_platform
+from .roofline import DeviceRoofs, ModelShape, probe_roofs
 from .runner import ModelRunner
 from .sampler import sample
 from .sampling_params import SamplingParams
@@ -503,7 +504,8 @@ class Engine:
             kv_blocks_used=bstats.used, kv_blocks_free=bstats.free, kv_blocks_cached=bstats.cached,
             num_preempted=len(sched.preempted), preempted=[s.request_id for s in sched.preempted],
             graph=graph is not None, graph_kind=graph and graph[0],
-            graph_size=graph and graph[1], finished=finished, scheduled_ahead=ahead))
+            graph_size=graph and graph[1], finished=finished, scheduled_ahead=ahead,
+            context_lens={s.seq.request_id: s.start for s in sched.scheduled}))
         if self._kv_wanted:
             self._kv_wanted = False
             self._kv_last = self._kv_snapshot()
@@ -586,6 +588,17 @@ class Engine:
                 self._step_lock.release()
         self._kv_wanted = True
         return self._kv_last
+
+    def model_shape(self) -> ModelShape:
+        """The model's dimensions and element sizes, for counting a step's FLOPs and bytes
+        (`roofline.step_cost`)."""
+        size = next(self.model.parameters()).element_size()
+        return ModelShape.from_hf_config(self.hf_config, size, size)
+
+    def device_roofs(self, refresh: bool = False) -> DeviceRoofs:
+        """This device's measured matmul throughput and memory bandwidth in the model's dtype
+        (probed once per machine, then cached; see roofline.probe_roofs)."""
+        return probe_roofs(self.platform, next(self.model.parameters()).dtype, refresh)
 
     def request_states(self) -> list[RequestState]:
         """Every unfinished request, in arrival order (waits for a running step to end)."""

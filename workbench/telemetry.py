@@ -48,6 +48,9 @@ class StepEvent:
     scheduled_ahead: bool = False
     """Launched before the previous step's tokens reached the host (async scheduling): its
     input ids came from that step's sampled ids on the device."""
+    context_lens: dict[str, int] = field(default_factory=dict)
+    """Tokens each scheduled request already had in the KV cache before the step (its
+    attention read them besides its new tokens; see roofline.step_cost)."""
 
     @property
     def num_tokens(self) -> int:
