@@ -6,15 +6,19 @@ Imported only by notebooks and the dashboard: `workbench` itself never imports t
 Panels are fed on the kernel's own asyncio loop (see `widgets.live`), at most ~20 times a
 second, from the in-process Engine or from a remote OpenAI-compatible server.
 """
+from .ab import ABPanel
 from .dashboard import Dashboard
 from .knobs import KnobPanel
 from .kv_map import KVBlockMap
 from .live import Live, Pump
 from .sources import LocalSource, RemoteSource
+from .replay import ReplaySource
+from .roofline import RooflinePanel
 from .stepper import Stepper
 from .summary import SummaryPanel
 from .timeline import BatchTimeline
 from .token_stream import TokenStreamPanel
 
 __all__ = ["Dashboard", "Live", "Pump", "Stepper", "KnobPanel", "KVBlockMap", "BatchTimeline",
-           "TokenStreamPanel", "SummaryPanel", "LocalSource", "RemoteSource"]
+           "TokenStreamPanel", "SummaryPanel", "LocalSource", "RemoteSource", "ReplaySource",
+           "RooflinePanel", "ABPanel"]

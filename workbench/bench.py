@@ -83,7 +83,9 @@ def run_engine(engine: Engine, wl: Workload, progress=None) -> dict:
                 ttft_p50_s=round(_pct(ttft, 50), 3), ttft_p99_s=round(_pct(ttft, 99), 3),
                 tpot_p50_ms=round(_pct(tpot, 50) * 1e3, 1), tpot_p99_ms=round(_pct(tpot, 99) * 1e3, 1),
                 mean_decode_batch=round(statistics.mean(
-                    [s.num_decode_tokens for s in steps if s.num_decode_tokens] or [0]), 1))
+                    [s.num_decode_tokens for s in steps if s.num_decode_tokens] or [0]), 1),
+                kv_peak=round(max((s.kv_usage for s in steps), default=0.0), 3),
+                kv_peak_blocks=max((s.kv_blocks_used for s in steps), default=0))
 
 
 def run_engine_b1(engine: Engine, prompt: list[int], new_tokens: int) -> dict:
@@ -109,12 +111,73 @@ def sweep(grid: dict[str, list], wl: Workload, model: str = "smollm2",
     points = list(itertools.product(*grid.values()))
     for i, values in enumerate(points):
         knobs = dict(zip(grid, values))
-        engine = Engine(model=model, **{**(engine_kwargs or {}), **knobs})
-        rows.append({**knobs, "graph_mode_run": engine.graph_mode, **run_engine(engine, wl)})
-        del engine
+        rows.append({**knobs, **_run_point(model, engine_kwargs, knobs, wl)})
         if progress is not None:
             progress(i + 1, len(points))
     return rows
+
+
+def _run_point(model: str, engine_kwargs: dict | None, knobs: dict, wl: Workload) -> dict:
+    """One engine with `knobs` over the common settings, run on `wl`, then closed (a device
+    holds one engine at a time)."""
+    engine = Engine(model=model, **{**(engine_kwargs or {}), **knobs})
+    try:
+        return {"graph_mode_run": engine.graph_mode, "device": engine.platform.device_name(),
+                **run_engine(engine, wl)}
+    finally:
+        engine.close()
+
+
+AB_METRICS = {"ttft_p50_s": "TTFT p50 (s)", "ttft_p99_s": "TTFT p99 (s)",
+              "tpot_p50_ms": "TPOT p50 (ms)", "tpot_p99_ms": "TPOT p99 (ms)",
+              "out_tok_s": "throughput (out tok/s)", "preemptions": "preemptions",
+              "kv_peak": "KV peak (fraction of the pool)"}
+"""What an A/B run compares, with labels: lower is better for all but throughput."""
+
+
+@dataclass
+class ABResult:
+    a: dict
+    """Arm A: its knobs and `run_engine`'s figures."""
+    b: dict
+    knobs_a: dict
+    knobs_b: dict
+    device: str
+    sequential: bool = True
+    """The arms ran one after the other on one device, each alone (never at once)."""
+
+    def deltas(self) -> dict[str, dict]:
+        """Per metric: A, B, B − A and (B − A) / A (None where A is 0 or unknown)."""
+        out = {}
+        for k in AB_METRICS:
+            a, b = self.a.get(k), self.b.get(k)
+            d = None if a is None or b is None else b - a
+            out[k] = {"a": a, "b": b, "delta": d,
+                      "relative": d / a if d is not None and a else None}
+        return out
+
+
+def ab_run(knobs_a: dict, knobs_b: dict, wl: Workload, model: str = "smollm2",
+           engine_kwargs: dict | None = None, progress=None) -> ABResult:
+    """Two engine configurations (any EngineConfig knobs, over the common `engine_kwargs`)
+    on the same workload, one after the other on this device: A is built, run and closed,
+    then B. Compare with `result.deltas()`."""
+    if not knobs_a and not knobs_b:
+        raise ValueError("knobs_a, knobs_b: both empty; the two arms would be the same engine")
+    from dataclasses import fields as dc_fields
+
+    from .config import EngineConfig
+    names = {f.name for f in dc_fields(EngineConfig)}
+    for which, knobs in (("knobs_a", knobs_a), ("knobs_b", knobs_b)):
+        bad = sorted(set(knobs) - names)
+        if bad:
+            raise ValueError(f"{which}: not EngineConfig knobs: {', '.join(bad)}")
+    rows = []
+    for i, knobs in enumerate((knobs_a, knobs_b)):
+        rows.append(_run_point(model, engine_kwargs, knobs, wl))
+        if progress is not None:
+            progress(i + 1, 2)
+    return ABResult(rows[0], rows[1], dict(knobs_a), dict(knobs_b), rows[0]["device"])
 
 
 def latency_alone_vs_batched(engine: Engine, n: int = 32, prompt_len: int = 128,
