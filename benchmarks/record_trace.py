@@ -20,7 +20,10 @@ def main(out: str = str(ROOT / "docs" / "traces" / "smollm2-cpu.trace.json.gz"))
     from widgets.dashboard import DASHBOARD_DEFAULTS, EXAMPLE_PROMPTS
     engine = Engine(EngineConfig(model="smollm2", device="cpu", seed=0, **DASHBOARD_DEFAULTS))
     prompts = [[{"role": "user", "content": line}] for line in EXAMPLE_PROMPTS.splitlines()]
-    trace = record(engine, prompts, SamplingParams(max_tokens=32, temperature=0.7, seed=0))
+    # Replies of different lengths: the decode batch shrinks from 8 to 1 along the run.
+    params = [SamplingParams(max_tokens=12 + 6 * i, temperature=0.7, seed=i)
+              for i in range(len(prompts))]
+    trace = record(engine, prompts, params)
     path = trace.save(out)
     print(f"{path}: {len(trace.frames)} steps, {trace.duration:.1f} s recorded, "
           f"{path.stat().st_size / 1024:.0f} KiB")

@@ -80,6 +80,10 @@ def test_dashboard_replays_the_shipped_trace_with_no_model(monkeypatch):
     d = Dashboard(replay=SHIPPED_TRACE, speed=1000)        # 1000× real time
     time.sleep(0.2)
     d.pump.tick()
+    assert d.streams.num_requests == 0                     # nothing before Play
+    d.replay_button.click()
+    time.sleep(0.2)
+    d.pump.tick()
     t = Trace.load(SHIPPED_TRACE)
     assert "no model loaded" in d.header.value
     assert d.streams.num_requests == len(t.prompts) == 8

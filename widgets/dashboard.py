@@ -54,7 +54,8 @@ class Dashboard(w.VBox):
 
     def __init__(self, engine: Engine | None = None, *, config: EngineConfig | None = None,
                  url: str | None = None, api_key: str | None = None, model: str | None = None,
-                 replay: str | Path | None = None, speed: float = 1.0, hz: float = 20.0):
+                 replay: str | Path | None = None, speed: float = 1.0, autoplay: bool = False,
+                 hz: float = 20.0):
         if sum(x is not None for x in (engine, config, url, replay)) > 1:
             raise ValueError("give one of engine, config, url or replay")
         if url is None and (api_key is not None or model is not None):
@@ -63,7 +64,7 @@ class Dashboard(w.VBox):
         if url is not None:
             source = RemoteSource(url, api_key=api_key, model=model)
         elif replay is not None:
-            source = ReplaySource(replay, speed)
+            source = ReplaySource(replay, speed, autoplay)
         else:
             source = as_source(engine if engine is not None
                                else Engine(config or EngineConfig(**DASHBOARD_DEFAULTS)))
@@ -100,6 +101,7 @@ class Dashboard(w.VBox):
                                        'set where it runs; temperature and max tokens apply.</div>')
             self.kv.unavailable(source.kv_note())
         # ---- issue 13 part B: the roofline (and replay controls) -----------------------------
+        self.knobs_title = w.HTML('<div class="wb"><h3>Knobs</h3></div>')
         self.roofline = RooflinePanel(*self._roofline_model())
         extra = [self.roofline]
         if isinstance(source, LocalSource):
@@ -111,21 +113,23 @@ class Dashboard(w.VBox):
         if isinstance(source, ReplaySource):
             self.knobs.apply_button.disabled = True
             self.send_button.disabled = self.abort_button.disabled = True
-            self.knobs.status.value = ('<div class="wb muted">A replay plays a recorded trace: '
-                                       'no model is loaded, so knobs and Send do not apply.'
-                                       '</div>')
-            self.replay_button = w.Button(description="Replay from the start", icon="repeat",
-                                          layout=w.Layout(width="100%"))
+            self.knobs_title.value = ('<div class="wb muted">A replay plays a recorded trace: '
+                                      'no model is loaded, so knobs and Send do not apply.'
+                                      '</div>')
+            self.replay_button = w.Button(
+                description="Replay from the start" if autoplay else "Play the recording",
+                icon="repeat" if autoplay else "play", button_style="" if autoplay else "info",
+                layout=w.Layout(width="100%"))
             self.replay_button.on_click(lambda _: self.restart_replay())
             self.clear_button.layout.display = "none"
-            self.message.value = ""
+            self.knobs.layout.display = "none"     # knobs of no engine would mislead
         # -----------------------------------------------------------------------------------
 
         controls = w.VBox([w.HTML('<div class="wb"><h3>Send requests</h3></div>'), self.prompts,
                            self.n, self.chat, w.HBox([self.send_button, self.abort_button]),
                            self.clear_button, *([self.replay_button] if isinstance(
                                source, ReplaySource) else []), self.message, self.errors,
-                           w.HTML('<div class="wb"><h3>Knobs</h3></div>'), self.knobs],
+                           self.knobs_title, self.knobs],
                           layout=w.Layout(width="390px", min_width="390px", padding="0 12px 0 0"))
         main = w.VBox([self.summary, self.streams, self.timeline, self.kv, *extra],
                       layout=w.Layout(flex="1 1 auto", min_width="0"))
@@ -227,9 +231,11 @@ class Dashboard(w.VBox):
         return None, None
 
     def restart_replay(self) -> None:
-        """Play the recorded trace again from its start."""
+        """Play the recorded trace (again) from its start."""
         self.clear()
-        self.source.restart()
+        self.source.play()
+        self.replay_button.description, self.replay_button.icon = "Replay from the start", "repeat"
+        self.replay_button.button_style = ""
         self.pump.start()
 
     def swap_engine(self, engine: Engine) -> None:

@@ -32,12 +32,15 @@ class ReplaySource:
     config = None
     """No engine: the knobs do not apply."""
 
-    def __init__(self, trace: Trace | str | Path, speed: float = 1.0):
+    def __init__(self, trace: Trace | str | Path, speed: float = 1.0, autoplay: bool = True):
         self.trace = load_trace(trace)
         if not self.trace.frames:
             raise ValueError("trace: it has no steps to replay")
         self.set_speed(speed)
         self.restart()
+        self.playing = autoplay
+        """False until `play()`: nothing is released before (a page shows its widgets first,
+        and plotly figures miss what changed before they were displayed)."""
 
     def set_speed(self, speed: float) -> None:
         if not 0 < speed <= 1000:
@@ -47,8 +50,13 @@ class ReplaySource:
             self._t0 = time.monotonic() - pos / speed
         self.speed = speed
 
+    def play(self) -> None:
+        """Start playing from the start (the panels should be cleared first)."""
+        self.restart()
+        self.playing = True
+
     def restart(self) -> None:
-        """Play from the start again (the panels should be cleared first)."""
+        """Rewind to the start (the panels should be cleared first)."""
         self._t0 = time.monotonic()
         self._origin = self._t0                  # recorded time 0 on this machine's clock
         self._next = 0
@@ -59,7 +67,7 @@ class ReplaySource:
     @property
     def position(self) -> float:
         """Recorded seconds played so far."""
-        return (time.monotonic() - self._t0) * self.speed
+        return (time.monotonic() - self._t0) * self.speed if self.playing else 0.0
 
     @property
     def done(self) -> bool:
@@ -86,6 +94,8 @@ class ReplaySource:
     def poll(self) -> Update:
         u = Update()
         o = self._origin
+        if not self.playing:
+            return u
         if not self._submitted:
             self._submitted = True
             arrivals = {m.request_id: m.arrival_time for m in self.trace.requests}

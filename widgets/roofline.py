@@ -54,11 +54,14 @@ class RooflinePanel(w.VBox):
                           title=dict(text="Roofline: each step's FLOP/s against its intensity",
                                      font=dict(size=14), x=0.01, y=0.99))
         fig.update_xaxes(type="log", title_text="arithmetic intensity (FLOP per byte read)")
-        fig.update_yaxes(type="log", title_text="achieved FLOP/s")
+        fig.update_yaxes(type="log", title_text="achieved FLOP/s", exponentformat="SI")
+        # Drawn before it becomes a widget: a FigureWidget's browser side misses what changed
+        # before it was first displayed.
+        self.fig = fig
+        self.set_model(shape, roofs)
         self.fig = go.FigureWidget(fig)
         super().__init__([css_widget(), self.note, self.fig], **kw)
         self.add_class("wb-roofline")
-        self.set_model(shape, roofs)
 
     def set_model(self, shape: ModelShape | None, roofs: DeviceRoofs | None) -> None:
         """A new engine (or trace): its shape counts the FLOPs, its device gives the roofs."""
