@@ -13,8 +13,8 @@ pytest.importorskip("ipywidgets")
 pytest.importorskip("plotly")
 
 from workbench import Engine, SamplingParams  # noqa: E402
-from workbench.bench import AB_METRICS, ab_run, make_workload  # noqa: E402
-from workbench.engine import TokenEvent  # noqa: E402
+from workbench.bench.offline import AB_METRICS, ab_run, make_workload  # noqa: E402
+from workbench.core.request import TokenEvent  # noqa: E402
 from workbench.trace import Trace, TraceError, record  # noqa: E402
 
 TINY = dict(model="random:tiny", device="cpu", num_kv_blocks=64, block_size=16)
@@ -40,7 +40,7 @@ def no_engine(monkeypatch):
 
 def test_record_keeps_every_step_token_and_finished_request(tiny_trace):
     t = Trace.load(tiny_trace)
-    assert t.info["model"] == "random:tiny" and t.shape.num_layers > 0 and t.roofs.balance > 0
+    assert t.info.model == "random:tiny" and t.info.num_layers > 0 and t.roofs.balance > 0
     assert t.frames[0].step.phase == "prefill" and t.frames[0].step.context_lens
     tokens = [ev for f in t.frames for ev in f.tokens if ev.token_id is not None]
     assert len(tokens) == 3 * 6
@@ -115,7 +115,7 @@ def test_replay_rejects_bad_files_and_cli_says_why(tmp_path, capsys):
 def test_roofline_panel_places_decode_left_of_prefill(tiny_trace):
     from widgets import RooflinePanel
     t = Trace.load(tiny_trace)
-    p = RooflinePanel(t.shape, t.roofs)
+    p = RooflinePanel(t.info, t.roofs)
     p.add_steps([f.step for f in t.frames])
     data = {tr.name: tr for tr in p.fig.data}
     prefill, decode = data["prefill"], data["decode"]

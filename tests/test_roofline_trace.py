@@ -7,12 +7,23 @@ import json
 
 import pytest
 
-from workbench.roofline import DeviceRoofs, ModelShape, probe_roofs, roofline_points, step_cost
-from workbench.telemetry import StepEvent
+from workbench.config import EngineConfig
+from workbench.roofline import DeviceRoofs, probe_roofs, roofline_points, step_cost
+from workbench.telemetry import EngineInfo, StepEvent
 from workbench.trace import FORMAT, VERSION, Trace, TraceError
 
-SHAPE = ModelShape(num_layers=2, hidden_size=4, num_heads=2, num_kv_heads=1, head_dim=2,
-                   intermediate_size=8, vocab_size=10, weight_bytes=2, kv_bytes=2)
+# A 2-layer model, hidden 4, 2 query heads and 1 KV head of 2 dims, MLP 8, vocab 10, 2-byte
+# weights. One layer's matmuls: qkv 4×(4+2+2) = 32, o 4×4 = 16, gate/up/down 3×4×8 = 96 -> 144.
+SHAPE = EngineInfo(
+    model="hand", model_path=None, device="cpu", device_name="by hand", dtype="bfloat16",
+    max_model_len=64, block_size=16, num_kv_blocks=8, kv_bytes_per_block=16 * 16,
+    graph_mode="eager", capture_sizes=(), piecewise_sizes=(), attention="reference",
+    ops="torch", async_scheduling=False, vocab_size=10, num_params=2 * 144 + 40,
+    num_layer_params=2 * 144, num_layers=2, hidden_size=4, intermediate_size=8,
+    num_attention_heads=2, num_kv_heads=1, head_dim=2,
+    weight_bytes=(2 * 144 + 40) * 2,          # the layers and the (untied) LM head
+    kv_bytes_per_token=2 * 2 * 1 * 2 * 2,     # K and V × 2 layers × 1 head × 2 dims × 2 bytes
+    config=EngineConfig(model="hand"))
 
 
 def event(**kw) -> StepEvent:
@@ -26,8 +37,6 @@ def event(**kw) -> StepEvent:
 
 
 def test_step_cost_by_hand():
-    # One layer's matmuls: qkv 4×(4+2+2) = 32, o 4×4 = 16, gate/up/down 3×4×8 = 96 -> 144.
-    assert SHAPE.layer_matmul_params == 144
     c = step_cost(event(), SHAPE)
     # Matmuls: 2 FLOPs × 4 tokens × 2 layers × 144 = 2304. LM head (4×10) for the 2 rows that
     # sample: 2 × 2 × 40 = 160. Attention: a scores 0·3 + 3·4/2 = 6 pairs, b 1·5 + 1 = 6;
@@ -74,15 +83,15 @@ def test_probe_is_measured_once_then_cached(tmp_path, monkeypatch):
 
 
 def small_trace() -> Trace:
-    from workbench.block_manager import KVBlockSnapshot
-    from workbench.engine import RequestState, TokenEvent
+    from workbench.core.block_manager import KVBlockSnapshot
+    from workbench.core.request import RequestState, TokenEvent
     from workbench.trace import TraceFrame
     states = [RequestState("a", "running", 3, 1, 3, 0, 0, [0], "Hi")]
     tok = TokenEvent("a", 42, "Hi", 1, 0.5)
     kv = KVBlockSnapshot(4, 16, [1, 0, 0, 0], [False] * 4, {"a": [0]}, step=0)
-    return Trace({"model": "m"}, [TraceFrame(event(step=0), [tok], states, kv),
+    return Trace(SHAPE, [TraceFrame(event(step=0), [tok], states, kv),
                                    TraceFrame(event(step=1, start=0.5), [], [], None)],
-                 prompts={"a": "hello"}, shape=SHAPE,
+                 prompts={"a": "hello"},
                  roofs=DeviceRoofs("x", "float32", 1e9, 1e8))
 
 
@@ -92,7 +101,7 @@ def test_trace_round_trip(tmp_path, name):
     back = Trace.load(t.save(tmp_path / name))
     assert back.to_dict() == t.to_dict()
     assert back.frames[0].tokens[0].text == "Hi" and back.frames[0].kv.block_tables == {"a": [0]}
-    assert back.shape == SHAPE and back.duration == pytest.approx(1.0)
+    assert back.info == SHAPE and back.duration == pytest.approx(1.0)
 
 
 def test_trace_bad_foreign_and_wrong_version(tmp_path):

@@ -5,7 +5,7 @@ max_num_seqs = 8, graph_mode = "eager", ...), choose the workload, press Run. Th
 after the other on this device (A is built, run and closed, then B), never at once, so each
 has the device to itself; the panel says so. From code:
 
-    from workbench.bench import ab_run, make_workload
+    from workbench.bench.offline import ab_run, make_workload
     result = ab_run({"block_size": 16}, {"block_size": 128}, make_workload(16, (16, 128),
                     (16, 64), vocab=49152))
     ABPanel(result=result)
@@ -18,7 +18,7 @@ import asyncio
 import ipywidgets as w
 import traitlets
 
-from workbench.bench import AB_METRICS, ABResult, ab_run, make_workload
+from workbench.bench.offline import AB_METRICS, ABResult, ab_run, make_workload
 
 from .style import css_widget, esc
 

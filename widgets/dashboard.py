@@ -225,9 +225,9 @@ class Dashboard(w.VBox):
         """(model shape, device roofs) for the roofline, or (None, None) for a server."""
         src = self.source
         if isinstance(src, LocalSource):
-            return src.engine.model_shape(), src.engine.device_roofs()
+            return src.engine.info(), src.engine.device_roofs()
         if isinstance(src, ReplaySource):
-            return src.trace.shape, src.trace.roofs
+            return src.trace.info, src.trace.roofs
         return None, None
 
     def restart_replay(self) -> None:

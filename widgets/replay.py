@@ -15,7 +15,7 @@ from pathlib import Path
 
 from workbench.trace import Trace
 
-from .sources import RequestRecord, Update
+from .sources import RequestRecord, Update, describe_engine
 
 SHIPPED_TRACE = Path(__file__).resolve().parents[1] / "docs" / "traces" / "smollm2-cpu.trace.json.gz"
 """A small recorded run that ships with the repository (8 requests on smollm2, CPU)."""
@@ -78,7 +78,7 @@ class ReplaySource:
         return list(self.trace.notices)
 
     def describe(self) -> dict[str, str]:
-        return {**self.trace.info, "speed": f"{self.speed:g}×"}
+        return {**describe_engine(self.trace.info), "speed": f"{self.speed:g}×"}
 
     def submit(self, prompt, params) -> str:
         raise ValueError("a replay plays a recorded trace back; it takes no new requests "

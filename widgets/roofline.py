@@ -6,7 +6,7 @@ under the bandwidth roof, because every weight is read for one token per request
 a step can be compute-bound: a long prefill reuses each weight for many tokens and climbs
 toward the matmul roof. Hover a point for its step, phase and batch.
 
-    RooflinePanel(engine.model_shape(), engine.device_roofs())   # then update(Update) per tick
+    RooflinePanel(engine.info(), engine.device_roofs())   # then update(Update) per tick
 """
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import ipywidgets as w
 import plotly.graph_objects as go
 import traitlets
 
-from workbench.roofline import DeviceRoofs, ModelShape, roofline_points
+from workbench.roofline import DeviceRoofs, roofline_points
+from workbench.telemetry import EngineInfo
 
 from .style import DECODE, PREFILL, css_widget, esc
 
@@ -34,7 +35,7 @@ class RooflinePanel(w.VBox):
 
     num_points = traitlets.Int(0, help="Steps drawn.")
 
-    def __init__(self, shape: ModelShape | None = None, roofs: DeviceRoofs | None = None,
+    def __init__(self, info: EngineInfo | None = None, roofs: DeviceRoofs | None = None,
                  window: int = 2000, height: int = 380, **kw):
         self.window = window
         self.points: list = []
@@ -58,16 +59,16 @@ class RooflinePanel(w.VBox):
         # Drawn before it becomes a widget: a FigureWidget's browser side misses what changed
         # before it was first displayed.
         self.fig = fig
-        self.set_model(shape, roofs)
+        self.set_model(info, roofs)
         self.fig = go.FigureWidget(fig)
         super().__init__([css_widget(), self.note, self.fig], **kw)
         self.add_class("wb-roofline")
 
-    def set_model(self, shape: ModelShape | None, roofs: DeviceRoofs | None) -> None:
-        """A new engine (or trace): its shape counts the FLOPs, its device gives the roofs."""
-        self.shape, self.roofs = shape, roofs
+    def set_model(self, info: EngineInfo | None, roofs: DeviceRoofs | None) -> None:
+        """A new engine (or trace): its info counts the FLOPs, its device gives the roofs."""
+        self.info, self.roofs = info, roofs
         self.points = []
-        if shape is None or roofs is None:
+        if info is None or roofs is None:
             self.note.value = ('<div class="wb muted">No roofline: the model\'s shape or the '
                                'device\'s roofs are unknown (a remote server).</div>')
         else:
@@ -87,9 +88,9 @@ class RooflinePanel(w.VBox):
             self.add_steps(u.steps)
 
     def add_steps(self, steps) -> None:
-        if self.shape is None or not hasattr(steps[0], "context_lens"):
+        if self.info is None or not hasattr(steps[0], "context_lens"):
             return                       # a remote server's /metrics polls have no steps
-        self.points.extend(roofline_points(steps, self.shape))
+        self.points.extend(roofline_points(steps, self.info))
         del self.points[:-self.window]
         self._draw()
 

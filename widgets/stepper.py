@@ -27,6 +27,7 @@ from workbench.trace import Trace
 
 from .kv_map import KVBlockMap
 from .replay import load_trace
+from .sources import describe_engine
 from .style import css_widget, esc
 
 
@@ -127,7 +128,8 @@ class Stepper(w.VBox):
         if self.trace is not None:
             self.run_button.description, self.run_button.icon = "Play", "play"
             top = [w.HTML('<div class="wb"><h3>Replay <span class="muted">· ' + esc(" · ".join(
-                f"{k} {v}" for k, v in self.trace.info.items())) + ' · no model loaded'
+                f"{k} {v}" for k, v in describe_engine(self.trace.info).items()))
+                + ' · no model loaded'
                 '</span></h3></div>')]
             buttons.append(self.speed)
         super().__init__([css_widget(), *top, w.HBox(buttons),

@@ -9,7 +9,7 @@ request), one above it is capped by the peak (compute-bound: a long prefill reus
 for thousands of tokens).
 
 `probe_roofs` measures both once per machine, device and dtype (cached in the workbench cache
-dir); `step_cost` counts a step's FLOPs and bytes from its StepEvent and the model's shape.
+dir); `step_cost` counts a step's FLOPs and bytes from its StepEvent and the EngineInfo.
 """
 from __future__ import annotations
 
@@ -21,43 +21,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .models.loader import cache_root
-from .telemetry import StepEvent
-
-
-@dataclass(slots=True, frozen=True)
-class ModelShape:
-    """What the FLOP/byte model needs of a decoder-only transformer."""
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    weight_bytes: int
-    """Bytes per weight element (4 for fp32, 2 for bf16/fp16)."""
-    kv_bytes: int
-    """Bytes per KV cache element."""
-
-    @classmethod
-    def from_hf_config(cls, cfg, weight_bytes: int, kv_bytes: int) -> "ModelShape":
-        heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        return cls(cfg.num_hidden_layers, cfg.hidden_size, heads,
-                   getattr(cfg, "num_key_value_heads", None) or heads, head_dim,
-                   cfg.intermediate_size, cfg.vocab_size, weight_bytes, kv_bytes)
-
-    @property
-    def layer_matmul_params(self) -> int:
-        """Weights of one layer's matmuls: q, k, v and o projections, gate, up and down."""
-        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """K and V of one token in every layer."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bytes
+from .cache import cache_root
+from .telemetry import EngineInfo, StepEvent
 
 
 @dataclass(slots=True, frozen=True)
@@ -76,19 +41,20 @@ class StepCost:
         return self.flops / self.bytes if self.bytes else 0.0
 
 
-def step_cost(ev: StepEvent, shape: ModelShape) -> StepCost:
-    """FLOPs a step computed and bytes it read, counted from its scheduled tokens.
+def step_cost(ev: StepEvent, info: EngineInfo) -> StepCost:
+    """FLOPs a step computed and bytes it read, counted from its scheduled tokens and the
+    engine's shape (EngineInfo, or a recorded trace's copy of it).
 
-    - Matmuls: 2 FLOPs per weight per token fed, in every layer; the LM head (hidden × vocab)
-      only for the rows that sample (a prompt chunk that does not end its prompt has none).
+    - Matmuls: 2 FLOPs per decoder-layer parameter per token fed; the LM head (hidden ×
+      vocab) only for the rows that sample (a prompt chunk that does not end its prompt
+      samples nothing).
     - Attention: a request feeding q tokens after c tokens already in the cache scores
       q·c + q(q+1)/2 (query, key) pairs (causal); each pair costs 2·head_dim FLOPs for QKᵀ and
       as many for PV, per query head and layer.
-    - Bytes: every matmul weight once (a step reads the weights whatever its batch: that is
+    - Bytes: the weights one forward reads (`info.weight_bytes`: whatever the batch, which is
       why batching decode is nearly free), plus each request's K and V over its c + q tokens.
-    Embedding lookups, norms and activations are left out: they are small next to these.
+    Norms, RoPE and activations are left out: they are small next to these.
     """
-    s = shape
     tokens = sum(ev.tokens_per_request.values())
     sampled = sum(1 for k in ev.kinds.values() if k != "chunk")
     pairs = kv_tokens = 0
@@ -96,11 +62,10 @@ def step_cost(ev: StepEvent, shape: ModelShape) -> StepCost:
         c = ev.context_lens.get(rid, 0)
         pairs += q * c + q * (q + 1) // 2
         kv_tokens += c + q
-    head = s.hidden_size * s.vocab_size
-    flops = (2 * tokens * s.num_layers * s.layer_matmul_params + 2 * sampled * head
-             + 4 * s.num_layers * s.num_heads * s.head_dim * pairs)
-    weights = (s.num_layers * s.layer_matmul_params + head) * s.weight_bytes
-    return StepCost(float(flops), float(weights), float(kv_tokens * s.kv_bytes_per_token))
+    flops = (2 * tokens * info.num_layer_params + 2 * sampled * info.hidden_size * info.vocab_size
+             + 4 * info.num_layers * info.num_attention_heads * info.head_dim * pairs)
+    return StepCost(float(flops), float(info.weight_bytes),
+                    float(kv_tokens * info.kv_bytes_per_token))
 
 
 # ---- the device's two roofs ---------------------------------------------------------------------
@@ -200,13 +165,13 @@ class RooflinePoint:
     duration: float
 
 
-def roofline_points(steps, shape: ModelShape) -> list[RooflinePoint]:
+def roofline_points(steps, info: EngineInfo) -> list[RooflinePoint]:
     """One point per step that fed tokens: its intensity and achieved FLOP/s."""
     out = []
     for ev in steps:
         if not ev.tokens_per_request or ev.duration <= 0:
             continue
-        c = step_cost(ev, shape)
+        c = step_cost(ev, info)
         out.append(RooflinePoint(ev.step, ev.phase, len(ev.tokens_per_request),
                                  sum(ev.tokens_per_request.values()), c.intensity,
                                  c.flops / ev.duration, ev.duration))

@@ -3,8 +3,8 @@
 A trace holds, step by step, what the panels draw: the step's StepEvent, the tokens it handed
 out (with their logprobs where asked for), every unfinished request's state after it (block
 tables, progress) and the KV pool block by block; plus the finished requests' metrics, the
-memory figures, the engine's description, the model's shape and the device's roofs (so a
-replay can draw the roofline too).
+memory figures, the engine's EngineInfo and the device's roofs (so a replay can draw the
+roofline too).
 
     trace = record(engine, prompts, SamplingParams(max_tokens=32))
     trace.save("run.trace.json.gz")
@@ -23,11 +23,13 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
 
-from .block_manager import KVBlockSnapshot
-from .engine import Engine, RequestState, TokenEvent
-from .roofline import DeviceRoofs, ModelShape
-from .sampling_params import SamplingParams
-from .telemetry import MemoryStats, RequestMetrics, StepEvent
+from .config import EngineConfig
+from .core.block_manager import KVBlockSnapshot
+from .core.request import RequestState, TokenEvent
+from .core.sampling_params import SamplingParams
+from .engine import Engine
+from .roofline import DeviceRoofs
+from .telemetry import EngineInfo, MemoryStats, RequestMetrics, StepEvent
 
 FORMAT = "workbench-trace"
 VERSION = 1
@@ -56,14 +58,13 @@ class TraceFrame:
 
 @dataclass
 class Trace:
-    info: dict[str, str]
-    """The engine as a header shows it (model, device, dtype, block size, ...)."""
+    info: EngineInfo
+    """The engine that ran (model shape, KV pool, resolved knobs in `info.config`)."""
     frames: list[TraceFrame]
     requests: list[RequestMetrics] = field(default_factory=list)
     """Finished requests' metrics (times from the trace's start)."""
     prompts: dict[str, str] = field(default_factory=dict)
     """Request id -> the prompt, shortened to a label."""
-    shape: ModelShape | None = None
     roofs: DeviceRoofs | None = None
     memory: MemoryStats | None = None
     notices: list[str] = field(default_factory=list)
@@ -80,8 +81,7 @@ class Trace:
                 d["logprobs"] = [[tid, lp.logprob, lp.rank, lp.decoded_token]
                                  for tid, lp in d["logprobs"].items()]
             return d
-        return {"format": FORMAT, "version": VERSION, "info": self.info,
-                "shape": asdict(self.shape) if self.shape else None,
+        return {"format": FORMAT, "version": VERSION, "info": asdict(self.info),
                 "roofs": asdict(self.roofs) if self.roofs else None,
                 "memory": asdict(self.memory) if self.memory else None,
                 "notices": self.notices, "prompts": self.prompts,
@@ -128,7 +128,7 @@ class Trace:
                              f"reads ({VERSION}){'; upgrade the workbench' if newer else ''}")
         try:
             return cls(
-                info=dict(d["info"]),
+                info=_info(d["info"]),
                 frames=[TraceFrame(_make(StepEvent, f["step"]),
                                    [_token(t) for t in f["tokens"]],
                                    [_make(RequestState, s) for s in f["states"]],
@@ -136,7 +136,6 @@ class Trace:
                         for f in d["frames"]],
                 requests=[_make(RequestMetrics, r) for r in d["requests"]],
                 prompts=dict(d["prompts"]),
-                shape=_make(ModelShape, d["shape"]) if d.get("shape") else None,
                 roofs=_make(DeviceRoofs, d["roofs"]) if d.get("roofs") else None,
                 memory=_make(MemoryStats, d["memory"]) if d.get("memory") else None,
                 notices=list(d.get("notices") or []))
@@ -156,6 +155,12 @@ def _make(cls, d: dict):
     return cls(**d)
 
 
+def _info(d: dict) -> EngineInfo:
+    info = _make(EngineInfo, {**d, "config": _make(EngineConfig, d["config"])})
+    return replace(info, capture_sizes=tuple(info.capture_sizes),
+                   piecewise_sizes=tuple(info.piecewise_sizes))
+
+
 def _token(d: dict) -> TokenEvent:
     d = dict(d)
     lps = d.get("logprobs")
@@ -173,21 +178,6 @@ def _logprob_class():
 
 
 # ---- recording ------------------------------------------------------------------------------
-def engine_description(engine: Engine) -> dict[str, str]:
-    """What a header shows about an engine, in words."""
-    c = engine.config
-    shape = engine.model_shape()
-    return {"model": str(c.model), "device": engine.platform.name,
-            "dtype": {4: "float32", 2: "bfloat16" if engine.platform.name != "cpu"
-                      else "16-bit"}.get(shape.weight_bytes, f"{shape.weight_bytes}-byte"),
-            "block size": str(c.block_size),
-            "KV blocks": str(engine.kv_blocks().num_blocks),
-            "max_num_seqs": str(c.max_num_seqs),
-            "max_num_batched_tokens": str(c.max_num_batched_tokens),
-            "graph mode": engine.graph_mode,
-            "prefix caching": "on" if c.enable_prefix_caching else "off"}
-
-
 def record(engine: Engine, prompts: list, params: SamplingParams | list[SamplingParams] | None
            = None, *, kv_every: int = 1, roofs: bool = True, max_steps: int = 100_000) -> Trace:
     """Run `prompts` to the end on `engine` (stepping it in this thread; it must not run in the
@@ -229,8 +219,8 @@ def record(engine: Engine, prompts: list, params: SamplingParams | list[Sampling
                                                         "first_token_time", "finished_time")
                        if getattr(m, k) is not None})
             for m in tel.requests_since(next_request)]
-    return Trace(engine_description(engine), frames, reqs, labels, engine.model_shape(),
-                 engine.device_roofs() if roofs else None, tel.memory, list(engine.notices))
+    return Trace(engine.info(), frames, reqs, labels, engine.device_roofs() if roofs else None,
+                 tel.memory, list(engine.notices))
 
 
 def prompt_label(prompt, width: int = 60) -> str:

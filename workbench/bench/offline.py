@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine import Engine
-from .sampling_params import SamplingParams
+from ..engine import Engine
+from ..core.sampling_params import SamplingParams
+from ..telemetry import percentile
 
 
 @dataclass
@@ -58,17 +59,10 @@ def save_random_qwen3(path, layers: int, heads: int, kv_heads: int, head_dim: in
     Qwen3ForCausalLM(cfg).eval().save_pretrained(path)
 
 
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
-
-
 def run_engine(engine: Engine, wl: Workload, progress=None) -> dict:
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in wl.output_lens]
     engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-    engine.block_manager.reset_prefix_cache()
+    engine.reset_prefix_cache()
     first_step = engine.telemetry.num_steps
     t = time.perf_counter()
     outs = engine.generate(wl.prompts, params, progress=progress)
@@ -80,8 +74,8 @@ def run_engine(engine: Engine, wl: Workload, progress=None) -> dict:
     steps = engine.telemetry.steps_since(first_step)
     return dict(out_tok_s=round(tokens / dt, 1), seconds=round(dt, 2), tokens=tokens,
                 steps=len(steps), preemptions=sum(s.num_preempted for s in steps),
-                ttft_p50_s=round(_pct(ttft, 50), 3), ttft_p99_s=round(_pct(ttft, 99), 3),
-                tpot_p50_ms=round(_pct(tpot, 50) * 1e3, 1), tpot_p99_ms=round(_pct(tpot, 99) * 1e3, 1),
+                ttft_p50_s=round(percentile(ttft, 50), 3), ttft_p99_s=round(percentile(ttft, 99), 3),
+                tpot_p50_ms=round(percentile(tpot, 50) * 1e3, 1), tpot_p99_ms=round(percentile(tpot, 99) * 1e3, 1),
                 mean_decode_batch=round(statistics.mean(
                     [s.num_decode_tokens for s in steps if s.num_decode_tokens] or [0]), 1),
                 kv_peak=round(max((s.kv_usage for s in steps), default=0.0), 3),
@@ -92,7 +86,7 @@ def run_engine_b1(engine: Engine, prompt: list[int], new_tokens: int) -> dict:
     """Batch-1 decode speed: tokens after the first over the time after the first."""
     p = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-    engine.block_manager.reset_prefix_cache()
+    engine.reset_prefix_cache()
     out = engine.generate([prompt], p)[0]
     m = out.metrics
     decode_s = m.token_times[-1] - m.token_times[0]
@@ -122,7 +116,8 @@ def _run_point(model: str, engine_kwargs: dict | None, knobs: dict, wl: Workload
     holds one engine at a time)."""
     engine = Engine(model=model, **{**(engine_kwargs or {}), **knobs})
     try:
-        return {"graph_mode_run": engine.graph_mode, "device": engine.platform.device_name(),
+        info = engine.info()
+        return {"graph_mode_run": info.graph_mode, "device": info.device_name,
                 **run_engine(engine, wl)}
     finally:
         engine.close()
@@ -166,7 +161,7 @@ def ab_run(knobs_a: dict, knobs_b: dict, wl: Workload, model: str = "smollm2",
         raise ValueError("knobs_a, knobs_b: both empty; the two arms would be the same engine")
     from dataclasses import fields as dc_fields
 
-    from .config import EngineConfig
+    from ..config import EngineConfig
     names = {f.name for f in dc_fields(EngineConfig)}
     for which, knobs in (("knobs_a", knobs_a), ("knobs_b", knobs_b)):
         bad = sorted(set(knobs) - names)
@@ -184,7 +179,7 @@ def latency_alone_vs_batched(engine: Engine, n: int = 32, prompt_len: int = 128,
                              new_tokens: int = 64, seed: int = 0) -> list[dict]:
     """The classic table: TTFT and time per output token of one request alone, then of n
     requests sent at once (continuous batching), with the total throughput of each."""
-    vocab = engine.vocab_size
+    vocab = engine.info().vocab_size
     rows = []
     for count in (1, n):
         wl = make_workload(count, (prompt_len, prompt_len), (new_tokens, new_tokens), vocab,
@@ -220,7 +215,7 @@ def run(model: str = "smollm2", num_requests: int = 64, in_range=(16, 256), out_
     from tqdm.auto import tqdm
 
     engine = Engine(model=model, **(engine_kwargs or {}))
-    wl = make_workload(num_requests, in_range, out_range, engine.vocab_size, seed)
+    wl = make_workload(num_requests, in_range, out_range, engine.info().vocab_size, seed)
     report = dict(machine=machine(), model=model,
                   workload=dict(requests=num_requests, prompt_len=list(in_range),
                                 output_len=list(out_range), seed=seed,
@@ -234,11 +229,11 @@ def run(model: str = "smollm2", num_requests: int = 64, in_range=(16, 256), out_
     with tqdm(total=num_requests, desc="workbench engine", unit="req") as bar:
         res["workbench"] = run_engine(engine, wl, progress=lambda d, n: bar.update(d - bar.n))
     log(f"workbench: {res['workbench']}")
-    b1_prompt_ids = make_workload(1, (b1_prompt, b1_prompt), (1, 1), engine.vocab_size, seed + 1).prompts[0]
+    b1_prompt_ids = make_workload(1, (b1_prompt, b1_prompt), (1, 1), engine.info().vocab_size, seed + 1).prompts[0]
     if "b1" in peers:
         res["workbench_b1"] = run_engine_b1(engine, b1_prompt_ids, b1_new)
         log(f"workbench b1: {res['workbench_b1']}")
-    model_path = engine.model_path
+    model_path = engine.info().model_path
     del engine
     if model_path is not None and any(p in peers for p in ("hf_static", "hf_batch", "b1")):
         from . import hf_peers
