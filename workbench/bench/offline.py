@@ -13,7 +13,7 @@ import platform
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -190,6 +190,55 @@ def latency_alone_vs_batched(engine: Engine, n: int = 32, prompt_len: int = 128,
                          tpot_p50_ms=r["tpot_p50_ms"], tpot_p99_ms=r["tpot_p99_ms"],
                          out_tok_s=r["out_tok_s"]))
     return rows
+
+
+def time_per_token_by_batch(engine: Engine, batch_sizes=(1, 2, 4, 8), prompt_len: int = 32,
+                            decode_steps: int = 4, seed: int = 0) -> list[dict]:
+    """For each batch size b: b prompts of `prompt_len` tokens prefilled in one step, then
+    `decode_steps` decode steps of b tokens. Time per token of each phase (the prefill step's
+    duration over its tokens; the median decode step's over b), from the steps' telemetry.
+    The engine must admit b prompts in one step (max_num_seqs, max_num_batched_tokens)."""
+    vocab = engine.info().vocab_size
+    rows = []
+    for b in batch_sizes:
+        wl = make_workload(b, (prompt_len, prompt_len), (decode_steps + 1,) * 2, vocab, seed + b)
+        engine.reset_prefix_cache()
+        first = engine.telemetry.num_steps
+        engine.generate(wl.prompts, SamplingParams(max_tokens=decode_steps + 1, temperature=0,
+                                                   ignore_eos=True))
+        steps = [s for s in engine.telemetry.steps_since(first) if s.phase != "idle"]
+        pre = [s for s in steps if s.phase == "prefill"]
+        dec = [s for s in steps if s.phase == "decode"]
+        if len(pre) != 1 or pre[0].num_prefill_tokens != b * prompt_len:
+            raise ValueError(f"batch {b}: the prompts did not prefill in one step; raise "
+                             f"max_num_seqs / max_num_batched_tokens")
+        rows.append(dict(batch=b, prefill_s_per_token=pre[0].duration / (b * prompt_len),
+                         decode_s_per_token=statistics.median(s.duration for s in dec) / b,
+                         prefill_step_s=pre[0].duration,
+                         decode_step_s=statistics.median(s.duration for s in dec)))
+    return rows
+
+
+def recompute_vs_cache(engine: Engine, prompt: list[int], new_tokens: int) -> dict:
+    """Generate `new_tokens` greedily twice: with the KV cache (one request), and without it,
+    recomputing the whole sequence for every token (a fresh one-token request each time, the
+    prefix cache reset so nothing is reused). Returns the cumulative seconds after each token
+    for both, and the tokens (they must agree)."""
+    greedy = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    engine.reset_prefix_cache()
+    out = engine.generate([prompt], replace(greedy, max_tokens=new_tokens))[0]
+    m = out.metrics
+    cached = [t - m.arrival_time for t in m.token_times]
+    ids, elapsed, recomputed = list(prompt), 0.0, []
+    for _ in range(new_tokens):
+        engine.reset_prefix_cache()
+        t = time.perf_counter()
+        tok = engine.generate([ids], greedy)[0].token_ids[0]
+        elapsed += time.perf_counter() - t
+        recomputed.append(elapsed)
+        ids.append(tok)
+    return dict(with_cache_s=cached, without_cache_s=recomputed,
+                tokens=out.token_ids, tokens_recomputed=ids[len(prompt):])
 
 
 def machine() -> dict:
