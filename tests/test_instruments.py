@@ -164,3 +164,23 @@ def test_stepper_shows_top_candidates_from_logprobs():
     html = Stepper._row(RequestRow("req-0", "decode", 1, 7, " blue", [0], "3/3 prompt, 1 out",
                                    candidates=cands))
     assert "62%" in html and "&#x27; red&#x27; 20%" in html
+
+
+def test_live_dashboard_plots_each_step_on_the_roofline():
+    import asyncio
+
+    from widgets import Dashboard
+    from workbench import EngineConfig
+    dash = Dashboard(config=EngineConfig(**TINY, max_num_seqs=8))
+    assert "balance" in dash.roofline.note.value            # the device was probed (cached)
+
+    async def go():
+        dash.send(4, SamplingParams(max_tokens=6, ignore_eos=True))
+        assert await dash.wait(timeout=60)
+    asyncio.run(go())
+    steps = [s for s in dash.source.engine.telemetry.steps if s.tokens_per_request]
+    assert dash.roofline.num_points == len(steps) >= 6
+    phases = {tr.name: len(tr.x) for tr in dash.roofline.fig.data[2:]}
+    assert phases["decode"] >= 5 and phases["prefill"] + phases["mixed"] >= 1
+    dash.source.close()
+    dash.source.engine.close()
