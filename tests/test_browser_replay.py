@@ -59,7 +59,7 @@ def test_replay_plays_with_no_model_and_draws_the_roofline(tmp_path):
                          "replay-no-text.png")
                 n = len(trace.frames)
                 state = wait_for(lambda: (s := roofline_state(page)) and len(s["pts"]) == n
-                                 and s, 60, f"{n} roofline points", page, "replay-no-roofline.png")
+                                 and s, 120, f"{n} roofline points", page, "replay-no-roofline.png")
                 # Under both roofs: every point at or below min(peak, slope × intensity) (the
                 # recorded run's own probe), with points on each side of the ridge.
                 for name, x, y in state["pts"]:

@@ -174,8 +174,10 @@ def test_live_dashboard_plots_each_step_on_the_roofline():
     dash = Dashboard(config=EngineConfig(**TINY, max_num_seqs=8))
     assert "balance" in dash.roofline.note.value            # the device was probed (cached)
 
-    async def go():
-        dash.send(4, SamplingParams(max_tokens=6, ignore_eos=True))
+    async def go():          # token ids: random:tiny has no tokenizer for the prompt box
+        for i in range(4):
+            dash.source.submit([5 + i] * (8 + 8 * i), SamplingParams(max_tokens=6,
+                                                                     ignore_eos=True))
         assert await dash.wait(timeout=60)
     asyncio.run(go())
     steps = [s for s in dash.source.engine.telemetry.steps if s.tokens_per_request]
