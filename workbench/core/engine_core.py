@@ -97,11 +97,11 @@ class EngineCore:
 
         self.platform.empty_cache()       # what dropped engines left cached counts as free
         self.platform.reset_peak_memory()
-        self.model = build_model(ckpt, dtype, self.platform.device, max_model_len, config.seed)
+        ops = self.platform.model_ops(dtype) if config.attention_backend == "auto" else None
+        self.model = build_model(ckpt, dtype, self.platform.device, max_model_len, config.seed,
+                                 ops)
         del ckpt
         self.platform.check_model(self.model)
-        if config.attention_backend == "auto":
-            self.model.ops = self.platform.model_ops(dtype)
         bs = config.block_size
         num_blocks = num_kv_blocks(config, self.platform, self.model, self.hf_config, dtype)
         # A request must fit in the pool (and in one step when prompts are not chunked).
