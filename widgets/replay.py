@@ -11,6 +11,7 @@ gaps (a TTFT shows as recorded whatever the speed).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from workbench.trace import Trace
@@ -139,5 +140,4 @@ class ReplaySource:
 
 def _shift(obj, name: str, by: float):
     """A copy of a recorded event with its time moved onto this machine's clock."""
-    from dataclasses import replace
     return replace(obj, **{name: getattr(obj, name) + by})
