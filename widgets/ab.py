@@ -9,6 +9,10 @@ has the device to itself; the panel says so. From code:
     result = ab_run({"block_size": 16}, {"block_size": 128}, make_workload(16, (16, 128),
                     (16, 64), vocab=49152))
     ABPanel(result=result)
+
+In the dashboard the arms start from the dashboard's own settings, and its engine stays
+loaded while they run: on a GPU sized by gpu_memory_utilization, give the arms a smaller
+share (e.g. `gpu_memory_utilization = 0.3` in both) or run A/B from a notebook.
 """
 from __future__ import annotations
 
