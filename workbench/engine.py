@@ -25,6 +25,7 @@ from .core.block_manager import KVBlockSnapshot
 from .core.engine_core import EngineCore
 from .core.request import Request, RequestState, TokenEvent
 from .core.sampling_params import SamplingParams
+from .roofline import DeviceRoofs
 from .telemetry import EngineInfo, EngineStats, RequestMetrics, Telemetry
 
 __all__ = ["Engine", "RequestOutput", "TokenEvent", "RequestState"]
@@ -95,6 +96,11 @@ class Engine:
 
     def reset_prefix_cache(self) -> None:
         self.core.reset_prefix_cache()
+
+    def device_roofs(self, refresh: bool = False) -> DeviceRoofs:
+        """This device's measured matmul throughput and memory bandwidth in the model's dtype
+        (probed once per machine, device and dtype, then cached; see roofline.probe_roofs)."""
+        return self.core.device_roofs(refresh)
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
