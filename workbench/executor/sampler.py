@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampling_params import SamplingParams
+from ..core.sampling_params import SamplingParams
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
