@@ -224,8 +224,9 @@ def gguf_llama_checkpoint(path: Path):
 def _convert_gguf(gguf: Path, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer, GenerationConfig
-    log.info("converting the embedded GGUF once (a few seconds)…")
+    log.info("converting the embedded GGUF (once per machine)")
     config, state = gguf_llama_checkpoint(gguf)
+    log.info("converting the tokenizer")
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
     try:
@@ -272,6 +273,7 @@ def load_checkpoint(model: str) -> LoadedCheckpoint:
     if model.startswith("random:"):
         return LoadedCheckpoint(model, random_config(model.split(":", 1)[1]), None, None, None)
     path = resolve_checkpoint_dir(model)
+    log.info("reading the weights of %s", model)
     cfg = AutoConfig.from_pretrained(path, local_files_only=True)
     files = sorted(path.glob("*.safetensors"))
     if not files:
