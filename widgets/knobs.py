@@ -92,8 +92,7 @@ class KnobPanel(w.VBox):
                                               "steps piecewise around attention (full), where "
                                               "the device can capture; the CPU runs eager"))
         self.enable_prefix_caching = w.Checkbox(value=c.enable_prefix_caching, indent=False,
-                                                description="Prefix caching (reuse shared "
-                                                "prompt blocks)", tooltip="enable_prefix_caching: "
+                                                description="Prefix caching", tooltip="enable_prefix_caching: "
                                                 "requests that share a prompt prefix reuse its "
                                                 "KV blocks instead of recomputing them")
         self.temperature = w.FloatSlider(value=0.7, min=0.0, max=2.0, step=0.05,

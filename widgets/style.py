@@ -40,8 +40,8 @@ CSS = """
              gap: 6px; }
 .wb .card { border: 1px solid var(--jp-border-color2, #ddd); border-radius: 6px;
             padding: 4px 6px; background: var(--jp-layout-color1, #fff); min-width: 0; }
-.wb .card .hd { display: flex; align-items: center; gap: 6px; white-space: nowrap; }
-.wb .card .hd .st { flex: 1; overflow: hidden; text-overflow: ellipsis; }
+.wb .card .hd { display: flex; justify-content: space-between; align-items: center;
+                gap: 6px; white-space: nowrap; }
 .wb .card .prompt { color: var(--jp-ui-font-color2, #666); font-size: 11px; overflow: hidden;
                     text-overflow: ellipsis; white-space: nowrap; margin: 1px 0; }
 /* Three whole lines, newest at the bottom: the box is exactly 3 line-heights tall and has no
@@ -52,7 +52,8 @@ CSS = """
                  background: var(--jp-layout-color2, #f6f7f9); border-radius: 4px;
                  padding: 0 4px; }
 .wb .card .txt .tk { border-radius: 2px; }
-.wb .card .st { font-size: 11px; color: var(--jp-ui-font-color2, #555); }
+.wb .card .st { font-size: 11px; color: var(--jp-ui-font-color2, #555); margin-top: 2px;
+                white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
 .wb .stats { display: flex; flex-wrap: wrap; gap: 6px; }
 .wb .stat { border: 1px solid var(--jp-border-color2, #ddd); border-radius: 6px;
             padding: 2px 8px; min-width: 70px; background: var(--jp-layout-color1, #fff); }

@@ -159,11 +159,11 @@ class TokenStreamPanel(w.VBox):
     @staticmethod
     def _card(s: StreamState) -> str:
         return (f'<div class="card"><div class="hd"><b>{esc(s.request_id)}</b>'
-                f'<span class="st">TTFT {ms(s.ttft)} · TPOT '
-                f'{ms(s.tpot, 1 if (s.tpot or 0) < 0.1 else 0)} · {s.num_tokens} tok</span>'
                 f'<span class="badge b-{esc(s.status)}">{esc(s.status)}</span></div>'
                 f'<div class="prompt" title="{esc(s.label)}">{esc(s.label)}</div>'
-                f'<div class="txt"><div>{_text_html(s)}</div></div></div>')
+                f'<div class="txt"><div>{_text_html(s)}</div></div>'
+                f'<div class="st">TTFT {ms(s.ttft)} · TPOT '
+                f'{ms(s.tpot, 1 if (s.tpot or 0) < 0.1 else 0)} · {s.num_tokens} tok</div></div>')
 
 
 def _text_html(s: StreamState) -> str:
