@@ -286,10 +286,10 @@ def test_timeline_draws_graph_steps_apart_and_keeps_a_window():
     assert list(eager.y) == [None, 4, None, 4, None] and list(graphed.y) == [4, None, 4, None, 4]
     assert graphed.showlegend and "graph replay @4" in graphed.hovertext[0]
     assert list(tl.fig.data[6].y) == [75.0] * 5          # KV used %
-    assert tl.fig.layout.xaxis2.dtick == 1                # few steps: whole-step ticks
+    assert tl.fig.layout.xaxis2.dtick == 1 and tl.fig.layout.xaxis2.tickmode == "linear"
     wide = BatchTimeline()
     wide.update(Update(steps=[step(i, graph=False) for i in range(40)]))
-    assert wide.fig.layout.xaxis2.dtick is None           # many: plotly picks the ticks
+    assert wide.fig.layout.xaxis2.tickmode == "auto"      # many: plotly picks ≤ nticks
 
 
 
@@ -346,12 +346,14 @@ def test_timeline_rows_title_sparse_ticks_and_a_clean_clear():
     assert lay.title.text == "Batch timeline"
     assert tl.fig.data[0].yaxis == "y" and tl.fig.data[1].yaxis == "y2"    # prefill | decode
     assert max(tl.fig.data[1].y) == 8 and max(tl.fig.data[0].y) == 300
-    assert lay.xaxis3.nticks == 10 and lay.xaxis3.dtick is None and lay.xaxis3.type == "linear"
+    assert lay.xaxis3.nticks == 10 and lay.xaxis3.tickmode == "auto" and lay.xaxis3.type == "linear"
     rev = lay.uirevision
     tl.fig.layout.xaxis3.range = (200, 299)          # as a zoom would leave it
     tl.clear()
-    assert lay.uirevision != rev and lay.xaxis3.autorange is True and lay.yaxis.autorange is True
+    assert lay.uirevision != rev and lay.xaxis3.range == (0, 10) and lay.yaxis.range == (0, 1)
     assert tl.num_points == 0 and list(tl.fig.data[1].x) == []
+    tl.update(Update(steps=steps[:50]))                  # the next steps autorange again
+    assert lay.xaxis3.autorange is True and lay.yaxis2.autorange is True
 
 
 @dataclasses.dataclass

@@ -65,6 +65,7 @@ class BatchTimeline(w.VBox):
         self.title = title
         self.points: deque = deque(maxlen=window)
         self._revision = 0
+        self._refit = False
         fig = make_subplots(rows=3, cols=1, shared_xaxes=True, row_heights=[0.36, 0.28, 0.36],
                             vertical_spacing=0.04,
                             specs=[[{}], [{}], [{"secondary_y": True}]])
@@ -109,15 +110,22 @@ class BatchTimeline(w.VBox):
         self.resolution = resolution
         self.fig.update_xaxes(title_text=self.AXIS[resolution], row=3, col=1)
 
+    X_AXES = ("xaxis", "xaxis2", "xaxis3")
+    Y_AXES = ("yaxis", "yaxis2", "yaxis3")
+
     def clear(self) -> None:
-        """Forget every step, and the axis ranges with them (a new uirevision: plotly would
-        otherwise keep the old engine's ranges)."""
+        """Forget every step, and the axis ranges with them: plotly keeps an axis's last
+        range when its data goes (and autorange on no data changes nothing), so the empty
+        axes get explicit small ranges and a new uirevision; the next steps autorange."""
         self.points.clear()
         self._revision += 1
+        self._refit = True
         with self.fig.batch_update():
             self.fig.layout.uirevision = self._revision
-            for axis in ("xaxis", "xaxis2", "xaxis3", "yaxis", "yaxis2", "yaxis3"):
-                self.fig.layout[axis].autorange = True
+            for axis in self.X_AXES:
+                self.fig.layout[axis].range = (0, 10)
+            for axis in self.Y_AXES:
+                self.fig.layout[axis].range = (0, 1)
         self._draw()
 
     def update(self, u: Update) -> None:
@@ -151,10 +159,16 @@ class BatchTimeline(w.VBox):
             data[6].x, data[6].y = x, [None if p.kv_usage is None else round(100 * p.kv_usage, 1)
                                        for p in pts]
             # Whole-step ticks while there are few steps (plotly would put ticks at halves);
-            # past that plotly picks round steps, at most `nticks` of them.
-            dtick = 1 if x and x[-1] - x[0] < 10 else None
-            for axis in ("xaxis", "xaxis2", "xaxis3"):
-                self.fig.layout[axis].dtick = dtick
+            # past that plotly picks round steps, at most `nticks` of them. The mode is set
+            # each time: a dtick left from the first few steps would label every step.
+            few = bool(x) and x[-1] - x[0] < 10
+            for axis in self.X_AXES:
+                self.fig.layout[axis].update(tickmode="linear" if few else "auto",
+                                             dtick=1 if few else None, tick0=0)
+            if x and self._refit:           # data again after a clear(): fit it
+                self._refit = False
+                for axis in self.X_AXES + self.Y_AXES:
+                    self.fig.layout[axis].autorange = True
         self.num_points = len(pts)
         self.num_updates += 1
         self.last_step = x[-1] if x else -1
