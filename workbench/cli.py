@@ -274,9 +274,6 @@ def cmd_dashboard(a) -> int:
     args = [str(nb), "--no-browser", f"--port={a.port}", f"--Voila.ip={a.host}",
             "--template=workbench", "--strip_sources=True", "--show_tracebacks=True",
             "--Voila.port_retries=0",
-            # JupyterLab's "preview in Voila" extension has no use on the page, and, built
-            # against a newer JupyterLab than Voila's, it logs 4 "Unsatisfied version" warnings.
-            "--VoilaConfiguration.extension_denylist=@voila-dashboards/jupyterlab-preview",
             # A kernel whose page is gone (no websocket) and that has been idle this long is
             # shut down: each one holds an engine (1-2 GB with smollm2).
             f"--MappingKernelManager.cull_idle_timeout={a.kernel_idle_timeout}",
