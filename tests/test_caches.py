@@ -205,3 +205,20 @@ def test_the_gguf_conversion_equals_transformers_own(converted_cache):
     text = "Héllo wörld\n\tdef f(x): return x ** 2  <|im_start|>"
     assert AutoTokenizer.from_pretrained(smollm2_dir)(text).input_ids == \
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)(text).input_ids
+
+
+def test_earlier_versions_path_keyed_entries_are_removed(tmp_path, monkeypatch):
+    """Models and kernels cached by earlier versions under path-derived keys are deleted on
+    the next start; today's content-keyed entries stay."""
+    from workbench.executor.models import loader
+    keep = [tmp_path / "smollm2-135m-instruct-b179c9523d0e6a0f", tmp_path / "kernels" /
+            "80e7cdfa84210fc9", tmp_path / "smollm2-135m-instruct-notahexkey"]
+    old = [tmp_path / "smollm2-135m-instruct-080b2246f3", tmp_path / "kernels" / "7e92c448f653"]
+    for d in keep + old:
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"x")
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(loader, "file_digest", lambda path: "b179c9523d0e6a0f" + "0" * 48)
+    monkeypatch.setattr(loader, "smollm2_gguf_path", lambda: tmp_path / "x.gguf")
+    assert loader.smollm2_checkpoint_dir() == keep[0]
+    assert all(d.is_dir() for d in keep) and not any(d.exists() for d in old)

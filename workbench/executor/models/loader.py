@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ...cache import cache_lock, cache_root
+from ...cache import cache_lock, cache_root, legacy_entries, remove_legacy_entries
 
 log = logging.getLogger("workbench")
 
@@ -90,6 +90,10 @@ def smollm2_checkpoint_dir() -> Path:
     """
     gguf = smollm2_gguf_path()
     out = cache_root() / f"smollm2-135m-instruct-{file_digest(gguf)[:16]}"
+    if legacy_entries():               # earlier versions' path-keyed copies (~0.5 GB each)
+        with cache_lock(cache_root() / ".convert.lock"):
+            for old in remove_legacy_entries():
+                log.warning("removed %s, a cache entry of an earlier workbench version", old)
     if (out / "model.safetensors").is_file():
         return out
     with cache_lock(cache_root() / ".convert.lock"):
