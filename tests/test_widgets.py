@@ -406,13 +406,13 @@ def test_dashboard_loads_behind_a_progress_bar_and_shows_what_runs(comms):
         assert not dash.ready and dash.send_button.disabled and dash.source is None
         assert dash.send(2) == [] and "still loading" in dash.message.value
         shown = []
+        dash.loading.layout.observe(lambda ch: shown.append(ch.new), "display")
         while not dash.ready:
-            shown.append(dash.loading.layout.display)
             await asyncio.sleep(0.02)
         return dash, shown
 
     dash, shown = asyncio.run(load())
-    assert None in shown and dash.loading.layout.display == "none"     # shown, then hidden
+    assert shown[0] is None and shown[-1] == "none"                    # shown, then hidden
     info = dash.source.engine.info()
     assert not dash.send_button.disabled
     assert dash.knobs.graph_mode.value == info.graph_mode == "eager"

@@ -4,7 +4,8 @@
 """
 from .config import EngineConfig
 from .engine import Engine, RequestOutput, TokenEvent
-from .core.sampling_params import SamplingParams
+from .core.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["Engine", "EngineConfig", "SamplingParams", "RequestOutput", "TokenEvent"]
+__all__ = ["Engine", "EngineConfig", "SamplingParams", "RequestOutput", "TokenEvent",
+           "StructuredOutputsParams"]
 __version__ = "0.1.0"

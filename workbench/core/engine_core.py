@@ -26,7 +26,7 @@ from ..config import EngineConfig
 from ..executor.kv_sizing import kv_bytes_per_block, num_kv_blocks
 from ..executor.models import build_model, load_checkpoint
 from ..executor.runner import ModelRunner
-from ..executor.sampler import sample
+from ..executor.sampler import apply_token_bitmask, sample
 from ..platforms import get_platform
 from ..telemetry import FULL, EngineInfo, EngineStats, MemoryStats, RequestMetrics, StepEvent, Telemetry
 from .block_manager import BlockManager, KVBlockSnapshot
@@ -35,6 +35,7 @@ from .request import Request, RequestState, TokenEvent
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .structured_output import StructuredOutputManager
 
 log = logging.getLogger("workbench")
 
@@ -96,11 +97,11 @@ class EngineCore:
 
         self.platform.empty_cache()       # what dropped engines left cached counts as free
         self.platform.reset_peak_memory()
-        self.model = build_model(ckpt, dtype, self.platform.device, max_model_len, config.seed)
+        ops = self.platform.model_ops(dtype) if config.attention_backend == "auto" else None
+        self.model = build_model(ckpt, dtype, self.platform.device, max_model_len, config.seed,
+                                 ops)
         del ckpt
         self.platform.check_model(self.model)
-        if config.attention_backend == "auto":
-            self.model.ops = self.platform.model_ops(dtype)
         bs = config.block_size
         num_blocks = num_kv_blocks(config, self.platform, self.model, self.hf_config, dtype)
         # A request must fit in the pool (and in one step when prompts are not chunked).
@@ -133,6 +134,7 @@ class EngineCore:
             self.notices.append(text)
             log.info(text)
         self.vocab_size = self.hf_config.vocab_size
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size)
         self._info = EngineInfo(
             model=config.model, model_path=str(self.model_path) if self.model_path else None,
             device=self.platform.name, dtype=str(dtype).replace("torch.", ""),
@@ -216,7 +218,10 @@ class EngineCore:
     # ---- requests -------------------------------------------------------------------------
     def make_request(self, prompt_ids: list[int], prompt: Any, params: SamplingParams,
                      request_id: str) -> Request:
-        """A Request for validated token ids (the front door tokenizes and validates)."""
+        """A Request for validated token ids (the front door tokenizes and validates). A
+        grammar (structured output) is compiled here: a bad one raises ValueError."""
+        grammar = (self.structured_output.compile(params.structured_outputs)
+                   if params.structured_outputs is not None else None)
         seq = Sequence(request_id, prompt_ids, params, max_len=self.max_model_len)
         gen = None
         if not params.greedy:
@@ -227,7 +232,7 @@ class EngineCore:
             gen = torch.Generator().manual_seed(seed)
         metrics = RequestMetrics(request_id, seq.arrival_time, len(prompt_ids))
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
-        return Request(seq, prompt, detok, metrics, gen)
+        return Request(seq, prompt, detok, metrics, gen, grammar)
 
     def add(self, reqs: list[Request]) -> None:
         self.check_open()
@@ -311,7 +316,7 @@ class EngineCore:
             reqs = [self._requests[s.seq.request_id] for s in sampling]
             if not (self._async and graph is not None and graph[0] == FULL
                     and all(self._may_run_ahead(r) for r in reqs)):
-                tokens = sample(logits, [r.seq.params for r in reqs], [r.generator for r in reqs])
+                tokens = self._sample(logits, reqs)
                 self.scheduler.update_after_step(sched)
                 return self._record_step(sched, reqs, tokens, graph, t0)
             inflight = self._in_flight(sched, logits, reqs, graph, t0, ahead=False)
@@ -338,10 +343,19 @@ class EngineCore:
                                  inflight.t0, inflight.ahead)
 
 
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+        """Pick each row's token; rows with a grammar are masked first, all in one bitmask."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if rows:
+            bitmask = self.structured_output.grammar_bitmask([reqs[i].grammar for i in rows])
+            logits = apply_token_bitmask(logits, bitmask, rows)
+        return sample(logits, [r.seq.params for r in reqs], [r.generator for r in reqs])
+
     def _may_run_ahead(self, r: Request) -> bool:
         """Whether a request's next step may be launched before its token is known: greedy
-        (the id is picked on the device) and no stop strings (they need the text)."""
-        return r.generator is None and not r.seq.params.stop
+        (the id is picked on the device), no stop strings (they need the text) and no
+        grammar (its mask for the next step depends on this step's token)."""
+        return r.generator is None and not r.seq.params.stop and r.grammar is None
 
 
     def _in_flight(self, sched, logits, reqs, graph, t0, ahead: bool) -> "_InFlight":
@@ -407,6 +421,12 @@ class EngineCore:
             reason = "stop"
         elif r.detok.add(tok) is not None:
             reason = "stop"
+        elif r.grammar is not None and not r.grammar.consume_token(tok):
+            log.error("%s: the grammar refused token %d: %s", seq.request_id, tok,
+                      r.grammar.get_error())
+            reason = "error"
+        elif r.grammar is not None and r.grammar.is_stopped():
+            reason = "stop"      # the grammar is complete and allows nothing more
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is not None:
