@@ -52,15 +52,16 @@ def smollm2_tokenizer(smollm2_dir):
     return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
-def make_tiny_checkpoint(path, kind: str, seed: int = 0, head_dim: int = 48):
+def make_tiny_checkpoint(path, kind: str, seed: int = 0, head_dim: int = 48, **shape):
     """A small random HF checkpoint of the given family, saved as safetensors, with the HF
     model returned for reference. Weights are drawn wider than HF's default init so that
     logits are peaked and greedy choices are not near-ties. head_dim: Qwen3's (the NPU's
-    fused attention takes only a few sizes)."""
+    fused attention takes only a few sizes); `shape` overrides config fields (vocab_size...)."""
     import transformers
     common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
                   max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=0.25)
+    common.update(shape)
     if kind == "qwen2":
         cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True)
         cls = transformers.Qwen2ForCausalLM

@@ -53,13 +53,48 @@ def dashboard(smollm2_dir, tmp_path):
     stop_process(proc)
 
 
+@pytest.fixture(scope="module")
+def tiny_chat_model(smollm2_dir, tmp_path_factory):
+    """A 2-layer random llama with SmolLM2's tokenizer: a step takes milliseconds, so the
+    page can be driven through hundreds of steps in seconds."""
+    from conftest import make_tiny_checkpoint
+    path = tmp_path_factory.mktemp("tiny-chat")
+    make_tiny_checkpoint(path, "llama3", num_hidden_layers=2, vocab_size=49152)
+    for f in smollm2_dir.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(f, path / f.name)
+    return path
+
+
 def text_length(page) -> int:
     return page.evaluate("() => [...document.querySelectorAll('.wb .card .txt')]"
                          ".reduce((n, e) => n + e.innerText.length, 0)")
 
 
+def timeline(page):
+    return page.locator(".js-plotly-plot", has_text="Batch timeline")
+
+
 def bar_points(page) -> int:
-    return page.evaluate("() => document.querySelectorAll('.js-plotly-plot .barlayer .point').length")
+    return timeline(page).locator(".barlayer .point").count()
+
+
+def x_ticks(page) -> list[float]:
+    """The timeline's x tick labels, as numbers."""
+    labels = timeline(page).evaluate(
+        "p => [...p.querySelectorAll('.xaxislayer-above text')].map(t => t.textContent)")
+    return [float(t.replace(",", "").replace("\u2212", "-")) for t in labels if t.strip()]
+
+
+def in_viewport(page, locator, size) -> bool:
+    box = locator.bounding_box()
+    return box is not None and box["y"] >= 0 and box["x"] >= 0 and \
+        box["y"] + box["height"] <= size["height"] and box["x"] + box["width"] <= size["width"]
+
+
+def knob(page, label: str):
+    """The widget whose description is `label`."""
+    return page.locator(".widget-inline-hbox", has=page.locator("label", has_text=label))
 
 
 def wait_for(predicate, timeout: float, what: str, page, shot: str):
@@ -69,45 +104,72 @@ def wait_for(predicate, timeout: float, what: str, page, shot: str):
     return wait_until(predicate, timeout, what, detail=screenshot)
 
 
-def test_dashboard_streams_and_rebuilds_in_chromium(dashboard):
+def test_dashboard_at_a_glance_streams_and_rebuilds_in_chromium(dashboard, tiny_chat_model):
+    """At 1440×900: streams, the timeline and the KV map visible together while 8 requests
+    stream; Apply (to a tiny model) clears the old axes; 300+ steps keep ≤ 20 x labels; no
+    page error, and no request leaves 127.0.0.1."""
     url, log_path = dashboard
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    size = {"width": 1440, "height": 900}
     with playwright_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
         try:
-            page = browser.new_page(viewport={"width": 1500, "height": 1200})
+            page = browser.new_page(viewport=size)
             errors: list[str] = []
+            urls: list[str] = []
             page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("request", lambda r: urls.append(r.url))
             page.goto(url, timeout=240_000)
             send = page.get_by_role("button", name="Send")
-            send.wait_for(timeout=240_000)          # the notebook ran: the engine is built
+            send.wait_for(timeout=240_000)          # the notebook ran; the engine loads
+            wait_for(send.is_enabled, 240, "the engine to load", page, "no-engine.png")
             info = page.locator(".engine-info")
-            assert "block size 16" in info.inner_text()
+            assert "block size 16" in info.inner_text() and "graph mode eager" in info.inner_text()
+            assert not page.locator(".wb .notice").count()      # a default CPU start: no banner
+            assert "eager" in knob(page, "Graph capture").locator("select") \
+                .input_value()
 
             send.click()                            # 8 requests, cycling through 8 prompts
-            # Text grows while the requests stream, and the timeline gets bars.
             first = wait_for(lambda: text_length(page), 120, "streamed text", page, "no-text.png")
             wait_for(lambda: text_length(page) > first + 40, 120, "the text to grow", page,
                      "no-growth.png")
             wait_for(lambda: bar_points(page) >= 3, 60, "timeline bars", page, "no-bars.png")
-            streams = page.locator(".wb h3", has_text="Token streams").inner_text()
-            assert "8 requests" in streams
-            page.screenshot(path=str(ARTIFACTS / "dashboard-streaming.png"), full_page=True)
+            assert "8 requests" in page.locator(".wb h3", has_text="Token streams").inner_text()
+            for what in (timeline(page), page.locator(".wb .kv"),
+                         page.locator(".wb .card").last):
+                assert in_viewport(page, what, size), f"{what} is outside the 1440×900 view"
+            wait_for(lambda: max(x_ticks(page), default=0) >= 12, 120, "a dozen steps", page,
+                     "no-steps.png")
+            page.screenshot(path=str(ARTIFACTS / "dashboard-streaming.png"))   # docs/dashboard.png
+            old_ticks = x_ticks(page)
+            page.get_by_role("button", name="Abort all").click()
 
-            # Change the block size and apply: the header reports the rebuilt engine.
-            page.locator(".widget-dropdown", has=page.locator("label", has_text="block_size")) \
-                .locator("select").select_option("32")
+            # Apply a tiny model with 32-token blocks: the header reports it, and the
+            # timeline starts over with fresh axes (no old step numbers left).
+            knob(page, "Model").locator("input").fill(str(tiny_chat_model))
+            knob(page, "KV block (tokens)").locator("select").select_option("32")
             page.get_by_role("button", name="Apply (rebuild engine)").click()
             wait_for(lambda: "block size 32" in info.inner_text(), 180, "the rebuilt engine",
                      page, "no-rebuild.png")
             assert "Engine rebuilt" in page.locator(".wb .ok").inner_text()
-            # The new engine serves: send again and see text arrive.
-            page.get_by_role("button", name="Clear panels").click()
+            wait_for(lambda: bar_points(page) == 0 and max(x_ticks(page), default=0) <= 10, 10,
+                     "the old axes to go", page, "old-axes.png")
+            assert max(old_ticks) >= 12
+
+            # Hundreds of steps: the x axis keeps a handful of labels.
+            readout = knob(page, "Max output (tokens)").locator(".widget-readout")
+            readout.fill("400")
+            readout.press("Enter")
+            page.get_by_role("button", name="Clear").click()
             send.click()
-            wait_for(lambda: text_length(page) > 40, 120, "text from the new engine", page,
-                     "no-text-after-rebuild.png")
-            page.screenshot(path=str(ARTIFACTS / "dashboard-rebuilt.png"), full_page=True)
+            wait_for(lambda: max(x_ticks(page), default=0) >= 300, 120, "300 steps", page,
+                     "no-300-steps.png")
+            assert len(x_ticks(page)) <= 20, x_ticks(page)
+            page.screenshot(path=str(ARTIFACTS / "dashboard-300-steps.png"))
+            page.get_by_role("button", name="Abort all").click()
             assert not errors, errors
+            outside = {u for u in urls if not u.startswith((url, "blob:" + url, "data:"))}
+            assert not outside, f"requests beyond {url}: {sorted(outside)}"
         finally:
             browser.close()
-    assert (ARTIFACTS / "dashboard-rebuilt.png").stat().st_size > 10_000
+    assert (ARTIFACTS / "dashboard-300-steps.png").stat().st_size > 10_000

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -131,7 +132,7 @@ def test_the_kernel_key_follows_the_compiler(tmp_path, monkeypatch):
     assert cpu.kernel_key() == key
 
 
-CONVERT = ("from workbench.models.loader import smollm2_checkpoint_dir\n"
+CONVERT = ("from workbench.executor.models.loader import smollm2_checkpoint_dir\n"
            "print('DIR', smollm2_checkpoint_dir())")
 
 
@@ -168,3 +169,56 @@ def test_the_converted_model_is_keyed_by_content_not_place(converted_cache, tmp_
     t = time.perf_counter()
     assert loader.smollm2_checkpoint_dir() == out
     assert time.perf_counter() - t < 10          # a conversion takes 20 s or more
+
+
+def test_the_converted_smollm2_knows_its_facts(converted_cache):
+    """Our GGUF conversion (dequantized, Q/K rows put back in HF's rotary order) makes a model
+    that answers, in transformers; rows left in llama.cpp's interleaved order give gibberish."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from conftest import hf_greedy
+    _, out = converted_cache
+    tok = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = tok("The capital of France is").input_ids
+    assert "Paris" in tok.decode(hf_greedy(model, ids, 4))
+
+
+@pytest.mark.skipif(not os.environ.get("WORKBENCH_SLOW_TESTS"),
+                    reason="about 30 s on 2 cores: set WORKBENCH_SLOW_TESTS=1")
+def test_the_gguf_conversion_equals_transformers_own(converted_cache):
+    """Every tensor bit-equal to transformers' own GGUF loader, and the same tokens."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from safetensors.torch import load_file
+    from workbench.executor.models import loader
+    _, smollm2_dir = converted_cache
+    gguf = loader.smollm2_gguf_path()
+    with torch.device("meta"):
+        shell = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name))
+    theirs = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=shell)["tensors"]
+    ours = load_file(str(smollm2_dir / "model.safetensors"))
+    theirs.pop("lm_head.weight", None)                         # tied to the embedding
+    assert sorted(ours) == sorted(theirs)
+    assert all(torch.equal(ours[k], theirs[k].float()) for k in ours)
+    text = "Héllo wörld\n\tdef f(x): return x ** 2  <|im_start|>"
+    assert AutoTokenizer.from_pretrained(smollm2_dir)(text).input_ids == \
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)(text).input_ids
+
+
+def test_earlier_versions_path_keyed_entries_are_removed(tmp_path, monkeypatch):
+    """Models and kernels cached by earlier versions under path-derived keys are deleted on
+    the next start; today's content-keyed entries stay."""
+    from workbench.executor.models import loader
+    keep = [tmp_path / "smollm2-135m-instruct-b179c9523d0e6a0f", tmp_path / "kernels" /
+            "80e7cdfa84210fc9", tmp_path / "smollm2-135m-instruct-notahexkey"]
+    old = [tmp_path / "smollm2-135m-instruct-080b2246f3", tmp_path / "kernels" / "7e92c448f653"]
+    for d in keep + old:
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"x")
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(loader, "file_digest", lambda path: "b179c9523d0e6a0f" + "0" * 48)
+    monkeypatch.setattr(loader, "smollm2_gguf_path", lambda: tmp_path / "x.gguf")
+    assert loader.smollm2_checkpoint_dir() == keep[0]
+    assert all(d.is_dir() for d in keep) and not any(d.exists() for d in old)

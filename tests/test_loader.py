@@ -43,3 +43,4 @@ def test_random_shapes_are_seeded():
     b = build_model(loader.load_checkpoint("random:tiny-qwen3"), torch.float32, torch.device("cpu"), 64, seed=1)
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
     assert a.layers[0].self_attn.q_norm is not None
+

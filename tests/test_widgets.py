@@ -6,7 +6,10 @@ hook ipywidgets itself calls to open every widget's channel to the frontend."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import html
+import math
+import re
 import time
 
 import pytest
@@ -283,10 +286,10 @@ def test_timeline_draws_graph_steps_apart_and_keeps_a_window():
     assert list(eager.y) == [None, 4, None, 4, None] and list(graphed.y) == [4, None, 4, None, 4]
     assert graphed.showlegend and "graph replay @4" in graphed.hovertext[0]
     assert list(tl.fig.data[6].y) == [75.0] * 5          # KV used %
-    assert tl.fig.layout.xaxis2.dtick == 1                # few steps: whole-step ticks
+    assert tl.fig.layout.xaxis2.dtick == 1 and tl.fig.layout.xaxis2.tickmode == "linear"
     wide = BatchTimeline()
     wide.update(Update(steps=[step(i, graph=False) for i in range(40)]))
-    assert wide.fig.layout.xaxis2.dtick is None           # many: plotly picks the ticks
+    assert wide.fig.layout.xaxis2.tickmode == "auto"      # many: plotly picks ≤ nticks
 
 
 
@@ -324,3 +327,131 @@ def test_apply_leaves_one_engine_in_memory(comms):
     finally:
         gc.enable()
         dash.source.close()
+
+
+def test_timeline_rows_title_sparse_ticks_and_a_clean_clear():
+    """Prefill and decode on their own y axes, a title, at most 10 x ticks, and clear() drops
+    the old ranges (a new uirevision, autorange on) along with the steps."""
+    from widgets import BatchTimeline
+    from widgets.sources import Update
+    from workbench.telemetry import StepEvent
+    tl = BatchTimeline()
+    steps = [StepEvent(step=i, start=0.0, duration=0.01, phase="prefill" if i == 0 else "decode",
+                       num_prefill_tokens=300 if i == 0 else 0, num_decode_tokens=0 if i == 0 else 8,
+                       num_cached_tokens=0, tokens_per_request={}, kinds={}, num_running=8,
+                       num_waiting=0, kv_blocks_used=3, kv_blocks_free=1, kv_blocks_cached=0,
+                       num_preempted=0, preempted=[]) for i in range(300)]
+    tl.update(Update(steps=steps))
+    lay = tl.fig.layout
+    assert lay.title.text == "Batch timeline"
+    assert tl.fig.data[0].yaxis == "y" and tl.fig.data[1].yaxis == "y2"    # prefill | decode
+    assert max(tl.fig.data[1].y) == 8 and max(tl.fig.data[0].y) == 300
+    assert lay.xaxis3.nticks == 10 and lay.xaxis3.tickmode == "auto" and lay.xaxis3.type == "linear"
+    rev = lay.uirevision
+    tl.fig.layout.xaxis3.range = (200, 299)          # as a zoom would leave it
+    tl.clear()
+    assert lay.uirevision != rev and lay.xaxis3.range == (0, 10) and lay.yaxis.range == (0, 1)
+    assert tl.num_points == 0 and list(tl.fig.data[1].x) == []
+    tl.update(Update(steps=steps[:50]))                  # the next steps autorange again
+    assert lay.xaxis3.autorange is True and lay.yaxis2.autorange is True
+
+
+@dataclasses.dataclass
+class Logprob:        # the shape issue 12 gives TokenEvent.logprobs values
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+def test_stream_cards_shade_tokens_by_probability_and_keep_their_order():
+    from widgets import TokenStreamPanel
+    from widgets.sources import Update
+    from workbench.core.request import TokenEvent
+
+    Event = TokenEvent
+    if "logprobs" not in {f.name for f in dataclasses.fields(TokenEvent)}:
+        # issue 12's field is not on this branch yet: the same event with it added
+        Event = dataclasses.make_dataclass(
+            "Event", [("logprobs", dict, dataclasses.field(default=None))], bases=(TokenEvent,))
+
+    def ev(rid, tid, text, i, lps=None, **kw):
+        return Event(rid, tid, text, i, float(i), logprobs=lps, **kw)
+
+    panel = TokenStreamPanel()
+    sure = {5: Logprob(math.log(0.9), 1, " the"), 6: Logprob(math.log(0.05), 2, " a")}
+    unsure = {7: Logprob(math.log(0.2), 2, " cat"), 8: Logprob(math.log(0.7), 1, " dog")}
+    panel.update(Update(submitted=[("a", 0.0, "p"), ("b", 0.0, "q")],
+                        events=[ev("a", 5, " the", 1, sure), ev("a", 7, " cat", 2, unsure),
+                                ev("b", 9, "plain", 1, finished=True, finish_reason="stop")]))
+    html_ = panel.view.value
+    the = re.search(r'<span class="tk" style="background: rgba\([^)]*, ([0-9.]+)\)" '
+                    r'title="([^"]*)"> the</span>', html_)
+    cat = re.search(r'rgba\([^)]*, ([0-9.]+)\)" title="([^"]*)"> cat</span>', html_)
+    assert the and cat and float(cat.group(1)) > float(the.group(1))     # unlikelier: darker
+    tip = html.unescape(cat.group(2))
+    assert "p = 0.20" in tip and tip.index("' dog'  0.70") < tip.index("' cat'  0.20")
+    assert '<div class="txt"><div>plain</div>' in html_                  # no logprobs: plain
+    assert html_.index("<b>a</b>") < html_.index("<b>b</b>")             # b finished, stays 2nd
+
+
+def test_dashboard_loads_behind_a_progress_bar_and_shows_what_runs(comms):
+    """In a kernel (a running loop) the page comes first and the engine is built behind a
+    live bar; Send is refused until then; the knobs then show the engine's resolved config
+    (the header and the graph-mode knob agree)."""
+    from widgets import Dashboard
+
+    async def load():
+        dash = Dashboard(config=EngineConfig(model="random:tiny", device="cpu",
+                                             num_kv_blocks=64))
+        assert not dash.ready and dash.send_button.disabled and dash.source is None
+        assert dash.send(2) == [] and "still loading" in dash.message.value
+        shown = []
+        dash.loading.layout.observe(lambda ch: shown.append(ch.new), "display")
+        while not dash.ready:
+            await asyncio.sleep(0.02)
+        return dash, shown
+
+    dash, shown = asyncio.run(load())
+    assert shown[0] is None and shown[-1] == "none"                    # shown, then hidden
+    info = dash.source.engine.info()
+    assert not dash.send_button.disabled
+    assert dash.knobs.graph_mode.value == info.graph_mode == "eager"
+    assert f"graph mode</span> <b>{info.graph_mode}</b>" in dash.header.value
+    assert dash.knobs.block_size.value == info.block_size and not dash.notices.value
+    dash.source.close()
+
+
+def test_build_progress_follows_what_the_loader_reports():
+    import logging
+
+    from widgets.progress import BuildProgress
+    bar, seen = BuildProgress(), []
+
+    def build():
+        log = logging.getLogger("workbench")
+        for i in range(1, 4):
+            log.debug("t", extra={"progress": ("converting the model", i, 3)})
+            time.sleep(0.15)
+            seen.append((bar.last_stage, bar.bar.value))
+        return 42
+
+    assert asyncio.run(bar.run(build, "Loading")) == 42
+    assert seen[-1][0] == "converting the model" and seen[-1][1] >= 2 / 3 - 1e-9
+
+
+def test_sampled_replies_differ_between_pages_unless_seeded(smollm2_engine, comms):
+    """Each Dashboard (each page load) draws its own seeds; a seed makes them repeat."""
+    from widgets import Dashboard
+
+    def seeds(dash, **params):
+        got = []
+        dash.source.submit = lambda prompt, p: got.append(p.seed) or f"r{len(got)}"
+        dash.send(3, SamplingParams(max_tokens=4, **params))
+        return got
+
+    a, b = Dashboard(smollm2_engine), Dashboard(smollm2_engine)
+    assert seeds(a, temperature=0.7) != seeds(b, temperature=0.7)
+    assert seeds(Dashboard(smollm2_engine, seed=7), temperature=0.7) == \
+        seeds(Dashboard(smollm2_engine, seed=7), temperature=0.7) == [7, 8, 9]
+    assert seeds(a, temperature=0.7, seed=100) == [103, 104, 105]    # after a's first 3
+    assert seeds(a, temperature=0) == [None] * 3

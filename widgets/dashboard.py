@@ -5,13 +5,16 @@ block map, summary and knobs, all fed by one engine (or one remote server).
     Dashboard()                                   # the embedded model on this machine
     Dashboard(url="http://127.0.0.1:8000")        # watch and drive a vLLM / workbench server
     Dashboard(url=..., model="org/name")          # a server that lists no model, or several
-    Dashboard(replay="run.trace.json.gz")         # a recorded trace, no model loaded
+    Dashboard(replay="run.trace.json.gz")         # a recorded run, no model loaded
 
 `workbench dashboard` serves it with Voila (notebooks/dashboard.ipynb).
 """
 from __future__ import annotations
 
+import asyncio
 import os
+import random
+import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -23,7 +26,8 @@ from workbench import Engine, EngineConfig, SamplingParams
 from .ab import ABPanel
 from .knobs import KnobPanel
 from .kv_map import KVBlockMap
-from .live import ErrorLog, Pump
+from .live import ErrorLog, Pump, running_loop
+from .progress import BuildProgress
 from .replay import ReplaySource
 from .roofline import RooflinePanel
 from .sources import LocalSource, RemoteSource, as_source
@@ -41,105 +45,170 @@ Why do cats purr?
 Summarise the plot of Romeo and Juliet in three sentences.
 Write a limerick about a GPU that ran out of memory."""
 
+LOGPROBS = 5 if "logprobs" in SamplingParams.__dataclass_fields__ else 0
+"""Top candidates asked for per token (issue 12's `SamplingParams.logprobs`, where this
+engine has it), for the token stream's shading and hover."""
+
 DASHBOARD_DEFAULTS = dict(max_num_seqs=32, num_kv_blocks=384)
 """A pool small enough that a burst of long replies fills it and preemption shows."""
 
 
 class Dashboard(w.VBox):
-    """The whole workbench on one page. Give an `engine`, a `config`, or a server `url` (with
-    `api_key` and `model`, the model id to request, where needed)."""
+    """The whole workbench on one page. Give an `engine`, a `config`, a server `url` (with
+    `api_key` and `model`, the model id to request, where needed), or a recorded trace to
+    `replay` (at `speed`; `autoplay` starts it without waiting for Play).
+
+    Layout (made to fit 1440×900 while 8 requests stream): the header, then the controls on
+    the left, and on the right the summary over two columns: compact token-stream cards,
+    and the timeline above the KV block map. `add_panel()` puts more views (a roofline, an
+    A/B comparison) in `self.more`, under the plots, and feeds them with the others.
+
+    Given a `config` inside a running kernel (Jupyter, Voila), the page appears at once and
+    the engine is built in a worker thread behind a live progress bar (`self.loading`);
+    Send is enabled when it is ready. Outside a kernel it is built before returning."""
 
     num_sent = traitlets.Int(0)
     num_rebuilds = traitlets.Int(0)
+    ready = traitlets.Bool(False, help="An engine or server is attached and Send works.")
 
     def __init__(self, engine: Engine | None = None, *, config: EngineConfig | None = None,
                  url: str | None = None, api_key: str | None = None, model: str | None = None,
                  replay: str | Path | None = None, speed: float = 1.0, autoplay: bool = False,
-                 hz: float = 20.0):
+                 hz: float = 20.0, seed: int | None = None):
         if sum(x is not None for x in (engine, config, url, replay)) > 1:
             raise ValueError("give one of engine, config, url or replay")
         if url is None and (api_key is not None or model is not None):
             raise ValueError("api_key, model: only with url= (a local engine's model is in its "
                              "config)")
-        if url is not None:
-            source = RemoteSource(url, api_key=api_key, model=model)
-        elif replay is not None:
-            source = ReplaySource(replay, speed, autoplay)
-        else:
-            source = as_source(engine if engine is not None
-                               else Engine(config or EngineConfig(**DASHBOARD_DEFAULTS)))
-        self.source: LocalSource | RemoteSource | ReplaySource = source
+        self.seed = random.randrange(2**31) if seed is None else seed
+        """Seeds of sampled requests count up from here: a new page gets new replies, while
+        `seed=` (or a seed in the SamplingParams) makes them repeat."""
         self.header = w.HTML()
         self.notices = w.HTML()
+        self.loading = BuildProgress(layout=w.Layout(width="100%", max_width="720px"))
         self.streams = TokenStreamPanel(max_cards=12)
-        self.timeline = BatchTimeline(resolution=source.resolution)
-        self.kv = KVBlockMap(columns=48)
+        self.timeline = BatchTimeline()
+        self.kv = KVBlockMap(columns=40)
         self.summary = SummaryPanel()
+        self.more = w.VBox()
+        """Extra panels (`add_panel`), under the plots."""
 
-        self.prompts = w.Textarea(value=EXAMPLE_PROMPTS, rows=8, layout=w.Layout(width="100%"),
+        self.prompts = w.Textarea(value=EXAMPLE_PROMPTS, rows=6, layout=w.Layout(width="98%"),
                                   placeholder="One prompt per line; requests cycle through them")
-        self.n = w.IntSlider(value=8, min=1, max=64, description="requests",
-                             style={"description_width": "70px"}, layout=w.Layout(width="100%"))
+        self.n = w.IntSlider(value=8, min=1, max=64, description="Requests",
+                             tooltip="how many requests one Send fires at once",
+                             style={"description_width": "70px"}, layout=w.Layout(width="98%"))
         self.chat = w.Checkbox(value=True, description="use the chat template", indent=False)
         self.send_button = w.Button(description="Send", icon="paper-plane", button_style="success",
-                                    layout=w.Layout(width="49%"))
+                                    disabled=True, layout=w.Layout(width="32%"))
         self.abort_button = w.Button(description="Abort all", icon="stop", button_style="warning",
-                                     layout=w.Layout(width="49%"))
-        self.clear_button = w.Button(description="Clear panels", icon="eraser",
-                                     layout=w.Layout(width="100%"))
+                                     layout=w.Layout(width="32%"))
+        self.clear_button = w.Button(description="Clear", icon="eraser",
+                                     tooltip="clear the panels", layout=w.Layout(width="32%"))
         self.message = w.HTML()
         """Why the last Send sent nothing (bad input)."""
         self.errors = ErrorLog()
         """What the engine or server answered with errors, each distinct one once, counted."""
         self.send_button.on_click(lambda _: self.send())
-        self.abort_button.on_click(lambda _: self.source.abort_all())
+        self.abort_button.on_click(lambda _: self.source and self.source.abort_all())
         self.clear_button.on_click(lambda _: self.clear())
-        self.knobs = KnobPanel(source.config or EngineConfig(), on_apply=self.swap_engine)
+        local_config = config or (engine.config if engine is not None else
+                                  EngineConfig(**DASHBOARD_DEFAULTS))
+        self.knobs = KnobPanel(local_config, on_apply=self.swap_engine)
+        self.knobs_title = w.HTML('<div class="wb"><h3>Knobs</h3></div>')
+        self.replay_button = w.Button(
+            description="Replay from the start" if autoplay else "Play the recording",
+            icon="repeat" if autoplay else "play", button_style="" if autoplay else "info",
+            layout=w.Layout(width="98%", display="" if replay is not None else "none"))
+        self.replay_button.on_click(lambda _: self.restart_replay())
+
+        controls = w.VBox([w.HTML('<div class="wb"><h3>Send requests</h3></div>'), self.prompts,
+                           self.n, self.chat,
+                           w.HBox([self.send_button, self.abort_button, self.clear_button]),
+                           self.replay_button, self.message, self.errors,
+                           self.knobs_title, self.knobs],
+                          layout=w.Layout(width="330px", min_width="330px", padding="0 8px 0 0"))
+        plots = w.VBox([self.timeline, self.kv], layout=w.Layout(flex="1.35 1 0", min_width="0"))
+        self.streams.layout = w.Layout(flex="1 1 0", min_width="0", max_height="640px",
+                                       overflow="hidden auto", padding="0 6px 0 0")
+        main = w.VBox([self.summary, w.HBox([self.streams, plots]), self.more],
+                      layout=w.Layout(flex="1 1 auto", min_width="0"))
+        super().__init__([css_widget(), self.header, self.notices, self.loading,
+                          w.HBox([controls, main])], layout=w.Layout(width="100%"))
+        self.source: LocalSource | RemoteSource | None = None
+        self.pump: Pump | None = None
+        self.load_error: str | None = None
+        self._hz = hz
+        self._extra: list = []
+        self.roofline = RooflinePanel()
+        """Each step by arithmetic intensity against achieved FLOP/s, under this device's roofs."""
+        self.add_panel(self.roofline)
+        if url is None and replay is None:
+            c = asdict(local_config)
+            self.ab = ABPanel(model=c.pop("model"), engine_kwargs=c)
+            ab = w.Accordion([self.ab], selected_index=None)
+            ab.set_title(0, "A/B run: two configurations on the same requests")
+            self.add_panel(ab, feed=False)
+        if url is not None:
+            self._attach(RemoteSource(url, api_key=api_key, model=model))
+        elif replay is not None:
+            self._attach(ReplaySource(replay, speed, autoplay))
+        elif engine is not None:
+            self._attach(as_source(engine))
+        else:
+            config = config or EngineConfig(**DASHBOARD_DEFAULTS)
+            if running_loop() is None:
+                self._attach(LocalSource(Engine(config)))
+            else:
+                self.header.value = _title(f"loading {config.model}…")
+                self._load_task = asyncio.ensure_future(self._load(config))
+
+    async def _load(self, config: EngineConfig) -> None:
+        try:
+            engine = await self.loading.run(lambda: Engine(config), f"Loading {config.model}",
+                                            expected_s=8.0)
+        except Exception as e:
+            self.load_error = str(e) or type(e).__name__
+            self.message.value = (f'<div class="wb"><div class="error"><b>The engine could not '
+                                  f'be built.</b> {esc(self.load_error)}</div></div>')
+            self.header.value = _title("no engine")
+            return
+        self._attach(LocalSource(engine))
+
+    def _attach(self, source: LocalSource | RemoteSource | ReplaySource) -> None:
+        self.source = source
+        self.timeline.set_resolution(source.resolution)
         if isinstance(source, RemoteSource):
             self.knobs.apply_button.disabled = True
             self.knobs.status.value = ('<div class="wb muted">A remote server\'s engine knobs are '
                                        'set where it runs; temperature and max tokens apply.</div>')
             self.kv.unavailable(source.kv_note())
-        # ---- issue 13 part B: the roofline (and replay controls) -----------------------------
-        self.knobs_title = w.HTML('<div class="wb"><h3>Knobs</h3></div>')
-        self.roofline = RooflinePanel(*self._roofline_model())
-        extra = [self.roofline]
-        if isinstance(source, LocalSource):
-            c = asdict(source.config)
-            self.ab = ABPanel(model=c.pop("model"), engine_kwargs=c)
-            ab = w.Accordion([self.ab], selected_index=None)
-            ab.set_title(0, "A/B run: two configurations on the same requests")
-            extra.append(ab)
-        if isinstance(source, ReplaySource):
+        elif isinstance(source, ReplaySource):
             self.knobs.apply_button.disabled = True
-            self.send_button.disabled = self.abort_button.disabled = True
-            self.knobs_title.value = ('<div class="wb muted">A replay plays a recorded trace: '
-                                      'no model is loaded, so knobs and Send do not apply.'
-                                      '</div>')
-            self.replay_button = w.Button(
-                description="Replay from the start" if autoplay else "Play the recording",
-                icon="repeat" if autoplay else "play", button_style="" if autoplay else "info",
-                layout=w.Layout(width="100%"))
-            self.replay_button.on_click(lambda _: self.restart_replay())
-            self.clear_button.layout.display = "none"
             self.knobs.layout.display = "none"     # knobs of no engine would mislead
-        # -----------------------------------------------------------------------------------
-
-        controls = w.VBox([w.HTML('<div class="wb"><h3>Send requests</h3></div>'), self.prompts,
-                           self.n, self.chat, w.HBox([self.send_button, self.abort_button]),
-                           self.clear_button, *([self.replay_button] if isinstance(
-                               source, ReplaySource) else []), self.message, self.errors,
-                           self.knobs_title, self.knobs],
-                          layout=w.Layout(width="390px", min_width="390px", padding="0 12px 0 0"))
-        main = w.VBox([self.summary, self.streams, self.timeline, self.kv, *extra],
-                      layout=w.Layout(flex="1 1 auto", min_width="0"))
-        super().__init__([css_widget(), self.header, self.notices, w.HBox([controls, main])],
-                         layout=w.Layout(width="100%"))
+            self.knobs_title.value = ('<div class="wb muted">A replay plays a recorded trace: '
+                                      'no model is loaded, so knobs and Send do not apply.</div>')
+            self.clear_button.layout.display = "none"
+        else:
+            self.knobs.show_config(source.engine.config)
+        self.roofline.set_model(*self._roofline_model())
         self.pump = Pump(source, [self.streams, self.timeline, self.kv, self.summary,
-                                  self.roofline], hz)
+                                  *self._extra], self._hz)
         self.pump.on_tick.append(self._show_errors)
         self._describe()
         self.pump.start()
+        replaying = isinstance(source, ReplaySource)
+        self.send_button.disabled = self.abort_button.disabled = replaying
+        self.ready = not replaying
+
+    def add_panel(self, panel, feed: bool = True) -> None:
+        """Show `panel` under the plots; with `feed`, the pump hands it each Update
+        (`panel.update(u)`) like the built-in panels."""
+        self.more.children = (*self.more.children, panel)
+        if feed:
+            self._extra = [*self._extra, panel]
+            if self.pump is not None:
+                self.pump.panels.append(panel)
 
     @classmethod
     def from_env(cls) -> "Dashboard":
@@ -164,8 +233,7 @@ class Dashboard(w.VBox):
         kind = ("remote server" if isinstance(self.source, RemoteSource) else
                 "replay (recorded trace, no model loaded)" if isinstance(self.source, ReplaySource)
                 else "engine")
-        self.header.value = (f'<div class="wb"><h2 style="margin:4px 0">Prefill/decode '
-                             f'workbench</h2><div class="engine-info">{kind}: {items}</div></div>')
+        self.header.value = _title(f"{kind}: {items}", escape=False)
         self.notices.value = notices_html(self.source.notices)
 
     def _show_errors(self, u) -> None:
@@ -188,11 +256,17 @@ class Dashboard(w.VBox):
         """Send n requests (default: the slider), cycling through the prompt lines, each with
         its own seed so sampled replies differ. Bad input shows an error and sends nothing."""
         n = self.n.value if n is None else n
+        if self.source is None:
+            self.message.value = ('<div class="wb"><div class="error">The engine is still '
+                                  'loading.</div></div>')
+            return []
         try:
             if isinstance(self.source, ReplaySource):
                 self.source.submit(None, None)        # says why a replay takes no requests
             prompts = self.prompt_list()
             base = params or self.knobs.sampling_params()
+            if isinstance(self.source, LocalSource) and LOGPROBS and base.logprobs is None:
+                base = replace(base, logprobs=LOGPROBS)   # the stream panel shades by them
             base.validate()
             if isinstance(self.source, RemoteSource):
                 self.source.ready()
@@ -206,16 +280,23 @@ class Dashboard(w.VBox):
         self.message.value = ""
         rids = []
         for i in range(n):
-            seed = None if base.greedy else (base.seed or 0) + self.num_sent + i
+            seed = None if base.greedy else \
+                (self.seed if base.seed is None else base.seed) + self.num_sent + i
             rids.append(self.source.submit(prompts[i % len(prompts)], replace(base, seed=seed)))
         self.num_sent += n
         self.pump.start()
         return rids
 
     async def wait(self, timeout: float | None = None) -> bool:
-        """Until every request sent has finished (the panels keep moving meanwhile)."""
+        """Until the engine is loaded and every request sent has finished (the panels keep
+        moving meanwhile); False on timeout or if the engine could not be built."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.pump is None:
+            if self.load_error is not None or (end is not None and time.monotonic() > end):
+                return False
+            await asyncio.sleep(0.05)
         self.pump.start()
-        return await self.pump.wait(timeout)
+        return await self.pump.wait(None if end is None else max(0.0, end - time.monotonic()))
 
     def clear(self) -> None:
         for p in (self.streams, self.timeline, self.summary, self.errors, self.roofline):
@@ -253,3 +334,8 @@ class Dashboard(w.VBox):
         self.roofline.set_model(*self._roofline_model())
         self.num_rebuilds += 1
         self._describe()
+
+
+def _title(info: str, escape: bool = True) -> str:
+    return (f'<div class="wb"><h2 style="margin:2px 0">Prefill/decode workbench</h2>'
+            f'<div class="engine-info">{esc(info) if escape else info}</div></div>')

@@ -18,6 +18,7 @@ from workbench import Engine, EngineConfig, SamplingParams
 from workbench.config import BLOCK_SIZES, DEVICES, GRAPH_MODES
 
 from .live import running_loop
+from .progress import BuildProgress
 from .style import css_widget, esc
 
 MODELS = ["smollm2", "random:tiny", "random:smollm2-135m", "random:qwen3-0.6b"]
@@ -31,9 +32,13 @@ def available_devices() -> list[str]:
     return [d for d in DEVICES if present[d]]
 
 
-def _label(text: str, tip: str = "", width: str = "180px") -> dict:
-    return dict(description=text, description_allow_html=False, tooltip=tip or None,
-                style={"description_width": width}, layout=w.Layout(width="100%"))
+def _label(text: str, tip: str, width: str = "150px") -> dict:
+    return dict(description=text, description_allow_html=False, tooltip=tip,
+                style={"description_width": width}, layout=w.Layout(width="98%"))
+
+
+GRAPH_MODE_LABELS = {"eager": "eager (no graphs)", "decode": "decode steps",
+                     "full": "all steps (piecewise)"}
 
 
 class KnobPanel(w.VBox):
@@ -54,37 +59,51 @@ class KnobPanel(w.VBox):
         c = self.config
         self.model = w.Combobox(value=c.model, options=MODELS, ensure_option=False,
                                 placeholder="smollm2, random:<shape> or a checkpoint dir",
-                                **_label("model", "smollm2 (embedded), random:<shape>, or a local HF checkpoint directory"))
+                                **_label("Model", "model: smollm2 (embedded), random:<shape> "
+                                         "(seeded random weights), or a local Hugging Face "
+                                         "checkpoint directory"))
         self.device = w.Dropdown(options=available_devices(), value=c.device
-                                 if c.device in available_devices() else "auto", **_label("device", "auto picks npu, then cuda, then cpu"))
+                                 if c.device in available_devices() else "auto",
+                                 **_label("Device", "device: auto picks npu, then cuda, then cpu"))
         self.block_size = w.Dropdown(options=[("device's choice", None), *BLOCK_SIZES],
                                      value=c.block_size,
-                                     **_label("block_size", "tokens per KV block"))
+                                     **_label("KV block (tokens)", "block_size: tokens per KV "
+                                              "block. Small blocks waste less memory at the end "
+                                              "of each request; big ones mean shorter block "
+                                              "tables"))
         self.num_kv_blocks = w.IntText(value=c.num_kv_blocks or 0,
-                                       **_label("num_kv_blocks", "KV pool size in blocks; 0 sizes it from "
-                                                "kv_cache_memory_gb"))
+                                       **_label("KV pool (blocks)", "num_kv_blocks: size of the "
+                                                "paged KV pool; 0 sizes it from "
+                                                "kv_cache_memory_gb. When it runs out, requests "
+                                                "are preempted"))
         self.max_num_seqs = w.IntSlider(value=c.max_num_seqs, min=1, max=256,
-                                        **_label("max_num_seqs", "most requests running at once "
-                                                 "(the batch size)"))
+                                        **_label("Batch (requests)", "max_num_seqs: most "
+                                                 "requests running in one step"))
         self.max_num_batched_tokens = w.IntText(value=c.max_num_batched_tokens,
-                                                **_label("max_num_batched_tokens",
-                                                         "token budget of one step (prompts "
-                                                         "are chunked to fit)"))
-        self.graph_mode = w.ToggleButtons(options=GRAPH_MODES, value=c.graph_mode or "decode",
-                                          **_label("graph_mode", "capture decode steps (decode), "
-                                                   "and prefill steps piecewise around "
-                                                   "attention (full), where the device "
-                                                   "supports it"))
-        self.graph_mode.style.button_width = "70px"
+                                                **_label("Step budget (tokens)",
+                                                         "max_num_batched_tokens: token budget "
+                                                         "of one step; longer prompts are "
+                                                         "prefilled in chunks"))
+        self.graph_mode = w.Dropdown(options=[(GRAPH_MODE_LABELS.get(m, m), m)
+                                              for m in GRAPH_MODES],
+                                     value=c.graph_mode or GRAPH_MODES[0],
+                                     **_label("Graph capture", "graph_mode: replay captured "
+                                              "graphs of decode steps (decode), and of prefill "
+                                              "steps piecewise around attention (full), where "
+                                              "the device can capture; the CPU runs eager"))
         self.enable_prefix_caching = w.Checkbox(value=c.enable_prefix_caching, indent=False,
-                                                description="enable_prefix_caching")
+                                                description="Prefix caching", tooltip="enable_prefix_caching: "
+                                                "requests that share a prompt prefix reuse its "
+                                                "KV blocks instead of recomputing them")
         self.temperature = w.FloatSlider(value=0.7, min=0.0, max=2.0, step=0.05,
-                                         **_label("temperature"))
-        self.max_tokens = w.IntSlider(value=128, min=1, max=1024, **_label("max tokens"))
+                                         **_label("Temperature", "0 is greedy; replies differ "
+                                                  "between sends unless a seed is set"))
+        self.max_tokens = w.IntSlider(value=128, min=1, max=1024,
+                                      **_label("Max output (tokens)", "max_tokens: the most "
+                                               "tokens one reply may have"))
         self.apply_button = w.Button(description="Apply (rebuild engine)", button_style="primary",
                                      icon="refresh", layout=w.Layout(width="100%"))
-        self.progress = w.FloatProgress(value=0, min=0, max=1, bar_style="info",
-                                        layout=w.Layout(width="100%", visibility="hidden"))
+        self.progress = BuildProgress()
         self.status = w.HTML()
         self.apply_button.on_click(lambda _: self._clicked())
         engine_knobs = [self.model, self.device, self.block_size, self.num_kv_blocks,
@@ -113,6 +132,12 @@ class KnobPanel(w.VBox):
         p = SamplingParams(temperature=self.temperature.value, max_tokens=self.max_tokens.value)
         return replace(p, **overrides) if overrides else p
 
+    def show_config(self, config: EngineConfig) -> None:
+        """Show what an engine runs with (its resolved config: the device's block size and
+        graph mode rather than 'device's choice')."""
+        self.config = config
+        self.set_values(**{k: getattr(config, k) for k in self.values()})
+
     def set_values(self, **values) -> None:
         """Set knobs by EngineConfig name (for notebooks and tests)."""
         for name, v in values.items():
@@ -137,7 +162,7 @@ class KnobPanel(w.VBox):
                              f'{esc(self.last_error)}<br>The running engine was kept.</div></div>')
 
     def _succeed(self, engine: Engine, seconds: float) -> None:
-        self.config = engine.config
+        self.show_config(engine.config)
         self.builds += 1
         self.last_error = None
         self._expected_build_s = seconds
@@ -157,16 +182,12 @@ class KnobPanel(w.VBox):
             return None
         self.building = True
         self.apply_button.disabled = True
-        self.progress.value = 0.02
-        self.progress.layout.visibility = "visible"
-        self.status.value = '<div class="wb muted">Building the engine…</div>'
+        self.status.value = ""
         return config
 
     def _end(self) -> None:
         self.building = False
         self.apply_button.disabled = False
-        self.progress.value = 1.0
-        self.progress.layout.visibility = "hidden"
 
     def apply(self) -> Engine | None:
         """Build an engine from the knobs, here and now; None (error shown) if it failed."""
@@ -190,17 +211,13 @@ class KnobPanel(w.VBox):
         if config is None:
             return None
         t0 = time.monotonic()
-        fut = asyncio.get_running_loop().run_in_executor(None, self.engine_factory, config)
-        while not fut.done():
-            el = time.monotonic() - t0
-            self.progress.value = min(0.95, el / max(self._expected_build_s, 0.5))
-            self.progress.description = f"{el:.1f} s"
-            await asyncio.wait([fut], timeout=0.1)
-        self._end()
         try:
-            engine = fut.result()
+            engine = await self.progress.run(lambda: self.engine_factory(config),
+                                             "Building the engine", self._expected_build_s)
         except Exception as e:
+            self._end()
             self._fail(e)
             return None
+        self._end()
         self._succeed(engine, time.monotonic() - t0)
         return engine

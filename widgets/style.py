@@ -36,23 +36,28 @@ CSS = """
 .wb .b-prefill { background: #f28e2b; } .wb .b-chunk { background: #d37295; }
 .wb .b-decode { background: #4e79a7; } .wb .b-mixed { background: #9c755f; }
 .wb .b-preempt { background: #e15759; } .wb .b-idle { background: #9aa0a6; }
-.wb .cards { display: grid; grid-template-columns: repeat(auto-fill, minmax(250px, 1fr));
-             gap: 8px; }
+.wb .cards { display: grid; grid-template-columns: repeat(auto-fill, minmax(220px, 1fr));
+             gap: 6px; }
 .wb .card { border: 1px solid var(--jp-border-color2, #ddd); border-radius: 6px;
-            padding: 6px 8px; background: var(--jp-layout-color1, #fff); min-width: 0; }
+            padding: 4px 6px; background: var(--jp-layout-color1, #fff); min-width: 0; }
 .wb .card .hd { display: flex; justify-content: space-between; align-items: center;
                 gap: 6px; white-space: nowrap; }
 .wb .card .prompt { color: var(--jp-ui-font-color2, #666); font-size: 11px; overflow: hidden;
-                    text-overflow: ellipsis; white-space: nowrap; margin: 2px 0; }
-.wb .card .txt { height: 7.5em; overflow-y: auto; display: flex; flex-direction: column-reverse;
-                 font-family: var(--jp-code-font-family, monospace); font-size: 12px;
-                 white-space: pre-wrap; word-break: break-word;
-                 background: var(--jp-layout-color2, #f6f7f9); border-radius: 4px; padding: 4px; }
-.wb .card .st { font-size: 11px; color: var(--jp-ui-font-color2, #555); margin-top: 3px; }
+                    text-overflow: ellipsis; white-space: nowrap; margin: 1px 0; }
+/* Three whole lines, newest at the bottom: the box is exactly 3 line-heights tall and has no
+   vertical padding, so the top line is never cut through. */
+.wb .card .txt { height: 48px; line-height: 16px; overflow-y: auto; display: flex;
+                 flex-direction: column-reverse; font-family: var(--jp-code-font-family, monospace);
+                 font-size: 12px; white-space: pre-wrap; word-break: break-word;
+                 background: var(--jp-layout-color2, #f6f7f9); border-radius: 4px;
+                 padding: 0 4px; }
+.wb .card .txt .tk { border-radius: 2px; }
+.wb .card .st { font-size: 11px; color: var(--jp-ui-font-color2, #555); margin-top: 2px;
+                white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
 .wb .stats { display: flex; flex-wrap: wrap; gap: 6px; }
 .wb .stat { border: 1px solid var(--jp-border-color2, #ddd); border-radius: 6px;
-            padding: 4px 8px; min-width: 78px; background: var(--jp-layout-color1, #fff); }
-.wb .stat .v { font-size: 17px; font-weight: 600; }
+            padding: 2px 8px; min-width: 70px; background: var(--jp-layout-color1, #fff); }
+.wb .stat .v { font-size: 15px; font-weight: 600; }
 .wb .stat .k { font-size: 11px; color: var(--jp-ui-font-color2, #666); }
 .wb .kv { display: grid; gap: 2px; }
 .wb .kv i { width: 11px; height: 11px; border-radius: 2px; display: block;

