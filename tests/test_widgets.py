@@ -178,12 +178,16 @@ def test_knobs_validate_and_rebuild_the_dashboard_engine(comms):
     assert "no-such-shape" in knobs.last_error and dash.source.engine is old
 
     async def rebuild():
+        assert dash.send(1) == [] and "write each prompt as token ids" in dash.message.value
+        dash.prompts.value = "1 2 3 4\n5, 6, 7"         # random weights: token-id prompts
         rids = dash.send(4, SamplingParams(max_tokens=400, ignore_eos=True))
+        assert len(rids) == 4
         await asyncio.sleep(0.05)
         knobs.set_values(model="random:tiny", block_size=32)
         new = await knobs.apply_async()      # builds in a thread while the old one serves
         assert await dash.wait(timeout=60)
         after = dash.send(2, SamplingParams(max_tokens=8, ignore_eos=True))
+        assert len(after) == 2
         assert await dash.wait(timeout=60)
         return new, rids, after
 

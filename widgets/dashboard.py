@@ -248,6 +248,13 @@ class Dashboard(w.VBox):
         lines = [ln.strip() for ln in self.prompts.value.splitlines() if ln.strip()]
         if not lines:
             raise ValueError("prompt: write at least one prompt (one per line)")
+        if isinstance(self.source, LocalSource) and self.source.engine.tokenizer is None:
+            # Random weights have no tokenizer: each line is token ids ("17 42 99").
+            try:
+                return [[int(t) for t in ln.replace(",", " ").split()] for ln in lines]
+            except ValueError:
+                raise ValueError("prompt: this model has no tokenizer; write each prompt as "
+                                 "token ids, e.g. 17 42 99") from None
         chat = self.chat.value and isinstance(self.source, LocalSource) \
             and getattr(self.source.engine.tokenizer, "chat_template", None)
         return [[{"role": "user", "content": ln}] if chat else ln for ln in lines]
