@@ -198,12 +198,8 @@ class KnobPanel(w.VBox):
         try:
             engine = self.engine_factory(config)
         except Exception as e:
-            self._end()
-            self._fail(e)
-            return None
-        self._end()
-        self._succeed(engine, time.monotonic() - t0)
-        return engine
+            return self._built(t0, error=e)
+        return self._built(t0, engine)
 
     async def apply_async(self) -> Engine | None:
         """Build in a worker thread while the progress bar moves on the kernel's loop."""
@@ -215,9 +211,15 @@ class KnobPanel(w.VBox):
             engine = await self.progress.run(lambda: self.engine_factory(config),
                                              "Building the engine", self._expected_build_s)
         except Exception as e:
-            self._end()
-            self._fail(e)
-            return None
+            return self._built(t0, error=e)
+        return self._built(t0, engine)
+
+    def _built(self, t0: float, engine: Engine | None = None,
+               error: Exception | None = None) -> Engine | None:
+        """The end of a build, either way: the panel re-enabled, the outcome shown."""
         self._end()
+        if error is not None:
+            self._fail(error)
+            return None
         self._succeed(engine, time.monotonic() - t0)
         return engine
