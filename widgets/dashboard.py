@@ -140,7 +140,17 @@ class Dashboard(w.VBox):
         self.load_error: str | None = None
         self._hz = hz
         self._extra: list = []
-        self.roofline = RooflinePanel()
+        source = None          # attached now, or (a config inside a kernel) once built
+        if url is not None:
+            source = RemoteSource(url, api_key=api_key, model=model)
+        elif replay is not None:
+            source = ReplaySource(replay, speed, autoplay)
+        elif engine is not None:
+            source = as_source(engine)
+        elif running_loop() is None:
+            source = LocalSource(Engine(local_config))
+        # Made with its model: a FigureWidget's page misses what changes before it is shown.
+        self.roofline = RooflinePanel(*_roofline_model(source))
         """Each step by arithmetic intensity against achieved FLOP/s, under this device's roofs."""
         self.add_panel(self.roofline)
         if url is None and replay is None:
@@ -149,19 +159,11 @@ class Dashboard(w.VBox):
             ab = w.Accordion([self.ab], selected_index=None)
             ab.set_title(0, "A/B run: two configurations on the same requests")
             self.add_panel(ab, feed=False)
-        if url is not None:
-            self._attach(RemoteSource(url, api_key=api_key, model=model))
-        elif replay is not None:
-            self._attach(ReplaySource(replay, speed, autoplay))
-        elif engine is not None:
-            self._attach(as_source(engine))
+        if source is not None:
+            self._attach(source)
         else:
-            config = config or EngineConfig(**DASHBOARD_DEFAULTS)
-            if running_loop() is None:
-                self._attach(LocalSource(Engine(config)))
-            else:
-                self.header.value = _title(f"loading {config.model}…")
-                self._load_task = asyncio.ensure_future(self._load(config))
+            self.header.value = _title(f"loading {local_config.model}…")
+            self._load_task = asyncio.ensure_future(self._load(local_config))
 
     async def _load(self, config: EngineConfig) -> None:
         try:
@@ -191,7 +193,8 @@ class Dashboard(w.VBox):
             self.clear_button.layout.display = "none"
         else:
             self.knobs.show_config(source.engine.config)
-        self.roofline.set_model(*self._roofline_model())
+        if self.roofline.info is None:                  # built in the background: shown by now
+            self.roofline.set_model(*_roofline_model(source))
         self.pump = Pump(source, [self.streams, self.timeline, self.kv, self.summary,
                                   *self._extra], self._hz)
         self.pump.on_tick.append(self._show_errors)
@@ -309,15 +312,6 @@ class Dashboard(w.VBox):
         for p in (self.streams, self.timeline, self.summary, self.errors, self.roofline):
             p.clear()
 
-    def _roofline_model(self):
-        """(model shape, device roofs) for the roofline, or (None, None) for a server."""
-        src = self.source
-        if isinstance(src, LocalSource):
-            return src.engine.info(), src.engine.device_roofs()
-        if isinstance(src, ReplaySource):
-            return src.trace.info, src.trace.roofs
-        return None, None
-
     def restart_replay(self) -> None:
         """Play the recorded trace (again) from its start."""
         self.clear()
@@ -338,9 +332,18 @@ class Dashboard(w.VBox):
                                               # GPU needs that memory for the new engine
         self.timeline.clear()                 # step numbers restart with the new engine
         self.summary.clear()
-        self.roofline.set_model(*self._roofline_model())
+        self.roofline.set_model(*_roofline_model(self.source))
         self.num_rebuilds += 1
         self._describe()
+
+
+def _roofline_model(src):
+    """(model shape, device roofs) for the roofline, or (None, None) for a server or none."""
+    if isinstance(src, LocalSource):
+        return src.engine.info(), src.engine.device_roofs()
+    if isinstance(src, ReplaySource):
+        return src.trace.info, src.trace.roofs
+    return None, None
 
 
 def _title(info: str, escape: bool = True) -> str:
