@@ -98,3 +98,26 @@ def tiny_checkpoints(tmp_path_factory):
 def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
     r = random.Random(seed)
     return [[r.randrange(3, vocab) for _ in range(r.randint(lo, hi))] for _ in range(n)]
+
+
+def stop_tree(proc, timeout: float = 30.0) -> list[int]:
+    """Stop a `workbench` command the way a service manager does (SIGTERM; it stops its own
+    children), then kill whatever of its process tree survived. Returns the survivors' pids,
+    so a test can assert there were none; nothing is left running either way."""
+    import psutil
+    try:
+        root = psutil.Process(proc.pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    if proc.poll() is None:
+        proc.terminate()
+    _, alive = psutil.wait_procs(tree, timeout=timeout)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=10)
+    proc.wait(10)
+    return [p.pid for p in alive]

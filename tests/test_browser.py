@@ -18,7 +18,8 @@ pytest.importorskip("voila")
 httpx = pytest.importorskip("httpx")
 
 from test_operations import wait_until  # noqa: E402
-from test_server import free_port, stop_process  # noqa: E402
+from conftest import stop_tree  # noqa: E402
+from test_server import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -47,10 +48,10 @@ def dashboard(smollm2_dir, tmp_path):
         except httpx.HTTPError:
             time.sleep(0.25)
     else:
-        stop_process(proc)
+        stop_tree(proc)
         pytest.fail(f"voila did not come up:\n{log_path.read_text(errors='replace')[-3000:]}")
     yield url, log_path
-    stop_process(proc)
+    assert stop_tree(proc) == [], "processes outlived SIGTERM to workbench dashboard"
 
 
 @pytest.fixture(scope="module")

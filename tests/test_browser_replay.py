@@ -13,7 +13,8 @@ pytest.importorskip("voila")
 psutil = pytest.importorskip("psutil")
 
 from test_browser import ARTIFACTS, CHROMIUM, FLAGS, text_length, wait_for  # noqa: E402
-from test_operations import kernels_below, kill_all, start_jupyter, wait_until  # noqa: E402
+from conftest import stop_tree  # noqa: E402
+from test_operations import kernels_below, start_jupyter, wait_until  # noqa: E402
 
 from workbench.trace import Trace  # noqa: E402
 
@@ -79,11 +80,7 @@ def test_replay_plays_with_no_model_and_draws_the_roofline(tmp_path):
                 assert not errors, errors
             finally:
                 browser.close()
-        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        proc.terminate()
-        proc.wait(60)
-        _, alive = psutil.wait_procs(tree, timeout=10)
-        assert not alive, f"left running: {[q.pid for q in alive]}"
+        assert stop_tree(proc) == [], "processes outlived SIGTERM to workbench dashboard"
     finally:
-        kill_all(locals().get("tree") or [psutil.Process(proc.pid)])
+        stop_tree(proc)                 # whatever failed above, nothing is left running
     assert (ARTIFACTS / "roofline.png").stat().st_size > 5_000

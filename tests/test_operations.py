@@ -15,6 +15,7 @@ import pytest
 psutil = pytest.importorskip("psutil")
 httpx = pytest.importorskip("httpx")
 
+from conftest import stop_tree  # noqa: E402
 from test_server import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,7 +105,7 @@ def test_a_stop_signal_stops_jupyter_and_its_kernels(command, sig, tmp_path):
         _, alive = psutil.wait_procs(tree, timeout=10)
         assert not alive, f"left running after {sig.name}: {[p.pid for p in alive]}"
     finally:
-        kill_all(locals().get("tree") or [psutil.Process(proc.pid)])
+        stop_tree(proc)                 # whatever failed above, nothing is left running
 
 
 def test_a_closed_dashboard_page_loses_its_kernel(tmp_path):
@@ -139,12 +140,7 @@ def test_a_closed_dashboard_page_loses_its_kernel(tmp_path):
             finally:
                 browser.close()
     finally:
-        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-        _, alive = psutil.wait_procs(tree, timeout=10)
-        kill_all(alive)
-        assert not alive
+        assert stop_tree(proc, timeout=60) == [], "processes outlived SIGTERM"
 
 
 # ---- the server under abuse -----------------------------------------------------------------
