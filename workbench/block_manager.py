@@ -128,8 +128,8 @@ class BlockManager:
         produces the logits for the next token.
         """
         assert not seq.block_table and seq.num_computed_tokens == 0
-        if not self.enable_prefix_caching:
-            return 0
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return 0   # (prompt logprobs need the logits of every prompt position)
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1) // bs
         parent = None
@@ -148,6 +148,19 @@ class BlockManager:
             parent = h
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * bs
         return max_blocks
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give an unallocated child (the same prompt, another of n choices) the parent's
+        full computed blocks, shared by reference count; the child computes the rest (the
+        prompt's partial last block) into blocks of its own as it grows."""
+        assert not child.block_table and child.token_ids[:parent.num_tokens] == parent.token_ids[:child.num_tokens]
+        n = min(parent.num_computed_tokens, child.num_tokens) // self.block_size
+        n = min(n, len(parent.block_table))
+        for block_id in parent.block_table[:n]:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = parent.block_table[:n]
+        child.block_hashes = parent.block_hashes[:n]
+        child.num_computed_tokens = n * self.block_size
 
     def count_lookup(self, queried: int, hit: int) -> None:
         """Add one admitted request's prefix lookup to the hit counters (a request that waits

@@ -34,10 +34,10 @@ from .detokenizer import IncrementalDetokenizer
 from .models import build_model, load_checkpoint
 from .platforms import get_platform
 from .runner import ModelRunner
-from .sampler import sample
+from .sampler import LogprobsTensors, compute_logprobs, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .sequence import Sequence
+from .sequence import Logprob, Sequence, SequenceStatus
 from .telemetry import MemoryStats, RequestMetrics, StepEvent, Telemetry
 
 log = logging.getLogger("workbench")
@@ -58,7 +58,23 @@ class TokenEvent:
     """Number of output tokens so far."""
     time: float
     finished: bool = False
+    """This choice has ended (a request with n > 1 ends when all its choices have)."""
     finish_reason: str | None = None
+    logprobs: dict[int, Logprob] | None = None
+    """With SamplingParams.logprobs: the token's logprob and the top-k alternatives'."""
+    choice: int = 0
+    """Which of the request's n sequences this token belongs to."""
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's n choices."""
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[dict[int, Logprob]] | None = None
+    """One dict per output token (with SamplingParams.logprobs)."""
 
 
 @dataclass
@@ -67,10 +83,15 @@ class RequestOutput:
     prompt: Any
     prompt_token_ids: list[int]
     token_ids: list[int]
+    """The first choice's (as text and finish_reason are); `outputs` holds all n."""
     text: str
     finished: bool
     finish_reason: str | None
     metrics: RequestMetrics
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """With SamplingParams.prompt_logprobs: one entry per prompt token (None for the first,
+    which has no context)."""
 
 
 @dataclass(eq=False)
@@ -82,6 +103,20 @@ class _Request:
     generator: torch.Generator | None
     listener: Callable[[TokenEvent], None] | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    """Set when every choice has ended (on the first choice's _Request)."""
+    request_id: str = ""
+    """The id the caller knows (choices after the first run as '<id>#<choice>')."""
+    choice: int = 0
+    choices: list["_Request"] = field(default_factory=list)
+    """On the first choice: all n choices, itself first. Later choices wait here until the
+    first one's prompt is computed, then fork its KV blocks."""
+    owner: "_Request | None" = None
+    """On a later choice: the first choice."""
+    forked: bool = False
+    unfinished: int = 1
+    """On the first choice: choices still running."""
+    logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass(slots=True)
@@ -93,6 +128,8 @@ class _InFlight:
     """[rows] on the device, in the step's sampling order (the next step's input ids)."""
     host_ids: torch.Tensor
     """Where they land on the host, once `ready` has passed."""
+    host_logprobs: LogprobsTensors | None
+    """The rows' logprobs (when a row asked), also copied to the host without waiting."""
     ready: Any
     graph: tuple[str, int]
     t0: float
@@ -196,6 +233,8 @@ class Engine:
         self._stop = threading.Event()
         self._kv_wanted = False
         self._kv_last: KVBlockSnapshot | None = None
+        self._token_texts: dict[int, str] = {}
+        """Each token's text on its own (for Logprob.decoded_token)."""
         self._closed = False
         self._async = (config.async_scheduling if config.async_scheduling is not None
                        else self.platform.runs_async) and self.runner.graphs is not None
@@ -337,18 +376,41 @@ class Engine:
             raise ValueError(f"params: must be SamplingParams (got {type(params).__name__})")
         params.validate()
         ids = self.tokenize(prompt)
+        if params.max_tokens == 0 and len(ids) < 2:
+            raise ValueError("max_tokens: 0 scores the prompt, which needs at least 2 tokens")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        seq = Sequence(rid, ids, params, max_len=self.max_model_len)
+        first = self._make_choice(prompt, ids, params, rid, 0)
+        if params.n > 1:
+            # Later choices: their own seed stream; the prompt's logprobs come with the first.
+            later = replace(params, prompt_logprobs=None)
+            first.choices = [first] + [self._make_choice(prompt, ids, later, rid, i)
+                                       for i in range(1, params.n)]
+            for c in first.choices[1:]:
+                c.owner = first
+            first.unfinished = params.n
+        if params.prompt_logprobs is not None:
+            first.prompt_logprobs = [None] * len(ids)
+        return first
+
+    def _make_choice(self, prompt, ids: list[int], params: SamplingParams, rid: str,
+                     choice: int) -> _Request:
+        seq_id = rid if choice == 0 else f"{rid}#{choice}"
+        seq = Sequence(seq_id, ids, params, max_len=self.max_model_len)
         gen = None
         if not params.greedy:
             # A stable default (str hashes are salted per process): the same engine seed and
             # request id sample the same tokens in every run.
             seed = (params.seed if params.seed is not None
                     else zlib.crc32(f"{self.config.seed}:{rid}".encode()))
+            if choice:
+                seed = zlib.crc32(f"{seed}:{choice}".encode())
             gen = torch.Generator().manual_seed(seed)
         metrics = RequestMetrics(rid, seq.arrival_time, len(ids))
-        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
-        return _Request(seq, prompt, detok, metrics, gen)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
+                                       params.skip_special_tokens,
+                                       params.include_stop_str_in_output)
+        return _Request(seq, prompt, detok, metrics, gen, request_id=rid, choice=choice,
+                        logprobs=[] if params.logprobs is not None else None)
 
     def _submit(self, reqs: list[_Request]) -> None:
         self._check_open()
@@ -401,9 +463,12 @@ class Engine:
             self.scheduler.add(r.seq)
         for rid in aborts:
             r = self._requests.get(rid)
-            if r is not None and not r.seq.is_finished:
-                self.scheduler.finish(r.seq, "abort")
-                self._finish(r, time.monotonic())
+            if r is None:
+                continue
+            for c in r.choices or [r]:
+                if not c.seq.is_finished and (c is r or c.forked):
+                    self.scheduler.finish(c.seq, "abort")
+                    self._finish(c, time.monotonic())
 
     def step(self) -> list[TokenEvent]:
         """Run one scheduler step: admit, run the model, sample, deliver. Returns the events."""
@@ -427,19 +492,26 @@ class Engine:
             for seq in sched.preempted:
                 self._requests[seq.request_id].metrics.num_preemptions += 1
             if sched.is_empty:
-                return self._record_step(sched, [], [], None, t0)
+                return self._record_step(sched, [], [], None, None, t0)
             for s in sched.scheduled:
                 m = self._requests[s.seq.request_id].metrics
                 if m.first_scheduled_time is None:
                     m.first_scheduled_time = t0
                     m.cached_tokens = s.seq.num_cached_tokens
-            logits, sampling, graph = self.runner.execute(sched)
+            logits, sampling, graph, spans = self.runner.execute(sched)
             reqs = [self._requests[s.seq.request_id] for s in sampling]
             if not (self._async and graph is not None and graph[0] == "full"
                     and all(self._may_run_ahead(r) for r in reqs)):
-                tokens = sample(logits, [r.seq.params for r in reqs], [r.generator for r in reqs])
+                if spans:
+                    self._add_prompt_logprobs(spans, logits[len(sampling):])
+                rows, reqs = self._sampling_rows(reqs)
+                if rows is not None:
+                    logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+                out = sample(logits[:len(reqs)], [r.seq for r in reqs],
+                             [r.generator for r in reqs], self.eos_token_ids)
                 self.scheduler.update_after_step(sched)
-                return self._record_step(sched, reqs, tokens, graph, t0)
+                lp = out.logprobs.to_host() if out.logprobs is not None else None
+                return self._record_step(sched, reqs, out.token_ids.tolist(), lp, graph, t0)
             inflight = self._in_flight(sched, logits, reqs, graph, t0, ahead=False)
         # Step N is in flight: advance its sequences, launch N+1 from its device-side ids,
         # then wait for N's ids and hand them out.
@@ -454,19 +526,22 @@ class Engine:
                 if rows != list(range(len(rows))) or len(rows) != ids.shape[0]:
                     ids = ids.index_select(0, torch.tensor(rows).to(ids.device, non_blocking=True))
                 # No larger than the step before it, so a captured size holds it.
-                logits, sampling, graph = self.runner.execute(nsched, input_ids=ids)
+                logits, sampling, graph, _ = self.runner.execute(nsched, input_ids=ids)
                 self._inflight = self._in_flight(
                     nsched, logits, [self._requests[s.seq.request_id] for s in sampling],
                     graph, t1, ahead=True)
         inflight.ready.synchronize()
         tokens = inflight.host_ids.tolist()
-        return self._record_step(inflight.sched, inflight.reqs, tokens, inflight.graph,
-                                 inflight.t0, inflight.ahead)
+        return self._record_step(inflight.sched, inflight.reqs, tokens, inflight.host_logprobs,
+                                 inflight.graph, inflight.t0, inflight.ahead)
 
     def _may_run_ahead(self, r: _Request) -> bool:
         """Whether a request's next step may be launched before its token is known: greedy
-        (the id is picked on the device) and no stop strings (they need the text)."""
-        return r.generator is None and not r.seq.params.stop
+        (the id is picked on the device), no stop strings (they need the text), no logits
+        processors (penalties need the token history on the host). Logprobs may: they are
+        computed on the device and copied back with the ids."""
+        p = r.seq.params
+        return r.generator is None and not p.stop and not p.needs_processing
 
     def _in_flight(self, sched, logits, reqs, graph, t0, ahead: bool) -> "_InFlight":
         """Greedy ids picked on the device and copied to a pinned host buffer without
@@ -475,19 +550,94 @@ class Engine:
         self._host_flip ^= 1
         host = self._host_ids[self._host_flip][:ids.shape[0]]
         host.copy_(ids, non_blocking=True)
-        return _InFlight(sched, reqs, ids, host, self.platform.record_event(), graph, t0, ahead)
+        k = max((r.seq.params.logprobs for r in reqs if r.seq.params.logprobs is not None),
+                default=None)
+        # (a non-blocking copy from the device lands in pinned memory)
+        lp = None if k is None else compute_logprobs(logits, ids, k).to_host(non_blocking=True)
+        return _InFlight(sched, reqs, ids, host, lp, self.platform.record_event(), graph, t0,
+                         ahead)
 
-    def _record_step(self, sched, reqs, tokens, graph, t0, ahead: bool = False
-                     ) -> list[TokenEvent]:
+    def _sampling_rows(self, reqs: list[_Request]) -> tuple[list[int] | None, list[_Request]]:
+        """A request with n > 1 samples its first token once per choice, from the same
+        logits row: the rows to sample (None: one per request, as they are) and whose."""
+        if not any(r.choices and not r.forked for r in reqs):
+            return None, reqs
+        rows, out = [], []
+        for i, r in enumerate(reqs):
+            for c in (r.choices if r.choices and not r.forked else [r]):
+                rows.append(i)
+                out.append(c)
+        return rows, out
+
+    def _fork(self, r: _Request) -> None:
+        """The first choice's prompt is computed: start the other choices on its blocks."""
+        r.forked = True
+        with self._lock:
+            for c in r.choices[1:]:
+                self._requests[c.seq.request_id] = c
+        for c in r.choices[1:]:
+            c.listener = r.listener
+            c.forked = True
+            self.scheduler.fork(r.seq, c.seq)
+
+    def _decode_token(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def _logprob_dict(self, lp: LogprobsTensors, row: int, k: int) -> dict[int, Logprob]:
+        """Row `row` of host logprob tensors as {token id: Logprob}: column 0 (the chosen
+        token) first, then the top k."""
+        ids = lp.token_ids[row, :k + 1].tolist()
+        vals = lp.logprobs[row, :k + 1].tolist()
+        out = {ids[0]: Logprob(vals[0], int(lp.ranks[row]), self._decode_token(ids[0]))}
+        for rank, (t, v) in enumerate(zip(ids[1:], vals[1:]), start=1):
+            if t not in out:
+                out[t] = Logprob(v, rank, self._decode_token(t))
+        return out
+
+    def _add_prompt_logprobs(self, spans, logits: torch.Tensor) -> None:
+        """Logprobs of prompt tokens from the rows of a prefill (see ModelRunner.prepare):
+        the row at position p scores prompt token p + 1. One batched pass for the step."""
+        targets = [t for s, first, count in spans
+                   for t in s.seq.prompt_token_ids[first + 1:first + 1 + count]]
+        k = max(s.seq.params.prompt_logprobs for s, _, _ in spans)
+        lp = compute_logprobs(logits, torch.tensor(targets, device=logits.device), k).to_host()
+        row = 0
+        for s, first, count in spans:
+            r = self._requests[s.seq.request_id]
+            if r.prompt_logprobs is not None:
+                for p in range(first + 1, first + 1 + count):
+                    if r.prompt_logprobs[p] is None:    # (a recompute scores it again)
+                        r.prompt_logprobs[p] = self._logprob_dict(
+                            lp, row + p - first - 1, s.seq.params.prompt_logprobs)
+            row += count
+
+    def _record_step(self, sched, reqs, tokens, logprobs: LogprobsTensors | None, graph, t0,
+                     ahead: bool = False) -> list[TokenEvent]:
         """Hand out one step's tokens and record the step. A request that ended while its
         step was in flight (aborted, or finished by the step before) drops its token."""
         events: list[TokenEvent] = []
         finished: list[str] = []
         now = time.monotonic()
-        for r, tok in zip(reqs, tokens):
+        for i, (r, tok) in enumerate(zip(reqs, tokens)):
             if r.seq.is_finished:
                 continue
-            ev = self._append_token(r, tok, now)
+            if r.seq.params.max_tokens == 0:    # prompt scoring only: no token
+                self.scheduler.finish(r.seq, "length")
+                self._finish(r, now)
+                finished.append(r.seq.request_id)
+                continue
+            if r.choices and not r.forked:
+                self._fork(r)
+            lp = None
+            if r.logprobs is not None:
+                lp = self._logprob_dict(logprobs, i, r.seq.params.logprobs)
+                r.logprobs.append(lp)
+            ev = self._append_token(r, tok, now, lp)
             events.append(ev)
             if ev.finished:
                 finished.append(r.seq.request_id)
@@ -516,7 +666,8 @@ class Engine:
                 if self._inflight is not None:
                     self._step(speculate=False)
 
-    def _append_token(self, r: _Request, tok: int, now: float) -> TokenEvent:
+    def _append_token(self, r: _Request, tok: int, now: float,
+                      logprobs: dict[int, Logprob] | None = None) -> TokenEvent:
         seq, p, m = r.seq, r.seq.params, r.metrics
         seq.token_ids.append(tok)
         m.output_tokens += 1
@@ -526,19 +677,23 @@ class Engine:
         reason = None
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
             reason = "stop"
+            if p.include_stop_str_in_output:
+                r.detok.add(tok)
         elif r.detok.add(tok) is not None:
             reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)
-        ev = TokenEvent(seq.request_id, tok, r.detok.take(final=reason is not None),
-                        seq.num_output_tokens, now, reason is not None, reason)
+        ev = TokenEvent(r.request_id, tok, r.detok.take(final=reason is not None),
+                        seq.num_output_tokens, now, reason is not None, reason, logprobs,
+                        r.choice)
         if reason is not None:
             self._finish(r, now, deliver=False)
         self._deliver(r, ev)
-        if reason is not None:
-            r.done.set()
+        owner = r.owner or r
+        if reason is not None and owner.unfinished == 0:
+            owner.done.set()
         return ev
 
     def _deliver(self, r: _Request, ev: TokenEvent) -> None:
@@ -552,21 +707,39 @@ class Engine:
             log.exception("listener of %s raised; aborting that request", r.seq.request_id)
             r.listener = None
             if not ev.finished:
-                self.abort(r.seq.request_id)
+                self.abort(r.request_id)
 
     def _finish(self, r: _Request, now: float, deliver: bool = True) -> None:
-        """Book-keeping for a request that ended (finished, stopped or aborted)."""
-        r.metrics.finished_time = now
-        r.metrics.finish_reason = r.seq.finish_reason
-        r.metrics.num_preemptions = r.seq.num_preemptions
-        self.telemetry.add_request(r.metrics)
-        with self._lock:
-            self._requests.pop(r.seq.request_id, None)
+        """Book-keeping for a choice that ended (finished, stopped or aborted); the request
+        is recorded when its last choice ends. Choices that never started (the first one
+        ended before its prompt was computed) end with it."""
+        owner = r.owner or r
+        ended = [r]
+        if r is owner and r.choices and not r.forked:
+            for c in r.choices[1:]:
+                c.seq.status, c.seq.finish_reason = SequenceStatus.FINISHED, r.seq.finish_reason
+                c.listener = r.listener
+                ended.append(c)
+        owner.unfinished -= len(ended)
+        with self._lock:   # the first choice stays findable (abort) until the last ends
+            if r is not owner:
+                self._requests.pop(r.seq.request_id, None)
+            if owner.unfinished == 0:
+                self._requests.pop(owner.seq.request_id, None)
+        if owner.unfinished == 0:
+            m = owner.metrics
+            m.finished_time = now
+            m.finish_reason = owner.seq.finish_reason
+            m.num_preemptions = sum(c.seq.num_preemptions for c in owner.choices or [owner])
+            m.output_tokens = sum(c.seq.num_output_tokens for c in owner.choices or [owner])
+            self.telemetry.add_request(m)
         if deliver:   # an abort: tell the listener, with any text still held back
-            ev = TokenEvent(r.seq.request_id, None, r.detok.take(final=True),
-                            r.seq.num_output_tokens, now, True, r.seq.finish_reason)
-            self._deliver(r, ev)
-            r.done.set()
+            for c in ended:
+                self._deliver(c, TokenEvent(c.request_id, None, c.detok.take(final=True),
+                                            c.seq.num_output_tokens, now, True,
+                                            c.seq.finish_reason, None, c.choice))
+            if owner.unfinished == 0:
+                owner.done.set()
 
     # ---- looking inside (for block maps and steppers) --------------------------------------
     def _kv_snapshot(self) -> KVBlockSnapshot:
@@ -593,6 +766,7 @@ class Engine:
             with self._lock:
                 reqs = list(self._requests.values())
                 queued = {id(r) for r in self._inbox}
+            reqs = [r for r in reqs if not r.seq.is_finished]
             return [RequestState(r.seq.request_id,
                                  "queued" if id(r) in queued else r.seq.status.value,
                                  r.seq.num_prompt_tokens, r.seq.num_output_tokens,
@@ -637,8 +811,11 @@ class Engine:
 
     def _output(self, r: _Request) -> RequestOutput:
         s = r.seq
+        outs = [CompletionOutput(c.choice, c.detok.text, c.seq.output_token_ids,
+                                 c.seq.finish_reason, c.logprobs) for c in r.choices or [r]]
         return RequestOutput(s.request_id, r.prompt, s.prompt_token_ids, s.output_token_ids,
-                             r.detok.text, s.is_finished, s.finish_reason, r.metrics)
+                             r.detok.text, s.is_finished, s.finish_reason, r.metrics, outs,
+                             r.prompt_logprobs)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
                request_id: str | None = None) -> Iterator[TokenEvent]:
@@ -650,6 +827,7 @@ class Engine:
         """
         q: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
         rid = self.add_request(prompt, params, request_id, listener=q.put)
+        left = params.n if params is not None else 1
         finished = False
         try:
             while not finished:
@@ -657,7 +835,8 @@ class Engine:
                     while q.empty():
                         self.step()
                 ev = q.get()
-                finished = ev.finished
+                left -= ev.finished
+                finished = left == 0
                 yield ev
         finally:
             if not finished:
@@ -672,11 +851,13 @@ class Engine:
         q: asyncio.Queue[TokenEvent] = asyncio.Queue()
         rid = self.add_request(prompt, params, request_id,
                                listener=lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev))
+        left = params.n if params is not None else 1
         finished = False
         try:
             while not finished:
                 ev = await q.get()
-                finished = ev.finished
+                left -= ev.finished
+                finished = left == 0
                 yield ev
         finally:
             if not finished:

@@ -88,6 +88,19 @@ class Scheduler:
         self._arrivals += 1
         self.waiting.append(seq)
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start another choice of parent's prompt on parent's KV blocks (see
+        BlockManager.fork); it runs next to its parent, or waits at the head of the queue
+        when the running batch is full."""
+        self.block_manager.fork(parent, child)
+        child.arrival_index = parent.arrival_index
+        if len(self.running) < self.config.max_num_seqs:
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+        else:
+            child.status = SequenceStatus.WAITING
+            self.waiting.appendleft(child)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -214,6 +227,9 @@ class Scheduler:
         admitted one step late when a request ends (the running batch was full before)."""
         if self.waiting and len(self.running) < self.config.max_num_seqs:
             return None
+        in_prev = {id(s.seq) for s in prev.scheduled}
+        if any(id(seq) not in in_prev for seq in self.running):
+            return None                              # a request joined (a forked choice)
         rows, out = [], SchedulerOutput()
         for i, s in enumerate(prev.scheduled):
             seq = s.seq
