@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from workbench import Engine, SamplingParams  # noqa: E402
-from workbench.bench import Workload, run_engine, run_engine_b1, save_random_qwen3  # noqa: E402
+from workbench.bench.offline import Workload, run_engine, run_engine_b1, save_random_qwen3  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 RESULTS: dict[str, dict] = {}
@@ -111,8 +111,8 @@ def correctness(small: bool) -> None:
         steps = e.telemetry.snapshot()[0]
         emit(f"correctness_fp32_{mode}", equal=got == want,
              prompts_equal=sum(g == w for g, w in zip(got, want)), of=len(prompts),
-             graph_mode_run=e.graph_mode, graph_steps=sum(s.graph for s in steps),
-             piecewise_steps=sum(s.graph_kind == "piecewise" for s in steps),
+             graph_mode_run=e.info().graph_mode, graph_steps=sum(s.graph for s in steps),
+             piecewise_steps=sum(s.graph_kind == "PIECEWISE" for s in steps),
              ahead_steps=sum(s.scheduled_ahead for s in steps),
              cached_tokens=sum(s.num_cached_tokens for s in steps), notices=e.notices)
         free_engine(e)
@@ -123,9 +123,7 @@ def correctness(small: bool) -> None:
         hf16 = hf.to(torch.bfloat16)(torch.tensor([p], device=DEV)).logits[0, -1].float()
     e = Engine(model=str(tmp), device=DEV, dtype="bfloat16", graph_mode="eager", max_num_seqs=8,
                num_kv_blocks=256)
-    e.add_request(p, SamplingParams(max_tokens=1, temperature=0))
-    e._drain_inbox()
-    ours = e.runner.execute(e.scheduler.schedule())[0][0].float()
+    ours = e.core.prompt_logits(p)
 
     def rel(x):
         return float((x - ref).norm() / ref.norm())
@@ -157,7 +155,7 @@ def device_kernels_per_decode_step(e: Engine, prompt: list[int]) -> dict | None:
 
 def graph_replay_ms(e: Engine, size: int) -> float | None:
     """Device time of one replay of the decode graph for `size` requests (no host work)."""
-    graphs = e.runner.graphs
+    graphs = e.core.runner.graphs                  # a device-time diagnostic: the core itself
     if DEV != "cuda" or graphs is None or size not in graphs.graphs:
         return None
     return round(timed(graphs.graphs[size].replay, 50) * 1e3, 3)
@@ -170,7 +168,7 @@ def batch1(small: bool) -> None:
     for mode in ("eager", "decode"):
         e = Engine(model=model, device=DEV, graph_mode=mode, max_num_seqs=8, max_model_len=2048,
                    num_kv_blocks=512)
-        prompt = [random.Random(2).randrange(10, e.vocab_size) for _ in range(128)]
+        prompt = [random.Random(2).randrange(10, e.info().vocab_size) for _ in range(128)]
         r = run_engine_b1(e, prompt, new)
         rows[mode] = r
         kernels = None
@@ -179,7 +177,7 @@ def batch1(small: bool) -> None:
                 kernels = device_kernels_per_decode_step(e, prompt)
             except Exception as ex:                           # a diagnostic, never fatal
                 kernels = f"{type(ex).__name__}: {ex}"[:200]
-        emit(f"b1_{mode}", model=model, graph_mode_run=e.graph_mode, ops=e.model.ops.name,
+        emit(f"b1_{mode}", model=model, graph_mode_run=e.info().graph_mode, ops=e.info().ops,
              eager_decode_step=kernels, graph_replay_ms=graph_replay_ms(e, 1), **r)
         free_engine(e)
     emit("b1_ratio", eager_over_decode=round(rows["eager"]["tpot_ms"] / rows["decode"]["tpot_ms"], 2))
@@ -204,7 +202,7 @@ def w1(small: bool, mode: str) -> None:
     e = Engine(model=model, device=DEV, graph_mode=mode, max_num_seqs=256,
                max_num_batched_tokens=8192, max_model_len=2048)
     build_s = time.perf_counter() - t
-    prompts = anchor_workload(n, lo, hi, e.vocab_size)
+    prompts = anchor_workload(n, lo, hi, e.info().vocab_size)
     r = run_engine(e, Workload(prompts, [new] * n))
     steps = e.telemetry.snapshot()[0]
     # The physical floor: every decode token reads its request's whole context once, every
@@ -219,8 +217,8 @@ def w1(small: bool, mode: str) -> None:
                  + 2 * mn["layer_params"] * sum(map(len, prompts)) / (peak * 1e12))
     emit("w1_ours" + ("" if mode == "decode" else f"_{mode}"), model=model, graph_mode=mode,
          requests=n, prompt_len=[lo, hi], new=new, build_s=round(build_s, 1),
-         kv_blocks=e.block_manager.num_blocks, graph_steps=sum(s.graph for s in steps),
-         piecewise_steps=sum(s.graph_kind == "piecewise" for s in steps),
+         kv_blocks=e.info().num_kv_blocks, graph_steps=sum(s.graph for s in steps),
+         piecewise_steps=sum(s.graph_kind == "PIECEWISE" for s in steps),
          decode_steps=sum(s.phase == "decode" for s in steps),
          bound_tok_s=round(n * new / bound) if bound else None,
          fraction_of_bound=round(bound / r["seconds"], 3) if bound else None, **r)
@@ -262,14 +260,10 @@ def ceilings(small: bool) -> None:
 def model_numbers(e: Engine) -> dict:
     """Weight bytes read by one forward (the embedding is gathered, not read whole, unless
     it is the tied LM head), linear-layer params, and KV bytes per token."""
-    m = e.model
-    layers = sum(p.numel() for p in m.layers.parameters())
-    head = (m.embed_tokens.weight if m.lm_head is None else m.lm_head.weight).numel()
-    elem = next(m.parameters()).element_size()
-    cfg = e.hf_config
-    return dict(weight_bytes=(layers + head) * elem, layer_params=layers,
-                kv_bytes_per_token=2 * m.num_layers * m.num_kv_heads * m.head_dim * elem,
-                heads=cfg.num_attention_heads, head_dim=m.head_dim, layers=m.num_layers)
+    i = e.info()
+    return dict(weight_bytes=i.weight_bytes, layer_params=i.num_layer_params,
+                kv_bytes_per_token=i.kv_bytes_per_token, heads=i.num_attention_heads,
+                head_dim=i.head_dim, layers=i.num_layers)
 
 
 # ---- 6. prefill -----------------------------------------------------------------------------
@@ -279,10 +273,10 @@ def prefill(small: bool) -> None:
     e = Engine(model=model, device=DEV, graph_mode="eager", max_num_seqs=256,
                max_num_batched_tokens=budget, max_model_len=2048)
     r = random.Random(3)
-    prompts = [[r.randrange(10, e.vocab_size) for _ in range(length)] for _ in range(n)]
+    prompts = [[r.randrange(10, e.info().vocab_size) for _ in range(length)] for _ in range(n)]
     p = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     e.generate(prompts[:2], p)                                  # warm-up (kernel compiles)
-    e.block_manager.reset_prefix_cache()
+    e.reset_prefix_cache()
     first = e.telemetry.num_steps
     sync()
     t = time.perf_counter()
@@ -319,7 +313,7 @@ def release(small: bool) -> None:
     for _ in range(3):
         e = Engine(**kw)
         e.generate([[5, 6, 7, 8]] * 3, p)
-        built.append(e.block_manager.num_blocks)
+        built.append(e.info().num_kv_blocks)
         e.close()
         del e
     gc.collect()
@@ -370,10 +364,10 @@ def concurrency(small: bool) -> None:
     n, lo, hi, new = w1_shape(small)
     e = Engine(model=model, device=DEV, graph_mode="decode", max_num_seqs=256,
                max_num_batched_tokens=8192, max_model_len=2048)
-    wl = anchor_workload(n, lo, hi, e.vocab_size)
+    wl = anchor_workload(n, lo, hi, e.info().vocab_size)
     e.generate(wl[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     for c in ((1, 4) if small else (1, 16, 64, 256)):
-        e.block_manager.reset_prefix_cache()
+        e.reset_prefix_cache()
         emit(f"concurrency_{c}", concurrency=c, **closed_loop(e, wl[:min(n, 4 * c)], new, c))
     free_engine(e)
 
@@ -385,7 +379,7 @@ def vllm_workload(small: bool, max_num_seqs: int, budget: int) -> None:
     e = Engine(model=model, device=DEV, graph_mode="decode", max_num_seqs=max_num_seqs,
                max_num_batched_tokens=budget, max_model_len=2048)
     r = random.Random(5)
-    prompts = [[r.randrange(10, e.vocab_size) for _ in range(length)] for _ in range(n)]
+    prompts = [[r.randrange(10, e.info().vocab_size) for _ in range(length)] for _ in range(n)]
     res = run_engine(e, Workload(prompts, [new] * n))
     emit(f"vllm_{max_num_seqs}_{budget}", model=model, requests=n, prompt_len=length, new=new,
          max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,

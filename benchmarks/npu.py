@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from workbench import Engine, SamplingParams  # noqa: E402
-from workbench.bench import Workload, run_engine, run_engine_b1, save_random_qwen3  # noqa: E402
+from workbench.bench.offline import Workload, run_engine, run_engine_b1, save_random_qwen3  # noqa: E402
 
 REF_DEVICE = "npu"
 """Where HF's reference runs: the NPU itself (the CPU smoke test sets 'cpu')."""
@@ -105,16 +105,14 @@ def correctness(small: bool) -> None:
         got = [o.token_ids for o in e.generate(prompts, params)]
         eager_tokens = eager_tokens or got
         steps = e.telemetry.snapshot()[0]
-        e.add_request(prompts[0], SamplingParams(max_tokens=1, temperature=0))
-        e._drain_inbox()                  # one prefill step by hand, for its logits
-        ours = e.runner.execute(e.scheduler.schedule())[0][0].float()
+        ours = e.core.prompt_logits(prompts[0])
         emit(f"correctness_{mode}", logits_rel_err=rel(ours), hf_bf16_rel_err=rel(hf16),
              logits_ok=rel(ours) <= max(2 * rel(hf16), 2e-2),
              argmax_equal=int(ours.argmax()) == int(ref.argmax()),
              tokens_equal_eager=got == eager_tokens,
              prompts_equal_hf_bf16=sum(g == w for g, w in zip(got, hf_tokens)), of=len(prompts),
-             graph_mode_run=e.graph_mode, graph_steps=sum(s.graph for s in steps),
-             piecewise_steps=sum(s.graph_kind == "piecewise" for s in steps), notices=e.notices)
+             graph_mode_run=e.info().graph_mode, graph_steps=sum(s.graph for s in steps),
+             piecewise_steps=sum(s.graph_kind == "PIECEWISE" for s in steps), notices=e.notices)
         e.shutdown()
 
 
@@ -123,9 +121,9 @@ def batch1(model: str, new: int) -> None:
     for mode in ("eager", "decode"):
         e = Engine(model=model, device="npu", graph_mode=mode, max_num_seqs=8,
                    max_model_len=2048, num_kv_blocks=64)
-        prompt = [random.Random(2).randrange(10, e.vocab_size) for _ in range(128)]
+        prompt = [random.Random(2).randrange(10, e.info().vocab_size) for _ in range(128)]
         rows[mode] = run_engine_b1(e, prompt, new)
-        emit(f"b1_{mode}", model=model, graph_mode_run=e.graph_mode, **rows[mode])
+        emit(f"b1_{mode}", model=model, graph_mode_run=e.info().graph_mode, **rows[mode])
         e.shutdown()
     emit("b1_ratio", eager_over_decode=round(rows["eager"]["tpot_ms"] / rows["decode"]["tpot_ms"], 2))
 
@@ -138,13 +136,13 @@ def w1(model: str, small: bool, mode: str) -> None:
                num_kv_blocks=64 if small else None)   # else sized from the NPU's memory
     build_s = time.perf_counter() - t
     r = random.Random(0)
-    prompts = [[r.randrange(10, e.vocab_size) for _ in range(r.randint(lo, hi))] for _ in range(n)]
+    prompts = [[r.randrange(10, e.info().vocab_size) for _ in range(r.randint(lo, hi))] for _ in range(n)]
     res = run_engine(e, Workload(prompts, [new] * n))
     steps = e.telemetry.snapshot()[0]
     emit(f"w1_{mode}", model=model, requests=n, prompt_len=[lo, hi], new=new,
-         build_s=round(build_s, 1), kv_blocks=e.block_manager.num_blocks,
+         build_s=round(build_s, 1), kv_blocks=e.info().num_kv_blocks,
          graph_steps=sum(s.graph for s in steps),
-         piecewise_steps=sum(s.graph_kind == "piecewise" for s in steps), **res)
+         piecewise_steps=sum(s.graph_kind == "PIECEWISE" for s in steps), **res)
     e.shutdown()
 
 

@@ -34,7 +34,7 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
-    from workbench.models.loader import smollm2_checkpoint_dir
+    from workbench.executor.models.loader import smollm2_checkpoint_dir
     return smollm2_checkpoint_dir()
 
 

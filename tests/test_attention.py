@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workbench.attention import AttentionMetadata, decode_attention, pool_rows, write_kv
+from workbench.executor.attention import AttentionMetadata, decode_attention, pool_rows, write_kv
 from workbench.platforms import get_platform
 
 

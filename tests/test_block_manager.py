@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from workbench.block_manager import BlockManager, chain_hash
-from workbench.sampling_params import SamplingParams
-from workbench.sequence import Sequence
+from workbench.core.block_manager import BlockManager, chain_hash
+from workbench.core.sampling_params import SamplingParams
+from workbench.core.sequence import Sequence
 
 
 def seq(tokens, rid="r"):
@@ -73,7 +73,7 @@ def test_cached_free_blocks_serve_hits_then_get_evicted_last():
 
 
 def test_hash_collision_is_caught_by_token_check(monkeypatch):
-    import workbench.block_manager as mod
+    import workbench.core.block_manager as mod
     monkeypatch.setattr(mod, "chain_hash", lambda parent, tokens: 42)   # everything collides
     bm = BlockManager(8, 4)
     a = seq(range(8), "a")

@@ -138,7 +138,7 @@ CONVERT = ("from workbench.models.loader import smollm2_checkpoint_dir\n"
 @pytest.fixture(scope="module")
 def converted_cache(tmp_path_factory):
     pytest.importorskip("gguf")
-    from workbench.models.loader import smollm2_gguf_path
+    from workbench.executor.models.loader import smollm2_gguf_path
     smollm2_gguf_path()            # skips the module's tests with the install line if absent
     cache = tmp_path_factory.mktemp("cache")
     first = start(CONVERT, cache)
@@ -158,7 +158,7 @@ def test_the_converted_model_is_keyed_by_content_not_place(converted_cache, tmp_
                                                            monkeypatch):
     """The same GGUF installed in another venv (another path, another mtime) reuses the
     conversion; nothing is converted again."""
-    from workbench.models import loader
+    from workbench.executor.models import loader
     cache, out = converted_cache
     other = tmp_path / "other-venv" / loader.SMOLLM2_GGUF
     other.parent.mkdir()

@@ -43,7 +43,7 @@ def test_smollm2_batch_of_8_matches_hf(variant, smollm2_refs):
     if variant == "bs16-chunked":
         assert max(s.num_prefill_tokens + s.num_decode_tokens for s in steps) <= 32
         assert any(s.phase == "mixed" for s in steps)
-    assert engine.block_manager.num_used_blocks == 0
+    assert engine.stats().kv_blocks_used == 0
 
 
 def test_smollm2_batch_of_1_matches_hf(smollm2_refs):
@@ -90,5 +90,5 @@ def test_random_checkpoint_preemption_matches_hf(tiny_checkpoints):
                     max_model_len=160)
     outs = engine.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == refs
-    assert engine.scheduler.num_preemptions > 0
-    assert engine.block_manager.num_used_blocks == 0
+    assert engine.stats().num_preemptions > 0
+    assert engine.stats().kv_blocks_used == 0

@@ -72,7 +72,7 @@ def test_concurrent_streams_in_background_threads(tiny_engine):
         assert all(len(o.token_ids) == 20 for o in out)
     finally:
         tiny_engine.shutdown()
-    assert tiny_engine.block_manager.num_used_blocks == 0
+    assert tiny_engine.stats().kv_blocks_used == 0
 
 
 def test_astream_concurrent(tiny_engine):
@@ -100,12 +100,12 @@ def test_abort_frees_every_block(tiny_engine):
     rid = tiny_engine.add_request(prompts(1, 100, 100)[0], p)
     for _ in range(3):
         tiny_engine.step()
-    assert tiny_engine.block_manager.num_used_blocks > 0
+    assert tiny_engine.stats().kv_blocks_used > 0
     assert tiny_engine.abort(rid)
     assert not tiny_engine.abort("no-such-request")
     while tiny_engine.has_unfinished_requests():
         tiny_engine.step()
-    assert tiny_engine.block_manager.num_used_blocks == 0
+    assert tiny_engine.stats().kv_blocks_used == 0
     reasons = {m.request_id: m.finish_reason for m in tiny_engine.telemetry.requests}
     assert reasons[rid] == "abort" and reasons[keep] in ("length", "stop")
 
@@ -116,7 +116,7 @@ def test_closing_a_stream_aborts_it(tiny_engine):
     gen.close()
     tiny_engine.step()
     assert not tiny_engine.has_unfinished_requests()
-    assert tiny_engine.block_manager.num_used_blocks == 0
+    assert tiny_engine.stats().kv_blocks_used == 0
 
 
 BAD_PARAMS = [
@@ -167,11 +167,11 @@ def test_bad_prompts_lose_nothing(tiny_engine):
         tiny_engine.generate([prompts(1)[0], []], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="request_id"):
         tiny_engine.add_request(prompts(1)[0], request_id=good)
-    assert tiny_engine.num_requests == 1
+    assert tiny_engine.stats().num_running + tiny_engine.stats().num_waiting == 1
     while tiny_engine.has_unfinished_requests():
         tiny_engine.step()
     assert [m for m in tiny_engine.telemetry.requests if m.request_id == good][0].output_tokens == 8
-    assert tiny_engine.block_manager.num_used_blocks == 0
+    assert tiny_engine.stats().kv_blocks_used == 0
 
 
 def test_prefix_caching_prefills_only_the_new_turn(smol):
@@ -193,8 +193,8 @@ def test_prefix_caching_prefills_only_the_new_turn(smol):
     # Same tokens as a cache-free engine.
     fresh = Engine(model="smollm2", device="cpu", num_kv_blocks=128, enable_prefix_caching=False)
     assert fresh.generate(turn2, p)[0].token_ids == second.token_ids
-    st = smol.block_manager.stats()
-    assert st.used == 0 and st.cached > 0 and st.hits > 0
+    st = smol.stats()
+    assert st.kv_blocks_used == 0 and st.kv_blocks_cached > 0 and st.prefix_cache_hits > 0
 
 
 def test_stop_strings_and_token_ids(smol):
@@ -223,7 +223,7 @@ def test_incremental_text_with_multibyte_characters(smol):
     assert text == smol.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
     assert "\ufffd" not in text and len(text) > 10
     # Direct check on a token sequence that splits characters across tokens.
-    from workbench.detokenizer import IncrementalDetokenizer
+    from workbench.core.detokenizer import IncrementalDetokenizer
     ids = smol.tokenizer.encode("日本語 🚀 émoji")
     d = IncrementalDetokenizer(smol.tokenizer, [], [])
     pieces = []
@@ -269,7 +269,7 @@ def test_unseeded_sampling_repeats_across_processes():
 
 def test_top_p_keeps_the_nucleus_only():
     import torch
-    from workbench.sampler import sample
+    from workbench.executor.sampler import sample
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     p = SamplingParams(temperature=1.0, top_p=0.7)
     g = torch.Generator().manual_seed(0)
@@ -284,7 +284,7 @@ def test_top_p_keeps_the_nucleus_only():
 
 
 def _seq(params, prompt=(1,), output=()):
-    from workbench.sequence import Sequence
+    from workbench.core.sequence import Sequence
     s = Sequence("x", list(prompt), params)
     s.token_ids += list(output)
     return s
@@ -342,7 +342,7 @@ def test_a_raising_listener_loses_only_its_request(tiny_engine):
         tiny_engine.shutdown()
     reasons = {m.request_id: m.finish_reason for m in tiny_engine.telemetry.requests}
     assert reasons[bad] == "abort"
-    assert tiny_engine.block_manager.num_used_blocks == 0
+    assert tiny_engine.stats().kv_blocks_used == 0
 
 
 def test_tiny_temperature_is_greedy_and_safe(tiny_engine):
@@ -351,7 +351,7 @@ def test_tiny_temperature_is_greedy_and_safe(tiny_engine):
     t = tiny_engine.generate([x], SamplingParams(max_tokens=8, temperature=1e-40, ignore_eos=True))[0]
     assert t.token_ids == g.token_ids and t.finish_reason == "length"
     import torch
-    from workbench.sampler import sample
+    from workbench.executor.sampler import sample
     logits = torch.tensor([[1e3, -1e3, 5.0]])
     assert sample(logits, [_seq(SamplingParams(temperature=1e-4))],
                   [torch.Generator().manual_seed(0)]).token_ids.tolist() == [0]
@@ -395,7 +395,7 @@ def test_close_and_drop_free_the_engine_without_the_garbage_collector(tiny_check
         e.start()
         e.generate(prompts(2), p)
         rid = e.add_request(prompts(1)[0], SamplingParams(max_tokens=10_000, ignore_eos=True))
-        pool, weights = weakref.ref(e.runner.kv_cache), weakref.ref(e.model.embed_tokens.weight)
+        pool, weights = weakref.ref(e.core.runner.kv_cache), weakref.ref(e.core.model.embed_tokens.weight)
         e.close()
         assert pool() is None and weights() is None
         assert {m.request_id: m.finish_reason for m in e.telemetry.requests}[rid] == "abort"
@@ -408,7 +408,7 @@ def test_close_and_drop_free_the_engine_without_the_garbage_collector(tiny_check
                 e.start()
             e.generate(prompts(2), p)
             e.shutdown()
-            engine, pool = weakref.ref(e), weakref.ref(e.runner.kv_cache)
+            engine, pool = weakref.ref(e), weakref.ref(e.core.runner.kv_cache)
             del e
             assert engine() is None and pool() is None, background
     finally:
@@ -419,9 +419,9 @@ def test_default_graph_mode_is_the_devices_choice_and_says_nothing():
     """No graph capture on the CPU: the default runs eager without a notice; asking for
     'decode' by name still says that it runs eager."""
     e = Engine(model="random:tiny", device="cpu", num_kv_blocks=16)
-    assert e.config.graph_mode == "eager" == e.graph_mode and e.notices == []
+    assert e.config.graph_mode == "eager" == e.info().graph_mode and e.notices == []
     asked = Engine(model="random:tiny", device="cpu", num_kv_blocks=16, graph_mode="decode")
-    assert asked.graph_mode == "eager" and "graph_mode='decode' asked for" in asked.notices[0]
+    assert asked.info().graph_mode == "eager" and "graph_mode='decode' asked for" in asked.notices[0]
 
 
 # ---- logprobs, n, penalties (issue 12) ---------------------------------------------------------
@@ -467,7 +467,7 @@ def test_logprobs_equal_hf(which, request, tiny_checkpoints):
                        prompt_logprobs=0, repetition_penalty=1.3, presence_penalty=0.5)])
     for out, k, pk in zip(outs, (5, 2), (3, 0)):
         _check_against_hf(hf, out, k, pk)
-    assert engine.block_manager.num_used_blocks == 0
+    assert engine.stats().kv_blocks_used == 0
 
 
 def test_logprobs_stream_and_prompt_scoring_only(tiny_engine):
@@ -479,7 +479,7 @@ def test_logprobs_stream_and_prompt_scoring_only(tiny_engine):
     out = tiny_engine.generate([x], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
     assert out.token_ids == [] and out.finish_reason == "length"
     assert [list(d) for d in out.prompt_logprobs[1:]] == [[t] for t in x[1:]]
-    assert tiny_engine.block_manager.num_used_blocks == 0
+    assert tiny_engine.stats().kv_blocks_used == 0
 
 
 def test_n_forks_the_prompt_blocks(tiny_engine):
@@ -496,13 +496,13 @@ def test_n_forks_the_prompt_blocks(tiny_engine):
     assert all(snap.block_tables[c][:18] == shared for c in snap.block_tables)
     assert [snap.ref_counts[b] for b in shared] == [4] * 18
     tiny_engine.step()                   # the three later choices compute their tails
-    assert tiny_engine.block_manager.num_used_blocks == 18 + 4      # not 4 * 19
+    assert tiny_engine.stats().kv_blocks_used == 18 + 4      # not 4 * 19
     while tiny_engine.has_unfinished_requests():
         tiny_engine.step()
     steps, _ = tiny_engine.telemetry.snapshot()
     # 300 prompt tokens once, plus each later choice's tail: 300 - 288 + its first token.
     assert sum(s.num_prefill_tokens for s in steps) == 300 + 3 * 13
-    assert tiny_engine.block_manager.num_used_blocks == 0
+    assert tiny_engine.stats().kv_blocks_used == 0
 
 
 def test_n_choices_generate_and_stream(tiny_engine):
@@ -525,14 +525,14 @@ def test_n_choices_generate_and_stream(tiny_engine):
     tiny_engine.step(), tiny_engine.step()
     assert tiny_engine.abort(rid)
     tiny_engine.step()
-    assert not tiny_engine.has_unfinished_requests() and tiny_engine.block_manager.num_used_blocks == 0
+    assert not tiny_engine.has_unfinished_requests() and tiny_engine.stats().kv_blocks_used == 0
 
 
 def test_penalty_processors_match_their_definitions():
     """vLLM's definitions on a hand-made row: repetition over prompt + output, frequency per
     occurrence in the output, presence once; logit_bias added; min_tokens bans stops."""
     import torch
-    from workbench.sampler import apply_processors
+    from workbench.executor.sampler import apply_processors
     logits = torch.tensor([[2.0, -1.0, 3.0, 0.5, 1.0]])
     p = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25,
                        logit_bias={4: 1.5}, min_tokens=5, stop_token_ids=[0])

@@ -1,4 +1,4 @@
-"""The fused Triton ops (platforms/triton_ops.py) against the torch reference (models/ops.py),
+"""The fused Triton ops (platforms/triton_ops.py) against the torch reference (platforms/ops.py),
 run on the CPU under Triton's interpreter.
 
 In fp16, SiLU-and-mul and RoPE must match bit for bit (the kernels round wherever torch
@@ -21,7 +21,7 @@ import pytest
 CODE = textwrap.dedent('''
     import json, torch
     from workbench import Engine, SamplingParams
-    from workbench.models.ops import TorchOps
+    from workbench.platforms.ops import TorchOps
     from workbench.platforms.triton_ops import TritonOps
     torch.manual_seed(0)
     ref, fused = TorchOps(), TritonOps()
@@ -51,7 +51,7 @@ CODE = textwrap.dedent('''
         diff(f"qk_norm_rope {n}", fused.qk_rope(qk, cos, sin, h, qn, kn, 1e-6),
              ref.qk_rope(qk, cos, sin, h, qn, kn, 1e-6))
 
-    from workbench.attention import write_kv
+    from workbench.executor.attention import write_kv
     from workbench.platforms.triton_attention import write_kv_cache
     for dt in (torch.float32, torch.float16):
         kvh, nb, bs, d, t = 3, 10, 16, 48, 9
@@ -72,8 +72,8 @@ CODE = textwrap.dedent('''
         kw = dict(model=model, device="cpu", dtype="float16", num_kv_blocks=64)
         a, b = Engine(**kw), Engine(**kw)
         # b: every Triton kernel the CUDA platform plugs in, through the same plumbing
-        b.model.ops = TritonOps()
-        b.runner.decode_kernel, b.runner.write_kernel = paged_decode_attention, write_kv_cache
+        b.core.model.ops = TritonOps()
+        b.core.runner.decode_kernel, b.core.runner.write_kernel = paged_decode_attention, write_kv_cache
         out[model] = [[o.token_ids for o in a.generate(prompts, p)] ==
                       [o.token_ids for o in b.generate(prompts, p)]]
     print(json.dumps(out))

@@ -27,7 +27,7 @@ def test_triton_decode_kernel_matches_the_reference_in_the_interpreter():
     pytest.importorskip("triton")
     code = textwrap.dedent('''
         import torch
-        from workbench.attention import AttentionMetadata, decode_attention, pool_rows
+        from workbench.executor.attention import AttentionMetadata, decode_attention, pool_rows
         from workbench.platforms.triton_attention import paged_decode_attention
         torch.manual_seed(0)
         worst = 0.0
@@ -89,14 +89,14 @@ class ReplayingCpuPlatform(CpuPlatform):
 
 @pytest.fixture
 def replaying_platform(monkeypatch):
-    import workbench.engine
-    monkeypatch.setattr(workbench.engine, "get_platform", lambda name: ReplayingCpuPlatform())
+    import workbench.core.engine_core
+    monkeypatch.setattr(workbench.core.engine_core, "get_platform", lambda name: ReplayingCpuPlatform())
 
 
 def same_greedy_tokens(engine, eager, longest: int, seed: int, max_tokens) -> list:
     """Run one batch (8 prompts up to `longest` tokens, the last sharing the first's cached
     prefix) on both engines; greedy tokens must be equal. Returns the engine's steps."""
-    prompts = random_prompts(7, 5, longest, engine.vocab_size, seed=seed)
+    prompts = random_prompts(7, 5, longest, engine.info().vocab_size, seed=seed)
     prompts.append(prompts[0][:40] + [11, 12, 13])
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in max_tokens]
     want = [o.token_ids for o in eager.generate(prompts, params)]
@@ -109,8 +109,8 @@ def test_decode_graphs_pad_replay_and_match_eager(replaying_platform):
               enable_prefix_caching=True)
     graphs = Engine(**kw, graph_mode="decode", cudagraph_capture_sizes=[1, 2, 4, 8])
     eager = Engine(**kw, graph_mode="eager")
-    assert graphs.graph_mode == "decode" and not graphs.notices
-    assert sorted(graphs.runner.graphs.graphs) == [1, 2, 4, 8]
+    assert graphs.info().graph_mode == "decode" and not graphs.notices
+    assert sorted(graphs.core.runner.graphs.graphs) == [1, 2, 4, 8]
     steps = same_greedy_tokens(graphs, eager, 60, 3, (30, 3, 17, 9, 25, 1, 12, 20))
     replayed = [s for s in steps if s.graph]
     assert replayed and all(s.phase == "decode" for s in replayed)
@@ -119,13 +119,13 @@ def test_decode_graphs_pad_replay_and_match_eager(replaying_platform):
     assert {s.graph_size for s in replayed} >= {8, 4, 2, 1}     # the batch shrinks as they finish
     assert any(s.graph_size > s.num_decode_tokens for s in replayed)   # padding happened
     assert not any(s.graph for s in steps if s.num_prefill_tokens)
-    assert graphs.block_manager.num_used_blocks == 0
+    assert graphs.stats().kv_blocks_used == 0
 
 
 def test_decode_batches_beyond_the_largest_capture_run_eager(replaying_platform):
     e = Engine(model="random:tiny", device="cpu", max_num_seqs=8, num_kv_blocks=64,
                cudagraph_capture_sizes=[1, 2])
-    e.generate(random_prompts(4, 4, 8, e.vocab_size), SamplingParams(max_tokens=6, ignore_eos=True))
+    e.generate(random_prompts(4, 4, 8, e.info().vocab_size), SamplingParams(max_tokens=6, ignore_eos=True))
     decodes = [s for s in e.telemetry.snapshot()[0] if s.phase == "decode"]
     assert all(s.graph == (s.num_decode_tokens <= 2) for s in decodes)
     assert any(not s.graph for s in decodes)
@@ -141,32 +141,32 @@ def test_full_mode_replays_prefill_and_mixed_steps_piecewise(replaying_platform,
               attention_backend=backend)
     full = Engine(**kw, graph_mode="full", cudagraph_capture_sizes=[1, 2, 4, 8])
     eager = Engine(**kw, graph_mode="eager")
-    assert full.graph_mode == "full" and full.piecewise_sizes == [16, 32, 64, 96]
-    assert sorted(full.runner.piecewise.graphs) == [16, 32, 64, 96]
-    assert all(len(p) == full.model.num_layers + 1 for p in full.runner.piecewise.graphs.values())
+    assert full.info().graph_mode == "full" and full.info().piecewise_sizes == (16, 32, 64, 96)
+    assert sorted(full.core.runner.piecewise.graphs) == [16, 32, 64, 96]
+    assert all(len(p) == full.core.model.num_layers + 1 for p in full.core.runner.piecewise.graphs.values())
     assert bool(full.notices) == (backend == "reference")
     steps = same_greedy_tokens(full, eager, 150, 5, (12, 3, 17, 9, 25, 1, 6, 20))
     assert all(s.graph for s in steps)                        # every step fits a bucket
-    pw = [s for s in steps if s.graph_kind == "piecewise"]
+    pw = [s for s in steps if s.graph_kind == "PIECEWISE"]
     assert {s.phase for s in pw} >= {"prefill", "mixed"}
     assert any("chunk" in s.kinds.values() for s in pw)
     assert all(s.graph_size >= s.num_tokens and s.graph_size in (16, 32, 64, 96) for s in pw)
     assert any(s.graph_size > s.num_tokens for s in pw)       # padded
-    decode_kind = "full" if backend == "auto" else "piecewise"
+    decode_kind = "FULL" if backend == "auto" else "PIECEWISE"
     assert all(s.graph_kind == decode_kind for s in steps if s.phase == "decode")
-    assert full.block_manager.num_used_blocks == 0
+    assert full.stats().kv_blocks_used == 0
 
 
 def test_capture_needs_the_fused_kernel(replaying_platform):
     e = Engine(model="random:tiny", device="cpu", attention_backend="reference",
                max_num_seqs=2, num_kv_blocks=16)
-    assert e.graph_mode == "eager" and "fused paged attention" in e.notices[0]
-    assert e.runner.graphs is None
+    assert e.info().graph_mode == "eager" and "fused paged attention" in e.notices[0]
+    assert e.core.runner.graphs is None
 
 
 def test_cpu_graph_modes_say_they_run_eager():
     e = Engine(model="random:tiny", device="cpu", graph_mode="decode", num_kv_blocks=16)
-    assert e.graph_mode == "eager" and "not available on cpu" in e.notices[0]
+    assert e.info().graph_mode == "eager" and "not available on cpu" in e.notices[0]
     e.generate([[1, 2, 3]], SamplingParams(max_tokens=3))
     assert not any(s.graph for s in e.telemetry.snapshot()[0])
     import json
@@ -205,7 +205,7 @@ def test_async_scheduling_gives_the_synchronous_tokens(replaying_platform):
     kw = dict(model="random:tiny", device="cpu", block_size=16, num_kv_blocks=200, max_num_seqs=8,
               cudagraph_capture_sizes=[1, 2, 4, 8], enable_prefix_caching=True)
     ahead, sync = Engine(**kw, async_scheduling=True), Engine(**kw, async_scheduling=False)
-    prompts = random_prompts(12, 3, 40, ahead.vocab_size, seed=5)
+    prompts = random_prompts(12, 3, 40, ahead.info().vocab_size, seed=5)
     lens = [1, 30, 7, 22, 2, 15, 30, 9, 12, 3, 27, 18]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lens]
     want = [o.token_ids for o in sync.generate(prompts, params)]
@@ -226,11 +226,11 @@ def test_async_scheduling_gives_the_synchronous_tokens(replaying_platform):
         late = [e.add_request(p, stop_params) for p in prompts[6:]]   # arrive mid-decode
         while e.has_unfinished_requests():
             e.step()
-        e._finish_in_flight()
+        e.core.finish_in_flight()
         recs = {m.request_id: m for m in e.telemetry.requests}
         runs.append(([recs[r].finish_reason for r in rids + late],
                      [recs[r].output_tokens for r in rids + late]))
-        assert e.block_manager.num_used_blocks == 0
+        assert e.stats().kv_blocks_used == 0
         steps = e.telemetry.steps_since(first)
     assert runs[0] == runs[1] and "stop" in runs[0][0] and runs[0][0][1] == "abort"
     assert sum(s.scheduled_ahead for s in steps) >= 5
@@ -252,4 +252,4 @@ def test_async_scheduling_gives_the_synchronous_tokens(replaying_platform):
     finally:
         ahead.shutdown()
     assert [[ev.token_id for ev in evs] for evs in streamed] == want[1:4]
-    assert ahead._inflight is None and ahead.block_manager.num_used_blocks == 0
+    assert ahead.core._inflight is None and ahead.stats().kv_blocks_used == 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from workbench import Engine, EngineConfig, SamplingParams
-from workbench.graphs import default_capture_sizes, default_piecewise_sizes, padded_size
+from workbench.executor.graphs import default_capture_sizes, default_piecewise_sizes, padded_size
 
 
 def test_default_capture_sizes():
@@ -39,7 +39,7 @@ def test_bad_graph_knobs(kw, field):
 
 def test_cpu_runs_eager_and_says_so():
     e = Engine(model="random:tiny", device="cpu", num_kv_blocks=16, graph_mode="decode")
-    assert e.graph_mode == "eager" and "runs eager" in e.notices[0]
+    assert e.info().graph_mode == "eager" and "runs eager" in e.notices[0]
     e.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert not any(s.graph for s in e.telemetry.steps)
     assert Engine(model="random:tiny", device="cpu", num_kv_blocks=16, graph_mode="eager").notices == []

@@ -6,8 +6,8 @@ import time
 import pytest
 import torch
 
-from workbench.models import build_model
-from workbench.models import loader
+from workbench.executor.models import build_model
+from workbench.executor.models import loader
 
 
 def test_missing_embedded_model_says_how_to_install(monkeypatch):

@@ -55,10 +55,10 @@ def test_npu_backend_tokens_equal_the_reference(qwen3_d128, reference_tokens, mo
     prompts.append(prompts[2][:260] + [7, 8, 9])            # a cached prefix, then a chunk
     params = _params(20, 20, 20, 20, 20, 20)
     npu = Engine(model=str(qwen3_d128), device="npu", **KW, graph_mode="eager")
-    assert npu.platform.name == "npu" and npu.config.block_size == 128
-    attn = npu.model.layers[0].self_attn
+    assert npu.core.platform.name == "npu" and npu.config.block_size == 128
+    attn = npu.core.model.layers[0].self_attn
     # NpuPlatform.kv_cache_shape: [layers, K/V, blocks + scratch, block_size, kv_heads, D]
-    assert tuple(npu.runner.kv_cache.shape) == (3, 2, 25, 128, attn.num_kv_heads, 128)
+    assert tuple(npu.core.runner.kv_cache.shape) == (3, 2, 25, 128, attn.num_kv_heads, 128)
     got = [o.token_ids for o in npu.generate(prompts[:5], params[:5])]
     got += [o.token_ids for o in npu.generate(prompts[5:], params[5:])]
     want = reference_tokens(prompts[:5], params[:5]) + reference_tokens(prompts[5:], params[5:])
@@ -81,21 +81,21 @@ def test_npu_decode_graphs_hand_every_replay_its_lengths(qwen3_d128, reference_t
     fake = fake_torch_npu.install(monkeypatch, version=release)
     npu = Engine(model=str(qwen3_d128), device="npu", **KW, graph_mode=mode,
                  cudagraph_capture_sizes=[1, 2, 4, 6])
-    assert npu.graph_mode == mode and not npu.notices
+    assert npu.info().graph_mode == mode and not npu.notices
     prompts = random_prompts(5, 5, 300, 1000, seed=4)
     params = _params(20, 3, 11, 14, 7)
     got = [o.token_ids for o in npu.generate(prompts, params)]
     assert got == reference_tokens(prompts, params)
     assert all(kw == {"auto_dispatch_capture": False} for kw in fake.npu.capture_kwargs)
-    graphs = npu.runner.graphs.graphs
+    graphs = npu.core.runner.graphs.graphs
     assert all(isinstance(g, DecodeGraphTasks) and len(g.tasks) == 3 for g in graphs.values())
     steps = npu.telemetry.snapshot()[0]
-    full = [s for s in steps if s.graph_kind == "full"]
+    full = [s for s in steps if s.graph_kind == "FULL"]
     assert full and all(s.phase == "decode" for s in full)
     assert {s.graph_size for s in full} >= {4, 2, 1} and any(s.graph_size > s.num_decode_tokens
                                                              for s in full)
     assert sum(g.graph.replays for g in graphs.values()) == len(full)
-    piecewise = [s for s in steps if s.graph_kind == "piecewise"]
+    piecewise = [s for s in steps if s.graph_kind == "PIECEWISE"]
     assert bool(piecewise) == (mode == "full")
     assert all(s.num_prefill_tokens for s in piecewise)
 
@@ -107,11 +107,11 @@ def test_npu_graph_update_order_does_not_rest_on_the_sampler(qwen3_d128, monkeyp
     fake_torch_npu.install(monkeypatch)
     npu = Engine(model=str(qwen3_d128), device="npu", **KW, graph_mode="decode",
                  cudagraph_capture_sizes=[2])
-    platform, g = npu.platform, npu.runner.graphs.graphs[2]
+    platform, g = npu.core.platform, npu.core.runner.graphs.graphs[2]
     lens = torch.tensor([1, 1], dtype=torch.int32)
     platform.replay_graph(g, lens)
     platform.replay_graph(g, lens)
-    npu.platform.synchronize()
+    npu.core.platform.synchronize()
     stream = torch.npu.Stream()
     platform.replay_graph(g, lens)        # replayed, not synchronized: ...
     g.graph.replay = lambda: None         # ... then the old order: update, replay, no sync
@@ -123,7 +123,7 @@ def test_npu_graph_update_order_does_not_rest_on_the_sampler(qwen3_d128, monkeyp
         g.update(platform.torch_npu, stream, lens)    # an update with no replay waiting
     g.graph.replay()                                  # a replay nobody updates
     with pytest.raises(RuntimeError, match="hangs"):
-        npu.platform.synchronize()
+        npu.core.platform.synchronize()
     with pytest.raises(RuntimeError, match="context lengths"):
         platform.replay_graph(g)
 
@@ -180,9 +180,9 @@ def test_npu_graphs_need_the_workspace_api(qwen3_d128, monkeypatch):
     """2.5.1.post1 has no workspace for _npu_paged_attention: graph modes run eager, said so."""
     fake_torch_npu.install(monkeypatch, version="2.5.1.post1")
     e = Engine(model=str(qwen3_d128), device="npu", **KW, graph_mode="decode")
-    assert e.graph_mode == "eager" and "not available on npu" in e.notices[0]
-    assert not e.platform.supports_graphs and "_npu_paged_attention_get_workspace" in \
-        e.platform.report.graph_update
+    assert e.info().graph_mode == "eager" and "not available on npu" in e.notices[0]
+    assert not e.core.platform.supports_graphs and "_npu_paged_attention_get_workspace" in \
+        e.core.platform.report.graph_update
 
 
 def test_doctor_reports_and_refuses(monkeypatch, capsys):
@@ -202,8 +202,6 @@ def test_doctor_reports_and_refuses(monkeypatch, capsys):
 
 
 def test_npu_config_rules():
-    with pytest.raises(ValueError, match="block_size"):
-        check_npu_config(EngineConfig(block_size=16))
     with pytest.raises(ValueError, match="dtype"):
         check_npu_config(EngineConfig(block_size=128, dtype="float32"))
     with pytest.raises(ValueError, match="attention_backend"):

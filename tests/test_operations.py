@@ -251,7 +251,7 @@ def test_the_server_shuts_its_engine_down_on_exit(monkeypatch):
     from fastapi.testclient import TestClient
 
     from workbench import Engine
-    from workbench.server import create_app
+    from workbench.serving.app import create_app
     engine = Engine(model="random:tiny", device="cpu", num_kv_blocks=32)
     calls = []
     real = Engine.shutdown

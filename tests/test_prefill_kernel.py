@@ -66,9 +66,9 @@ ENGINE = textwrap.dedent('''
         kw = dict(model=model, device="cpu", dtype="float16", num_kv_blocks=96, block_size=16,
                   max_num_batched_tokens=48, max_num_seqs=8, enable_prefix_caching=True)
         a, b = Engine(**kw), Engine(**kw)
-        b.model.ops = TritonOps()
-        b.runner.decode_kernel, b.runner.write_kernel = paged_decode_attention, write_kv_cache
-        b.runner.prefill_kernel = PagedPrefill()
+        b.core.model.ops = TritonOps()
+        b.core.runner.decode_kernel, b.core.runner.write_kernel = paged_decode_attention, write_kv_cache
+        b.core.runner.prefill_kernel = PagedPrefill()
         calls = []
         orig = PagedPrefill.__call__
         PagedPrefill.__call__ = lambda self, *x: calls.append(1) or orig(self, *x)

@@ -23,7 +23,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from workbench.remote import RemoteEngine, RemoteError  # noqa: E402
+from workbench.serving.client import RemoteEngine, RemoteError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TRANSFORMERS = Path(sys.executable).parent / "transformers"

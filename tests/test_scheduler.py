@@ -5,11 +5,11 @@ import random
 
 import pytest
 
-from workbench.block_manager import BlockManager
+from workbench.core.block_manager import BlockManager
 from workbench.config import EngineConfig
-from workbench.sampling_params import SamplingParams
-from workbench.scheduler import Scheduler
-from workbench.sequence import Sequence
+from workbench.core.sampling_params import SamplingParams
+from workbench.core.scheduler import Scheduler
+from workbench.core.sequence import Sequence
 
 
 def make(num_blocks=64, block_size=16, **kw):

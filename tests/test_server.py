@@ -23,8 +23,9 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("sse_starlette")
 pytest.importorskip("prometheus_client")
 
-from workbench.remote import (RemoteEngine, RemoteError, bench_async, parse_prometheus,  # noqa: E402
-                              summarize_metrics)
+from workbench.bench.serving import bench_async  # noqa: E402
+from workbench.serving.client import (RemoteEngine, RemoteError, parse_prometheus,  # noqa: E402
+                                      summarize_metrics)
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-test-0123456789"

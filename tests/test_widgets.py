@@ -187,7 +187,7 @@ def test_knobs_validate_and_rebuild_the_dashboard_engine(comms):
     new, rids, after = asyncio.run(rebuild())
     assert new is not None and dash.source.engine is new and new.config.block_size == 32
     assert dash.num_rebuilds == 1 and knobs.builds == 1 and not old.is_running_in_background
-    assert old.is_closed and old.runner.kv_cache is None      # freed at once, not by the gc
+    assert old.is_closed and old.core.runner.kv_cache is None      # freed at once, not by the gc
     assert "<b>32</b>" in dash.header.value and "Engine rebuilt" in knobs.status.value
     # The old engine's requests were aborted when it was replaced (or had finished).
     assert all(dash.streams.streams[r].status in ("abort", "length") for r in rids)
@@ -274,7 +274,7 @@ def test_timeline_draws_graph_steps_apart_and_keeps_a_window():
                          kinds={f"r{j}": "decode" for j in range(4)}, num_running=4,
                          num_waiting=1, kv_blocks_used=3, kv_blocks_free=1, kv_blocks_cached=0,
                          num_preempted=0, preempted=[], graph=graph,
-                         graph_size=4 if graph else None, graph_kind="full" if graph else None)
+                         graph_size=4 if graph else None, graph_kind="FULL" if graph else None)
 
     tl = BatchTimeline(window=5)
     tl.update(Update(steps=[step(i, graph=i % 2 == 1) for i in range(8)]))

@@ -15,23 +15,20 @@ import ipywidgets as w
 import traitlets
 
 from workbench import Engine, EngineConfig, SamplingParams
+from workbench.config import BLOCK_SIZES, DEVICES, GRAPH_MODES
 
 from .live import running_loop
 from .style import css_widget, esc
 
 MODELS = ["smollm2", "random:tiny", "random:smollm2-135m", "random:qwen3-0.6b"]
-BLOCK_SIZES = [8, 16, 32, 64, 128, 256]
 
 
 def available_devices() -> list[str]:
     """Devices this machine can run, in 'auto' order, without importing torch_npu."""
     import torch
-    found = ["auto"]
-    if importlib.util.find_spec("torch_npu") is not None:
-        found.append("npu")
-    if torch.cuda.is_available():
-        found.append("cuda")
-    return found + ["cpu"]
+    present = {"auto": True, "npu": importlib.util.find_spec("torch_npu") is not None,
+               "cuda": torch.cuda.is_available(), "cpu": True}
+    return [d for d in DEVICES if present[d]]
 
 
 def _label(text: str, tip: str = "", width: str = "180px") -> dict:
@@ -60,7 +57,8 @@ class KnobPanel(w.VBox):
                                 **_label("model", "smollm2 (embedded), random:<shape>, or a local HF checkpoint directory"))
         self.device = w.Dropdown(options=available_devices(), value=c.device
                                  if c.device in available_devices() else "auto", **_label("device", "auto picks npu, then cuda, then cpu"))
-        self.block_size = w.Dropdown(options=BLOCK_SIZES, value=c.block_size or 16,
+        self.block_size = w.Dropdown(options=[("device's choice", None), *BLOCK_SIZES],
+                                     value=c.block_size,
                                      **_label("block_size", "tokens per KV block"))
         self.num_kv_blocks = w.IntText(value=c.num_kv_blocks or 0,
                                        **_label("num_kv_blocks", "KV pool size in blocks; 0 sizes it from "
@@ -72,7 +70,7 @@ class KnobPanel(w.VBox):
                                                 **_label("max_num_batched_tokens",
                                                          "token budget of one step (prompts "
                                                          "are chunked to fit)"))
-        self.graph_mode = w.ToggleButtons(options=["eager", "decode", "full"], value=c.graph_mode or "decode",
+        self.graph_mode = w.ToggleButtons(options=GRAPH_MODES, value=c.graph_mode or "decode",
                                           **_label("graph_mode", "capture decode steps (decode), "
                                                    "and prefill steps piecewise around "
                                                    "attention (full), where the device "
@@ -146,7 +144,7 @@ class KnobPanel(w.VBox):
         notes = "".join(f"<br>{esc(n)}" for n in engine.notices)
         self.status.value = (f'<div class="wb"><div class="ok">Engine rebuilt in {seconds:.1f} s: '
                              f'block_size {engine.config.block_size}, '
-                             f'{engine.block_manager.num_blocks} KV blocks, max_num_seqs '
+                             f'{engine.info().num_kv_blocks} KV blocks, max_num_seqs '
                              f'{engine.config.max_num_seqs}.{notes}</div></div>')
         if self.on_apply is not None:
             self.on_apply(engine)

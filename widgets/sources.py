@@ -121,14 +121,13 @@ class LocalSource:
 
     def describe(self) -> dict[str, str]:
         """What runs, in a few words per item, for a header."""
-        e, c = self.engine, self.engine.config
-        dtype = str(next(e.model.parameters()).dtype).replace("torch.", "")
-        return {"model": c.model, "device": e.platform.name, "dtype": dtype,
-                "block size": str(c.block_size), "KV blocks": str(e.block_manager.num_blocks),
+        i, c = self.engine.info(), self.engine.config
+        return {"model": c.model, "device": i.device, "dtype": i.dtype,
+                "block size": str(c.block_size), "KV blocks": str(i.num_kv_blocks),
                 "max_num_seqs": str(c.max_num_seqs),
                 "max_num_batched_tokens": str(c.max_num_batched_tokens),
-                "graph mode": e.graph_mode if e.graph_mode == c.graph_mode
-                else f"{e.graph_mode} (asked: {c.graph_mode})",
+                "graph mode": i.graph_mode if i.graph_mode == c.graph_mode
+                else f"{i.graph_mode} (asked: {c.graph_mode})",
                 "prefix caching": "on" if c.enable_prefix_caching else "off"}
 
     def submit(self, prompt: Any, params: SamplingParams) -> str:
@@ -169,8 +168,8 @@ class LocalSource:
         return self.engine.kv_blocks()
 
     def prefix_cache_stats(self) -> tuple[int, int]:
-        bm = self.engine.block_manager
-        return bm.hits, bm.queries
+        st = self.engine.stats()
+        return st.prefix_cache_hits, st.prefix_cache_queries
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -204,7 +203,7 @@ class RemoteSource:
 
     def __init__(self, url, *, api_key: str | None = None, model: str | None = None,
                  chat: bool = True, metrics_interval: float = 0.5):
-        from workbench.remote import RemoteEngine, RemoteError
+        from workbench.serving.client import RemoteEngine, RemoteError
         self.remote = url if isinstance(url, RemoteEngine) else RemoteEngine(url, model, api_key)
         if model is not None:
             self.remote.model = model
@@ -299,7 +298,7 @@ class RemoteSource:
             self._first_token.pop(rid, None)
 
     def _final(self, rid: str, reason: str) -> None:
-        from workbench.remote import RemoteTokenEvent
+        from workbench.serving.client import RemoteTokenEvent
         now = time.monotonic()
         self._events.append(RemoteTokenEvent(rid, "", 0, now, 0.0, None, True, reason))
 
@@ -389,7 +388,7 @@ def as_source(obj) -> LocalSource | RemoteSource:
         return LocalSource(obj)
     if isinstance(obj, str) and obj.startswith(("http://", "https://")):
         return RemoteSource(obj)
-    from workbench.remote import RemoteEngine
+    from workbench.serving.client import RemoteEngine
     if isinstance(obj, RemoteEngine):
         return RemoteSource(obj)
     raise TypeError(f"expected an Engine, a RemoteEngine, a server URL or a source "

@@ -97,15 +97,5 @@ def ms(seconds: float | None, digits: int = 0) -> str:
     return f"{seconds * 1e3:.{digits}f} ms"
 
 
-def percentile(xs: list[float], q: float) -> float | None:
-    """The q-th percentile (0..100) by linear interpolation; None for no data."""
-    xs = sorted(x for x in xs if x is not None)
-    if not xs:
-        return None
-    k = (len(xs) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 def stat(value: str, key: str) -> str:
     return f'<div class="stat"><div class="v">{value}</div><div class="k">{esc(key)}</div></div>'

@@ -8,7 +8,9 @@ import ipywidgets as w
 import traitlets
 
 from .sources import RequestRecord, Update
-from .style import css_widget, ms, percentile, stat
+from workbench.telemetry import percentile
+
+from .style import css_widget, ms, stat
 
 RATE_WINDOW = 3.0
 

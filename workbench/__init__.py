@@ -4,7 +4,7 @@
 """
 from .config import EngineConfig
 from .engine import Engine, RequestOutput, TokenEvent
-from .sampling_params import SamplingParams
+from .core.sampling_params import SamplingParams
 
 __all__ = ["Engine", "EngineConfig", "SamplingParams", "RequestOutput", "TokenEvent"]
 __version__ = "0.1.0"

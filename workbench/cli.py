@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from .config import EngineConfig
+from .config import ATTENTION_BACKENDS, BLOCK_SIZES, DEVICES, DTYPES, GRAPH_MODES, EngineConfig
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -36,9 +36,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig.__dataclass_fields__
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (embedded), 'random:<shape>' or a local HF checkpoint dir")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or npu")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--block-size", type=int, default=d["block_size"].default)
+    p.add_argument("--device", default="auto", choices=DEVICES,
+                   help="auto tries npu, then cuda, then cpu")
+    p.add_argument("--dtype", default="auto", choices=DTYPES)
+    p.add_argument("--block-size", type=int, default=d["block_size"].default, choices=BLOCK_SIZES,
+                   help="tokens per KV block; default: the device's choice")
     p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"].default)
     p.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"].default)
     p.add_argument("--num-kv-blocks", type=int, default=None)
@@ -46,12 +48,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    default=d["gpu_memory_utilization"].default,
                    help="share of the device's memory the engine may take (KV pool sizing)")
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--graph-mode", default=d["graph_mode"].default,
+    p.add_argument("--graph-mode", default=d["graph_mode"].default, choices=GRAPH_MODES,
                    help="eager, decode (capture decode steps) or full (prefill too, piecewise); "
                         "default: decode where the device captures graphs, else eager")
     p.add_argument("--cudagraph-capture-sizes", type=_int_list, default=None,
                    help="decode batch sizes to capture, e.g. 1,2,4,8,16")
     p.add_argument("--attention-backend", default=d["attention_backend"].default,
+                   choices=ATTENTION_BACKENDS,
                    help="auto (the device's fused kernels) or reference (plain torch)")
 
 
@@ -74,7 +77,7 @@ def cmd_generate(a) -> int:
     t = time.perf_counter()
     print(f"loading {a.model} …", file=sys.stderr, flush=True)
     engine = Engine(model=a.model, **_engine_kwargs(a))
-    print(f"ready in {time.perf_counter() - t:.1f} s on {engine.platform.name}", file=sys.stderr)
+    print(f"ready in {time.perf_counter() - t:.1f} s on {engine.info().device}", file=sys.stderr)
     _say_notices(engine)
     prompt = a.prompt
     if not a.raw and engine.tokenizer is not None and engine.tokenizer.chat_template:
@@ -98,7 +101,8 @@ def cmd_bench_serving(a) -> int:
 
     import httpx
 
-    from .remote import RemoteError, bench, format_report
+    from .bench.serving import bench, format_report
+    from .serving.client import RemoteError
     try:
         report = bench(a.url, num_requests=a.num_requests, concurrency=a.concurrency,
                        request_rate=a.request_rate, input_words=_range(a.input_words),
@@ -121,7 +125,7 @@ def cmd_bench(a) -> int:
     if a.ignore_eos is not None:
         raise ValueError("--ignore-eos/--no-ignore-eos: only for a server (--url); the offline "
                          "benchmark always runs each request to its length")
-    from .bench import format_table, run, save
+    from .bench.offline import format_table, run, save
     peers = tuple(x for x in a.peers.split(",") if x and x != "none")
     report = run(model=a.model or "smollm2", num_requests=a.num_requests, in_range=_range(a.input_len),
                  out_range=_range(a.output_len), seed=a.seed, peers=peers,
@@ -139,7 +143,7 @@ def cmd_serve(a) -> int:
 
     from . import Engine
     try:
-        from .server import serve
+        from .serving.app import serve
     except ImportError as e:
         print(f"error: workbench serve needs the 'serve' extra (pip install -e \".[serve]\"): {e}",
               file=sys.stderr)
@@ -149,8 +153,8 @@ def cmd_serve(a) -> int:
     print(f"loading {a.model} …", file=sys.stderr, flush=True)
     engine = Engine(model=a.model, max_model_len=a.max_model_len,
                     max_step_events=a.max_step_events, **_engine_kwargs(a))
-    print(f"ready in {time.perf_counter() - t:.1f} s on {engine.platform.name}; "
-          f"max_model_len {engine.max_model_len}, {engine.block_manager.num_blocks} KV blocks",
+    print(f"ready in {time.perf_counter() - t:.1f} s on {engine.info().device}; "
+          f"max_model_len {engine.max_model_len}, {engine.info().num_kv_blocks} KV blocks",
           file=sys.stderr, flush=True)
     _say_notices(engine)
     if api_key is None and a.host not in ("127.0.0.1", "localhost", "::1"):

@@ -3,6 +3,15 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+# The knobs' domains, listed once: the CLI's choices and the knob panel's options read them.
+# A platform narrows them where its kernels must (Platform.supported_block_sizes).
+DEVICES = ("auto", "npu", "cuda", "cpu")
+"""'auto' tries the others in this order."""
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
+GRAPH_MODES = ("eager", "decode", "full")
+"""vLLM-Ascend's meanings (see executor/graphs.py)."""
+ATTENTION_BACKENDS = ("auto", "reference")
 PREEMPTION_MODES = ("newest", "oldest", "largest")
 
 
@@ -89,20 +98,21 @@ class EngineConfig:
 
         if not isinstance(self.model, str) or not self.model:
             bad("model", "must be a non-empty string")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            bad("dtype", "must be 'auto', 'float32', 'bfloat16' or 'float16'")
-        from .graphs import GRAPH_MODES, validate_capture_sizes
+        if self.device not in DEVICES:
+            bad("device", f"must be one of {DEVICES}")
+        if self.dtype not in DTYPES:
+            bad("dtype", f"must be one of {DTYPES}")
+        from .executor.graphs import validate_capture_sizes
         if self.graph_mode is not None and self.graph_mode not in GRAPH_MODES:
             bad("graph_mode", f"must be one of {GRAPH_MODES}")
         if self.cudagraph_capture_sizes is not None and isinstance(self.max_num_seqs, int):
             validate_capture_sizes(self.cudagraph_capture_sizes, self.max_num_seqs)
         if self.async_scheduling not in (None, True, False):
             bad("async_scheduling", "must be True, False or None")
-        if self.attention_backend not in ("auto", "reference"):
-            bad("attention_backend", "must be 'auto' or 'reference'")
-        bs = self.block_size
-        if bs is not None and (not isinstance(bs, int) or bs < 8 or bs > 256 or bs & (bs - 1)):
-            bad("block_size", "must be a power of two from 8 to 256")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}")
+        if self.block_size is not None and self.block_size not in BLOCK_SIZES:
+            bad("block_size", f"must be one of {BLOCK_SIZES} or None (the device's choice)")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int)
                                                or self.num_kv_blocks < 1):
             bad("num_kv_blocks", "must be a positive integer or None")

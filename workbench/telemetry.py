@@ -7,9 +7,14 @@ under a lock.
 from __future__ import annotations
 
 import json
+import math
 import threading
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from typing import Any
+
+FULL, PIECEWISE = "FULL", "PIECEWISE"
+"""StepEvent.graph_kind values (vLLM's CUDAGraphMode names)."""
 
 
 @dataclass(slots=True)
@@ -39,11 +44,12 @@ class StepEvent:
     graph: bool = False
     """Whether captured graphs ran this step (always False in eager mode)."""
     graph_size: int | None = None
-    """The captured size replayed: a decode batch size ('full') or a token bucket
-    ('piecewise'); padding fills the rest."""
+    """The captured size replayed: a decode batch size (FULL) or a token bucket
+    (PIECEWISE); padding fills the rest."""
     graph_kind: str | None = None
-    """'full': the whole step was one graph (decode steps); 'piecewise': graphs between
-    eagerly run attention (graph_mode 'full', prefill and mixed steps); None: eager."""
+    """vLLM's CUDAGraphMode names: 'FULL', the whole step was one graph (decode steps);
+    'PIECEWISE', graphs between eagerly run attention (graph_mode 'full', prefill and mixed
+    steps); None: eager."""
     finished: list[str] = field(default_factory=list)
     scheduled_ahead: bool = False
     """Launched before the previous step's tokens reached the host (async scheduling): its
@@ -59,7 +65,7 @@ class StepEvent:
         batch 4) or 'piecewise replay @64 tokens'."""
         if not self.graph:
             return "eager"
-        if self.graph_kind == "piecewise":
+        if self.graph_kind == PIECEWISE:
             return f"piecewise replay @{self.graph_size} tokens"
         return f"graph replay @{self.graph_size}"
 
@@ -68,6 +74,38 @@ class StepEvent:
         """Fraction of the KV pool referenced by live requests after the step."""
         total = self.kv_blocks_used + self.kv_blocks_free
         return self.kv_blocks_used / total if total else 0.0
+
+
+# ---- request latencies, defined once (as vLLM's benchmarks define them) ---------------------
+# TTFT: arrival (or send) -> first output token. ITL: the gaps between consecutive output
+# tokens. TPOT: the mean of those gaps, (last token - first token) / (tokens - 1). E2E:
+# arrival -> the request's end. The engine's records, the remote client's and every panel
+# and benchmark report use these.
+def time_per_output_token(ttft: float | None, last_token: float | None,
+                          num_tokens: int) -> float | None:
+    """TPOT from the latencies of the first and the last output token (both seconds from
+    the same start); None below two tokens."""
+    if ttft is None or last_token is None or num_tokens < 2:
+        return None
+    return (last_token - ttft) / (num_tokens - 1)
+
+
+def percentile(xs, q: float) -> float | None:
+    """The q-th percentile (0..100) by linear interpolation between order statistics (numpy's
+    default, which vLLM's benchmarks use); None for no data. Nones in xs are skipped."""
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    k = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def distribution(xs) -> dict:
+    """mean, p50, p90 and p99 of xs (Nones skipped; all None for no data)."""
+    xs = [x for x in xs if x is not None]
+    return {"mean": sum(xs) / len(xs) if xs else None,
+            **{f"p{q}": percentile(xs, q) for q in (50, 90, 99)}}
 
 
 @dataclass(slots=True)
@@ -99,7 +137,7 @@ class RequestMetrics:
     def tpot(self) -> float | None:
         """Mean time per output token after the first, seconds."""
         t = self.token_times
-        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+        return time_per_output_token(t[0] if t else None, t[-1] if t else None, len(t))
 
     @property
     def e2e(self) -> float | None:
@@ -120,6 +158,75 @@ class MemoryStats:
     """Device peak allocation where the platform tracks it, else the process's peak RSS."""
     kv_bytes_per_block: int
     num_kv_blocks: int
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine is, as built: fixed for its life (Engine.info())."""
+    model: str
+    """The model as asked for (`smollm2`, `random:<shape>` or a checkpoint directory)."""
+    model_path: str | None
+    device: str
+    """The platform's name ('cpu', 'cuda', 'npu')."""
+    dtype: str
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    kv_bytes_per_block: int
+    graph_mode: str
+    """As run: what the config asked for, or 'eager' where it cannot (see notices)."""
+    capture_sizes: tuple[int, ...]
+    """Decode batch sizes captured as whole-step graphs."""
+    piecewise_sizes: tuple[int, ...]
+    """Token buckets captured piecewise (graph_mode 'full')."""
+    attention: str
+    """'fused' (the platform's kernels) or 'reference' (plain torch)."""
+    ops: str
+    """The decoder's fusable ops in use (RMSNorm, SiLU-and-mul, RoPE)."""
+    async_scheduling: bool
+    vocab_size: int
+    num_params: int
+    num_layer_params: int
+    """Parameters of the decoder layers: a token's matmuls in them cost twice this in FLOPs
+    (the LM head adds 2 * hidden_size * vocab_size per sampled row)."""
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    weight_bytes: int
+    """Weight bytes one forward reads: every layer plus the LM head (the embedding is
+    gathered row by row, not read whole, unless it is the tied head)."""
+    kv_bytes_per_token: int
+    """K and V of every layer for one token."""
+    config: Any
+    """The EngineConfig as run (block_size and graph_mode resolved for the device)."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Where an engine stands now (Engine.stats())."""
+    num_running: int
+    num_waiting: int
+    """In the scheduler's queue or not yet picked up by the step loop."""
+    num_kv_blocks: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_cached: int
+    """Free blocks that still hold a reusable prefix."""
+    num_preemptions: int
+    prefix_cache_hits: int
+    """Blocks served from the prefix cache since start."""
+    prefix_cache_queries: int
+    """Full prompt blocks looked up in the prefix cache since start."""
+    num_steps: int
+    num_finished: int
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the pool's blocks in use."""
+        return self.kv_blocks_used / self.num_kv_blocks if self.num_kv_blocks else 0.0
 
 
 def _tail(d: deque, n: int) -> list:

@@ -6,6 +6,7 @@ how much memory is in use and which fused kernels it has.
 """
 from __future__ import annotations
 
+from ..config import DEVICES
 from .base import Platform
 from .cpu import CpuPlatform
 from .cuda import CudaPlatform
@@ -16,7 +17,7 @@ _PLATFORMS = {"cpu": CpuPlatform, "cuda": CudaPlatform, "npu": NpuPlatform}
 
 def get_platform(name: str = "auto") -> Platform:
     if name == "auto":
-        name = next(n for n in ("npu", "cuda", "cpu") if _PLATFORMS[n].is_available())
+        name = next(n for n in DEVICES if n != "auto" and _PLATFORMS[n].is_available())
     if name not in _PLATFORMS:
         raise ValueError(f"device: must be 'auto' or one of {sorted(_PLATFORMS)} (got {name!r})")
     platform = _PLATFORMS[name]

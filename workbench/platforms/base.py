@@ -2,12 +2,16 @@ from __future__ import annotations
 
 import torch
 
+from ..config import BLOCK_SIZES
+
 
 class Platform:
     """What the engine needs to know about a device. Subclasses fill in the specifics."""
     name = "base"
     default_dtype = torch.float32
     default_block_size = 16
+    supported_block_sizes = BLOCK_SIZES
+    """Block sizes its attention kernels page in (EngineConfig.block_size must be one)."""
     supports_graphs = False
     """Whether this platform can capture and replay step graphs (graph_mode 'decode'/'full')."""
     runs_async = False
@@ -79,12 +83,16 @@ class Platform:
 
     def check_config(self, config) -> None:
         """Refuse knob values this device's kernels cannot run (ValueError naming the knob)."""
+        if config.block_size not in self.supported_block_sizes:
+            raise ValueError(f"block_size: {self.name}'s attention pages KV in blocks of "
+                             f"{' or '.join(map(str, self.supported_block_sizes))} tokens "
+                             f"(got {config.block_size})")
 
     def model_ops(self, dtype):
         """The decoder's fusable ops (RMSNorm, SiLU-and-mul, q/k norm + RoPE) for this
         device and dtype: fused kernels where the platform has them, else the torch
-        reference (models/ops.py)."""
-        from ..models.ops import TorchOps
+        reference (platforms/ops.py)."""
+        from .ops import TorchOps
         return TorchOps()
 
     def kv_write_kernel(self, dtype):
@@ -95,12 +103,12 @@ class Platform:
     def prefill_attention_kernel(self, dtype):
         """A ragged paged prefill attention for this device (one call per layer for all of a
         step's prefill chunks: see triton_attention.PagedPrefill), or None for the per-chunk
-        plain-torch path in `workbench/attention.py`."""
+        plain-torch path in `workbench/executor/attention.py`."""
         return None
 
     def decode_attention_kernel(self, dtype):
         """A fused paged decode-attention op for this device and dtype, or None to use the
-        plain-torch reference in `workbench/attention.py`. Signature:
+        plain-torch reference in `workbench/executor/attention.py`. Signature:
         (q [B,H,D], k_cache, v_cache, block_tables [B,max_blocks], context_lens [B], scale)."""
         return None
 

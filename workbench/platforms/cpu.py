@@ -71,7 +71,7 @@ def load_cpu_kernels():
     under it."""
     global _kernels
     if _kernels is None:
-        from ..models.loader import cache_lock, cache_root
+        from ..cache import cache_lock, cache_root
         build = cache_root() / "kernels" / kernel_key()
         done = build / "built"        # written once the module loaded: a killed link leaves none
         try:
@@ -94,7 +94,7 @@ def load_cpu_kernels():
 
 
 def kernel_is_built() -> bool:
-    from ..models.loader import cache_root
+    from ..cache import cache_root
     return (cache_root() / "kernels" / kernel_key() / "built").is_file()
 
 

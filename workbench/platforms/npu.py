@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import AcceleratorPlatform
+from .npu_attention import BLOCK_SIZE
 
 log = logging.getLogger("workbench")
 INSTALL_HINT = ("device 'npu' needs Ascend's torch_npu matched to your torch version and a "
@@ -150,7 +151,9 @@ def probe(torch_npu) -> NpuReport:
 
 class NpuPlatform(AcceleratorPlatform):
     name = "npu"
-    default_block_size = 128      # the fused prefill's paging unit (npu_attention.BLOCK_SIZE)
+    default_block_size = BLOCK_SIZE
+    supported_block_sizes = (BLOCK_SIZE,)
+    """The fused prefill's paging unit (vLLM-Ascend's choice)."""
     graph_class = "NPUGraph"
 
     def __init__(self):
@@ -238,5 +241,6 @@ class NpuPlatform(AcceleratorPlatform):
         return self._attention
 
     def check_config(self, config) -> None:
+        super().check_config(config)
         from .npu_attention import check_npu_config
         check_npu_config(config)

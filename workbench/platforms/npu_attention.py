@@ -160,9 +160,6 @@ def block_major_shape(num_layers: int, kv_heads: int, num_blocks: int, block_siz
 
 
 def check_npu_config(config) -> None:
-    if config.block_size != BLOCK_SIZE:
-        raise ValueError(f"block_size: the NPU's fused prefill attention pages KV in blocks of "
-                         f"{BLOCK_SIZE} tokens (got {config.block_size}); set block_size=128")
     if config.dtype == "float32":
         raise ValueError("dtype: the NPU's fused attention ops take bfloat16 or float16 "
                          "(got float32)")

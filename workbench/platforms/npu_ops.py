@@ -11,7 +11,7 @@ the last place.
 """
 from __future__ import annotations
 
-from ..models.ops import TorchOps
+from .ops import TorchOps
 
 
 class NpuOps(TorchOps):

@@ -26,7 +26,7 @@ causal diagonal. The tile map is built on the host (`plan_prefill`), where the c
 are known anyway, so the kernel does no searching.
 
 Pool layout per layer: [num_kv_heads, num_blocks, block_size, head_dim] (head-major), as in
-`workbench/attention.py`.
+`workbench/executor/attention.py`.
 """
 from __future__ import annotations
 

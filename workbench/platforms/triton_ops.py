@@ -1,4 +1,4 @@
-"""The decoder's fusable ops as Triton kernels, for bf16/fp16 on CUDA (see models/ops.py).
+"""The decoder's fusable ops as Triton kernels, for bf16/fp16 on CUDA (see platforms/ops.py).
 
 Counted from the torch code, a Qwen3 layer's 41 small kernels become 4 (a Llama layer's 24
 become 4): RMSNorm with the residual add before it (8 + 1 -> 1, twice), SiLU-and-mul
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..models.ops import TorchOps
+from .ops import TorchOps
 
 
 @triton.jit

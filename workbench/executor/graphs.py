@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import bisect
 
-GRAPH_MODES = ("eager", "decode", "full")
-
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then every 16 up to max_num_seqs (always included)."""

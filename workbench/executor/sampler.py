@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling_params import SamplingParams
-from .sequence import Sequence
+from ..core.sampling_params import SamplingParams
+from ..core.sequence import Sequence
 
 
 @dataclass(slots=True)

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine import Engine
-from .sampling_params import SamplingParams
+from ..engine import Engine
+from ..core.sampling_params import SamplingParams
+from ..telemetry import percentile
 
 
 @dataclass
@@ -58,17 +59,10 @@ def save_random_qwen3(path, layers: int, heads: int, kv_heads: int, head_dim: in
     Qwen3ForCausalLM(cfg).eval().save_pretrained(path)
 
 
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
-
-
 def run_engine(engine: Engine, wl: Workload, progress=None) -> dict:
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in wl.output_lens]
     engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-    engine.block_manager.reset_prefix_cache()
+    engine.reset_prefix_cache()
     first_step = engine.telemetry.num_steps
     t = time.perf_counter()
     outs = engine.generate(wl.prompts, params, progress=progress)
@@ -80,8 +74,8 @@ def run_engine(engine: Engine, wl: Workload, progress=None) -> dict:
     steps = engine.telemetry.steps_since(first_step)
     return dict(out_tok_s=round(tokens / dt, 1), seconds=round(dt, 2), tokens=tokens,
                 steps=len(steps), preemptions=sum(s.num_preempted for s in steps),
-                ttft_p50_s=round(_pct(ttft, 50), 3), ttft_p99_s=round(_pct(ttft, 99), 3),
-                tpot_p50_ms=round(_pct(tpot, 50) * 1e3, 1), tpot_p99_ms=round(_pct(tpot, 99) * 1e3, 1),
+                ttft_p50_s=round(percentile(ttft, 50), 3), ttft_p99_s=round(percentile(ttft, 99), 3),
+                tpot_p50_ms=round(percentile(tpot, 50) * 1e3, 1), tpot_p99_ms=round(percentile(tpot, 99) * 1e3, 1),
                 mean_decode_batch=round(statistics.mean(
                     [s.num_decode_tokens for s in steps if s.num_decode_tokens] or [0]), 1))
 
@@ -90,7 +84,7 @@ def run_engine_b1(engine: Engine, prompt: list[int], new_tokens: int) -> dict:
     """Batch-1 decode speed: tokens after the first over the time after the first."""
     p = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-    engine.block_manager.reset_prefix_cache()
+    engine.reset_prefix_cache()
     out = engine.generate([prompt], p)[0]
     m = out.metrics
     decode_s = m.token_times[-1] - m.token_times[0]
@@ -110,7 +104,7 @@ def sweep(grid: dict[str, list], wl: Workload, model: str = "smollm2",
     for i, values in enumerate(points):
         knobs = dict(zip(grid, values))
         engine = Engine(model=model, **{**(engine_kwargs or {}), **knobs})
-        rows.append({**knobs, "graph_mode_run": engine.graph_mode, **run_engine(engine, wl)})
+        rows.append({**knobs, "graph_mode_run": engine.info().graph_mode, **run_engine(engine, wl)})
         del engine
         if progress is not None:
             progress(i + 1, len(points))
@@ -121,7 +115,7 @@ def latency_alone_vs_batched(engine: Engine, n: int = 32, prompt_len: int = 128,
                              new_tokens: int = 64, seed: int = 0) -> list[dict]:
     """The classic table: TTFT and time per output token of one request alone, then of n
     requests sent at once (continuous batching), with the total throughput of each."""
-    vocab = engine.vocab_size
+    vocab = engine.info().vocab_size
     rows = []
     for count in (1, n):
         wl = make_workload(count, (prompt_len, prompt_len), (new_tokens, new_tokens), vocab,
@@ -157,7 +151,7 @@ def run(model: str = "smollm2", num_requests: int = 64, in_range=(16, 256), out_
     from tqdm.auto import tqdm
 
     engine = Engine(model=model, **(engine_kwargs or {}))
-    wl = make_workload(num_requests, in_range, out_range, engine.vocab_size, seed)
+    wl = make_workload(num_requests, in_range, out_range, engine.info().vocab_size, seed)
     report = dict(machine=machine(), model=model,
                   workload=dict(requests=num_requests, prompt_len=list(in_range),
                                 output_len=list(out_range), seed=seed,
@@ -171,11 +165,11 @@ def run(model: str = "smollm2", num_requests: int = 64, in_range=(16, 256), out_
     with tqdm(total=num_requests, desc="workbench engine", unit="req") as bar:
         res["workbench"] = run_engine(engine, wl, progress=lambda d, n: bar.update(d - bar.n))
     log(f"workbench: {res['workbench']}")
-    b1_prompt_ids = make_workload(1, (b1_prompt, b1_prompt), (1, 1), engine.vocab_size, seed + 1).prompts[0]
+    b1_prompt_ids = make_workload(1, (b1_prompt, b1_prompt), (1, 1), engine.info().vocab_size, seed + 1).prompts[0]
     if "b1" in peers:
         res["workbench_b1"] = run_engine_b1(engine, b1_prompt_ids, b1_new)
         log(f"workbench b1: {res['workbench_b1']}")
-    model_path = engine.model_path
+    model_path = engine.info().model_path
     del engine
     if model_path is not None and any(p in peers for p in ("hf_static", "hf_batch", "b1")):
         from . import hf_peers

@@ -16,13 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionMetadata, paged_attention
-from .ops import TorchOps
+from ...platforms.ops import TorchOps
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class RMSNorm(nn.Module):
-    """Holds the weight and eps; the arithmetic is the model's ops' (models/ops.py)."""
+    """Holds the weight and eps; the arithmetic is the model's ops' (platforms/ops.py)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -160,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
         """rope_cos / rope_sin hold HF's tables (fp32, then cast to the model dtype as HF does
         before applying them); rope_sin's first half is negated for ops.apply_rope."""
         self.ops = TorchOps()
-        """The fusable ops (models/ops.py); a platform may swap in fused kernels."""
+        """The fusable ops (platforms/ops.py); a platform may swap in fused kernels."""
 
     @property
     def num_layers(self) -> int:

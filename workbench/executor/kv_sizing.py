@@ -1,0 +1,53 @@
+"""How many KV blocks a device can hold (vLLM's workers decide the same after loading the
+weights): the pool gets what the memory budget leaves after the weights and one step's
+activations."""
+from __future__ import annotations
+
+import torch
+
+from ..config import EngineConfig
+
+
+def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of every layer for one block of tokens."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * elem
+
+
+def activation_reserve(config: EngineConfig, hf_config, dtype: torch.dtype) -> int:
+    """A generous estimate of one step's peak activations: the widest tensors (MLP, QKV,
+    logits) of max_num_batched_tokens tokens, a few of each alive at once, plus graph-pool
+    headroom."""
+    width = 2 * hf_config.intermediate_size + 3 * hf_config.hidden_size
+    elem = torch.empty((), dtype=dtype).element_size()
+    logits = max(config.max_num_seqs, 1) * hf_config.vocab_size * 4 * 2
+    return int(4 * config.max_num_batched_tokens * width * elem + logits + 512 * 2**20)
+
+
+def kv_cache_budget(config: EngineConfig, platform, hf_config, dtype: torch.dtype) -> float:
+    """Bytes for the KV pool: kv_cache_memory_gb if given; else, where the device reports its
+    memory, gpu_memory_utilization of it minus what is in use (weights) and the activation
+    reserve; else (the CPU) 1 GiB."""
+    if config.kv_cache_memory_gb is not None:
+        return config.kv_cache_memory_gb * 2**30
+    info = platform.memory_info()
+    if info is None:
+        return 2**30
+    free, total = info
+    budget = (config.gpu_memory_utilization * total - (total - free)
+              - activation_reserve(config, hf_config, dtype))
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization: {config.gpu_memory_utilization} of "
+                         f"{total / 2**30:.1f} GiB leaves no room for a KV pool after the "
+                         f"weights ({(total - free) / 2**30:.1f} GiB in use); raise it or "
+                         "set num_kv_blocks")
+    return budget
+
+
+def num_kv_blocks(config: EngineConfig, platform, model, hf_config, dtype: torch.dtype) -> int:
+    """num_kv_blocks if given, else as many blocks as the budget holds (one is kept back for
+    the pool's reserved null block)."""
+    if config.num_kv_blocks:
+        return config.num_kv_blocks
+    per_block = kv_bytes_per_block(model, config.block_size, dtype)
+    return max(1, int(kv_cache_budget(config, platform, hf_config, dtype) // per_block) - 1)

@@ -1,0 +1,258 @@
+"""The OpenAI protocol as `workbench serve` reads it: request bodies to SamplingParams and
+prompts, and every refusal as an OpenAI-shaped error (`APIError`). No FastAPI app lives here;
+`app.py` wires these into handlers."""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from ..core.sampling_params import SamplingParams
+
+MAX_BODY_BYTES = 16 * 2**20
+"""Request bodies larger than this are refused (413) before any parsing."""
+
+GREEDY_BELOW = 1e-5
+"""Temperatures in (0, GREEDY_BELOW) are served greedily, as vLLM does."""
+
+
+# ---- errors ---------------------------------------------------------------------------------
+class APIError(Exception):
+    """An error answered as OpenAI does: status code + {"error": {...}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.type, self.code, self.headers = type, code, headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> Response:
+        # ASCII-escaped JSON: a message quoting a client's text renders whatever it holds.
+        return Response(json.dumps(self.body()), status_code=self.status, headers=self.headers,
+                        media_type="application/json")
+
+
+def bad_request(param: str | None, message: str, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def from_value_error(e: Exception, rename: dict[str, str] | None = None) -> APIError:
+    """The engine's ValueErrors start with the field's name ("max_tokens: must be ..."); keep
+    the message and report that field as `param` (renamed to the API's name where it differs)."""
+    msg = str(e)
+    head, sep, rest = msg.partition(":")
+    param = head if sep and head.isidentifier() else None
+    if param is not None and rename and param in rename:
+        param = rename[param]
+        msg = f"{param}:{rest}"
+    return bad_request(param, msg)
+
+
+# ---- parameter mapping ----------------------------------------------------------------------
+UNSET = object()
+
+
+def body_field(body: dict, name: str, kinds: tuple[type, ...], what: str) -> Any:
+    """body[name] if present and not null, checked against `kinds` (bools are never numbers)."""
+    v = body.get(name)
+    if v is None:
+        return UNSET
+    if isinstance(v, bool) and bool not in kinds:
+        raise bad_request(name, f"{name}: must be {what} (got {v!r})")
+    if not isinstance(v, kinds):
+        raise bad_request(name, f"{name}: must be {what} (got {v!r})")
+    return v
+
+
+def refuse_if_set(body: dict, name: str) -> None:
+    """Refuse a feature this server lacks, unless the value asks for nothing (null, false,
+    0, empty)."""
+    v = body.get(name)
+    if v is None or v is False or v == {} or v == []:
+        return
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0:
+        return
+    raise bad_request(name, f"{name}: not supported by this server (got {v!r})", code="unsupported_parameter")
+
+
+def sampling_params_from(body: dict, default_max_tokens: int | None) -> tuple[SamplingParams, str]:
+    """OpenAI request fields -> SamplingParams. Returns the params and the name of the field
+    that set max_tokens (for error messages). `default_max_tokens` None means "fill the
+    context" and is resolved by the caller once the prompt length is known."""
+    for name in ("n", "best_of"):
+        v = body.get(name)
+        if v is not None and v != 1:
+            raise bad_request(name, f"{name}: only 1 is supported (got {v!r})", code="unsupported_parameter")
+    for name in ("presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "echo",
+                 "logit_bias", "suffix", "tools", "functions", "min_tokens"):
+        refuse_if_set(body, name)
+    rf = body.get("response_format")
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        raise bad_request("response_format", "response_format: only {'type': 'text'} is supported",
+                   code="unsupported_parameter")
+
+    which = "max_tokens"
+    max_tokens = body.get("max_tokens")
+    if body.get("max_completion_tokens") is not None:
+        which, max_tokens = "max_completion_tokens", body["max_completion_tokens"]
+    if max_tokens is None:
+        max_tokens = default_max_tokens if default_max_tokens is not None else 1   # resolved later
+
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise bad_request("stop", f"stop: must be a string or a list of strings (got {stop!r})")
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is None:
+        stop_ids = []
+    elif not (isinstance(stop_ids, list)
+              and all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids)):
+        raise bad_request("stop_token_ids", f"stop_token_ids: must be a list of integers (got {stop_ids!r})")
+    ignore_eos = body_field(body, "ignore_eos", (bool,), "true or false")
+
+    def num(name, default):
+        v = body.get(name)
+        if isinstance(v, bool):   # JSON true/false is not a number here
+            raise bad_request(name, f"{name}: must be a number (got {v!r})")
+        return default if v is None else v
+
+    if isinstance(max_tokens, bool):
+        raise bad_request(which, f"{which}: must be an integer > 0 (got {max_tokens!r})")
+    seed = num("seed", None)
+    if isinstance(seed, int) and not -2**63 <= seed < 2**64:
+        raise bad_request("seed", f"seed: must fit in 64 bits (got {seed!r})")
+    temperature = num("temperature", 1.0)
+    if isinstance(temperature, (int, float)) and 0 < temperature < GREEDY_BELOW:
+        temperature = 0.0   # as vLLM: a vanishing temperature is greedy (and cannot overflow)
+
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=num("top_p", 1.0),
+            top_k=num("top_k", 0),
+            seed=seed,
+            stop=stop,
+            stop_token_ids=stop_ids,
+            ignore_eos=False if ignore_eos is UNSET else ignore_eos)
+    except (ValueError, TypeError) as e:
+        raise from_value_error(e, {"max_tokens": which}) from None
+    for name in ("temperature", "top_p"):   # the engine accepts inf/nan-free numbers only
+        v = getattr(params, name)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise bad_request(name, f"{name}: must be a finite number (got {v!r})")
+    return params, which
+
+
+def max_token_bytes(tokenizer) -> int:
+    """An upper bound on the UTF-8 bytes one token stands for: 4 bytes per character of the
+    longest vocabulary entry (byte-level BPE spells each byte as one character; SentencePiece
+    pieces are Unicode characters of at most 4 bytes each)."""
+    return 4 * max(len(t) for t in tokenizer.get_vocab())
+
+
+def is_template_error(e: Exception) -> bool:
+    try:
+        from jinja2 import TemplateError
+    except ImportError:
+        return False
+    return isinstance(e, TemplateError) and isinstance(getattr(e, "message", None), str)
+
+
+def chat_messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if msgs is None:
+        raise bad_request("messages", "messages: required")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad_request("messages", "messages: must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad_request("messages", f"{where}: must be an object with a string 'role'")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):   # content parts: only text ones
+            texts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)):
+                    raise bad_request("messages", f"{where}.content: only text parts are supported")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif not isinstance(content, str):
+            raise bad_request("messages", f"{where}.content: must be a string or a list of text parts")
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": content})
+    return out
+
+
+def completion_prompt(body: dict) -> str | list[int]:
+    p = body.get("prompt")
+    if p is None:
+        raise bad_request("prompt", "prompt: required")
+    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+        if len(p) != 1:
+            raise bad_request("prompt", f"prompt: only one prompt per request is supported (got {len(p)})")
+        p = p[0]
+    if isinstance(p, str):
+        return p
+    if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        return p
+    raise bad_request("prompt", "prompt: must be a string or a list of token ids")
+
+
+async def read_json(request: Request) -> dict:
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+        raise APIError(413, f"body: larger than {MAX_BODY_BYTES} bytes", code="body_too_large")
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > MAX_BODY_BYTES:
+            raise APIError(413, f"body: larger than {MAX_BODY_BYTES} bytes", code="body_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise bad_request(None, f"body: not valid JSON (line {e.lineno}, column {e.colno})",
+                   code="invalid_json") from None
+    except UnicodeDecodeError as e:
+        raise bad_request(None, f"body: not valid UTF-8 (byte {e.start})", code="invalid_json") from None
+    except RecursionError:
+        raise bad_request(None, "body: nested too deeply", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request(None, "body: must be a JSON object", code="invalid_json")
+    check_text(body)
+    return body
+
+
+def check_text(body: dict) -> None:
+    """JSON may escape lone UTF-16 surrogates ("\\udfff"), which are not text: refuse them here,
+    naming the field, rather than fail later in the tokenizer or in a response."""
+    stack = [(k, k, v) for k, v in body.items()]
+    while stack:
+        param, key, value = stack.pop()
+        for text in ((key, value) if isinstance(value, str) else (key,)):
+            bad = next((c for c in text if "\ud800" <= c <= "\udfff"), None)
+            if bad is not None:
+                raise bad_request(param, f"{param}: contains a lone surrogate (\\u{ord(bad):04x}), "
+                                  "which is not Unicode text", code="invalid_text")
+        if isinstance(value, dict):
+            stack.extend((param, k, v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((param, "", v) for v in value)
+
