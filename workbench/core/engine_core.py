@@ -529,7 +529,7 @@ class EngineCore:
             self.scheduler.finish(seq, reason)
         ev = TokenEvent(r.request_id, tok, r.detok.take(final=reason is not None),
                         seq.num_output_tokens, now, reason is not None, reason, logprobs,
-                        r.choice)
+                        r.choice, r.prompt_logprobs if seq.num_output_tokens == 1 else None)
         if reason is not None:
             self._finish(r, now, deliver=False)
         self._deliver(r, ev)
@@ -578,9 +578,10 @@ class EngineCore:
             self.telemetry.add_request(m)
         if deliver:   # an abort: tell the listener, with any text still held back
             for c in ended:
-                self._deliver(c, TokenEvent(c.request_id, None, c.detok.take(final=True),
-                                            c.seq.num_output_tokens, now, True,
-                                            c.seq.finish_reason, None, c.choice))
+                self._deliver(c, TokenEvent(
+                    c.request_id, None, c.detok.take(final=True), c.seq.num_output_tokens, now,
+                    True, c.seq.finish_reason, None, c.choice,
+                    c.prompt_logprobs if c.seq.num_output_tokens == 0 else None))
             if owner.unfinished == 0:
                 owner.done.set()
 

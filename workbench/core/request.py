@@ -31,6 +31,9 @@ class TokenEvent:
     """With SamplingParams.logprobs: the token's logprob and the top-k alternatives'."""
     choice: int = 0
     """Which of the request's n sequences this token belongs to."""
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """With SamplingParams.prompt_logprobs: on the request's first event (choice 0), one
+    entry per prompt token (None for the first)."""
 
 
 @dataclass(eq=False)
