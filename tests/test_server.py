@@ -685,3 +685,51 @@ def test_completions_logprobs_echo_and_n(server, hf_smollm2, smollm2_tokenizer):
                 assert set(t) == {"token", "logprob", "bytes", "top_logprobs"} and len(t["top_logprobs"]) == 2
                 assert t["bytes"] == list(t["token"].encode()) and t["logprob"] <= t["top_logprobs"][0]["logprob"] + 1e-6
     wait_idle(server)
+
+
+def test_lm_eval_loglikelihood_scores_equal_hf(server, hf_smollm2, smollm2_tokenizer, smollm2_dir,
+                                               tmp_path, monkeypatch):
+    """lm-eval's local-completions loglikelihood path (echo + logprobs over /v1/completions)
+    runs a small multiple-choice task against the live server; every choice's loglikelihood
+    equals the one computed from HF's logits, and so does the accuracy."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+    docs = [
+        {"question": "The capital of France is", "choices": ["Paris", "Berlin", "a banana"], "answer": 0},
+        {"question": "Two plus two equals", "choices": ["seven", "four", "the sky"], "answer": 1},
+        {"question": "The opposite of hot is", "choices": ["cold", "blue", "running"], "answer": 0},
+        {"question": "Water freezes at zero degrees", "choices": ["Fahrenheit", "Celsius", "Kelvin"], "answer": 1},
+    ]
+    data = tmp_path / "mc.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tmp_path / "wb_mc.yaml").write_text(
+        "task: wb_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {data}\ntest_split: test\noutput_type: multiple_choice\n"
+        "doc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\n"
+        "metric_list:\n  - metric: acc\n")
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    out = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=(f"model={MODEL},base_url={server}/v1/completions,tokenizer={smollm2_dir},"
+                    "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1,"
+                    "max_retries=1,batch_size=1"),
+        tasks=["wb_mc"], task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True)
+    samples = out["samples"]["wb_mc"]
+    assert len(samples) == len(docs)
+    correct = 0
+    for s in samples:
+        ours = []
+        for (context, continuation), resp in zip(s["arguments"], s["filtered_resps"]):
+            # lm-eval's own split: the continuation's tokens are those past the context's.
+            ctx = smollm2_tokenizer.encode(context, add_special_tokens=False)
+            whole = smollm2_tokenizer.encode(context + continuation, add_special_tokens=False)
+            rows = _hf_rows(hf_smollm2, whole)
+            hf_ll = sum(rows[p - 1, whole[p]].item() for p in range(len(ctx), len(whole)))
+            assert abs(resp[0] - hf_ll) < 1e-3, (continuation, resp[0], hf_ll)
+            ours.append(hf_ll)
+        correct += max(range(len(ours)), key=ours.__getitem__) == s["target"]
+    assert out["results"]["wb_mc"]["acc,none"] == correct / len(docs)
+    wait_idle(server)
