@@ -578,3 +578,20 @@ def test_stop_string_kept_with_include_stop_str(smol):
     cut, kept = smol.generate([prompt] * 2, [p, replace(p, include_stop_str_in_output=True)])
     assert cut.finish_reason == kept.finish_reason == "stop"
     assert kept.text == cut.text + "three"
+
+
+def test_prompt_logprobs_across_chunks_and_cached_prefixes(tiny_checkpoints):
+    """A prompt prefilled in chunks is scored at every position, and a request whose prefix
+    is cached still gets the logprobs of all its prompt tokens (it skips the prefix cache)."""
+    path, hf = tiny_checkpoints["qwen3"]
+    e = Engine(model=str(path), device="cpu", block_size=16, num_kv_blocks=64, max_model_len=512,
+               max_num_batched_tokens=32, max_num_seqs=4, enable_chunked_prefill=True)
+    x = random_prompts(1, 100, 100, 1000, seed=5)[0]
+    p = SamplingParams(max_tokens=0, prompt_logprobs=1)
+    first, again = e.generate([x], p)[0], e.generate([x], p)[0]
+    ref = _hf_logprobs(hf, x)
+    for out in (first, again):
+        got = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], x[1:])]
+        want = [ref[i - 1, x[i]].item() for i in range(1, len(x))]
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+    assert e.generate([[7]], p)[0].prompt_logprobs == [None]     # one token: nothing to score

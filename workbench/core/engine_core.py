@@ -222,8 +222,6 @@ class EngineCore:
                      request_id: str) -> Request:
         """A Request for validated token ids (the front door tokenizes and validates); with
         n > 1 it carries its other choices, which start when its prompt is computed."""
-        if params.max_tokens == 0 and len(prompt_ids) < 2:
-            raise ValueError("max_tokens: 0 scores the prompt, which needs at least 2 tokens")
         first = self._make_choice(prompt_ids, prompt, params, request_id, 0)
         if params.n > 1:
             # Later choices: their own seed stream; the prompt's logprobs come with the first.
