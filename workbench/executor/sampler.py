@@ -47,12 +47,17 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> L
     row's top-k. One batched pass; no loop over rows."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     picked = lp.gather(1, token_ids[:, None])
-    ranks = (lp > picked).sum(-1) + 1
-    if k > 0:
-        top_vals, top_ids = lp.topk(k, dim=-1)
-        return LogprobsTensors(torch.cat([token_ids[:, None], top_ids], 1),
-                               torch.cat([picked, top_vals], 1), ranks)
-    return LogprobsTensors(token_ids[:, None], picked, ranks)
+    top_vals, top_ids = lp.topk(max(k, 1), dim=-1)
+    # A row whose token is its top one has rank 1; the counting pass over the vocabulary is
+    # skipped where no row needs it (a greedy batch), on the CPU only: elsewhere the test
+    # would wait for the device (and async scheduling keeps these on the device).
+    below = picked[:, 0] < top_vals[:, 0]
+    if logits.device.type != "cpu" or bool(below.any()):
+        ranks = torch.where(below, (lp > picked).sum(-1) + 1, 1)
+    else:
+        ranks = torch.ones_like(token_ids)
+    return LogprobsTensors(torch.cat([token_ids[:, None], top_ids[:, :k]], 1),
+                           torch.cat([picked, top_vals[:, :k]], 1), ranks)
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], generators: list[torch.Generator | None],
