@@ -47,7 +47,8 @@ class SamplingParams:
     """Return each sampled token's logprob plus this many top alternatives (0..20), taken
     from the model's raw distribution (before penalties and temperature, as vLLM does)."""
     prompt_logprobs: int | None = None
-    """Return the logprob of each prompt token plus this many top alternatives (0..20)."""
+    """Return the logprob of each prompt token plus this many top alternatives (0..20). Such
+    a request computes its whole prompt (no prefix-cache hits: every position's logits)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
