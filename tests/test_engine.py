@@ -548,7 +548,8 @@ def test_penalty_processors_match_their_definitions():
 def test_penalties_change_a_repeating_output(smol):
     """On a prompt that repeats, the model keeps repeating; the repetition penalty (which
     counts the prompt) stops it, frequency and presence penalties (output only) keep tokens
-    from recurring in the output; 0 penalties equal none. One batch for all variants."""
+    from recurring in the output; 0 penalties equal none; logit_bias, min_tokens and
+    include_stop_str_in_output do what they say. One batch for all variants."""
     from collections import Counter
     prompt = "one two three one two three one two three one two three one two three"
     base = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -556,8 +557,9 @@ def test_penalties_change_a_repeating_output(smol):
     variants = [{}, dict(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0),
                 dict(repetition_penalty=3.0), dict(frequency_penalty=2.0), dict(presence_penalty=2.0),
                 dict(logit_bias={t: 100}, max_tokens=3),
-                dict(logit_bias={t: 100}, stop_token_ids=[t], min_tokens=2)]
-    plain, zero, rep, freq, pres, bias, mint = smol.generate(
+                dict(logit_bias={t: 100}, stop_token_ids=[t], min_tokens=2),
+                dict(stop=["three"]), dict(stop=["three"], include_stop_str_in_output=True)]
+    plain, zero, rep, freq, pres, bias, mint, cut, kept = smol.generate(
         [prompt] * len(variants), [replace(base, **kw) for kw in variants])
     assert zero.token_ids == plain.token_ids
     most = max(Counter(plain.token_ids).values())
@@ -570,14 +572,8 @@ def test_penalties_change_a_repeating_output(smol):
     # logit_bias forces a token; min_tokens holds back a stop token until then.
     assert bias.token_ids == [t] * 3
     assert mint.token_ids[-1] == t and len(mint.token_ids) == 3 and mint.finish_reason == "stop"
-
-
-def test_stop_string_kept_with_include_stop_str(smol):
-    prompt = "one two three one two three one two three"
-    p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=["three"])
-    cut, kept = smol.generate([prompt] * 2, [p, replace(p, include_stop_str_in_output=True)])
-    assert cut.finish_reason == kept.finish_reason == "stop"
-    assert kept.text == cut.text + "three"
+    # include_stop_str_in_output keeps the stop string at the end of the text.
+    assert cut.finish_reason == kept.finish_reason == "stop" and kept.text == cut.text + "three"
 
 
 def test_prompt_logprobs_across_chunks_and_cached_prefixes(tiny_checkpoints):
