@@ -21,7 +21,6 @@ import time
 import torch
 
 from workbench import Engine, SamplingParams
-from workbench.core.engine_core import EngineCore
 from workbench.executor import sampler
 
 
@@ -37,14 +36,14 @@ def timed_share(engine: Engine, prompts, params) -> tuple[float, float]:
             finally:
                 spent[0] += time.perf_counter() - t
         return wrapper
-    saved = sampler.compute_logprobs, EngineCore._logprob_dict
+    saved = sampler.compute_logprobs, sampler.LogprobsTensors.row
     sampler.compute_logprobs = timing(saved[0])
-    EngineCore._logprob_dict = timing(saved[1])
+    sampler.LogprobsTensors.row = timing(saved[1])
     try:
         engine.telemetry.clear()
         engine.generate(prompts, params)
     finally:
-        sampler.compute_logprobs, EngineCore._logprob_dict = saved
+        sampler.compute_logprobs, sampler.LogprobsTensors.row = saved
     steps, _ = engine.telemetry.snapshot()
     dec = [s for s in steps if s.phase == "decode"]
     # Logprobs work in the prefill step (its one sampled row each) is left in: an upper bound.

@@ -1,9 +1,10 @@
-"""Graph-mode policy: capture sizes, padding, and what the CPU does with the knob."""
+"""Graph-mode policy: capture sizes, padding and bad graph knobs (what the CPU does with the
+knob is in test_graph_capture.py)."""
 from __future__ import annotations
 
 import pytest
 
-from workbench import Engine, EngineConfig, SamplingParams
+from workbench import EngineConfig
 from workbench.executor.graphs import default_capture_sizes, default_piecewise_sizes, padded_size
 
 
@@ -35,11 +36,3 @@ def test_piecewise_buckets_stop_at_512_or_the_token_budget():
 def test_bad_graph_knobs(kw, field):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**kw)
-
-
-def test_cpu_runs_eager_and_says_so():
-    e = Engine(model="random:tiny", device="cpu", num_kv_blocks=16, graph_mode="decode")
-    assert e.info().graph_mode == "eager" and "runs eager" in e.notices[0]
-    e.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
-    assert not any(s.graph for s in e.telemetry.steps)
-    assert Engine(model="random:tiny", device="cpu", num_kv_blocks=16, graph_mode="eager").notices == []

@@ -25,7 +25,7 @@ pytest.importorskip("prometheus_client")
 
 from workbench.bench.serving import bench_async  # noqa: E402
 from workbench.serving.client import (RemoteEngine, RemoteError, parse_prometheus,  # noqa: E402
-                                      summarize_metrics)
+                                      sse_data, summarize_metrics)
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-test-0123456789"
@@ -101,12 +101,6 @@ def wait_idle(url: str, timeout: float = 30.0) -> dict:
             gauges = {k: v for k, v in m.items() if k not in ("histograms", "samples")}
             pytest.fail(f"server not idle after {timeout} s: {gauges}")
         time.sleep(0.1)
-
-
-def sse_data(lines):
-    for line in lines:
-        if line.startswith("data:"):
-            yield line[5:].strip()
 
 
 # ---- the official SDK -----------------------------------------------------------------------

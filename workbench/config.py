@@ -15,6 +15,14 @@ ATTENTION_BACKENDS = ("auto", "reference")
 PREEMPTION_MODES = ("newest", "oldest", "largest")
 
 
+def field_checker(obj):
+    """`bad(name, why)` for obj's validate(): raises the ValueError every knob and sampling
+    check raises, naming the field, saying why and showing the value."""
+    def bad(name: str, why: str):
+        raise ValueError(f"{name}: {why} (got {getattr(obj, name)!r})")
+    return bad
+
+
 @dataclass
 class EngineConfig:
     model: str = "smollm2"
@@ -93,8 +101,7 @@ class EngineConfig:
         self.validate()
 
     def validate(self) -> None:
-        def bad(name, why):
-            raise ValueError(f"{name}: {why} (got {getattr(self, name)!r})")
+        bad = field_checker(self)
 
         if not isinstance(self.model, str) or not self.model:
             bad("model", "must be a non-empty string")
@@ -102,7 +109,6 @@ class EngineConfig:
             bad("device", f"must be one of {DEVICES}")
         if self.dtype not in DTYPES:
             bad("dtype", f"must be one of {DTYPES}")
-        from .executor.graphs import validate_capture_sizes
         if self.graph_mode is not None and self.graph_mode not in GRAPH_MODES:
             bad("graph_mode", f"must be one of {GRAPH_MODES}")
         if self.cudagraph_capture_sizes is not None and isinstance(self.max_num_seqs, int):
@@ -150,3 +156,12 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def validate_capture_sizes(sizes: list[int], max_num_seqs: int) -> list[int]:
+    if not sizes or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes):
+        raise ValueError(f"cudagraph_capture_sizes: must be positive integers (got {sizes!r})")
+    if max(sizes) > max_num_seqs:
+        raise ValueError(f"cudagraph_capture_sizes: {max(sizes)} exceeds max_num_seqs "
+                         f"({max_num_seqs}); a batch that large never runs")
+    return sorted(set(sizes))

@@ -12,14 +12,26 @@ never hand a request someone else's K/V. When a cached block's last user finishe
 keeps its content and becomes "cached free": it still serves hits, and is the last kind of
 free block to be reused (least recently freed first).
 
-Pure Python over token ids and block ids: nothing here touches a tensor.
+Pure Python over token ids and block ids: nothing here touches a tensor, and nothing here
+writes into a sequence. The pool hands out what it allocated (block ids, a PrefixHit, new
+hashes); the scheduler records them in its sequences.
 """
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from .sequence import Sequence
+from ..utils import cdiv
+
+
+
+@dataclass(slots=True)
+class PrefixHit:
+    """What `match_prefix` found: cached blocks, now referenced by the caller."""
+    block_ids: list[int]
+    block_hashes: list[int]
+    num_queried: int
+    """Full prompt blocks looked up (for `count_lookup`)."""
 
 
 @dataclass(slots=True)
@@ -105,7 +117,7 @@ class BlockManager:
                                [b.hash is not None for b in self.blocks], block_tables, step)
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     # ---- allocation -----------------------------------------------------------------------
     def _take_free_block(self) -> int:
@@ -120,21 +132,21 @@ class BlockManager:
         self.blocks[block_id].ref_count = 1
         return block_id
 
-    def match_prefix(self, seq: Sequence) -> int:
-        """Point an unallocated sequence at the cached blocks of its longest cached prefix;
-        returns how many blocks were looked up (for `count_lookup`).
+    def match_prefix(self, token_ids: list[int]) -> PrefixHit:
+        """The cached blocks of the longest cached prefix of token_ids, each now referenced
+        once more (the caller holds them, and frees them with `free`).
 
         At least one token is always left to compute, since the step that computes it
         produces the logits for the next token.
         """
-        assert not seq.block_table and seq.num_computed_tokens == 0
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
-            return 0   # (prompt logprobs need the logits of every prompt position)
+        hit = PrefixHit([], [], 0)
+        if not self.enable_prefix_caching:
+            return hit
         bs = self.block_size
-        max_blocks = (seq.num_tokens - 1) // bs
+        hit.num_queried = (len(token_ids) - 1) // bs
         parent = None
-        for i in range(max_blocks):
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+        for i in range(hit.num_queried):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(parent, tokens)
             block_id = self._hash_to_block.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
@@ -143,24 +155,18 @@ class BlockManager:
             if block.ref_count == 0:
                 del self._free_cached[block_id]
             block.ref_count += 1
-            seq.block_table.append(block_id)
-            seq.block_hashes.append(h)
+            hit.block_ids.append(block_id)
+            hit.block_hashes.append(h)
             parent = h
-        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * bs
-        return max_blocks
+        return hit
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Give an unallocated child (the same prompt, another of n choices) the parent's
-        full computed blocks, shared by reference count; the child computes the rest (the
-        prompt's partial last block) into blocks of its own as it grows."""
-        assert not child.block_table and child.token_ids[:parent.num_tokens] == parent.token_ids[:child.num_tokens]
-        n = min(parent.num_computed_tokens, child.num_tokens) // self.block_size
-        n = min(n, len(parent.block_table))
-        for block_id in parent.block_table[:n]:
+    def fork(self, block_ids: list[int]) -> list[int]:
+        """Share held blocks with one more holder (another of n choices of one prompt, which
+        starts on the prompt's computed blocks instead of computing them again); returns them."""
+        for block_id in block_ids:
+            assert self.blocks[block_id].ref_count > 0, f"block {block_id} is not held"
             self.blocks[block_id].ref_count += 1
-        child.block_table = parent.block_table[:n]
-        child.block_hashes = parent.block_hashes[:n]
-        child.num_computed_tokens = n * self.block_size
+        return list(block_ids)
 
     def count_lookup(self, queried: int, hit: int) -> None:
         """Add one admitted request's prefix lookup to the hit counters (a request that waits
@@ -168,36 +174,40 @@ class BlockManager:
         self.queries += queried
         self.hits += hit
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Grow seq's block table to hold num_computed_tokens + num_new_tokens; False if full."""
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+    def allocate_slots(self, num_held_blocks: int, num_tokens: int) -> list[int] | None:
+        """The new blocks a holder of num_held_blocks needs to hold num_tokens tokens (maybe
+        none); None, allocating nothing, when the pool is too full."""
+        need = self.blocks_needed(num_tokens) - num_held_blocks
         if need <= 0:
-            return True
+            return []
         if need > self.num_free_blocks:
-            return False
-        seq.block_table.extend(self._take_free_block() for _ in range(need))
-        return True
+            return None
+        return [self._take_free_block() for _ in range(need)]
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the blocks that became full (and computed) in the prefix cache."""
+    def cache_full_blocks(self, token_ids: list[int], block_table: list[int],
+                          block_hashes: list[int], num_computed_tokens: int) -> list[int]:
+        """Register the blocks that became full (and computed) since block_hashes in the
+        prefix cache; returns their hashes, to append to block_hashes."""
         if not self.enable_prefix_caching:
-            return
+            return []
         bs = self.block_size
-        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
-        parent = seq.block_hashes[-1] if seq.block_hashes else None
-        for i in range(len(seq.block_hashes), num_full):
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+        num_full = min(num_computed_tokens // bs, len(block_table))
+        parent = block_hashes[-1] if block_hashes else None
+        new: list[int] = []
+        for i in range(len(block_hashes), num_full):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(parent, tokens)
-            block = self.blocks[seq.block_table[i]]
+            block = self.blocks[block_table[i]]
             block.hash, block.token_ids = h, tokens
             self._hash_to_block[h] = block.block_id
-            seq.block_hashes.append(h)
+            new.append(h)
             parent = h
+        return new
 
-    def free(self, seq: Sequence) -> None:
-        """Drop seq's references. Tail blocks are freed first so that, among cached free
-        blocks, a prefix's later blocks are evicted before its head."""
-        for block_id in reversed(seq.block_table):
+    def free(self, block_table: list[int]) -> None:
+        """Drop one reference to each block. Tail blocks are freed first so that, among
+        cached free blocks, a prefix's later blocks are evicted before its head."""
+        for block_id in reversed(block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
@@ -207,9 +217,6 @@ class BlockManager:
                 else:
                     block.hash, block.token_ids = None, ()
                     self._free_plain.append(block_id)
-        seq.block_table = []
-        seq.block_hashes = []
-        seq.num_computed_tokens = 0
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached-free block (used blocks keep their content)."""

@@ -98,11 +98,11 @@ class EngineCore:
 
         self.platform.empty_cache()       # what dropped engines left cached counts as free
         self.platform.reset_peak_memory()
-        self.model = build_model(ckpt, dtype, self.platform.device, max_model_len, config.seed)
+        ops = self.platform.model_ops(dtype) if config.attention_backend == "auto" else None
+        self.model = build_model(ckpt, dtype, self.platform.device, max_model_len, config.seed,
+                                 ops)
         del ckpt
         self.platform.check_model(self.model)
-        if config.attention_backend == "auto":
-            self.model.ops = self.platform.model_ops(dtype)
         bs = config.block_size
         num_blocks = num_kv_blocks(config, self.platform, self.model, self.hf_config, dtype)
         # A request must fit in the pool (and in one step when prompts are not chunked).
@@ -426,17 +426,6 @@ class EngineCore:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
         return text
 
-    def _logprob_dict(self, lp: LogprobsTensors, row: int, k: int) -> dict[int, Logprob]:
-        """Row `row` of host logprob tensors as {token id: Logprob}: column 0 (the chosen
-        token) first, then the top k."""
-        ids = lp.token_ids[row, :k + 1].tolist()
-        vals = lp.logprobs[row, :k + 1].tolist()
-        out = {ids[0]: Logprob(vals[0], int(lp.ranks[row]), self._decode_token(ids[0]))}
-        for rank, (t, v) in enumerate(zip(ids[1:], vals[1:]), start=1):
-            if t not in out:
-                out[t] = Logprob(v, rank, self._decode_token(t))
-        return out
-
     def _add_prompt_logprobs(self, spans, logits: torch.Tensor) -> None:
         """Logprobs of prompt tokens from the rows of a prefill (see ModelRunner.prepare):
         the row at position p scores prompt token p + 1. One batched pass for the step."""
@@ -450,8 +439,9 @@ class EngineCore:
             if r.prompt_logprobs is not None:
                 for p in range(first + 1, first + 1 + count):
                     if r.prompt_logprobs[p] is None:    # (a recompute scores it again)
-                        r.prompt_logprobs[p] = self._logprob_dict(
-                            lp, row + p - first - 1, s.seq.params.prompt_logprobs)
+                        r.prompt_logprobs[p] = lp.row(row + p - first - 1,
+                                                      s.seq.params.prompt_logprobs,
+                                                      self._decode_token)
             row += count
 
     def _record_step(self, sched, reqs, tokens, logprobs: LogprobsTensors | None, graph, t0,
@@ -473,7 +463,7 @@ class EngineCore:
                 self._fork(r)
             lp = None
             if r.logprobs is not None:
-                lp = self._logprob_dict(logprobs, i, r.seq.params.logprobs)
+                lp = logprobs.row(i, r.seq.params.logprobs, self._decode_token)
                 r.logprobs.append(lp)
             ev = self._append_token(r, tok, now, lp)
             events.append(ev)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..config import field_checker
+
 SAMPLING_EPS = 1e-5
 """Temperatures below this are treated as greedy (as vLLM does): dividing logits by a
 vanishing temperature overflows."""
@@ -71,8 +73,7 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        def bad(name, why):
-            raise ValueError(f"{name}: {why} (got {getattr(self, name)!r})")
+        bad = field_checker(self)
 
         def is_int(v):
             return isinstance(v, int) and not isinstance(v, bool)

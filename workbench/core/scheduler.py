@@ -92,7 +92,13 @@ class Scheduler:
         """Start another choice of parent's prompt on parent's KV blocks (see
         BlockManager.fork); it runs next to its parent, or waits at the head of the queue
         when the running batch is full."""
-        self.block_manager.fork(parent, child)
+        assert not child.block_table and child.token_ids[:parent.num_prompt_tokens] == \
+            parent.token_ids[:parent.num_prompt_tokens]
+        bs = self.block_manager.block_size
+        n = min(parent.num_computed_tokens // bs, child.num_tokens // bs, len(parent.block_table))
+        child.block_table = self.block_manager.fork(parent.block_table[:n])
+        child.block_hashes = parent.block_hashes[:n]
+        child.num_computed_tokens = n * bs
         child.arrival_index = parent.arrival_index
         if len(self.running) < self.config.max_num_seqs:
             child.status = SequenceStatus.RUNNING
@@ -110,7 +116,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        self._free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -127,7 +133,7 @@ class Scheduler:
         while queue and budget > 0:
             seq = queue.pop(0)
             n = min(seq.num_uncomputed_tokens, budget)
-            while not bm.allocate_slots(seq, n):
+            while not self._allocate(seq, n):
                 victim = self._pick_victim(queue, seq)
                 self._preempt(victim, out)
                 if victim is seq:
@@ -143,14 +149,14 @@ class Scheduler:
         if not out.preempted and self._may_admit(now, out):
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 seq = self.waiting[0]
-                queried = bm.match_prefix(seq) if not seq.block_table else 0
+                queried = self._match_prefix(seq) if not seq.block_table else 0
                 n = seq.num_uncomputed_tokens
                 if n > budget:
                     if not chunked:
                         self._release_prefix(seq)
                         break
                     n = budget
-                if not bm.allocate_slots(seq, n):
+                if not self._allocate(seq, n):
                     self._release_prefix(seq)
                     break
                 self.waiting.popleft()
@@ -190,10 +196,36 @@ class Scheduler:
         left = self.config.waiting_timeout_ms / 1e3 - (now - self.waiting[0].arrival_time)
         return max(left, 0.0)
 
+    # ---- the sequence's side of the block pool ---------------------------------------------
+    def _match_prefix(self, seq: Sequence) -> int:
+        """Start an unallocated sequence on the cached blocks of its longest cached prefix;
+        returns how many blocks were looked up."""
+        if seq.params.prompt_logprobs is not None:
+            return 0    # prompt logprobs need the logits of every prompt position
+        hit = self.block_manager.match_prefix(seq.token_ids)
+        seq.block_table, seq.block_hashes = hit.block_ids, hit.block_hashes
+        seq.num_computed_tokens = seq.num_cached_tokens = (len(hit.block_ids)
+                                                           * self.block_manager.block_size)
+        return hit.num_queried
+
+    def _allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Grow seq's block table to hold num_computed_tokens + num_new_tokens; False (and
+        nothing allocated) if the pool is too full."""
+        new = self.block_manager.allocate_slots(len(seq.block_table),
+                                                seq.num_computed_tokens + num_new_tokens)
+        if new is None:
+            return False
+        seq.block_table.extend(new)
+        return True
+
+    def _free(self, seq: Sequence) -> None:
+        self.block_manager.free(seq.block_table)
+        seq.block_table, seq.block_hashes = [], []
+        seq.num_computed_tokens = 0
+
     def _release_prefix(self, seq: Sequence) -> None:
         """Undo a prefix match for a request that stays waiting (it is redone next time)."""
-        if seq.block_table:
-            self.block_manager.free(seq)
+        self._free(seq)
         seq.num_cached_tokens = 0
 
     def _pick_victim(self, candidates: list[Sequence], current: Sequence) -> Sequence:
@@ -207,7 +239,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
-        self.block_manager.free(seq)
+        self._free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -241,7 +273,7 @@ class Scheduler:
             if (length - seq.num_prompt_tokens >= seq.params.max_tokens
                     or length >= self.max_model_len):
                 continue
-            if not self.block_manager.allocate_slots(seq, 1):
+            if not self._allocate(seq, 1):
                 return None                          # a preemption is the sync path's job
             out.scheduled.append(ScheduledSeq.ahead(seq, seq.num_computed_tokens))
             rows.append(i)
@@ -256,5 +288,7 @@ class Scheduler:
         for s in out.scheduled:
             if s.seq.status is SequenceStatus.FINISHED:
                 continue                    # ended while its step was in flight: blocks freed
-            s.seq.num_computed_tokens = s.start + s.num_new_tokens
-            self.block_manager.cache_full_blocks(s.seq)
+            seq = s.seq
+            seq.num_computed_tokens = s.start + s.num_new_tokens
+            seq.block_hashes.extend(self.block_manager.cache_full_blocks(
+                seq.token_ids, seq.block_table, seq.block_hashes, seq.num_computed_tokens))

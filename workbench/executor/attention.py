@@ -74,6 +74,11 @@ class AttentionMetadata:
     """What prefill_kernel.plan(...) built for this step's chunks."""
 
 
+def slot(block_table: list[int], pos: int, block_size: int) -> int:
+    """The pool slot (block * block_size + offset) holding the K/V of position pos."""
+    return block_table[pos // block_size] * block_size + pos % block_size
+
+
 def block_table_array(tables: list[list[int]], width: int, fill: int,
                       rows: int | None = None) -> torch.Tensor:
     """Block tables as one int64 CPU tensor [rows, width], each padded with `fill` (rows past

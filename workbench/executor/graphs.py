@@ -30,15 +30,6 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes))
 
 
-def validate_capture_sizes(sizes: list[int], max_num_seqs: int) -> list[int]:
-    if not sizes or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes):
-        raise ValueError(f"cudagraph_capture_sizes: must be positive integers (got {sizes!r})")
-    if max(sizes) > max_num_seqs:
-        raise ValueError(f"cudagraph_capture_sizes: {max(sizes)} exceeds max_num_seqs "
-                         f"({max_num_seqs}); a batch that large never runs")
-    return sorted(set(sizes))
-
-
 def padded_size(batch: int, sizes: list[int]) -> int | None:
     """The captured size a decode batch of `batch` replays at (the smallest >= batch), or
     None when it is larger than every captured size and must run eager. The padding slots

@@ -7,7 +7,8 @@ import time
 import torch
 
 from .graphs import default_capture_sizes, default_piecewise_sizes
-from .attention import AttentionMetadata, PrefillSpan, block_table_array, pool_rows
+from ..utils import cdiv
+from .attention import AttentionMetadata, PrefillSpan, block_table_array, pool_rows, slot
 from ..core.scheduler import ScheduledSeq, SchedulerOutput
 from ..telemetry import FULL, PIECEWISE
 
@@ -73,7 +74,7 @@ class ModelRunner:
         if not self.can_capture_decode:
             raise ValueError("graph_mode: capturing decode graphs needs the platform's fused "
                              "paged attention (attention_backend='auto')")
-        max_blocks = -(-max_model_len // self.block_size)
+        max_blocks = cdiv(max_model_len, self.block_size)
         self.graphs = DecodeGraphs(self.model, self.layer_caches, self.platform, sizes,
                                    max_blocks, self.scratch_block, self.block_size,
                                    kernel=self.decode_kernel, backend=self.backend,
@@ -134,10 +135,6 @@ class ModelRunner:
         """The whole pool, the scratch block included."""
         return self.kv_cache.numel() * self.kv_cache.element_size()
 
-    def _slots(self, block_table: list[int], start: int, n: int) -> list[int]:
-        bs = self.block_size
-        return [block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
-
     def prepare(self, out: SchedulerOutput):
         """Flatten the step: decodes first, then prefill chunks. Returns model inputs, the
         attention metadata and, in logits order, the scheduled sequences that sample."""
@@ -158,7 +155,7 @@ class ModelRunner:
             p = s.start
             input_ids.append(s.seq.token_ids[p])
             positions.append(p)
-            slots.append(s.seq.block_table[p // bs] * bs + p % bs)
+            slots.append(slot(s.seq.block_table, p, bs))
             logits_rows.append(len(logits_rows))
             sampling.append(s)
         decode_rows = decode_bias = scratch = tables = lens = None
@@ -187,11 +184,11 @@ class ModelRunner:
             q_start, n = len(input_ids), s.num_new_tokens
             input_ids += s.seq.token_ids[s.start:s.start + n]
             positions += range(s.start, s.start + n)
-            slots += self._slots(s.seq.block_table, s.start, n)
+            slots += [slot(s.seq.block_table, p, bs) for p in range(s.start, s.start + n)]
             rows = mask = None
             if s.start > 0 and self.backend is None and self.prefill_kernel is None:
                 ctx = s.start + n
-                block_ids = torch.tensor(s.seq.block_table[:-(-ctx // bs)], dtype=torch.long)
+                block_ids = torch.tensor(s.seq.block_table[:cdiv(ctx, bs)], dtype=torch.long)
                 rows = pool_rows(block_ids, kv_heads, self.num_blocks + 1)
                 q_pos = torch.arange(s.start, ctx)
                 mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
@@ -250,7 +247,7 @@ class ModelRunner:
         seqs = [(s.seq, s.start) for s in out.scheduled]
         ids = [q.token_ids[p] for q, p in seqs] if input_ids is None else input_ids
         logits, size = g.run(ids, [p for _, p in seqs],
-                             [q.block_table[p // bs] * bs + p % bs for q, p in seqs],
+                             [slot(q.block_table, p, bs) for q, p in seqs],
                              [q.block_table for q, _ in seqs], [p + 1 for _, p in seqs])
         return logits, list(out.scheduled), (FULL, size), []
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.sampling_params import SamplingParams
-from ..core.sequence import Sequence
+from ..core.sequence import Logprob, Sequence
 
 
 @dataclass(slots=True)
@@ -40,6 +40,17 @@ class LogprobsTensors:
     def to_host(self, non_blocking: bool = False) -> "LogprobsTensors":
         return LogprobsTensors(*(t.to("cpu", non_blocking=non_blocking)
                                  for t in (self.token_ids, self.logprobs, self.ranks)))
+
+    def row(self, i: int, k: int, token_text) -> dict[int, Logprob]:
+        """Row i (of host tensors) as {token id: Logprob}: column 0 (the chosen token) first,
+        then the top k. token_text(id) gives each Logprob.decoded_token."""
+        ids = self.token_ids[i, :k + 1].tolist()
+        vals = self.logprobs[i, :k + 1].tolist()
+        out = {ids[0]: Logprob(vals[0], int(self.ranks[i]), token_text(ids[0]))}
+        for rank, (t, v) in enumerate(zip(ids[1:], vals[1:]), start=1):
+            if t not in out:
+                out[t] = Logprob(v, rank, token_text(t))
+        return out
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:

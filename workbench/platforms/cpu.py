@@ -7,6 +7,7 @@ import resource
 import threading
 from pathlib import Path
 
+from ..utils import cdiv
 from .base import Platform
 
 log = logging.getLogger("workbench")
@@ -126,7 +127,7 @@ def decode_when_built(q, k_cache, v_cache, block_tables, context_lens, scale):
     kv_heads, _, bs, d = k_cache.shape
     out = torch.empty_like(q)
     for i, n in enumerate(context_lens.tolist()):
-        blocks = block_tables[i, :(n + bs - 1) // bs].long()
+        blocks = block_tables[i, :cdiv(n, bs)].long()
         k = k_cache[:, blocks].reshape(kv_heads, -1, d)[:, :n]          # [kvH, n, D]
         v = v_cache[:, blocks].reshape(kv_heads, -1, d)[:, :n]
         qi = q[i].view(kv_heads, -1, d)                                 # [kvH, G, D]

@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..utils import cdiv
+
 
 @triton.jit
 def _attend_kv_tile(q, m, denom, acc, k_ptr, v_ptr, table, kv_head, start, end, pos, d, d_ok,
@@ -222,7 +224,7 @@ def plan_prefill(q_lens: list[int], ctx_lens: list[int], tables: list[list[int]]
     numpy and moved to the device in one copy."""
     n = len(q_lens)
     qn = np.asarray(q_lens, dtype=np.int64)
-    tiles = -(-qn // block_q)
+    tiles = cdiv(qn, block_q)
     tile_seq = np.repeat(np.arange(n), tiles)
     first = np.cumsum(tiles) - tiles                  # each chunk's first tile
     tile_q = (np.arange(int(tiles.sum())) - np.repeat(first, tiles)) * block_q
@@ -231,7 +233,7 @@ def plan_prefill(q_lens: list[int], ctx_lens: list[int], tables: list[list[int]]
     # Triton compiles a kernel variant per pointer alignment, and unaligned parts would
     # make the first steps of a run compile several.
     sizes = [n * width, n, n + 1, len(tile_seq), len(tile_seq)]
-    starts = np.cumsum([0] + [-(-k // 4) * 4 for k in sizes])
+    starts = np.cumsum([0] + [cdiv(k, 4) * 4 for k in sizes])
     flat = np.zeros(int(starts[-1]), dtype=np.int32)
     tab = flat[:n * width].reshape(n, width)
     for i, t in enumerate(tables):

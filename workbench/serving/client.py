@@ -213,21 +213,34 @@ def summarize_metrics(samples: dict) -> dict:
 
 
 # ---- SSE ------------------------------------------------------------------------------------
-def _sse_data(lines: Iterable[str]) -> Iterator[str]:
-    """The data of each SSE event in a stream of lines (comments and other fields skipped)."""
-    data: list[str] = []
-    for line in lines:
+class SSEParser:
+    """Server-sent events, one line at a time: `feed` returns an event's data when the blank
+    line that ends it arrives (comments and fields other than data are skipped); `end`
+    returns an event the stream closed without ending."""
+
+    def __init__(self):
+        self._data: list[str] = []
+
+    def feed(self, line: str) -> str | None:
         if line == "":
-            if data:
-                yield "\n".join(data)
-                data = []
-        elif line.startswith(":"):
-            continue
-        elif line.startswith("data:"):
+            data, self._data = self._data, []
+            return "\n".join(data) if data else None
+        if line.startswith("data:"):
             v = line[5:]
-            data.append(v[1:] if v.startswith(" ") else v)
-    if data:
-        yield "\n".join(data)
+            self._data.append(v[1:] if v.startswith(" ") else v)
+        return None
+
+    def end(self) -> str | None:
+        return self.feed("")
+
+
+def sse_data(lines: Iterable[str]) -> Iterator[str]:
+    """The data of each SSE event in a stream of lines."""
+    parser = SSEParser()
+    for line in [*lines, ""]:
+        data = parser.feed(line)
+        if data is not None:
+            yield data
 
 
 def _error(status: int, text: str) -> RemoteError:
@@ -467,7 +480,7 @@ class RemoteEngine:
             if r.status_code != 200:
                 r.read()
                 raise self._refused(r.status_code, r.text, body)
-            for data in _sse_data(r.iter_lines()):
+            for data in sse_data(r.iter_lines()):
                 if data.strip() == "[DONE]":
                     break
                 ev = tracker.feed(data)
@@ -484,24 +497,17 @@ class RemoteEngine:
             if r.status_code != 200:
                 await r.aread()
                 raise self._refused(r.status_code, r.text, body)
-            lines: list[str] = []
-            finished = False
+            parser = SSEParser()
             async for line in r.aiter_lines():
-                lines.append(line)
-                if line != "":
-                    continue
-                for data in _sse_data(lines):
-                    if data.strip() == "[DONE]":
-                        finished = True
-                        break
-                    ev = tracker.feed(data)
-                    if ev is not None:
-                        yield ev
-                lines = []
-                if finished:
+                data = parser.feed(line)
+                if data is not None and data.strip() == "[DONE]":
                     break
-            for data in _sse_data([] if finished else lines):
-                if data.strip() != "[DONE]":
+                ev = tracker.feed(data) if data is not None else None
+                if ev is not None:
+                    yield ev
+            else:
+                data = parser.end()
+                if data is not None and data.strip() != "[DONE]":
                     ev = tracker.feed(data)
                     if ev is not None:
                         yield ev

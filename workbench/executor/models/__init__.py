@@ -8,8 +8,10 @@ from .loader import LoadedCheckpoint, load_checkpoint
 
 
 def build_model(ckpt: LoadedCheckpoint, dtype: torch.dtype, device: torch.device,
-                max_positions: int, seed: int = 0) -> LlamaForCausalLM:
-    """Instantiate the decoder for ckpt's config and fill it with ckpt's (or seeded) weights."""
+                max_positions: int, seed: int = 0, ops=None) -> LlamaForCausalLM:
+    """Instantiate the decoder for ckpt's config and fill it with ckpt's (or seeded) weights.
+    `ops`: the fusable ops it runs (a platform's fused kernels); None keeps the torch
+    reference."""
     with torch.device("meta"):
         model = LlamaForCausalLM(ckpt.hf_config, max_positions)
     model = model.to_empty(device="cpu")
@@ -20,6 +22,8 @@ def build_model(ckpt: LoadedCheckpoint, dtype: torch.dtype, device: torch.device
         model.init_random(seed)
     else:
         model.load_hf_state_dict(ckpt.state_dict)
+    if ops is not None:
+        model.ops = ops
     return model.to(device=device, dtype=dtype).eval()
 
 

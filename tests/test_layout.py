@@ -1,0 +1,142 @@
+"""The house rules, checked on the source: the layers import only downwards, and everything
+that observes an engine (widgets, server, CLI, benchmarks, notebooks) goes through its
+public read API (`info()`, `stats()`, `kv_blocks()`, `request_states()`, `telemetry`) and
+the documented `add_request`/`step`, never inside it."""
+from __future__ import annotations
+
+import ast
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "workbench"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module path imported anywhere in the file (lazy imports inside functions too)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            found.add(mod)
+            found.update(f"{mod}.{a.name}" for a in node.names)   # `from . import x`
+    return found
+
+
+def layer(mod: str) -> str:
+    parts = mod.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else parts[0]
+
+
+# What each part of the package may import from the workbench (besides itself).
+ALLOWED = {
+    "workbench.utils": set(),
+    "workbench.config": set(),
+    "workbench.cache": set(),
+    "workbench.telemetry": set(),
+    "workbench.platforms": {"workbench.config", "workbench.cache", "workbench.utils"},
+    "workbench.executor": {"workbench.config", "workbench.cache", "workbench.telemetry", "workbench.utils",
+                           "workbench.platforms", "workbench.core"},
+    "workbench.core": {"workbench.config", "workbench.telemetry", "workbench.executor", "workbench.utils",
+                       "workbench.platforms"},
+    "workbench.engine": {"workbench.config", "workbench.telemetry", "workbench.core"},
+    "workbench.serving": {"workbench.engine", "workbench.core", "workbench.telemetry",
+                          "workbench.config", "workbench"},
+    "workbench.bench": {"workbench.engine", "workbench.core", "workbench.telemetry",
+                        "workbench.serving", "workbench.config"},
+}
+PURE_CORE = {"sequence", "scheduler", "block_manager", "sampling_params", "detokenizer",
+             "request"}
+"""core/ modules that are pure Python over token counts and block ids (no executor, no
+platform): the scheduler is unit-tested with no model."""
+
+
+def workbench_files():
+    return sorted(p for p in PKG.rglob("*.py") if "csrc" not in p.parts)
+
+
+def test_layers_import_only_downwards():
+    wrong = []
+    for path in workbench_files():
+        mod = module_name(path)
+        own = layer(mod)
+        for imp in imports_of(path):
+            top = imp.split(".")[0]
+            if top in ("widgets", "ipywidgets", "plotly"):
+                wrong.append(f"{mod} imports {imp}: the engine never imports the UI")
+            if top != "workbench" or own in ("workbench", "workbench.cli"):
+                continue
+            target = layer(imp)
+            name = imp.split(".")[1] if "." in imp else ""
+            if target == own or not ((PKG / name).is_dir() or (PKG / f"{name}.py").exists()):
+                continue                  # its own layer, or a name from workbench/__init__
+            if target not in ALLOWED.get(own, set()):
+                wrong.append(f"{mod} imports {imp}")
+            if (own == "workbench.core" and mod.split(".")[-1] in PURE_CORE
+                    and target in ("workbench.executor", "workbench.platforms")):
+                wrong.append(f"{mod} imports {imp}: this core module stays device-free")
+    assert not wrong, "\n".join(wrong)
+
+
+CONSUMERS = ([*sorted((ROOT / "widgets").glob("*.py")), *sorted((PKG / "serving").glob("*.py")),
+              *sorted((PKG / "bench").glob("*.py")), PKG / "cli.py",
+              *sorted((ROOT / "benchmarks").glob("*.py"))])
+INTERNALS = re.compile(r"\.(block_manager|scheduler|runner|model_runner)\b|"
+                       r"\b(engine|eng|e|self\.engine)\.(model|platform|hf_config)\b")
+PRIVATE = re.compile(r"\b(?!self\b|cls\b)[A-Za-z_]\w*\._[a-z]\w*")
+# Reads of another library's underscore names that its own docs tell you to use.
+FOREIGN_PRIVATE = {"config._attn_implementation"}
+CORE_DIAGNOSTICS = {"gpu.py", "npu.py"}
+"""Device benchmarks that time kernels and graph replays may reach the engine core
+(`engine.core`), on purpose and nowhere else."""
+
+
+def consumer_sources():
+    for path in CONSUMERS:
+        yield path.relative_to(ROOT), path.read_text()
+    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        cells = json.loads(nb.read_text())["cells"]
+        yield nb.relative_to(ROOT), "\n".join("".join(c["source"]) for c in cells
+                                              if c["cell_type"] == "code")
+
+
+@pytest.mark.parametrize("name,source", list(consumer_sources()), ids=lambda v: str(v)[:40])
+def test_consumers_use_the_public_read_api(name, source):
+    bad = []
+    for i, line in enumerate(source.splitlines(), 1):
+        code = line.split("#")[0]
+        for m in PRIVATE.finditer(code):
+            if m.group(0) not in FOREIGN_PRIVATE:
+                bad.append(f"{name}:{i}: private access {m.group(0)!r}")
+        if code.lstrip().startswith(("from ", "import ")):
+            continue                      # importing workbench.core's types is fine
+        diagnostic = Path(name).name in CORE_DIAGNOSTICS and ".core." in code
+        if INTERNALS.search(code) and not diagnostic:
+            bad.append(f"{name}:{i}: reads an engine internal: {line.strip()}")
+        if ".core." in code and not diagnostic:
+            bad.append(f"{name}:{i}: reaches into the engine core: {line.strip()}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_checks_catch_what_they_forbid():
+    """The patterns above find the reads they exist to forbid (so the test can fail)."""
+    assert INTERNALS.search("bm = self.engine.block_manager")
+    assert INTERNALS.search("dtype = next(e.model.parameters()).dtype")
+    assert PRIVATE.search("e._drain_inbox()") and not PRIVATE.search("self._lock")
+    assert "workbench.engine" not in ALLOWED["workbench.platforms"]
