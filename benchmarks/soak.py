@@ -51,7 +51,7 @@ def start_server(model: str, extra: list[str], log_path: Path, timeout: float = 
     with open(log_path, "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "serve", "--model", model,
                                  "--device", "cpu", "--port", str(port), "--log-level",
-                                 "warning", *extra], cwd=ROOT, stdout=log,
+                                 "warning", "--allow-missing-model", *extra], cwd=ROOT, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout

@@ -153,7 +153,7 @@ def abused_server(smollm2_dir, tmp_path_factory):
     from test_server import start_server, stop_process
     log = tmp_path_factory.mktemp("abuse") / "server.log"
     proc, url = start_server(["--model", "smollm2", "--max-model-len", "8192",
-                              "--header-timeout", "2"], log)
+                              "--header-timeout", "2", "--allow-missing-model"], log)
     yield url, proc
     stop_process(proc)
 
@@ -183,9 +183,13 @@ def test_a_huge_prompt_is_refused_by_size_and_does_not_stall_others(abused_serve
     # 2.5 MB: under the size bound (8192 tokens x 324 bytes), far too long once tokenized,
     # which takes about 2 s each: on the event loop, /health would wait that long.
     big = "xq" * 1_250_000
+    def timed_post():
+        t0 = time.perf_counter()
+        r = httpx.post(url + "/v1/completions", json={"prompt": big}, timeout=120)
+        return r, time.perf_counter() - t0
+
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(httpx.post, url + "/v1/completions", json={"prompt": big},
-                               timeout=120) for _ in range(4)]
+        futures = [pool.submit(timed_post) for _ in range(4)]
         worst = 0.0
         while not all(f.done() for f in futures):
             t = time.perf_counter()
@@ -193,8 +197,11 @@ def test_a_huge_prompt_is_refused_by_size_and_does_not_stall_others(abused_serve
             worst = max(worst, time.perf_counter() - t)
             time.sleep(0.05)
         for f in futures:
-            assert_openai_error(f.result(), 400, "prompt")
-    assert worst < 1.0, f"/health took {worst:.2f} s while prompts were tokenized"
+            assert_openai_error(f.result()[0], 400, "prompt")
+    # On the event loop, /health would wait for at least one whole tokenization (the
+    # quickest request's time); a machine's load stretches both alike.
+    one = min(f.result()[1] for f in futures)
+    assert worst < max(1.0, one / 2), f"/health took {worst:.2f} s while prompts were tokenized"
 
 
 @pytest.mark.parametrize("path,body,param", [
@@ -257,7 +264,7 @@ def test_the_server_shuts_its_engine_down_on_exit(monkeypatch):
     real = Engine.shutdown
     monkeypatch.setattr(Engine, "shutdown", lambda self, *a, **k: (calls.append(self),
                                                                     real(self, *a, **k))[1])
-    with TestClient(create_app(engine)) as client:
+    with TestClient(create_app(engine, allow_missing_model=True)) as client:
         r = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4})
         assert r.status_code == 200, r.text
         assert engine.is_running_in_background

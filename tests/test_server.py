@@ -289,7 +289,8 @@ def test_bad_input_answers_openai_errors_and_server_keeps_serving(server):
             if param is not None and status == 400:
                 assert err["message"].startswith(param), err
             assert err["type"] == "invalid_request_error"
-        err = assert_openai_error(c.post("/v1/completions", json={"prompt": "word " * 2000}, headers=AUTH),
+        err = assert_openai_error(c.post("/v1/completions", json={"model": MODEL, "prompt": "word " * 2000},
+                                         headers=AUTH),
                                   400, "prompt")
         assert err["code"] == "context_length_exceeded"
 
@@ -304,6 +305,128 @@ def test_bad_input_answers_openai_errors_and_server_keeps_serving(server):
     after = wait_idle(server)
     done = lambda m: sum(m["request_success_total"].values())   # noqa: E731
     assert done(after) - done(before) == 1
+
+
+# ---- the field rule: nothing accepted and ignored ------------------------------------------
+HI = [{"role": "user", "content": "hi"}]
+# Every field issue 12 found ignored, with a value that asks for something.
+UNSUPPORTED = [
+    ("tool_choice", "auto"), ("parallel_tool_calls", False), ("function_call", "auto"),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("modalities", ["audio"]),
+    ("audio", {"voice": "alloy"}), ("prediction", {"type": "content", "content": "x"}),
+    ("service_tier", "flex"), ("web_search_options", {}), ("reasoning_effort", "low"),
+    ("store", True), ("metadata", {"k": "v"}), ("use_beam_search", True), ("length_penalty", 0.5),
+    ("user", "u-1"), ("guided_decoding_backend", "xgrammar"),
+]
+# Supported ones are parsed: a bad value is a 400 that names the field.
+PARSED = [
+    ("repetition_penalty", 0), ("min_p", 1.5), ("prompt_logprobs", 21),
+    ("include_stop_str_in_output", "yes"), ("skip_special_tokens", "no"),
+    ("presence_penalty", 2.5), ("logit_bias", {"x": 1}), ("min_tokens", 3), ("n", 0),
+    ("logprobs", 3), ("top_logprobs", 2),
+    ("guided_json", {"type": "nonsense"}), ("guided_choice", []), ("guided_regex", "(("),
+    ("guided_grammar", "start: nowhere"), ("structured_outputs", {"regex": "(("}),
+    ("structured_outputs", {"json": {"type": "object"}, "regex": "a"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x",
+                                                                "schema": {"type": "nonsense"}}}),
+    ("response_format", {"type": "xml"}), ("add_generation_prompt", "yes"),
+    ("continue_final_message", True),           # with add_generation_prompt (default true)
+    ("chat_template", "{% if %}"), ("chat_template_kwargs", {"tokenize": True}),
+    ("truncate_prompt_tokens", 0), ("add_special_tokens", "no"),
+]
+
+
+@pytest.mark.parametrize("name,value,kind", [(n, v, "unsupported_parameter") for n, v in UNSUPPORTED]
+                         + [(n, v, None) for n, v in PARSED])
+def test_no_field_is_accepted_and_ignored(server, name, value, kind):
+    body = {"model": MODEL, "messages": HI, "max_tokens": 2, name: value}
+    err = assert_openai_error(httpx.post(server + "/v1/chat/completions", json=body, headers=AUTH,
+                                         timeout=60), 400, name)
+    assert err["code"] == kind and err["message"].startswith(name), err
+
+
+def test_unknown_fields_and_a_missing_model_are_refused(server):
+    with httpx.Client(base_url=server, headers=AUTH, timeout=60) as c:
+        for path, body, bad in [
+                ("/v1/chat/completions", {"model": MODEL, "messages": HI, "temprature": 0}, "temprature"),
+                ("/v1/completions", {"model": MODEL, "prompt": "hi", "messages": HI}, "messages"),
+                ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_completion_tokens": 3},
+                 "max_completion_tokens")]:
+            err = assert_openai_error(c.post(path, json=body), 400, bad)
+            assert err["message"] == f"Unrecognized request argument supplied: {bad}"
+        err = assert_openai_error(c.post("/v1/completions", json={"prompt": "hi"}), 400, "model")
+        assert "--allow-missing-model" in err["message"]
+        # Asking for nothing is fine: nulls and neutral values of unsupported fields.
+        r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 1,
+                                                 "n": 1, "tools": [], "store": False, "user": None,
+                                                 "response_format": {"type": "text"}})
+        assert r.status_code == 200, r.text
+
+
+def test_structured_output_over_http(server):
+    """response_format json_schema (sampled, several seeds), vLLM's guided_regex and
+    guided_choice, and structured_outputs, all in flight at once."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                               "population": {"type": "integer", "minimum": 0}},
+              "required": ["city", "population"], "additionalProperties": False}
+    ask = [{"role": "user", "content": "A city and its population, as JSON."}]
+    rf = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}}
+    bodies = [{"messages": ask, "response_format": rf, "seed": s, "temperature": 1.0} for s in range(3)]
+    bodies += [{"messages": HI, "guided_regex": r"[A-Z][a-z]{2,6}!", "temperature": 1.0, "seed": 1},
+               {"prompt": "Pick one:", "guided_choice": ["left", "right"], "temperature": 1.0, "seed": 2},
+               {"prompt": "A number:", "structured_outputs": {"regex": "[0-9]{5}"}, "temperature": 0}]
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server, headers=AUTH, timeout=300) as c:
+            return await asyncio.gather(*(
+                c.post("/v1/chat/completions" if "messages" in b else "/v1/completions",
+                       json={"model": MODEL, "max_tokens": 40, **b}) for b in bodies))
+
+    outs = []
+    for r in asyncio.run(run()):
+        assert r.status_code == 200, r.text
+        ch = r.json()["choices"][0]
+        outs.append(ch["message"]["content"] if "message" in ch else ch["text"])
+    for text in outs[:3]:
+        jsonschema.validate(json.loads(text), schema)
+    assert re.fullmatch(r"[A-Z][a-z]{2,6}!", outs[3]) and outs[4] in ("left", "right")
+    assert re.fullmatch(r"[0-9]{5}", outs[5])
+
+
+def test_chat_template_controls_over_http(server, smollm2_tokenizer):
+    """The prompt the server builds is the tokenizer's own apply_chat_template, with the
+    controls passed and tool calls (JSON arguments as a mapping) in the conversation."""
+    tok = smollm2_tokenizer
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+    tools_chat = [{"role": "user", "content": "Weather in Paris?"},
+                  {"role": "assistant", "content": None, "tool_calls": [call]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
+    as_template = [tools_chat[0], {"role": "assistant", "content": "", "tool_calls": [
+        {**call, "function": {"name": "weather", "arguments": {"city": "Paris"}}}]}, tools_chat[2]]
+    partial = HI + [{"role": "assistant", "content": "Hello! How"}]
+    cases = [({"messages": partial, "add_generation_prompt": False, "continue_final_message": True},
+              partial, dict(add_generation_prompt=False, continue_final_message=True)),
+             ({"messages": HI, "add_generation_prompt": False}, HI, dict(add_generation_prompt=False)),
+             ({"messages": tools_chat}, as_template, dict(add_generation_prompt=True))]
+    counts = set()
+    with httpx.Client(base_url=server, headers=AUTH, timeout=120) as c:
+        for body, messages, kw in cases:
+            r = c.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 1, **body})
+            assert r.status_code == 200, r.text
+            want = tok.encode(tok.apply_chat_template(messages, tokenize=False, **kw),
+                              add_special_tokens=False)
+            assert r.json()["usage"]["prompt_tokens"] == len(want)
+            counts.add(len(want))
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "one two three four five",
+                                            "truncate_prompt_tokens": 2, "max_tokens": 1})
+        assert r.json()["usage"]["prompt_tokens"] == 2
+        err = assert_openai_error(c.post("/v1/chat/completions", json={
+            "model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "x",
+                                                         "audio": {"id": "a"}}]}), 400, "messages")
+        assert err["code"] == "unsupported_parameter" and "audio" in err["message"]
+    assert len(counts) == 3
 
 
 # ---- load and faults ------------------------------------------------------------------------

@@ -4,9 +4,9 @@
 """
 from .config import EngineConfig
 from .engine import CompletionOutput, Engine, RequestOutput, TokenEvent
-from .core.sampling_params import SamplingParams
+from .core.sampling_params import SamplingParams, StructuredOutputsParams
 from .core.sequence import Logprob
 
 __all__ = ["Engine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "TokenEvent", "Logprob"]
+           "TokenEvent", "Logprob", "StructuredOutputsParams"]
 __version__ = "0.1.0"

@@ -164,7 +164,7 @@ def cmd_serve(a) -> int:
                                 ("limit_concurrency", a.limit_concurrency)) if v is not None}
     try:
         serve(engine, host=a.host, port=a.port, api_key=api_key, model_name=a.served_model_name,
-              log_level=a.log_level, **limits)
+              log_level=a.log_level, allow_missing_model=a.allow_missing_model, **limits)
     finally:
         engine.close()       # the KV pool, graphs and weights, freed before the process ends
     return 0
@@ -351,6 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $WORKBENCH_API_KEY)")
     s.add_argument("--served-model-name", default=None,
                    help="model id clients send and /v1/models lists (default: --model)")
+    s.add_argument("--allow-missing-model", action="store_true",
+                   help="a request without 'model' gets the served one (default: 400)")
     s.add_argument("--header-timeout", type=float, default=None, metavar="S",
                    help="close a connection that has not sent a whole request head in S "
                         "seconds (default 10)")

@@ -26,7 +26,7 @@ from ..config import EngineConfig
 from ..executor.kv_sizing import kv_bytes_per_block, num_kv_blocks
 from ..executor.models import build_model, load_checkpoint
 from ..executor.runner import ModelRunner
-from ..executor.sampler import LogprobsTensors, compute_logprobs, sample
+from ..executor.sampler import LogprobsTensors, apply_token_bitmask, compute_logprobs, sample
 from ..platforms import get_platform
 from ..telemetry import FULL, EngineInfo, EngineStats, MemoryStats, RequestMetrics, StepEvent, Telemetry
 from .block_manager import BlockManager, KVBlockSnapshot
@@ -35,6 +35,7 @@ from .request import Request, RequestState, TokenEvent
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Logprob, Sequence, SequenceStatus
+from .structured_output import StructuredOutputManager
 
 log = logging.getLogger("workbench")
 
@@ -135,6 +136,7 @@ class EngineCore:
             self.notices.append(text)
             log.info(text)
         self.vocab_size = self.hf_config.vocab_size
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size)
         self._info = EngineInfo(
             model=config.model, model_path=str(self.model_path) if self.model_path else None,
             device=self.platform.name, dtype=str(dtype).replace("torch.", ""),
@@ -221,7 +223,9 @@ class EngineCore:
     def make_request(self, prompt_ids: list[int], prompt: Any, params: SamplingParams,
                      request_id: str) -> Request:
         """A Request for validated token ids (the front door tokenizes and validates); with
-        n > 1 it carries its other choices, which start when its prompt is computed."""
+        n > 1 it carries its other choices, which start when its prompt is computed. A
+        grammar (structured output) is compiled here, one matcher per choice: a bad one
+        raises ValueError."""
         first = self._make_choice(prompt_ids, prompt, params, request_id, 0)
         if params.n > 1:
             # Later choices: their own seed stream; the prompt's logprobs come with the first.
@@ -237,6 +241,8 @@ class EngineCore:
 
     def _make_choice(self, prompt_ids: list[int], prompt: Any, params: SamplingParams,
                      request_id: str, choice: int) -> Request:
+        grammar = (self.structured_output.compile(params.structured_outputs)
+                   if params.structured_outputs is not None else None)
         seq = Sequence(request_id if choice == 0 else f"{request_id}#{choice}", prompt_ids,
                        params, max_len=self.max_model_len)
         gen = None
@@ -252,8 +258,8 @@ class EngineCore:
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop,
                                        params.skip_special_tokens,
                                        params.include_stop_str_in_output)
-        return Request(seq, prompt, detok, metrics, gen, request_id=request_id, choice=choice,
-                       logprobs=[] if params.logprobs is not None else None)
+        return Request(seq, prompt, detok, metrics, gen, grammar, request_id=request_id,
+                       choice=choice, logprobs=[] if params.logprobs is not None else None)
 
     def add(self, reqs: list[Request]) -> None:
         self.check_open()
@@ -345,8 +351,7 @@ class EngineCore:
                 rows, reqs = self._sampling_rows(reqs)
                 if rows is not None:
                     logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-                out = sample(logits[:len(reqs)], [r.seq for r in reqs],
-                             [r.generator for r in reqs], self.eos_token_ids)
+                out = self._sample(logits[:len(reqs)], reqs)
                 self.scheduler.update_after_step(sched)
                 lp = out.logprobs.to_host() if out.logprobs is not None else None
                 return self._record_step(sched, reqs, out.token_ids.tolist(), lp, graph, t0)
@@ -373,13 +378,26 @@ class EngineCore:
         return self._record_step(inflight.sched, inflight.reqs, tokens, inflight.host_logprobs,
                                  inflight.graph, inflight.t0, inflight.ahead)
 
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]):
+        """Pick each row's token (and its logprobs, when asked); rows with a grammar are
+        masked first, all in one bitmask (so, as in vLLM, their logprobs are the masked
+        distribution's)."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if rows:
+            bitmask = self.structured_output.grammar_bitmask([reqs[i].grammar for i in rows])
+            logits = apply_token_bitmask(logits, bitmask, rows)
+        return sample(logits, [r.seq for r in reqs], [r.generator for r in reqs],
+                      self.eos_token_ids)
+
     def _may_run_ahead(self, r: Request) -> bool:
         """Whether a request's next step may be launched before its token is known: greedy
-        (the id is picked on the device), no stop strings (they need the text), no logits
-        processors (penalties need the token history on the host). Logprobs may: they are
-        computed on the device and copied back with the ids."""
+        (the id is picked on the device), no stop strings (they need the text), no grammar
+        (its mask for the next step depends on this step's token), no logits processors
+        (penalties need the token history on the host). Logprobs may: they are computed on
+        the device and copied back with the ids."""
         p = r.seq.params
-        return r.generator is None and not p.stop and not p.needs_processing
+        return (r.generator is None and not p.stop and r.grammar is None
+                and not p.needs_processing)
 
     def _in_flight(self, sched, logits, reqs, graph, t0, ahead: bool) -> "_InFlight":
         """Greedy ids picked on the device and copied to a pinned host buffer without
@@ -511,6 +529,12 @@ class EngineCore:
                 r.detok.add(tok)
         elif r.detok.add(tok) is not None:
             reason = "stop"
+        elif r.grammar is not None and not r.grammar.consume_token(tok):
+            log.error("%s: the grammar refused token %d: %s", seq.request_id, tok,
+                      r.grammar.get_error())
+            reason = "error"
+        elif r.grammar is not None and r.grammar.is_stopped():
+            reason = "stop"      # the grammar is complete and allows nothing more
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is not None:

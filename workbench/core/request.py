@@ -46,6 +46,8 @@ class Request:
     detok: IncrementalDetokenizer
     metrics: RequestMetrics
     generator: torch.Generator | None
+    grammar: Any = None
+    """The structured-output grammar matcher (core/structured_output.py), or None."""
     listener: Callable[[TokenEvent], None] | None = None
     done: threading.Event = field(default_factory=threading.Event)
     """Set when every choice has ended (on the first choice's Request)."""

@@ -1,7 +1,9 @@
 """SamplingParams: how one request picks its tokens and when it stops (vLLM's names)."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..config import field_checker
 
@@ -10,6 +12,61 @@ SAMPLING_EPS = 1e-5
 vanishing temperature overflows."""
 MAX_LOGPROBS = 20
 """Most alternatives per position that logprobs / prompt_logprobs may ask for (OpenAI's cap)."""
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output to a grammar (vLLM's names). Exactly one of the fields is
+    set. The grammar is compiled when the request is added (Engine.add_request), so a schema,
+    regex or grammar the grammar engine refuses is a ValueError naming the field then."""
+    json: dict | str | None = None
+    """A JSON schema (a dict or its JSON text); the output is one JSON value it accepts."""
+    regex: str | None = None
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """A Lark grammar (llguidance's dialect; a start rule `start`), or GBNF (`root ::= ...`)."""
+    json_object: bool | None = None
+    """Any JSON object (OpenAI's response_format {"type": "json_object"})."""
+
+    def __post_init__(self) -> None:
+        set_ = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            raise ValueError("structured_outputs: set exactly one of json, regex, choice, grammar, "
+                             f"json_object (got {', '.join(set_) or 'none'})")
+        kind = set_[0]
+        v = getattr(self, kind)
+        where = f"structured_outputs.{kind}"
+        if kind == "json":
+            if isinstance(v, str):
+                try:
+                    v = json.loads(v)
+                except ValueError as e:
+                    raise ValueError(f"{where}: not valid JSON ({e})") from None
+            if not isinstance(v, (dict, bool)):
+                raise ValueError(f"{where}: must be a JSON schema object (got {type(v).__name__})")
+            self.json = v
+        elif kind in ("regex", "grammar"):
+            if not isinstance(v, str) or not v:
+                raise ValueError(f"{where}: must be a non-empty string (got {v!r})")
+        elif kind == "choice":
+            if (not isinstance(v, (list, tuple)) or not v
+                    or not all(isinstance(c, str) and c for c in v)):
+                raise ValueError(f"{where}: must be a non-empty list of non-empty strings "
+                                 f"(got {v!r})")
+            self.choice = list(v)
+        elif v is not True:
+            raise ValueError(f"{where}: must be true (got {v!r})")
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def value(self) -> Any:
+        return getattr(self, self.kind)
 
 
 @dataclass
@@ -51,6 +108,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """Return the logprob of each prompt token plus this many top alternatives (0..20). Such
     a request computes its whole prompt (no prefix-cache hits: every position's logits)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, a regex, a choice or a grammar."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the prompt's last k tokens (-1: as many as max_model_len allows)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -123,6 +184,11 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
                 bad(name, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+        tpt = self.truncate_prompt_tokens
+        if tpt is not None and (not is_int(tpt) or not (tpt >= 1 or tpt == -1)):
+            bad("truncate_prompt_tokens", "must be an integer >= 1, or -1 (max_model_len)")
+        if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            bad("structured_outputs", "must be StructuredOutputsParams or None")
 
     @property
     def greedy(self) -> bool:

@@ -168,3 +168,20 @@ def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | Non
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]
+                        ) -> torch.Tensor:
+    """Structured output's step in the sampler: the logits with the tokens a grammar does not
+    allow set to -inf. `bitmask` is [len(rows), ceil(vocab / 32)] int32 on the host (bit j of
+    word w allows token 32 * w + j), one row per constrained logits row in `rows`. It is copied
+    once and unpacked on the logits' device: one small copy and a few batched ops per step."""
+    n, vocab = logits.shape
+    bits = bitmask.to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
+    if rows != list(range(n)):
+        every = torch.ones(n, vocab, dtype=torch.bool, device=logits.device)
+        every[torch.tensor(rows, device=logits.device)] = allowed
+        allowed = every
+    return logits.masked_fill(~allowed, float("-inf"))

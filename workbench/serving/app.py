@@ -37,10 +37,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine import Engine
 from ..core.sampling_params import SamplingParams
 from .metrics import EngineMetrics
-from .protocol import (UNSET, APIError, bad_request, chat_logprobs, chat_messages,
-                       completion_logprobs, completion_prompt, body_field, from_value_error,
+from .protocol import (UNSET, APIError, bad_request, body_field, chat_logprobs, chat_messages,
+                       check_fields, completion_logprobs, completion_prompt, from_value_error,
                        is_template_error, max_token_bytes, read_json, sampling_params_from,
-                       vllm_prompt_logprobs)
+                       structured_error, structured_outputs_from, vllm_prompt_logprobs)
 
 log = logging.getLogger("workbench.server")
 
@@ -87,8 +87,10 @@ class _Choice:
         """Characters returned so far (completions' text_offset)."""
 
 
-def create_app(engine: Engine, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app serving `engine` (started on app start-up, shut down on exit)."""
+def create_app(engine: Engine, model_name: str | None = None, api_key: str | None = None,
+               allow_missing_model: bool = False) -> FastAPI:
+    """The FastAPI app serving `engine` (started on app start-up, shut down on exit).
+    `allow_missing_model`: a request without `model` gets the served one (else 400)."""
     served = model_name or engine.config.model
     metrics = EngineMetrics(engine, served)
 
@@ -136,7 +138,11 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
     def check_model(body: dict) -> None:
         m = body.get("model")
         if m is None:
-            return
+            if allow_missing_model:
+                return
+            raise bad_request("model", "model: required (this server serves "
+                                       f"{served!r}; start it with --allow-missing-model to "
+                                       "default to it)")
         if not isinstance(m, str):
             raise bad_request("model", f"model: must be a string (got {m!r})")
         if m != served:
@@ -144,6 +150,7 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
                            param="model", code="model_not_found")
 
     def prepare(kind: str, body: dict) -> _Served:
+        check_fields(kind, body)
         check_model(body)
         stream = body_field(body, "stream", (bool,), "true or false")
         stream = False if stream is UNSET else stream
@@ -154,18 +161,35 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
         if so is not None and not stream:
             raise bad_request("stream_options", "stream_options: only allowed when stream is true")
         # OpenAI's defaults: 16 tokens for completions; chat fills the context.
-        params, which = sampling_params_from(body, 16 if kind == "completion" else None, kind)
+        so, so_field = structured_outputs_from(body)
+        params, which = sampling_params_from(body, 16 if kind == "completion" else None, so,
+                                             kind)
         explicit = body.get(which) is not None
+        options = {"truncate_prompt_tokens": params.truncate_prompt_tokens,
+                   "add_special_tokens": body_field(body, "add_special_tokens", (bool,),
+                                                    "true or false")}
         if kind == "chat":
             prompt, rename = chat_messages(body), {"prompt": "messages"}
-            if getattr(engine.tokenizer, "chat_template", None) is None:
-                raise bad_request("messages", f"messages: model {served!r} has no chat template; use "
-                                       "/v1/completions", code="unsupported_model")
+            for name, kinds, what in (("add_generation_prompt", (bool,), "true or false"),
+                                      ("continue_final_message", (bool,), "true or false"),
+                                      ("chat_template", (str,), "a Jinja template text"),
+                                      ("chat_template_kwargs", (dict,), "an object")):
+                options[name] = body_field(body, name, kinds, what)
+            if (options["chat_template"] is UNSET
+                    and getattr(engine.tokenizer, "chat_template", None) is None):
+                raise bad_request("messages", f"messages: model {served!r} has no chat template; "
+                                              "use /v1/completions", code="unsupported_model")
         else:
             prompt, rename = completion_prompt(body), None
+        options = {k: v for k, v in options.items() if v is not UNSET and v is not None}
+        if so is not None:
+            try:
+                engine.check_params(params)
+            except ValueError as e:
+                raise structured_error(so_field, e) from None
         field = "messages" if kind == "chat" else "prompt"
         if max_text_bytes is not None:
-            texts = ([m["content"] for m in prompt] if kind == "chat"
+            texts = ([json.dumps(m, ensure_ascii=False) for m in prompt] if kind == "chat"
                      else [prompt] if isinstance(prompt, str) else [])
             size = sum(len(t.encode()) for t in texts)
             if size > max_text_bytes:
@@ -174,7 +198,7 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
                                   f"is longer than {token_bytes} bytes)",
                            code="context_length_exceeded")
         try:
-            ids = engine.tokenize(prompt)
+            ids = engine.tokenize(prompt, **options)
         except ValueError as e:
             err = from_value_error(e, rename)
             if err.param is None:   # e.g. a tokenizer without a chat template
@@ -457,11 +481,11 @@ def _h11_with_header_timeout(header_timeout: float):
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           model_name: str | None = None, log_level: str = "info",
           header_timeout: float = HEADER_TIMEOUT_S,
-          limit_concurrency: int = LIMIT_CONCURRENCY) -> None:
+          limit_concurrency: int = LIMIT_CONCURRENCY, allow_missing_model: bool = False) -> None:
     """Run the server in this thread until SIGINT/SIGTERM (then the engine is shut down)."""
     import uvicorn
 
-    app = create_app(engine, model_name, api_key)
+    app = create_app(engine, model_name, api_key, allow_missing_model)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             http=_h11_with_header_timeout(header_timeout),
                             limit_concurrency=limit_concurrency,

@@ -28,6 +28,7 @@ Needs httpx (the 'serve' extra); from the workbench only its latency definitions
 """
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import time
@@ -237,7 +238,7 @@ class SSEParser:
 def sse_data(lines: Iterable[str]) -> Iterator[str]:
     """The data of each SSE event in a stream of lines."""
     parser = SSEParser()
-    for line in [*lines, ""]:
+    for line in itertools.chain(lines, [""]):   # lazily: events go out as they arrive
         data = parser.feed(line)
         if data is not None:
             yield data

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from ..core.sampling_params import SamplingParams
+from ..core.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_BODY_BYTES = 16 * 2**20
 """Request bodies larger than this are refused (413) before any parsing."""
@@ -72,15 +72,177 @@ def body_field(body: dict, name: str, kinds: tuple[type, ...], what: str) -> Any
     return v
 
 
-def refuse_if_set(body: dict, name: str) -> None:
-    """Refuse a feature this server lacks, unless the value asks for nothing (null, false,
-    0, empty)."""
-    v = body.get(name)
-    if v is None or v is False or v == {} or v == []:
-        return
-    if isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0:
-        return
-    raise bad_request(name, f"{name}: not supported by this server (got {v!r})", code="unsupported_parameter")
+# ---- the request fields: the one place that says which exist and how each is handled --------
+OURS, NO = "supported", "unsupported"
+BOTH, CHAT, COMPLETION = ("chat", "completion"), ("chat",), ("completion",)
+
+REQUEST_FIELDS: dict[str, tuple[tuple[str, ...], str, tuple]] = {
+    # name: (endpoints, status, values that ask for nothing). A field not listed here, or
+    # sent to an endpoint it does not belong to, is answered as OpenAI answers an unknown
+    # argument. A listed field that this server does not support is refused
+    # (unsupported_parameter) unless its value is null or one that asks for nothing.
+    # OpenAI's fields
+    "model": (BOTH, OURS, ()),
+    "messages": (CHAT, OURS, ()),
+    "prompt": (COMPLETION, OURS, ()),
+    "stream": (BOTH, OURS, ()),
+    "stream_options": (BOTH, OURS, ()),
+    "max_tokens": (BOTH, OURS, ()),
+    "max_completion_tokens": (CHAT, OURS, ()),
+    "temperature": (BOTH, OURS, ()),
+    "top_p": (BOTH, OURS, ()),
+    "seed": (BOTH, OURS, ()),
+    "stop": (BOTH, OURS, ()),
+    "response_format": (BOTH, OURS, ()),
+    "n": (BOTH, OURS, (1,)),
+    "best_of": (COMPLETION, NO, (1,)),
+    "logprobs": (BOTH, OURS, ()),
+    "top_logprobs": (CHAT, OURS, ()),
+    "echo": (COMPLETION, OURS, ()),
+    "presence_penalty": (BOTH, OURS, (0,)),
+    "frequency_penalty": (BOTH, OURS, (0,)),
+    "logit_bias": (BOTH, OURS, ({},)),
+    "suffix": (COMPLETION, NO, ("",)),
+    "user": (BOTH, NO, ()),
+    "tools": (CHAT, NO, ([],)),
+    "tool_choice": (CHAT, NO, ("none",)),
+    "parallel_tool_calls": (CHAT, NO, ()),
+    "functions": (CHAT, NO, ([],)),
+    "function_call": (CHAT, NO, ("none",)),
+    "modalities": (CHAT, NO, (["text"],)),
+    "audio": (CHAT, NO, ()),
+    "prediction": (CHAT, NO, ()),
+    "service_tier": (CHAT, NO, ("auto", "default")),
+    "web_search_options": (CHAT, NO, ()),
+    "reasoning_effort": (CHAT, NO, ()),
+    "verbosity": (CHAT, NO, ()),
+    "store": (CHAT, NO, (False,)),
+    "metadata": (CHAT, NO, ({},)),
+    "prompt_cache_key": (CHAT, NO, ()),
+    "safety_identifier": (CHAT, NO, ()),
+    # vLLM's extra fields
+    "top_k": (BOTH, OURS, ()),
+    "stop_token_ids": (BOTH, OURS, ()),
+    "ignore_eos": (BOTH, OURS, ()),
+    "structured_outputs": (BOTH, OURS, ()),
+    "guided_json": (BOTH, OURS, ()),          # vLLM's legacy names for structured_outputs
+    "guided_regex": (BOTH, OURS, ()),
+    "guided_choice": (BOTH, OURS, ()),
+    "guided_grammar": (BOTH, OURS, ()),
+    "add_special_tokens": (BOTH, OURS, ()),
+    "truncate_prompt_tokens": (BOTH, OURS, ()),
+    "add_generation_prompt": (CHAT, OURS, ()),
+    "continue_final_message": (CHAT, OURS, ()),
+    "chat_template": (CHAT, OURS, ()),
+    "chat_template_kwargs": (CHAT, OURS, ()),
+    "min_p": (BOTH, OURS, (0,)),
+    "repetition_penalty": (BOTH, OURS, (1,)),
+    "min_tokens": (BOTH, OURS, (0,)),
+    "prompt_logprobs": (BOTH, OURS, ()),
+    "include_stop_str_in_output": (BOTH, OURS, (False,)),
+    "skip_special_tokens": (BOTH, OURS, (True,)),
+    "use_beam_search": (BOTH, NO, (False,)),
+    "length_penalty": (BOTH, NO, (1,)),
+    "guided_decoding_backend": (BOTH, NO, ()),
+    "guided_whitespace_pattern": (BOTH, NO, ()),
+    "allowed_token_ids": (BOTH, NO, ()),
+    "bad_words": (BOTH, NO, ([],)),
+    "spaces_between_special_tokens": (BOTH, NO, (True,)),
+    "priority": (BOTH, NO, (0,)),
+    "request_id": (BOTH, NO, ()),
+    "logits_processors": (BOTH, NO, ()),
+    "return_tokens_as_token_ids": (BOTH, NO, (False,)),
+    "return_token_ids": (BOTH, NO, (False,)),
+    "cache_salt": (BOTH, NO, ()),
+    "kv_transfer_params": (BOTH, NO, ()),
+    "vllm_xargs": (BOTH, NO, ()),
+    "documents": (CHAT, NO, ()),
+    "mm_processor_kwargs": (CHAT, NO, ()),
+}
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}
+"""vLLM's legacy structured-output fields -> the structured_outputs key each stands for."""
+
+
+def _asks_nothing(v: Any, neutral: tuple) -> bool:
+    return v is None or any(v == n and isinstance(v, bool) == isinstance(n, bool) for n in neutral)
+
+
+def check_fields(kind: str, body: dict) -> None:
+    """Every field of the request is known for this endpoint, and none asks for something
+    this server does not do."""
+    for name, value in body.items():
+        entry = REQUEST_FIELDS.get(name)
+        if entry is None or kind not in entry[0]:
+            raise bad_request(name, f"Unrecognized request argument supplied: {name}")
+        _, status, neutral = entry
+        if status != OURS and not _asks_nothing(value, neutral):
+            what = "not supported by this server"
+            if name in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"):
+                what += " (tool calling is not supported)"
+            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+            raise bad_request(name, f"{name}: {what} (got {shown})", code="unsupported_parameter")
+
+
+def structured_outputs_from(body: dict) -> tuple[StructuredOutputsParams | None, str | None]:
+    """response_format, structured_outputs or vLLM's legacy guided_* fields -> the engine's
+    StructuredOutputsParams and the field that asked; at most one of the ways per request."""
+    asked = [n for n in ("response_format", "structured_outputs", *GUIDED) if body.get(n) is not None]
+    rf = body.get("response_format")
+    if rf is not None and not isinstance(rf, dict):
+        raise bad_request("response_format", "response_format: must be an object with a 'type'")
+    if rf is not None and rf.get("type") == "text" and set(rf) == {"type"}:
+        asked.remove("response_format")   # plain text: asks for nothing
+    if len(asked) > 1:
+        raise bad_request(asked[1], f"{asked[1]}: only one of {', '.join(asked)} may be given")
+    if not asked:
+        return None, None
+    name = asked[0]
+    return _structured_outputs(body, name), name
+
+
+def _structured_outputs(body: dict, name: str) -> StructuredOutputsParams:
+    rf = body.get("response_format")
+    try:
+        if name == "response_format":
+            kind = rf.get("type")
+            if kind == "json_object" and set(rf) == {"type"}:
+                return StructuredOutputsParams(json_object=True)
+            if kind == "json_schema" and set(rf) == {"type", "json_schema"}:
+                js = rf["json_schema"]
+                if not isinstance(js, dict) or not isinstance(js.get("schema", {}), (dict, bool)):
+                    raise bad_request(name, "response_format.json_schema: must be an object with "
+                                     "'name' and 'schema'")
+                extra = set(js) - {"name", "schema", "strict", "description"}
+                if extra:
+                    raise bad_request(name, f"response_format.json_schema: unknown field {sorted(extra)[0]!r}")
+                # No schema: any JSON value.
+                return StructuredOutputsParams(json=js.get("schema", {}))
+            raise bad_request(name, "response_format: must be {'type': 'text'}, {'type': 'json_object'} "
+                             "or {'type': 'json_schema', 'json_schema': {...}}")
+        if name == "structured_outputs":
+            so = body[name]
+            if not isinstance(so, dict):
+                raise bad_request(name, "structured_outputs: must be an object")
+            unknown = set(so) - set(StructuredOutputsParams.KINDS)
+            if unknown:
+                raise bad_request(name, f"structured_outputs: {sorted(unknown)[0]!r} is not supported "
+                                 f"(known: {', '.join(StructuredOutputsParams.KINDS)})",
+                           code="unsupported_parameter")
+            return StructuredOutputsParams(**so)
+        return StructuredOutputsParams(**{GUIDED[name]: body[name]})
+    except ValueError as e:
+        raise structured_error(name, e) from None
+
+
+def structured_error(name: str, e: ValueError) -> APIError:
+    """The engine names structured_outputs.<kind>; a request that used another field is told
+    about the field it sent."""
+    msg = str(e)
+    if name != "structured_outputs" and msg.startswith("structured_outputs"):
+        msg = name + msg[msg.index(":"):]
+    return bad_request(name, msg)
 
 
 def logprobs_fields(body: dict, kind: str) -> tuple[int | None, int | None, bool]:
@@ -95,7 +257,6 @@ def logprobs_fields(body: dict, kind: str) -> tuple[int | None, int | None, bool
             raise bad_request("top_logprobs", "top_logprobs: needs logprobs set to true")
         logprobs = (0 if top is UNSET else top) if flag is True else None
     else:
-        refuse_if_set(body, "top_logprobs")
         logprobs = body_field(body, "logprobs", (int,), "an integer in [0, 20]")
         logprobs = None if logprobs is UNSET else logprobs
         echo = body_field(body, "echo", (bool,), "true or false") is True
@@ -106,23 +267,15 @@ def logprobs_fields(body: dict, kind: str) -> tuple[int | None, int | None, bool
     return logprobs, prompt_logprobs, echo
 
 
-def sampling_params_from(body: dict, default_max_tokens: int | None, kind: str = "completion"
-                         ) -> tuple[SamplingParams, str]:
+def sampling_params_from(body: dict, default_max_tokens: int | None,
+                         structured_outputs: StructuredOutputsParams | None = None,
+                         kind: str = "completion") -> tuple[SamplingParams, str]:
     """OpenAI request fields (and vLLM's sampling extras) -> SamplingParams. Returns the
     params and the name of the field that set max_tokens (for error messages).
     `default_max_tokens` None means "fill the context" and is resolved by the caller once
-    the prompt length is known. Value checks are SamplingParams' (a 400 naming the field)."""
-    v = body.get("best_of")
-    if v is not None and v != body.get("n", 1):
-        raise bad_request("best_of", f"best_of: only n is supported (got {v!r})", code="unsupported_parameter")
-    for name in ("suffix", "tools", "functions"):
-        refuse_if_set(body, name)
+    the prompt length is known. The fields themselves were checked by check_fields; value
+    checks are SamplingParams' (a 400 naming the field)."""
     logprobs, prompt_logprobs, echo = logprobs_fields(body, kind)
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise bad_request("response_format", "response_format: only {'type': 'text'} is supported",
-                   code="unsupported_parameter")
-
     which = "max_tokens"
     max_tokens = body.get("max_tokens")
     if body.get("max_completion_tokens") is not None:
@@ -179,6 +332,8 @@ def sampling_params_from(body: dict, default_max_tokens: int | None, kind: str =
             stop=stop,
             stop_token_ids=stop_ids,
             ignore_eos=False if ignore_eos is UNSET else ignore_eos,
+            structured_outputs=structured_outputs,
+            truncate_prompt_tokens=num("truncate_prompt_tokens", None),
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             logit_bias=None if logit_bias is UNSET else logit_bias, **extras)
     except (ValueError, TypeError) as e:
@@ -206,7 +361,13 @@ def is_template_error(e: Exception) -> bool:
     return isinstance(e, TemplateError) and isinstance(getattr(e, "message", None), str)
 
 
+MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id"}
+
+
 def chat_messages(body: dict) -> list[dict]:
+    """OpenAI messages -> what chat templates read: text content, and assistant tool calls
+    (their JSON arguments parsed, as templates expect a mapping) and tool results passed
+    through."""
     msgs = body.get("messages")
     if msgs is None:
         raise bad_request("messages", "messages: required")
@@ -217,6 +378,10 @@ def chat_messages(body: dict) -> list[dict]:
         where = f"messages[{i}]"
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad_request("messages", f"{where}: must be an object with a string 'role'")
+        extra = sorted(set(m) - MESSAGE_FIELDS)
+        if extra:
+            raise bad_request("messages", f"{where}.{extra[0]}: not supported by this server",
+                       code="unsupported_parameter")
         content = m.get("content")
         if content is None:
             content = ""
@@ -231,7 +396,34 @@ def chat_messages(body: dict) -> list[dict]:
         elif not isinstance(content, str):
             raise bad_request("messages", f"{where}.content: must be a string or a list of text parts")
         role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": content})
+        msg = {"role": role, "content": content}
+        for key in ("name", "tool_call_id"):
+            if m.get(key) is not None:
+                if not isinstance(m[key], str):
+                    raise bad_request("messages", f"{where}.{key}: must be a string")
+                msg[key] = m[key]
+        if m.get("tool_calls") is not None:
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+        out.append(msg)
+    return out
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict]:
+    if not isinstance(calls, list):
+        raise bad_request("messages", f"{where}: must be a list")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                and isinstance(fn.get("arguments"), str)):
+            raise bad_request("messages", f"{where}[{j}]: must be {{'type': 'function', 'function': "
+                                   "{'name': str, 'arguments': JSON text}}")
+        try:
+            args = json.loads(fn["arguments"])
+        except ValueError:
+            raise bad_request("messages", f"{where}[{j}].function.arguments: not valid JSON") from None
+        out.append({"id": c.get("id"), "type": c.get("type", "function"),
+                    "function": {"name": fn["name"], "arguments": args}})
     return out
 
 
@@ -291,7 +483,6 @@ def check_text(body: dict) -> None:
             stack.extend((param, k, v) for k, v in value.items())
         elif isinstance(value, list):
             stack.extend((param, "", v) for v in value)
-
 
 
 # ---- logprobs in OpenAI's response shapes ---------------------------------------------------
