@@ -4,12 +4,17 @@
 
 Imported only by notebooks and the dashboard: `workbench` itself never imports this package.
 Panels are fed on the kernel's own asyncio loop (see `widgets.live`), at most ~20 times a
-second, from the in-process Engine or from a remote OpenAI-compatible server.
+second, from the in-process Engine, a remote OpenAI-compatible server, or a recorded trace
+(`ReplaySource`). `RooflinePanel` and `ABPanel` are the dashboard's instruments;
+`widgets.figures` draws static figures for notebooks (no widget state to save).
 """
+from .ab import ABPanel
 from .dashboard import Dashboard
 from .knobs import KnobPanel
 from .kv_map import KVBlockMap
 from .live import Live, Pump
+from .replay import ReplaySource
+from .roofline import RooflinePanel
 from .sources import LocalSource, RemoteSource
 from .stepper import Stepper
 from .summary import SummaryPanel
@@ -17,4 +22,5 @@ from .timeline import BatchTimeline
 from .token_stream import TokenStreamPanel
 
 __all__ = ["Dashboard", "Live", "Pump", "Stepper", "KnobPanel", "KVBlockMap", "BatchTimeline",
-           "TokenStreamPanel", "SummaryPanel", "LocalSource", "RemoteSource"]
+           "TokenStreamPanel", "SummaryPanel", "LocalSource", "RemoteSource", "ReplaySource",
+           "RooflinePanel", "ABPanel"]

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workbench import Engine, SamplingParams
+from workbench.telemetry import EngineInfo
+from workbench.trace import prompt_label
 
 
 
@@ -89,13 +91,17 @@ class Update:
         return bool(self.submitted or self.events or self.steps or self.finished or self.errors)
 
 
-def prompt_label(prompt: Any, width: int = 60) -> str:
-    if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
-        prompt = prompt[-1].get("content", "")
-    elif isinstance(prompt, (list, tuple)):
-        return f"{len(prompt)} token ids"
-    text = " ".join(str(prompt).split())
-    return text if len(text) <= width else text[:width - 1] + "…"
+def describe_engine(i: EngineInfo) -> dict[str, str]:
+    """What an engine runs, in a few words per item, for a header (a live engine's, or a
+    recorded trace's)."""
+    c = i.config
+    return {"model": c.model, "device": i.device, "dtype": i.dtype,
+            "block size": str(c.block_size), "KV blocks": str(i.num_kv_blocks),
+            "max_num_seqs": str(c.max_num_seqs),
+            "max_num_batched_tokens": str(c.max_num_batched_tokens),
+            "graph mode": i.graph_mode if i.graph_mode == c.graph_mode
+            else f"{i.graph_mode} (asked: {c.graph_mode})",
+            "prefix caching": "on" if c.enable_prefix_caching else "off"}
 
 
 class LocalSource:
@@ -120,15 +126,7 @@ class LocalSource:
         return list(self.engine.notices)
 
     def describe(self) -> dict[str, str]:
-        """What runs, in a few words per item, for a header."""
-        i, c = self.engine.info(), self.engine.config
-        return {"model": c.model, "device": i.device, "dtype": i.dtype,
-                "block size": str(c.block_size), "KV blocks": str(i.num_kv_blocks),
-                "max_num_seqs": str(c.max_num_seqs),
-                "max_num_batched_tokens": str(c.max_num_batched_tokens),
-                "graph mode": i.graph_mode if i.graph_mode == c.graph_mode
-                else f"{i.graph_mode} (asked: {c.graph_mode})",
-                "prefix caching": "on" if c.enable_prefix_caching else "off"}
+        return describe_engine(self.engine.info())
 
     def submit(self, prompt: Any, params: SamplingParams) -> str:
         """Queue one request (bad input raises ValueError and queues nothing)."""

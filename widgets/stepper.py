@@ -6,18 +6,28 @@ and the step's time; the KV block map below shows the pool after the step. The s
 work from code (`add`, `step`, `run`), which is how the teaching notebook uses it.
 
 The Stepper steps the engine in the kernel's thread, so the engine must not be running in
-the background.
+the background. `Stepper.replay(FILE)` steps through a recorded trace instead (no model is
+loaded): Step shows the next recorded step, Play runs them at the recorded pace times `speed`.
+
+Where the engine hands out logprobs (`SamplingParams(logprobs=k)`), each sampled token shows
+its top candidates with their probabilities.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import ipywidgets as w
 import traitlets
 
 from workbench import Engine, SamplingParams
+from workbench.trace import Trace
 
 from .kv_map import KVBlockMap
+from .replay import load_trace
+from .sources import describe_engine
 from .style import css_widget, esc
 
 
@@ -36,6 +46,9 @@ class RequestRow:
     """e.g. '37/37 prompt, 5 out'."""
     text: str = ""
     finish_reason: str | None = None
+    candidates: list[tuple[str, float]] = field(default_factory=list)
+    """The top candidates for the sampled token, (text, probability), most likely first;
+    empty where the request asked for no logprobs."""
 
 
 @dataclass
@@ -57,17 +70,37 @@ class StepRecord:
         return next(r for r in self.rows if r.request_id == request_id)
 
 
+TOP_K = 5
+"""Candidates shown per sampled token."""
+_ASKS_LOGPROBS = "logprobs" in {f.name for f in fields(SamplingParams)}
+
+
+def top_candidates(ev, k: int = TOP_K) -> list[tuple[str, float]]:
+    """(text, probability) of a token event's top-k logprobs, most likely first ([] if none)."""
+    lps = getattr(ev, "logprobs", None) or {}
+    ranked = sorted(lps.items(), key=lambda kv: (kv[1].rank, -kv[1].logprob))[:k]
+    return [(lp.decoded_token if lp.decoded_token is not None else f"#{tid}",
+             math.exp(lp.logprob)) for tid, lp in ranked]
+
+
 class Stepper(w.VBox):
     num_steps = traitlets.Int(0)
 
-    def __init__(self, engine: Engine | None = None, max_history: int = 12, **engine_kwargs):
-        if engine is None:
-            engine = Engine(**engine_kwargs)
-        elif engine_kwargs:
-            raise ValueError("pass an engine or engine settings, not both")
-        if engine.is_running_in_background:
-            raise ValueError("engine: the Stepper steps the engine itself; pass one that is not "
-                             "running in the background (no engine.start())")
+    def __init__(self, engine: Engine | None = None, max_history: int = 12, *,
+                 trace: Trace | str | Path | None = None, **engine_kwargs):
+        if trace is not None:
+            if engine is not None or engine_kwargs:
+                raise ValueError("trace: a replay needs no engine; pass one or the other")
+            self.trace, self._frame = load_trace(trace), 0
+        else:
+            self.trace = None
+            if engine is None:
+                engine = Engine(**engine_kwargs)
+            elif engine_kwargs:
+                raise ValueError("pass an engine or engine settings, not both")
+            if engine.is_running_in_background:
+                raise ValueError("engine: the Stepper steps the engine itself; pass one that is "
+                                 "not running in the background (no engine.start())")
         self.engine = engine
         self.max_history = max_history
         self.history: list[StepRecord] = []
@@ -82,16 +115,31 @@ class Stepper(w.VBox):
         self.add_button.on_click(lambda _: self._guard(lambda: self.add(self.prompt.value,
                                                                         self.max_tokens.value)))
         self.step_button.on_click(lambda _: self._guard(self.step))
-        self.run_button.on_click(lambda _: self._guard(self.run))
+        self.run_button.on_click(lambda _: self._guard(lambda: self.run(
+            speed=self.speed.value if self.trace is not None else None)))
         self.message = w.HTML()
         self.view = w.HTML()
         self.history_view = w.HTML()
         self.kv = KVBlockMap(columns=32, title="KV blocks after the step")
-        super().__init__([css_widget(),
-                          w.HBox([self.prompt, self.max_tokens, self.add_button]),
-                          w.HBox([self.step_button, self.run_button]),
+        self.speed = w.BoundedFloatText(value=1.0, min=0.01, max=1000, step=0.5,
+                                        description="speed ×", layout=w.Layout(width="150px"))
+        top = [w.HBox([self.prompt, self.max_tokens, self.add_button])]
+        buttons = [self.step_button, self.run_button]
+        if self.trace is not None:
+            self.run_button.description, self.run_button.icon = "Play", "play"
+            top = [w.HTML('<div class="wb"><h3>Replay <span class="muted">· ' + esc(" · ".join(
+                f"{k} {v}" for k, v in describe_engine(self.trace.info).items()))
+                + ' · no model loaded'
+                '</span></h3></div>')]
+            buttons.append(self.speed)
+        super().__init__([css_widget(), *top, w.HBox(buttons),
                           self.message, self.view, self.kv, self.history_view])
         self._render()
+
+    @classmethod
+    def replay(cls, trace: Trace | str | Path, max_history: int = 12) -> "Stepper":
+        """A Stepper over a recorded trace (workbench.trace): no model is loaded."""
+        return cls(trace=trace, max_history=max_history)
 
     # ---- actions --------------------------------------------------------------------------
     def _guard(self, action) -> None:
@@ -102,7 +150,12 @@ class Stepper(w.VBox):
             self.message.value = f'<div class="wb"><div class="error">{esc(str(e))}</div></div>'
 
     def add(self, prompt, max_tokens: int = 8, temperature: float = 0.0, **params) -> str:
-        """Queue a request; it is admitted at the next step. Returns its id."""
+        """Queue a request; it is admitted at the next step. Returns its id. Its tokens show
+        their top candidates (logprobs=5) unless `logprobs` says otherwise."""
+        if self.trace is not None:
+            raise ValueError("a replay plays recorded requests; it cannot add new ones")
+        if _ASKS_LOGPROBS:
+            params.setdefault("logprobs", TOP_K)
         sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, **params)
         rid = self.engine.add_request(prompt, sp)
         self.texts[rid] = ""
@@ -110,13 +163,24 @@ class Stepper(w.VBox):
         return rid
 
     def step(self) -> StepRecord:
-        """Run one scheduler step and show what happened."""
-        e = self.engine
-        before = {s.request_id: s for s in e.request_states()}
-        events = {ev.request_id: ev for ev in e.step()}
-        ev = e.telemetry.steps[-1]
-        after = {s.request_id: s for s in e.request_states()}
-        tok = e.tokenizer
+        """Run one scheduler step (or play the next recorded one) and show what happened."""
+        if self.trace is not None:
+            frames = self.trace.frames
+            if self._frame >= len(frames):
+                raise ValueError("the replay is over: every recorded step has been shown")
+            before = {s.request_id: s for s in frames[self._frame - 1].states} \
+                if self._frame else {}
+            f = frames[self._frame]
+            self._frame += 1
+            events = {t.request_id: t for t in f.tokens}
+            ev, after, tok = f.step, {s.request_id: s for s in f.states}, None
+        else:
+            e = self.engine
+            before = {s.request_id: s for s in e.request_states()}
+            events = {ev.request_id: ev for ev in e.step()}
+            ev = e.telemetry.steps[-1]
+            after = {s.request_id: s for s in e.request_states()}
+            tok = e.tokenizer
         rec = StepRecord(ev.step, ev.phase, ev.duration, ev.num_prefill_tokens,
                          ev.num_decode_tokens, kv_blocks_used=ev.kv_blocks_used,
                          kv_blocks_total=ev.kv_blocks_used + ev.kv_blocks_free,
@@ -137,32 +201,57 @@ class Stepper(w.VBox):
                 action = "waiting"
             token_id = t.token_id if t is not None else None
             piece = tok.decode([token_id]) if (tok is not None and token_id is not None) else (
-                str(token_id) if token_id is not None else "")
+                t.text if token_id is not None else "")
             out = st.num_output_tokens + (rid not in after and t is not None)
             rec.rows.append(RequestRow(
                 rid, action, ev.tokens_per_request.get(rid, 0), token_id, piece,
                 list(st.block_table) if rid in after else [],
                 f"{min(st.num_computed_tokens, st.num_prompt_tokens)}/{st.num_prompt_tokens} "
                 f"prompt, {out} out", self.texts.get(rid, ""),
-                t.finish_reason if t is not None and t.finished else None))
+                t.finish_reason if t is not None and t.finished else None,
+                top_candidates(t) if t is not None else []))
         self.history.append(rec)
         del self.history[:-self.max_history]
         self.num_steps += 1
         self._render(rec)
         return rec
 
-    def run(self, max_steps: int = 10_000) -> list[StepRecord]:
-        """Step until no request is left (or max_steps); returns the steps' records."""
-        recs = []
-        while self.engine.has_unfinished_requests() and len(recs) < max_steps:
+    def has_more(self) -> bool:
+        """Whether a step is left: an unfinished request, or a recorded step not yet shown."""
+        if self.trace is not None:
+            return self._frame < len(self.trace.frames)
+        return self.engine.has_unfinished_requests()
+
+    def run(self, max_steps: int = 10_000, speed: float | None = None) -> list[StepRecord]:
+        """Step until no request is left (or max_steps); returns the steps' records. A replay
+        with `speed` waits between steps as recorded (speed 2: twice as fast); without it,
+        and live, steps follow each other at once."""
+        if speed is not None and not 0 < speed <= 1000:
+            raise ValueError(f"speed: must be in (0, 1000] (got {speed})")
+        recs: list[StepRecord] = []
+        t0, base = time.monotonic(), None
+        while self.has_more() and len(recs) < max_steps:
+            if speed is not None and self.trace is not None:
+                f = self.trace.frames[self._frame]
+                base = f.step.start if base is None else base
+                time.sleep(max(0.0, (f.time - base) / speed - (time.monotonic() - t0)))
             recs.append(self.step())
         return recs
 
+    def _states(self):
+        if self.trace is not None:
+            return self.trace.frames[self._frame - 1].states if self._frame else []
+        return self.engine.request_states()
+
+    def _kv_blocks(self):
+        if self.trace is None:
+            return self.engine.kv_blocks()
+        return next((f.kv for f in reversed(self.trace.frames[:self._frame]) if f.kv), None)
+
     # ---- drawing --------------------------------------------------------------------------
     def _render(self, rec: StepRecord | None = None) -> None:
-        e = self.engine
         if rec is None:
-            states = e.request_states()
+            states = self._states()
             body = "".join(f"<tr><td>{esc(s.request_id)}</td><td><span class='badge b-waiting'>"
                            f"{esc(s.status)}</span></td><td>{s.num_prompt_tokens}</td></tr>"
                            for s in states)
@@ -183,7 +272,7 @@ class Stepper(w.VBox):
                 '<table class="steps"><tr><th>request</th><th>scheduler chose</th><th>fed</th>'
                 '<th>token out</th><th>block table</th><th>progress</th><th>text so far</th></tr>'
                 f'{rows}</table></div>')
-        self.kv.show(e.kv_blocks())
+        self.kv.show(self._kv_blocks())
         hist = "".join(f"<tr><td>{r.step}</td><td><span class='badge b-{esc(r.phase)}'>"
                        f"{esc(r.phase)}</span></td><td>{r.num_prefill_tokens}</td>"
                        f"<td>{r.num_decode_tokens}</td><td>{r.duration * 1e3:.1f}</td></tr>"
@@ -199,6 +288,9 @@ class Stepper(w.VBox):
         label = r.action + (f" ({r.finish_reason})" if r.finish_reason else "")
         token = (f"{esc(repr(r.token))} <span class='muted'>#{r.token_id}</span>"
                  if r.token_id is not None else "<span class='muted'>—</span>")
+        if r.candidates:
+            token += "<div class='muted cands'>" + " · ".join(
+                f"{esc(repr(text))} {p:.0%}" for text, p in r.candidates) + "</div>"
         table = esc(str(r.block_table)) if r.block_table else "<span class='muted'>none</span>"
         text = esc(r.text[-80:])
         return (f"<tr><td>{esc(r.request_id)}</td><td><span class='badge b-{badge}'>{esc(label)}"

@@ -259,6 +259,15 @@ def _jupyter(module: str, args: list[str], env: dict[str, str], url: str) -> int
 def cmd_dashboard(a) -> int:
     nb = notebooks_dir() / "dashboard.ipynb"
     env = {"WORKBENCH_DEVICE": a.device}
+    if a.replay:
+        if a.url or a.model:
+            raise ValueError("--replay plays a recorded trace; it takes no --url or --model")
+        if not 0 < a.speed <= 1000:
+            raise ValueError(f"--speed: must be in (0, 1000] (got {a.speed})")
+        from .trace import Trace
+        Trace.load(a.replay)                    # a bad file fails here (TraceError), not in the page
+        env["WORKBENCH_REPLAY"] = str(Path(a.replay).resolve())
+        env["WORKBENCH_REPLAY_SPEED"] = str(a.speed)
     if a.model:
         env["WORKBENCH_MODEL"] = a.model
     if a.url:
@@ -372,6 +381,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="watch and drive a running OpenAI-compatible server instead (vLLM, "
                         "vLLM-Ascend, workbench serve)")
     d.add_argument("--api-key", default=None, help="the --url server's API key")
+    d.add_argument("--replay", default=None, metavar="FILE",
+                   help="play a recorded trace back (workbench.trace) with no model loaded; "
+                        "docs/traces/ has one")
+    d.add_argument("--speed", type=float, default=1.0,
+                   help="with --replay: times real time (default 1)")
     d.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     d.add_argument("--port", type=int, default=8866)
     d.add_argument("--browser", action="store_true", help="also open it in a browser")

@@ -23,15 +23,14 @@ from typing import Any, AsyncIterator, Callable, Iterator
 from .config import EngineConfig
 from .core.block_manager import KVBlockSnapshot
 from .core.engine_core import EngineCore
+from .core.inputs import InputProcessor, Prompt
 from .core.request import Request, RequestState, TokenEvent
 from .core.sampling_params import SamplingParams
 from .core.sequence import Logprob
+from .roofline import DeviceRoofs
 from .telemetry import EngineInfo, EngineStats, RequestMetrics, Telemetry
 
 __all__ = ["Engine", "RequestOutput", "CompletionOutput", "TokenEvent", "RequestState"]
-
-Prompt = Any   # str | list[dict] (chat messages) | list[int] (token ids)
-
 
 @dataclass
 class CompletionOutput:
@@ -73,6 +72,9 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, **overrides):
         config = replace(config, **overrides) if config is not None else EngineConfig(**overrides)
         self.core = EngineCore(config)
+        self.inputs = InputProcessor(self.core.tokenizer, self.core.vocab_size,
+                                     self.core.max_model_len, self.core.config.model)
+        """Prompts to token ids (tokenizer, chat template, checks)."""
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -121,103 +123,19 @@ class Engine:
     def reset_prefix_cache(self) -> None:
         self.core.reset_prefix_cache()
 
+    def device_roofs(self, refresh: bool = False) -> DeviceRoofs:
+        """This device's measured matmul throughput and memory bandwidth in the model's dtype
+        (probed once per machine, device and dtype, then cached; see roofline.probe_roofs)."""
+        return self.core.device_roofs(refresh)
+
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
     # ---- requests -------------------------------------------------------------------------
-    def tokenize(self, prompt: Prompt, *, add_generation_prompt: bool = True,
-                 continue_final_message: bool = False, chat_template: str | None = None,
-                 chat_template_kwargs: dict | None = None, add_special_tokens: bool | None = None,
-                 truncate_prompt_tokens: int | None = None) -> list[int]:
-        """Text, chat messages (through the chat template) or token ids -> token ids.
-
-        Chat messages are rendered by the tokenizer's chat template (or `chat_template`, a
-        Jinja template text), with `add_generation_prompt` (open an assistant turn),
-        `continue_final_message` (end on the last, assistant, message unclosed, so the model
-        continues it) and `chat_template_kwargs` (extra template variables), as in HF's
-        apply_chat_template. `add_special_tokens`: let the tokenizer add its special tokens
-        (BOS...) while encoding; by default yes for text, no for rendered chat (the template
-        writes them). `truncate_prompt_tokens`: keep only the last k tokens (-1: as many as
-        max_model_len allows)."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt: must not be empty")
-            ids = self._need_tokenizer().encode(
-                prompt, add_special_tokens=True if add_special_tokens is None else add_special_tokens)
-        elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
-            text = self._render_chat(list(prompt), add_generation_prompt, continue_final_message,
-                                     chat_template, chat_template_kwargs)
-            ids = self._need_tokenizer().encode(text, add_special_tokens=bool(add_special_tokens))
-        elif isinstance(prompt, (list, tuple)):
-            ids = list(prompt)
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise ValueError("prompt: a list prompt must hold token ids (ints) or chat messages")
-            vocab = self.core.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        else:
-            raise ValueError(f"prompt: must be text, chat messages or token ids "
-                             f"(got {type(prompt).__name__})")
-        if truncate_prompt_tokens is not None:
-            if (not isinstance(truncate_prompt_tokens, int) or isinstance(truncate_prompt_tokens, bool)
-                    or not (truncate_prompt_tokens >= 1 or truncate_prompt_tokens == -1)):
-                raise ValueError("truncate_prompt_tokens: must be an integer >= 1, or -1 "
-                                 f"(max_model_len) (got {truncate_prompt_tokens!r})")
-            keep = self.max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
-            ids = ids[-keep:]
-        if not ids:
-            raise ValueError("prompt: must not be empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(ids)} tokens, but max_model_len is "
-                             f"{self.max_model_len} (prompt + at least one new token must fit)")
-        return ids
-
-    CHAT_RESERVED = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
-                               "add_generation_prompt", "continue_final_message", "tokenize",
-                               "padding", "truncation", "max_length", "return_tensors",
-                               "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
-    """apply_chat_template's own arguments: not template variables for chat_template_kwargs."""
-
-    def _render_chat(self, messages: list[dict], add_generation_prompt: bool,
-                     continue_final_message: bool, chat_template: str | None,
-                     chat_template_kwargs: dict | None) -> str:
-        tok = self._need_tokenizer()
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise ValueError("prompt: chat messages must be dicts with a string 'role'")
-            if "content" not in m and not m.get("tool_calls"):
-                raise ValueError("prompt: a chat message needs 'content' (or 'tool_calls')")
-        if add_generation_prompt and continue_final_message:
-            raise ValueError("continue_final_message: cannot be combined with "
-                             "add_generation_prompt (set that to false)")
-        if continue_final_message and messages[-1]["role"] != "assistant":
-            raise ValueError("continue_final_message: the last message must be the assistant's "
-                             f"(got role {messages[-1]['role']!r})")
-        if not isinstance(chat_template_kwargs or {}, dict):
-            raise ValueError("chat_template_kwargs: must be a dict")
-        kwargs = dict(chat_template_kwargs or {})
-        clash = sorted(set(kwargs) & self.CHAT_RESERVED)
-        if clash:
-            raise ValueError(f"chat_template_kwargs: {clash[0]!r} is an argument of the "
-                             "template call itself, not a template variable")
-        if chat_template is not None and (not isinstance(chat_template, str) or not chat_template):
-            raise ValueError("chat_template: must be a non-empty Jinja template text")
-        if chat_template is None and getattr(tok, "chat_template", None) is None:
-            raise ValueError(f"prompt: model {self.config.model!r} has no chat template")
-        try:
-            return tok.apply_chat_template(messages, tokenize=False, chat_template=chat_template,
-                                           add_generation_prompt=add_generation_prompt,
-                                           continue_final_message=continue_final_message,
-                                           **kwargs)
-        except Exception as e:
-            from jinja2 import TemplateError
-            if chat_template is not None and isinstance(e, TemplateError):
-                raise ValueError(f"chat_template: {type(e).__name__}: {e}") from None
-            if continue_final_message and isinstance(e, ValueError):
-                # HF cannot find the final message in the rendered text.
-                raise ValueError(f"continue_final_message: {e}") from None
-            raise
+    def tokenize(self, prompt: Prompt, **controls) -> list[int]:
+        """Text, chat messages (through the chat template) or token ids -> token ids; the
+        chat-template controls and truncation are core.inputs.InputProcessor's."""
+        return self.inputs(prompt, **controls)
 
     def check_params(self, params: SamplingParams) -> None:
         """Raise the ValueError that add_request would raise for these params (a value out of
@@ -225,12 +143,6 @@ class Engine:
         params.validate()
         if params.structured_outputs is not None:
             self.core.structured_output.compile(params.structured_outputs)
-
-    def _need_tokenizer(self):
-        if self.tokenizer is None:
-            raise ValueError(f"prompt: model {self.config.model!r} has no tokenizer; "
-                             "pass token ids instead of text")
-        return self.tokenizer
 
     def _make_request(self, prompt: Prompt, params: SamplingParams | None,
                       request_id: str | None) -> Request:

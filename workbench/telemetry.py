@@ -54,6 +54,9 @@ class StepEvent:
     scheduled_ahead: bool = False
     """Launched before the previous step's tokens reached the host (async scheduling): its
     input ids came from that step's sampled ids on the device."""
+    context_lens: dict[str, int] = field(default_factory=dict)
+    """Tokens each scheduled request already had in the KV cache before the step (its
+    attention read them besides its new tokens; see roofline.step_cost)."""
 
     @property
     def num_tokens(self) -> int:
@@ -168,6 +171,9 @@ class EngineInfo:
     model_path: str | None
     device: str
     """The platform's name ('cpu', 'cuda', 'npu')."""
+    device_name: str
+    """The device in words: the CPU's model and cores, or the GPU's name (what a per-device
+    figure such as the roofline's probe is keyed by)."""
     dtype: str
     max_model_len: int
     block_size: int

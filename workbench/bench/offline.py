@@ -13,7 +13,7 @@ import platform
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -77,7 +77,9 @@ def run_engine(engine: Engine, wl: Workload, progress=None) -> dict:
                 ttft_p50_s=round(percentile(ttft, 50), 3), ttft_p99_s=round(percentile(ttft, 99), 3),
                 tpot_p50_ms=round(percentile(tpot, 50) * 1e3, 1), tpot_p99_ms=round(percentile(tpot, 99) * 1e3, 1),
                 mean_decode_batch=round(statistics.mean(
-                    [s.num_decode_tokens for s in steps if s.num_decode_tokens] or [0]), 1))
+                    [s.num_decode_tokens for s in steps if s.num_decode_tokens] or [0]), 1),
+                kv_peak=round(max((s.kv_usage for s in steps), default=0.0), 3),
+                kv_peak_blocks=max((s.kv_blocks_used for s in steps), default=0))
 
 
 def run_engine_b1(engine: Engine, prompt: list[int], new_tokens: int) -> dict:
@@ -103,12 +105,74 @@ def sweep(grid: dict[str, list], wl: Workload, model: str = "smollm2",
     points = list(itertools.product(*grid.values()))
     for i, values in enumerate(points):
         knobs = dict(zip(grid, values))
-        engine = Engine(model=model, **{**(engine_kwargs or {}), **knobs})
-        rows.append({**knobs, "graph_mode_run": engine.info().graph_mode, **run_engine(engine, wl)})
-        del engine
+        rows.append({**knobs, **_run_point(model, engine_kwargs, knobs, wl)})
         if progress is not None:
             progress(i + 1, len(points))
     return rows
+
+
+def _run_point(model: str, engine_kwargs: dict | None, knobs: dict, wl: Workload) -> dict:
+    """One engine with `knobs` over the common settings, run on `wl`, then closed (a device
+    holds one engine at a time)."""
+    engine = Engine(model=model, **{**(engine_kwargs or {}), **knobs})
+    try:
+        info = engine.info()
+        return {"graph_mode_run": info.graph_mode, "device": info.device_name,
+                **run_engine(engine, wl)}
+    finally:
+        engine.close()
+
+
+AB_METRICS = {"ttft_p50_s": "TTFT p50 (s)", "ttft_p99_s": "TTFT p99 (s)",
+              "tpot_p50_ms": "TPOT p50 (ms)", "tpot_p99_ms": "TPOT p99 (ms)",
+              "out_tok_s": "throughput (out tok/s)", "preemptions": "preemptions",
+              "kv_peak": "KV peak (fraction of the pool)"}
+"""What an A/B run compares, with labels: lower is better for all but throughput."""
+
+
+@dataclass
+class ABResult:
+    a: dict
+    """Arm A: its knobs and `run_engine`'s figures."""
+    b: dict
+    knobs_a: dict
+    knobs_b: dict
+    device: str
+    sequential: bool = True
+    """The arms ran one after the other on one device, each alone (never at once)."""
+
+    def deltas(self) -> dict[str, dict]:
+        """Per metric: A, B, B − A and (B − A) / A (None where A is 0 or unknown)."""
+        out = {}
+        for k in AB_METRICS:
+            a, b = self.a.get(k), self.b.get(k)
+            d = None if a is None or b is None else b - a
+            out[k] = {"a": a, "b": b, "delta": d,
+                      "relative": d / a if d is not None and a else None}
+        return out
+
+
+def ab_run(knobs_a: dict, knobs_b: dict, wl: Workload, model: str = "smollm2",
+           engine_kwargs: dict | None = None, progress=None) -> ABResult:
+    """Two engine configurations (any EngineConfig knobs, over the common `engine_kwargs`)
+    on the same workload, one after the other on this device: A is built, run and closed,
+    then B. Compare with `result.deltas()`."""
+    if not knobs_a and not knobs_b:
+        raise ValueError("knobs_a, knobs_b: both empty; the two arms would be the same engine")
+    from dataclasses import fields as dc_fields
+
+    from ..config import EngineConfig
+    names = {f.name for f in dc_fields(EngineConfig)}
+    for which, knobs in (("knobs_a", knobs_a), ("knobs_b", knobs_b)):
+        bad = sorted(set(knobs) - names)
+        if bad:
+            raise ValueError(f"{which}: not EngineConfig knobs: {', '.join(bad)}")
+    rows = []
+    for i, knobs in enumerate((knobs_a, knobs_b)):
+        rows.append(_run_point(model, engine_kwargs, knobs, wl))
+        if progress is not None:
+            progress(i + 1, 2)
+    return ABResult(rows[0], rows[1], dict(knobs_a), dict(knobs_b), rows[0]["device"])
 
 
 def latency_alone_vs_batched(engine: Engine, n: int = 32, prompt_len: int = 128,
@@ -126,6 +190,55 @@ def latency_alone_vs_batched(engine: Engine, n: int = 32, prompt_len: int = 128,
                          tpot_p50_ms=r["tpot_p50_ms"], tpot_p99_ms=r["tpot_p99_ms"],
                          out_tok_s=r["out_tok_s"]))
     return rows
+
+
+def time_per_token_by_batch(engine: Engine, batch_sizes=(1, 2, 4, 8), prompt_len: int = 32,
+                            decode_steps: int = 4, seed: int = 0) -> list[dict]:
+    """For each batch size b: b prompts of `prompt_len` tokens prefilled in one step, then
+    `decode_steps` decode steps of b tokens. Time per token of each phase (the prefill step's
+    duration over its tokens; the median decode step's over b), from the steps' telemetry.
+    The engine must admit b prompts in one step (max_num_seqs, max_num_batched_tokens)."""
+    vocab = engine.info().vocab_size
+    rows = []
+    for b in batch_sizes:
+        wl = make_workload(b, (prompt_len, prompt_len), (decode_steps + 1,) * 2, vocab, seed + b)
+        engine.reset_prefix_cache()
+        first = engine.telemetry.num_steps
+        engine.generate(wl.prompts, SamplingParams(max_tokens=decode_steps + 1, temperature=0,
+                                                   ignore_eos=True))
+        steps = [s for s in engine.telemetry.steps_since(first) if s.phase != "idle"]
+        pre = [s for s in steps if s.phase == "prefill"]
+        dec = [s for s in steps if s.phase == "decode"]
+        if len(pre) != 1 or pre[0].num_prefill_tokens != b * prompt_len:
+            raise ValueError(f"batch {b}: the prompts did not prefill in one step; raise "
+                             f"max_num_seqs / max_num_batched_tokens")
+        rows.append(dict(batch=b, prefill_s_per_token=pre[0].duration / (b * prompt_len),
+                         decode_s_per_token=statistics.median(s.duration for s in dec) / b,
+                         prefill_step_s=pre[0].duration,
+                         decode_step_s=statistics.median(s.duration for s in dec)))
+    return rows
+
+
+def recompute_vs_cache(engine: Engine, prompt: list[int], new_tokens: int) -> dict:
+    """Generate `new_tokens` greedily twice: with the KV cache (one request), and without it,
+    recomputing the whole sequence for every token (a fresh one-token request each time, the
+    prefix cache reset so nothing is reused). Returns the cumulative seconds after each token
+    for both, and the tokens (they must agree)."""
+    greedy = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    engine.reset_prefix_cache()
+    out = engine.generate([prompt], replace(greedy, max_tokens=new_tokens))[0]
+    m = out.metrics
+    cached = [t - m.arrival_time for t in m.token_times]
+    ids, elapsed, recomputed = list(prompt), 0.0, []
+    for _ in range(new_tokens):
+        engine.reset_prefix_cache()
+        t = time.perf_counter()
+        tok = engine.generate([ids], greedy)[0].token_ids[0]
+        elapsed += time.perf_counter() - t
+        recomputed.append(elapsed)
+        ids.append(tok)
+    return dict(with_cache_s=cached, without_cache_s=recomputed,
+                tokens=out.token_ids, tokens_recomputed=ids[len(prompt):])
 
 
 def machine() -> dict:

@@ -28,6 +28,7 @@ from ..executor.models import build_model, load_checkpoint
 from ..executor.runner import ModelRunner
 from ..executor.sampler import LogprobsTensors, apply_token_bitmask, compute_logprobs, sample
 from ..platforms import get_platform
+from ..roofline import DeviceRoofs, probe_roofs
 from ..telemetry import FULL, EngineInfo, EngineStats, MemoryStats, RequestMetrics, StepEvent, Telemetry
 from .block_manager import BlockManager, KVBlockSnapshot
 from .detokenizer import IncrementalDetokenizer
@@ -139,7 +140,8 @@ class EngineCore:
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size)
         self._info = EngineInfo(
             model=config.model, model_path=str(self.model_path) if self.model_path else None,
-            device=self.platform.name, dtype=str(dtype).replace("torch.", ""),
+            device=self.platform.name, device_name=self.platform.device_name(),
+            dtype=str(dtype).replace("torch.", ""),
             max_model_len=max_model_len, block_size=bs, num_kv_blocks=num_blocks,
             kv_bytes_per_block=self.telemetry.memory.kv_bytes_per_block,
             graph_mode=self.graph_mode, capture_sizes=tuple(self.capture_sizes),
@@ -200,6 +202,9 @@ class EngineCore:
             logits = self.runner.execute(self.scheduler.schedule())[0][0].float()
         self.abort(req.seq.request_id)
         return logits
+
+    def device_roofs(self, refresh: bool = False) -> DeviceRoofs:
+        return probe_roofs(self.platform, next(self.model.parameters()).dtype, refresh)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix block (the blocks stay in the pool, free)."""
@@ -499,7 +504,8 @@ class EngineCore:
             kv_blocks_used=bstats.used, kv_blocks_free=bstats.free, kv_blocks_cached=bstats.cached,
             num_preempted=len(sched.preempted), preempted=[s.request_id for s in sched.preempted],
             graph=graph is not None, graph_kind=graph and graph[0],
-            graph_size=graph and graph[1], finished=finished, scheduled_ahead=ahead))
+            graph_size=graph and graph[1], finished=finished, scheduled_ahead=ahead,
+            context_lens={s.seq.request_id: s.start for s in sched.scheduled}))
         if self._kv_wanted:
             self._kv_wanted = False
             self._kv_last = self._kv_snapshot()

@@ -29,6 +29,11 @@ class Platform:
     def synchronize(self) -> None:
         """Wait for queued device work (no-op where ops run synchronously)."""
 
+    def device_name(self) -> str:
+        """The device in words, e.g. 'NVIDIA H200' (keys per-device caches such as the
+        roofline probe's)."""
+        return self.name
+
     def peak_memory_bytes(self) -> int:
         raise NotImplementedError
 
@@ -134,6 +139,9 @@ class AcceleratorPlatform(Platform):
 
     def synchronize(self) -> None:
         self.api.synchronize()
+
+    def device_name(self) -> str:
+        return str(self.api.get_device_name(self.device))
 
     def host_buffer(self, n: int, dtype) -> torch.Tensor:
         return torch.empty(n, dtype=dtype, pin_memory=True)

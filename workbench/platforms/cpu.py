@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import platform
 import resource
 import threading
@@ -141,6 +142,16 @@ class CpuPlatform(Platform):
     @classmethod
     def is_available(cls) -> bool:
         return True
+
+    def device_name(self) -> str:
+        try:
+            info = Path("/proc/cpuinfo").read_text()
+            model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
+                          if ln.startswith("model name")), "")
+        except OSError:
+            model = ""
+        return f"{model or platform.processor() or platform.machine()}, " \
+               f"{len(os.sched_getaffinity(0))} cores"
 
     def peak_memory_bytes(self) -> int:
         # ru_maxrss is in KiB on Linux: the process's peak resident set, weights included.

@@ -1,0 +1,135 @@
+"""RooflinePanel: each engine step as a point, arithmetic intensity (FLOPs per byte of weights
+and KV read) against achieved FLOP/s, under this device's two measured roofs.
+
+Left of the ridge (the machine balance) a step is memory-bound: decode steps sit there, close
+under the bandwidth roof, because every weight is read for one token per request. Right of it
+a step can be compute-bound: a long prefill reuses each weight for many tokens and climbs
+toward the matmul roof. Hover a point for its step, phase and batch.
+
+    RooflinePanel(engine.info(), engine.device_roofs())   # then update(Update) per tick
+"""
+from __future__ import annotations
+
+import ipywidgets as w
+import plotly.graph_objects as go
+import traitlets
+
+from workbench.roofline import DeviceRoofs, roofline_points
+from workbench.telemetry import EngineInfo
+
+from .style import DECODE, PREFILL, css_widget, esc
+
+MIXED = "#8e6bbf"
+PHASES = {"prefill": PREFILL, "decode": DECODE, "mixed": MIXED}
+
+
+def _si(x: float, unit: str) -> str:
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if x >= scale:
+            return f"{x / scale:.3g} {prefix}{unit}"
+    return f"{x:.3g} {unit}"
+
+
+def roofline_figure(info: EngineInfo | None = None, roofs: DeviceRoofs | None = None,
+                    steps=(), height: int = 380) -> go.Figure:
+    """A static roofline of `steps` (for a notebook: no widget state to save); the panel
+    below is the live one."""
+    fig = go.Figure()
+    fig.add_scatter(name="bandwidth roof", mode="lines", line=dict(color="#555", width=2),
+                    hoverinfo="name")
+    fig.add_scatter(name="compute roof", mode="lines",
+                    line=dict(color="#555", width=2, dash="dash"), hoverinfo="name")
+    for phase, colour in PHASES.items():
+        fig.add_scatter(name=phase, mode="markers", hoverinfo="text",
+                        marker=dict(color=colour, size=8, opacity=0.75,
+                                    line=dict(width=0.5, color="#fff")))
+    fig.update_layout(height=height, template="plotly_white", uirevision="keep",
+                      margin=dict(l=60, r=20, t=40, b=50), hoverlabel=dict(align="left"),
+                      legend=dict(orientation="h", y=1.1, x=0),
+                      title=dict(text="Roofline: each step's FLOP/s against its intensity",
+                                 font=dict(size=14), x=0.01, y=0.99))
+    fig.update_xaxes(type="log", title_text="arithmetic intensity (FLOP per byte read)")
+    fig.update_yaxes(type="log", title_text="achieved FLOP/s", exponentformat="SI")
+    points = roofline_points(steps, info) if info is not None and steps else []
+    _fill(fig, points, roofs)
+    return fig
+
+
+def _fill(fig, pts, r: DeviceRoofs | None) -> None:
+    """Draw the roofs and the points into `fig` (a Figure or a FigureWidget)."""
+    data = fig.data
+    with fig.batch_update():
+        if r is not None:
+            xs = [p.intensity for p in pts] or [r.balance]
+            lo = min(min(xs), r.balance) / 4
+            hi = max(max(xs), r.balance) * 4
+            data[0].x, data[0].y = [lo, r.balance], [lo * r.bandwidth, r.peak_flops]
+            data[1].x, data[1].y = [r.balance, hi], [r.peak_flops, r.peak_flops]
+            data[0].name = f"bandwidth roof {_si(r.bandwidth, 'B/s')}"
+            data[1].name = f"compute roof {_si(r.peak_flops, 'FLOP/s')}"
+        for trace, phase in zip(data[2:], PHASES):
+            mine = [p for p in pts if p.phase == phase]
+            trace.x = [p.intensity for p in mine]
+            trace.y = [p.flops_per_s for p in mine]
+            trace.hovertext = [
+                f"step {p.step} · {p.phase}<br>batch {p.batch} requests, {p.tokens} tokens"
+                f"<br>{p.intensity:.3g} FLOP/byte · {_si(p.flops_per_s, 'FLOP/s')}"
+                + (f" ({p.flops_per_s / r.attainable(p.intensity):.0%} of the roof)"
+                   if r is not None else "")
+                + f"<br>{p.duration * 1e3:.1f} ms" for p in mine]
+
+
+class RooflinePanel(w.VBox):
+    """Feed it with `update(u)` (an Update from a source) or `add_steps(events)`."""
+
+    num_points = traitlets.Int(0, help="Steps drawn.")
+
+    def __init__(self, info: EngineInfo | None = None, roofs: DeviceRoofs | None = None,
+                 window: int = 2000, height: int = 380, **kw):
+        self.window = window
+        self.points: list = []
+        self.note = w.HTML()
+        # Drawn before it becomes a widget: a FigureWidget's browser side misses what changed
+        # before it was first displayed.
+        self.fig = roofline_figure(height=height)
+        self.set_model(info, roofs)
+        self.fig = go.FigureWidget(self.fig)
+        super().__init__([css_widget(), self.note, self.fig], **kw)
+        self.add_class("wb-roofline")
+
+    def set_model(self, info: EngineInfo | None, roofs: DeviceRoofs | None) -> None:
+        """A new engine (or trace): its info counts the FLOPs, its device gives the roofs."""
+        self.info, self.roofs = info, roofs
+        self.points = []
+        self.note.value = roofs_note(info, roofs)
+        self._draw()
+
+    def clear(self) -> None:
+        self.points = []
+        self._draw()
+
+    def update(self, u) -> None:
+        if u.steps:
+            self.add_steps(u.steps)
+
+    def add_steps(self, steps) -> None:
+        if self.info is None or not hasattr(steps[0], "context_lens"):
+            return                       # a remote server's /metrics polls have no steps
+        self.points.extend(roofline_points(steps, self.info))
+        del self.points[:-self.window]
+        self._draw()
+
+    def _draw(self) -> None:
+        _fill(self.fig, self.points, self.roofs)
+        self.num_points = len(self.points)
+
+
+def roofs_note(info: EngineInfo | None, roofs: DeviceRoofs | None) -> str:
+    """The measured roofs and the machine balance, in a sentence (HTML)."""
+    if info is None or roofs is None:
+        return ('<div class="wb muted">No roofline: the model\'s shape or the device\'s roofs '
+                'are unknown (a remote server).</div>')
+    return (f'<div class="wb muted">{esc(roofs.device)} · {esc(roofs.dtype)}: measured '
+            f'{_si(roofs.peak_flops, "FLOP/s")} matmul, {_si(roofs.bandwidth, "B/s")} memory; '
+            f'balance <b>{roofs.balance:.3g} FLOP/byte</b> (left of it a step is '
+            f'memory-bound)</div>')
