@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -272,11 +273,21 @@ def test_top_p_keeps_the_nucleus_only():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     p = SamplingParams(temperature=1.0, top_p=0.7)
     g = torch.Generator().manual_seed(0)
-    drawn = {sample(logits, [p], [g])[0] for _ in range(300)}
+    drawn = {sample(logits, [_seq(p)], [g]).token_ids.item() for _ in range(300)}
     assert drawn == {0, 1}
     p = SamplingParams(temperature=1.0, top_k=3)
-    drawn = {sample(logits, [p], [g])[0] for _ in range(300)}
+    drawn = {sample(logits, [_seq(p)], [g]).token_ids.item() for _ in range(300)}
     assert drawn == {0, 1, 2}
+    p = SamplingParams(temperature=1.0, min_p=0.35)     # 0.15 and 0.05 < 0.35 * 0.5
+    drawn = {sample(logits, [_seq(p)], [g]).token_ids.item() for _ in range(300)}
+    assert drawn == {0, 1}
+
+
+def _seq(params, prompt=(1,), output=()):
+    from workbench.core.sequence import Sequence
+    s = Sequence("x", list(prompt), params)
+    s.token_ids += list(output)
+    return s
 
 
 def test_telemetry_records_steps_requests_and_memory(tiny_engine, tmp_path):
@@ -342,13 +353,21 @@ def test_tiny_temperature_is_greedy_and_safe(tiny_engine):
     import torch
     from workbench.executor.sampler import sample
     logits = torch.tensor([[1e3, -1e3, 5.0]])
-    assert sample(logits, [SamplingParams(temperature=1e-4)], [torch.Generator().manual_seed(0)]) == [0]
+    assert sample(logits, [_seq(SamplingParams(temperature=1e-4))],
+                  [torch.Generator().manual_seed(0)]).token_ids.tolist() == [0]
 
 
 @pytest.mark.parametrize("kw,field", [
     (dict(stop=5), "stop"), (dict(stop_token_ids=5), "stop_token_ids"), (dict(seed=2**64), "seed"),
     (dict(temperature=True), "temperature"), (dict(ignore_eos="yes"), "ignore_eos"),
     (dict(max_tokens=True), "max_tokens"), (dict(temperature=float("nan")), "temperature"),
+    (dict(n=0), "n"), (dict(logprobs=21), "logprobs"), (dict(prompt_logprobs=-1), "prompt_logprobs"),
+    (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty="1"), "frequency_penalty"),
+    (dict(repetition_penalty=0), "repetition_penalty"), (dict(min_p=1.5), "min_p"),
+    (dict(logit_bias={5: 101}), "logit_bias"), (dict(logit_bias={"x": 1}), "logit_bias"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=0, prompt_logprobs=1, n=2), "n"), (dict(skip_special_tokens=1), "skip_special_tokens"),
+    (dict(include_stop_str_in_output=None), "include_stop_str_in_output"),
 ])
 def test_more_bad_sampling_params(kw, field):
     with pytest.raises(ValueError, match=field):
@@ -403,3 +422,172 @@ def test_default_graph_mode_is_the_devices_choice_and_says_nothing():
     assert e.config.graph_mode == "eager" == e.info().graph_mode and e.notices == []
     asked = Engine(model="random:tiny", device="cpu", num_kv_blocks=16, graph_mode="decode")
     assert asked.info().graph_mode == "eager" and "graph_mode='decode' asked for" in asked.notices[0]
+
+
+# ---- logprobs, n, penalties (issue 12) ---------------------------------------------------------
+def _hf_logprobs(model, ids: list[int]) -> "torch.Tensor":
+    import torch
+    with torch.inference_mode():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+
+
+def _check_against_hf(hf, out, k_out, k_prompt):
+    """Each sampled and prompt token's logprob, rank and top-k equal HF's log_softmax."""
+    ids = out.prompt_token_ids + out.token_ids
+    ref = _hf_logprobs(hf, ids)
+    n_prompt = len(out.prompt_token_ids)
+    assert len(out.outputs[0].logprobs) == len(out.token_ids) > 0
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == n_prompt
+    got = list(zip(range(1, n_prompt), out.prompt_logprobs[1:], [k_prompt] * n_prompt))
+    got += list(zip(range(n_prompt, len(ids)), out.outputs[0].logprobs, [k_out] * len(ids)))
+    for pos, lps, k in got:
+        row, tok = ref[pos - 1], ids[pos]
+        assert abs(lps[tok].logprob - row[tok].item()) < 1e-4
+        assert lps[tok].rank == int((row > row[tok]).sum()) + 1
+        top = row.topk(k)
+        top_ids = [t for t in lps if lps[t].rank <= k]
+        assert set(top_ids) <= set(top.indices.tolist()) and len(lps) in (k, k + 1)
+        for t in top_ids:
+            assert abs(lps[t].logprob - row[t].item()) < 1e-4
+
+
+@pytest.mark.parametrize("which", ["qwen3", "smollm2"])
+def test_logprobs_equal_hf(which, request, tiny_checkpoints):
+    """Generated and prompt logprobs are HF's log_softmax (raw: before temperature and
+    penalties), for a random Qwen3 and the embedded Llama (SmolLM2), in fp32 on the CPU."""
+    if which == "qwen3":
+        engine, hf = request.getfixturevalue("tiny_engine"), tiny_checkpoints["qwen3"][1]
+        prompt = prompts(1)[0]
+    else:
+        engine, hf = request.getfixturevalue("smol"), request.getfixturevalue("hf_smollm2")
+        prompt = "The quick brown fox jumps over the lazy dog because"
+    outs = engine.generate([prompt] * 2, [
+        SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=5, prompt_logprobs=3),
+        SamplingParams(max_tokens=5, temperature=0.8, seed=7, ignore_eos=True, logprobs=2,
+                       prompt_logprobs=0, repetition_penalty=1.3, presence_penalty=0.5)])
+    for out, k, pk in zip(outs, (5, 2), (3, 0)):
+        _check_against_hf(hf, out, k, pk)
+    assert engine.stats().kv_blocks_used == 0
+
+
+def test_logprobs_stream_and_prompt_scoring_only(tiny_engine):
+    x = prompts(1)[0]
+    events = list(tiny_engine.stream(x, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
+                                                       logprobs=1)))
+    assert all(ev.token_id in ev.logprobs and len(ev.logprobs) in (1, 2) for ev in events)
+    # max_tokens=0: the prompt is scored, nothing is generated (lm-eval's loglikelihood).
+    out = tiny_engine.generate([x], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
+    assert out.token_ids == [] and out.finish_reason == "length"
+    assert [list(d) for d in out.prompt_logprobs[1:]] == [[t] for t in x[1:]]
+    assert tiny_engine.stats().kv_blocks_used == 0
+
+
+def test_n_forks_the_prompt_blocks(tiny_engine):
+    """n=4 on a 300-token prompt: the prompt is computed once, its 18 full blocks are shared
+    by all four choices (reference count 4), each choice recomputes only the partial last
+    block; greedy choices equal each other."""
+    x = random_prompts(1, 300, 300, 1000, seed=11)[0]
+    tiny_engine.telemetry.clear()
+    rid = tiny_engine.add_request(x, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, n=4))
+    tiny_engine.step()                   # the prompt (one prefill), then the fork
+    snap = tiny_engine.kv_blocks()
+    assert sorted(snap.block_tables) == [rid, f"{rid}#1", f"{rid}#2", f"{rid}#3"]
+    shared = snap.block_tables[rid][:18]
+    assert all(snap.block_tables[c][:18] == shared for c in snap.block_tables)
+    assert [snap.ref_counts[b] for b in shared] == [4] * 18
+    tiny_engine.step()                   # the three later choices compute their tails
+    assert tiny_engine.stats().kv_blocks_used == 18 + 4      # not 4 * 19
+    while tiny_engine.has_unfinished_requests():
+        tiny_engine.step()
+    steps, _ = tiny_engine.telemetry.snapshot()
+    # 300 prompt tokens once, plus each later choice's tail: 300 - 288 + its first token.
+    assert sum(s.num_prefill_tokens for s in steps) == 300 + 3 * 13
+    assert tiny_engine.stats().kv_blocks_used == 0
+
+
+def test_n_choices_generate_and_stream(tiny_engine):
+    x = prompts(1)[0]
+    greedy = tiny_engine.generate([x], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
+    out = tiny_engine.generate([x], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, n=3,
+                                                   logprobs=0))[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert all(o.token_ids == greedy.token_ids and o.finish_reason == "length" for o in out.outputs)
+    assert out.token_ids == greedy.token_ids and all(len(o.logprobs) == 5 for o in out.outputs)
+    # Random choices: each its own seed stream, the same in every run.
+    p = SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True, n=3, stop_token_ids=[7])
+    a = [o.token_ids for o in tiny_engine.generate([x], p)[0].outputs]
+    b = {}
+    for ev in tiny_engine.stream(x, p):
+        b.setdefault(ev.choice, []).extend([ev.token_id] if ev.token_id is not None else [])
+    assert [b[i] for i in range(3)] == a and len({tuple(t) for t in a}) == 3
+    # An abort ends every choice.
+    rid = tiny_engine.add_request(x, SamplingParams(max_tokens=50, ignore_eos=True, n=2))
+    tiny_engine.step(), tiny_engine.step()
+    assert tiny_engine.abort(rid)
+    tiny_engine.step()
+    assert not tiny_engine.has_unfinished_requests() and tiny_engine.stats().kv_blocks_used == 0
+
+
+def test_penalty_processors_match_their_definitions():
+    """vLLM's definitions on a hand-made row: repetition over prompt + output, frequency per
+    occurrence in the output, presence once; logit_bias added; min_tokens bans stops."""
+    import torch
+    from workbench.executor.sampler import apply_processors
+    logits = torch.tensor([[2.0, -1.0, 3.0, 0.5, 1.0]])
+    p = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25,
+                       logit_bias={4: 1.5}, min_tokens=5, stop_token_ids=[0])
+    out = apply_processors(logits, [_seq(p, prompt=[1], output=[2, 2, 3])], {3})
+    # 0: banned (stop id, 3 < min_tokens); 1: prompt -> -1 * 2; 2: 3/2 - 2*0.5 - 0.25;
+    # 3: EOS, banned; 4: +1.5.
+    want = torch.tensor([[float("-inf"), -2.0, 0.25, float("-inf"), 2.5]])
+    assert torch.equal(out, want)
+    none = SamplingParams(repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
+    assert torch.equal(apply_processors(logits, [_seq(none, [1], [2, 2, 3])], {3}), logits)
+
+
+def test_penalties_change_a_repeating_output(smol):
+    """On a prompt that repeats, the model keeps repeating; the repetition penalty (which
+    counts the prompt) stops it, frequency and presence penalties (output only) keep tokens
+    from recurring in the output; 0 penalties equal none; logit_bias, min_tokens and
+    include_stop_str_in_output do what they say. One batch for all variants."""
+    from collections import Counter
+    prompt = "one two three one two three one two three one two three one two three"
+    base = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    t = smol.tokenize(" banana")[-1]
+    variants = [{}, dict(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0),
+                dict(repetition_penalty=3.0), dict(frequency_penalty=2.0), dict(presence_penalty=2.0),
+                dict(logit_bias={t: 100}, max_tokens=3),
+                dict(logit_bias={t: 100}, stop_token_ids=[t], min_tokens=2),
+                dict(stop=["three"]), dict(stop=["three"], include_stop_str_in_output=True)]
+    plain, zero, rep, freq, pres, bias, mint, cut, kept = smol.generate(
+        [prompt] * len(variants), [replace(base, **kw) for kw in variants])
+    assert zero.token_ids == plain.token_ids
+    most = max(Counter(plain.token_ids).values())
+    assert most >= 4                                        # the model keeps repeating
+    seen = set(smol.tokenize(prompt))
+    assert "one two three" not in rep.text
+    assert sum(t in seen for t in rep.token_ids) < sum(t in seen for t in plain.token_ids)
+    for out in (freq, pres):
+        assert max(Counter(out.token_ids).values()) < most, out.text
+    # logit_bias forces a token; min_tokens holds back a stop token until then.
+    assert bias.token_ids == [t] * 3
+    assert mint.token_ids[-1] == t and len(mint.token_ids) == 3 and mint.finish_reason == "stop"
+    # include_stop_str_in_output keeps the stop string at the end of the text.
+    assert cut.finish_reason == kept.finish_reason == "stop" and kept.text == cut.text + "three"
+
+
+def test_prompt_logprobs_across_chunks_and_cached_prefixes(tiny_checkpoints):
+    """A prompt prefilled in chunks is scored at every position, and a request whose prefix
+    is cached still gets the logprobs of all its prompt tokens (it skips the prefix cache)."""
+    path, hf = tiny_checkpoints["qwen3"]
+    e = Engine(model=str(path), device="cpu", block_size=16, num_kv_blocks=64, max_model_len=512,
+               max_num_batched_tokens=32, max_num_seqs=4, enable_chunked_prefill=True)
+    x = random_prompts(1, 100, 100, 1000, seed=5)[0]
+    p = SamplingParams(max_tokens=0, prompt_logprobs=1)
+    first, again = e.generate([x], p)[0], e.generate([x], p)[0]
+    ref = _hf_logprobs(hf, x)
+    for out in (first, again):
+        got = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], x[1:])]
+        want = [ref[i - 1, x[i]].item() for i in range(1, len(x))]
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+    assert e.generate([[7]], p)[0].prompt_logprobs == [None]     # one token: nothing to score

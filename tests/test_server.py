@@ -217,11 +217,21 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, "seed"),
     ("/v1/completions", {"prompt": "hi", "stop": 5}, 400, "stop"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "min_p": 2}, 400, "min_p"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": [1]}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 99}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "echo": "yes"}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "skip_special_tokens": "no"}, 400, "skip_special_tokens"),
     ("/v1/completions", {"prompt": "hi", "ignore_eos": "yes"}, 400, "ignore_eos"),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 5}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": True}, 400, "logprobs"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
@@ -241,6 +251,10 @@ BAD = [
                               "max_completion_tokens": -1}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": True},
      400, "top_p"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                              "top_logprobs": 21}, 400, "top_logprobs"),
 ]
 
 
@@ -304,13 +318,12 @@ UNSUPPORTED = [
     ("store", True), ("metadata", {"k": "v"}), ("use_beam_search", True), ("length_penalty", 0.5),
     ("user", "u-1"), ("guided_decoding_backend", "xgrammar"),
 ]
-PART_A = [   # issue 12 part A builds these; until it merges they are refused, not ignored
-    ("repetition_penalty", 1.3), ("min_p", 0.1), ("prompt_logprobs", 2),
-    ("include_stop_str_in_output", True), ("skip_special_tokens", False),
-    ("presence_penalty", 0.5), ("logit_bias", {"5": 1}), ("min_tokens", 3), ("n", 2),
-]
 # Supported ones are parsed: a bad value is a 400 that names the field.
 PARSED = [
+    ("repetition_penalty", 0), ("min_p", 1.5), ("prompt_logprobs", 21),
+    ("include_stop_str_in_output", "yes"), ("skip_special_tokens", "no"),
+    ("presence_penalty", 2.5), ("logit_bias", {"x": 1}), ("min_tokens", 3), ("n", 0),
+    ("logprobs", 3), ("top_logprobs", 2),
     ("guided_json", {"type": "nonsense"}), ("guided_choice", []), ("guided_regex", "(("),
     ("guided_grammar", "start: nowhere"), ("structured_outputs", {"regex": "(("}),
     ("structured_outputs", {"json": {"type": "object"}, "regex": "a"}),
@@ -324,7 +337,6 @@ PARSED = [
 
 
 @pytest.mark.parametrize("name,value,kind", [(n, v, "unsupported_parameter") for n, v in UNSUPPORTED]
-                         + [(n, v, "unsupported_parameter") for n, v in PART_A]
                          + [(n, v, None) for n, v in PARSED])
 def test_no_field_is_accepted_and_ignored(server, name, value, kind):
     body = {"model": MODEL, "messages": HI, "max_tokens": 2, name: value}
@@ -730,3 +742,111 @@ def test_remote_source_feeds_token_panel_and_timeline(server):
     d, ok = asyncio.run(dash())
     assert ok and d.streams.num_finished == 2 and d.knobs.apply_button.disabled
     assert "remote server" in d.header.value and MODEL in d.header.value
+
+
+# ---- logprobs, echo, n (issue 12) -------------------------------------------------------------
+def _hf_rows(hf, ids):
+    import torch
+    with torch.inference_mode():
+        return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+
+
+def test_completions_logprobs_echo_and_n(server, hf_smollm2, smollm2_tokenizer):
+    """echo + logprobs with max_tokens 0 scores the prompt (HF's log_softmax within 1e-4);
+    n choices each have their index, finish_reason and logprobs, streamed and not."""
+    prompt = "The capital of France is Paris, and the capital of Italy is"
+    ids = smollm2_tokenizer.encode(prompt)
+    ref = _hf_rows(hf_smollm2, ids)
+    with httpx.Client(base_url=server, timeout=120, headers=AUTH) as c:
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 0,
+                                            "echo": True, "logprobs": 1})
+        assert r.status_code == 200, r.text
+        (ch,) = r.json()["choices"]
+        lp = ch["logprobs"]
+        assert ch["text"] == prompt and r.json()["usage"]["completion_tokens"] == 0
+        assert "".join(lp["tokens"]) == prompt and len(lp["tokens"]) == len(ids)
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        for p in range(1, len(ids)):
+            assert abs(lp["token_logprobs"][p] - ref[p - 1, ids[p]].item()) < 1e-4
+            assert abs(max(lp["top_logprobs"][p].values()) - ref[p - 1].max().item()) < 1e-4
+        assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(ids))]
+
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "n": 3,
+                "logprobs": 2, "ignore_eos": True}
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        chs = r.json()["choices"]
+        assert [x["index"] for x in chs] == [0, 1, 2] and len({x["text"] for x in chs}) == 1
+        assert all(x["finish_reason"] == "length" and len(x["logprobs"]["tokens"]) == 4 for x in chs)
+        assert all(len(top) in (2, 3) for x in chs for top in x["logprobs"]["top_logprobs"])
+        assert r.json()["usage"]["completion_tokens"] == 12
+        # Streamed: every chunk names its choice; each choice ends with its own finish_reason.
+        with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+            events = [json.loads(d) for d in sse_data(s.iter_lines()) if d != "[DONE]"]
+        texts, finishes = {}, {}
+        for e in events:
+            (x,) = e["choices"]
+            texts[x["index"]] = texts.get(x["index"], "") + x["text"]
+            if x["finish_reason"]:
+                finishes[x["index"]] = x["finish_reason"]
+        assert texts == {i: chs[0]["text"] for i in range(3)} and finishes == {0: "length", 1: "length", 2: "length"}
+        # Chat: logprobs + top_logprobs in chat's shape.
+        r = c.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 3,
+            "temperature": 0, "logprobs": True, "top_logprobs": 2, "n": 2})
+        assert r.status_code == 200, r.text
+        for i, x in enumerate(r.json()["choices"]):
+            content = x["logprobs"]["content"]
+            assert x["index"] == i and len(content) == r.json()["usage"]["completion_tokens"] // 2
+            for t in content:
+                assert set(t) == {"token", "logprob", "bytes", "top_logprobs"} and len(t["top_logprobs"]) == 2
+                assert t["bytes"] == list(t["token"].encode()) and t["logprob"] <= t["top_logprobs"][0]["logprob"] + 1e-6
+    wait_idle(server)
+
+
+def test_lm_eval_loglikelihood_scores_equal_hf(server, hf_smollm2, smollm2_tokenizer, smollm2_dir,
+                                               tmp_path, monkeypatch):
+    """lm-eval's local-completions loglikelihood path (echo + logprobs over /v1/completions)
+    runs a small multiple-choice task against the live server; every choice's loglikelihood
+    equals the one computed from HF's logits, and so does the accuracy."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+    docs = [
+        {"question": "The capital of France is", "choices": ["Paris", "Berlin", "a banana"], "answer": 0},
+        {"question": "Two plus two equals", "choices": ["seven", "four", "the sky"], "answer": 1},
+        {"question": "The opposite of hot is", "choices": ["cold", "blue", "running"], "answer": 0},
+        {"question": "Water freezes at zero degrees", "choices": ["Fahrenheit", "Celsius", "Kelvin"], "answer": 1},
+    ]
+    data = tmp_path / "mc.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tmp_path / "wb_mc.yaml").write_text(
+        "task: wb_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {data}\ntest_split: test\noutput_type: multiple_choice\n"
+        "doc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\n"
+        "metric_list:\n  - metric: acc\n")
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    out = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=(f"model={MODEL},base_url={server}/v1/completions,tokenizer={smollm2_dir},"
+                    "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1,"
+                    "max_retries=1,batch_size=1"),
+        tasks=["wb_mc"], task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True)
+    samples = out["samples"]["wb_mc"]
+    assert len(samples) == len(docs)
+    correct = 0
+    for s in samples:
+        ours = []
+        for (context, continuation), resp in zip(s["arguments"], s["filtered_resps"]):
+            # lm-eval's own split: the continuation's tokens are those past the context's.
+            ctx = smollm2_tokenizer.encode(context, add_special_tokens=False)
+            whole = smollm2_tokenizer.encode(context + continuation, add_special_tokens=False)
+            rows = _hf_rows(hf_smollm2, whole)
+            hf_ll = sum(rows[p - 1, whole[p]].item() for p in range(len(ctx), len(whole)))
+            assert abs(resp[0] - hf_ll) < 1e-3, (continuation, resp[0], hf_ll)
+            ours.append(hf_ll)
+        correct += max(range(len(ours)), key=ours.__getitem__) == s["target"]
+    assert out["results"]["wb_mc"]["acc,none"] == correct / len(docs)
+    wait_idle(server)

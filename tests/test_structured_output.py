@@ -182,3 +182,25 @@ def test_chat_template_controls_match_the_tokenizer(engine, smollm2_tokenizer):
                       (dict(chat_template="{% if %}"), "chat_template")]:
         with pytest.raises(ValueError, match=f"^{field}:"):
             engine.tokenize(chat("Hi"), **kw)
+
+
+def test_logprobs_run_ahead_and_n_choices_have_their_own_grammar(engine, hf_smollm2):
+    """Async scheduling on the CPU (graph replay stand-in): a greedy request with logprobs
+    still runs ahead, and its logprobs (computed on the device, copied back with the ids)
+    equal HF's log_softmax. n choices of a constrained request each follow the grammar."""
+    S, P = StructuredOutputsParams, SamplingParams
+    first = engine.telemetry.num_steps
+    [o] = engine.generate([chat("Count to twenty.")],
+                          P(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2))
+    assert sum(s.scheduled_ahead for s in engine.telemetry.steps_since(first)) >= 3
+    ids = o.prompt_token_ids + o.token_ids
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_smollm2(torch.tensor([ids])).logits[0].float(), -1)
+    n = len(o.prompt_token_ids)
+    for i, (t, lps) in enumerate(zip(o.token_ids, o.outputs[0].logprobs)):
+        assert abs(lps[t].logprob - ref[n + i - 1, t].item()) < 1e-4 and lps[t].rank == 1
+    [o] = engine.generate([chat("Name a color.")], P(max_tokens=10, temperature=1.0, seed=1, n=3,
+                                                     structured_outputs=S(choice=COLORS)))
+    assert [c.index for c in o.outputs] == [0, 1, 2]
+    assert all(c.text in COLORS and c.finish_reason == "stop" for c in o.outputs), o.outputs
+    assert engine.stats().kv_blocks_used == 0

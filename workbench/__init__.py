@@ -3,9 +3,10 @@
     from workbench import Engine, EngineConfig, SamplingParams
 """
 from .config import EngineConfig
-from .engine import Engine, RequestOutput, TokenEvent
+from .engine import CompletionOutput, Engine, RequestOutput, TokenEvent
 from .core.sampling_params import SamplingParams, StructuredOutputsParams
+from .core.sequence import Logprob
 
-__all__ = ["Engine", "EngineConfig", "SamplingParams", "RequestOutput", "TokenEvent",
-           "StructuredOutputsParams"]
+__all__ = ["Engine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
+           "TokenEvent", "Logprob", "StructuredOutputsParams"]
 __version__ = "0.1.0"

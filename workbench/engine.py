@@ -17,7 +17,7 @@ import contextlib
 import itertools
 import queue
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable, Iterator
 
 from .config import EngineConfig
@@ -26,10 +26,22 @@ from .core.engine_core import EngineCore
 from .core.inputs import InputProcessor, Prompt
 from .core.request import Request, RequestState, TokenEvent
 from .core.sampling_params import SamplingParams
+from .core.sequence import Logprob
 from .roofline import DeviceRoofs
 from .telemetry import EngineInfo, EngineStats, RequestMetrics, Telemetry
 
-__all__ = ["Engine", "RequestOutput", "TokenEvent", "RequestState"]
+__all__ = ["Engine", "RequestOutput", "CompletionOutput", "TokenEvent", "RequestState"]
+
+@dataclass
+class CompletionOutput:
+    """One of a request's n choices."""
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[dict[int, Logprob]] | None = None
+    """One dict per output token (with SamplingParams.logprobs)."""
+
 
 @dataclass
 class RequestOutput:
@@ -37,10 +49,23 @@ class RequestOutput:
     prompt: Any
     prompt_token_ids: list[int]
     token_ids: list[int]
+    """The first choice's (as text and finish_reason are); `outputs` holds all n."""
     text: str
     finished: bool
     finish_reason: str | None
     metrics: RequestMetrics
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """With SamplingParams.prompt_logprobs: one entry per prompt token (None for the first,
+    which has no context)."""
+
+    @classmethod
+    def of(cls, r: Request) -> "RequestOutput":
+        s = r.seq
+        outs = [CompletionOutput(c.choice, c.detok.text, c.seq.output_token_ids,
+                                 c.seq.finish_reason, c.logprobs) for c in r.choices or [r]]
+        return cls(s.request_id, r.prompt, s.prompt_token_ids, s.output_token_ids, r.detok.text,
+                   s.is_finished, s.finish_reason, r.metrics, outs, r.prompt_logprobs)
 
 
 class Engine:
@@ -174,19 +199,18 @@ class Engine:
                 progress(done, len(reqs))
         if not self.is_running_in_background and not self.has_unfinished_requests():
             self.core.finish_in_flight()       # a run-ahead step of requests that ended
-        return [RequestOutput(r.seq.request_id, r.prompt, r.seq.prompt_token_ids,
-                              r.seq.output_token_ids, r.detok.text, r.seq.is_finished,
-                              r.seq.finish_reason, r.metrics) for r in reqs]
+        return [RequestOutput.of(r) for r in reqs]
 
     @contextlib.contextmanager
     def _following(self, prompt, params, request_id, put: Callable[[TokenEvent], None]):
         """One request's stream, for `stream` and `astream` alike: queued with `put` as its
-        listener; aborted if its consumer stops before the last event."""
+        listener; aborted if its consumer stops before the last event (of its last choice)."""
         rid = self.add_request(prompt, params, request_id, listener=put)
-        seen = {"finished": False}
+        seen = {"finished": False, "left": params.n if params is not None else 1}
 
         def saw(ev: TokenEvent) -> TokenEvent:
-            seen["finished"] = ev.finished
+            seen["left"] -= ev.finished
+            seen["finished"] = seen["left"] == 0
             return ev
         try:
             yield saw, (lambda: seen["finished"])

@@ -160,6 +160,14 @@ class BlockManager:
             parent = h
         return hit
 
+    def fork(self, block_ids: list[int]) -> list[int]:
+        """Share held blocks with one more holder (another of n choices of one prompt, which
+        starts on the prompt's computed blocks instead of computing them again); returns them."""
+        for block_id in block_ids:
+            assert self.blocks[block_id].ref_count > 0, f"block {block_id} is not held"
+            self.blocks[block_id].ref_count += 1
+        return list(block_ids)
+
     def count_lookup(self, queried: int, hit: int) -> None:
         """Add one admitted request's prefix lookup to the hit counters (a request that waits
         and is matched again later is counted once, when it is admitted)."""

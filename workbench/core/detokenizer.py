@@ -12,8 +12,11 @@ CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str]):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str],
+                 skip_special_tokens: bool = True, include_stop_str: bool = False):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.include_stop_str = include_stop_str
         self.ids: list[int] = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0                  # start of the context window in self.ids
         self.read_offset = len(self.ids)        # tokens before this have been turned into text
@@ -28,8 +31,9 @@ class IncrementalDetokenizer:
             return None
         self.ids.append(token_id)
         decode = self.tokenizer.decode
-        prefix = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
-        full = decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
+        skip = self.skip_special_tokens
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip)
+        full = decode(self.ids[self.prefix_offset:], skip_special_tokens=skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             search_from = max(len(self.text) - self.hold, 0)
             self.text += full[len(prefix):]
@@ -38,7 +42,7 @@ class IncrementalDetokenizer:
             for s in self.stop:
                 at = self.text.find(s, search_from)
                 if at >= 0:
-                    self.text = self.text[:at]
+                    self.text = self.text[:at + len(s) if self.include_stop_str else at]
                     return s
         return None
 

@@ -26,7 +26,7 @@ from ..config import EngineConfig
 from ..executor.kv_sizing import kv_bytes_per_block, num_kv_blocks
 from ..executor.models import build_model, load_checkpoint
 from ..executor.runner import ModelRunner
-from ..executor.sampler import apply_token_bitmask, sample
+from ..executor.sampler import LogprobsTensors, apply_token_bitmask, compute_logprobs, sample
 from ..platforms import get_platform
 from ..roofline import DeviceRoofs, probe_roofs
 from ..telemetry import FULL, EngineInfo, EngineStats, MemoryStats, RequestMetrics, StepEvent, Telemetry
@@ -35,7 +35,7 @@ from .detokenizer import IncrementalDetokenizer
 from .request import Request, RequestState, TokenEvent
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .sequence import Sequence
+from .sequence import Logprob, Sequence, SequenceStatus
 from .structured_output import StructuredOutputManager
 
 log = logging.getLogger("workbench")
@@ -53,6 +53,8 @@ class _InFlight:
     """[rows] on the device, in the step's sampling order (the next step's input ids)."""
     host_ids: torch.Tensor
     """Where they land on the host, once `ready` has passed."""
+    host_logprobs: LogprobsTensors | None
+    """The rows' logprobs (when a row asked), also copied to the host without waiting."""
     ready: Any
     graph: tuple[str, int]
     t0: float
@@ -160,6 +162,8 @@ class EngineCore:
         """True while run_loop steps on another thread."""
         self._kv_wanted = False
         self._kv_last: KVBlockSnapshot | None = None
+        self._token_texts: dict[int, str] = {}
+        """Each token's text on its own (for Logprob.decoded_token)."""
         self._closed = False
         self._async = (config.async_scheduling if config.async_scheduling is not None
                        else self.platform.runs_async) and self.runner.graphs is not None
@@ -223,21 +227,44 @@ class EngineCore:
     # ---- requests -------------------------------------------------------------------------
     def make_request(self, prompt_ids: list[int], prompt: Any, params: SamplingParams,
                      request_id: str) -> Request:
-        """A Request for validated token ids (the front door tokenizes and validates). A
-        grammar (structured output) is compiled here: a bad one raises ValueError."""
+        """A Request for validated token ids (the front door tokenizes and validates); with
+        n > 1 it carries its other choices, which start when its prompt is computed. A
+        grammar (structured output) is compiled here, one matcher per choice: a bad one
+        raises ValueError."""
+        first = self._make_choice(prompt_ids, prompt, params, request_id, 0)
+        if params.n > 1:
+            # Later choices: their own seed stream; the prompt's logprobs come with the first.
+            later = replace(params, prompt_logprobs=None)
+            first.choices = [first] + [self._make_choice(prompt_ids, prompt, later, request_id, i)
+                                       for i in range(1, params.n)]
+            for c in first.choices[1:]:
+                c.owner = first
+            first.unfinished = params.n
+        if params.prompt_logprobs is not None:
+            first.prompt_logprobs = [None] * len(prompt_ids)
+        return first
+
+    def _make_choice(self, prompt_ids: list[int], prompt: Any, params: SamplingParams,
+                     request_id: str, choice: int) -> Request:
         grammar = (self.structured_output.compile(params.structured_outputs)
                    if params.structured_outputs is not None else None)
-        seq = Sequence(request_id, prompt_ids, params, max_len=self.max_model_len)
+        seq = Sequence(request_id if choice == 0 else f"{request_id}#{choice}", prompt_ids,
+                       params, max_len=self.max_model_len)
         gen = None
         if not params.greedy:
             # A stable default (str hashes are salted per process): the same engine seed and
             # request id sample the same tokens in every run.
             seed = (params.seed if params.seed is not None
                     else zlib.crc32(f"{self.config.seed}:{request_id}".encode()))
+            if choice:
+                seed = zlib.crc32(f"{seed}:{choice}".encode())
             gen = torch.Generator().manual_seed(seed)
         metrics = RequestMetrics(request_id, seq.arrival_time, len(prompt_ids))
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
-        return Request(seq, prompt, detok, metrics, gen, grammar)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop,
+                                       params.skip_special_tokens,
+                                       params.include_stop_str_in_output)
+        return Request(seq, prompt, detok, metrics, gen, grammar, request_id=request_id,
+                       choice=choice, logprobs=[] if params.logprobs is not None else None)
 
     def add(self, reqs: list[Request]) -> None:
         self.check_open()
@@ -283,9 +310,12 @@ class EngineCore:
             self.scheduler.add(r.seq)
         for rid in aborts:
             r = self._requests.get(rid)
-            if r is not None and not r.seq.is_finished:
-                self.scheduler.finish(r.seq, "abort")
-                self._finish(r, time.monotonic())
+            if r is None:
+                continue
+            for c in r.choices or [r]:
+                if not c.seq.is_finished and (c is r or c.forked):
+                    self.scheduler.finish(c.seq, "abort")
+                    self._finish(c, time.monotonic())
 
 
     def step(self) -> list[TokenEvent]:
@@ -311,19 +341,25 @@ class EngineCore:
             for seq in sched.preempted:
                 self._requests[seq.request_id].metrics.num_preemptions += 1
             if sched.is_empty:
-                return self._record_step(sched, [], [], None, t0)
+                return self._record_step(sched, [], [], None, None, t0)
             for s in sched.scheduled:
                 m = self._requests[s.seq.request_id].metrics
                 if m.first_scheduled_time is None:
                     m.first_scheduled_time = t0
                     m.cached_tokens = s.seq.num_cached_tokens
-            logits, sampling, graph = self.runner.execute(sched)
+            logits, sampling, graph, spans = self.runner.execute(sched)
             reqs = [self._requests[s.seq.request_id] for s in sampling]
             if not (self._async and graph is not None and graph[0] == FULL
                     and all(self._may_run_ahead(r) for r in reqs)):
-                tokens = self._sample(logits, reqs)
+                if spans:
+                    self._add_prompt_logprobs(spans, logits[len(sampling):])
+                rows, reqs = self._sampling_rows(reqs)
+                if rows is not None:
+                    logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+                out = self._sample(logits[:len(reqs)], reqs)
                 self.scheduler.update_after_step(sched)
-                return self._record_step(sched, reqs, tokens, graph, t0)
+                lp = out.logprobs.to_host() if out.logprobs is not None else None
+                return self._record_step(sched, reqs, out.token_ids.tolist(), lp, graph, t0)
             inflight = self._in_flight(sched, logits, reqs, graph, t0, ahead=False)
         # Step N is in flight: advance its sequences, launch N+1 from its device-side ids,
         # then wait for N's ids and hand them out.
@@ -338,30 +374,35 @@ class EngineCore:
                 if rows != list(range(len(rows))) or len(rows) != ids.shape[0]:
                     ids = ids.index_select(0, torch.tensor(rows).to(ids.device, non_blocking=True))
                 # No larger than the step before it, so a captured size holds it.
-                logits, sampling, graph = self.runner.execute(nsched, input_ids=ids)
+                logits, sampling, graph, _ = self.runner.execute(nsched, input_ids=ids)
                 self._inflight = self._in_flight(
                     nsched, logits, [self._requests[s.seq.request_id] for s in sampling],
                     graph, t1, ahead=True)
         inflight.ready.synchronize()
         tokens = inflight.host_ids.tolist()
-        return self._record_step(inflight.sched, inflight.reqs, tokens, inflight.graph,
-                                 inflight.t0, inflight.ahead)
+        return self._record_step(inflight.sched, inflight.reqs, tokens, inflight.host_logprobs,
+                                 inflight.graph, inflight.t0, inflight.ahead)
 
-
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
-        """Pick each row's token; rows with a grammar are masked first, all in one bitmask."""
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]):
+        """Pick each row's token (and its logprobs, when asked); rows with a grammar are
+        masked first, all in one bitmask (so, as in vLLM, their logprobs are the masked
+        distribution's)."""
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if rows:
             bitmask = self.structured_output.grammar_bitmask([reqs[i].grammar for i in rows])
             logits = apply_token_bitmask(logits, bitmask, rows)
-        return sample(logits, [r.seq.params for r in reqs], [r.generator for r in reqs])
+        return sample(logits, [r.seq for r in reqs], [r.generator for r in reqs],
+                      self.eos_token_ids)
 
     def _may_run_ahead(self, r: Request) -> bool:
         """Whether a request's next step may be launched before its token is known: greedy
-        (the id is picked on the device), no stop strings (they need the text) and no
-        grammar (its mask for the next step depends on this step's token)."""
-        return r.generator is None and not r.seq.params.stop and r.grammar is None
-
+        (the id is picked on the device), no stop strings (they need the text), no grammar
+        (its mask for the next step depends on this step's token), no logits processors
+        (penalties need the token history on the host). Logprobs may: they are computed on
+        the device and copied back with the ids."""
+        p = r.seq.params
+        return (r.generator is None and not p.stop and r.grammar is None
+                and not p.needs_processing)
 
     def _in_flight(self, sched, logits, reqs, graph, t0, ahead: bool) -> "_InFlight":
         """Greedy ids picked on the device and copied to a pinned host buffer without
@@ -370,20 +411,84 @@ class EngineCore:
         self._host_flip ^= 1
         host = self._host_ids[self._host_flip][:ids.shape[0]]
         host.copy_(ids, non_blocking=True)
-        return _InFlight(sched, reqs, ids, host, self.platform.record_event(), graph, t0, ahead)
+        k = max((r.seq.params.logprobs for r in reqs if r.seq.params.logprobs is not None),
+                default=None)
+        # (a non-blocking copy from the device lands in pinned memory)
+        lp = None if k is None else compute_logprobs(logits, ids, k).to_host(non_blocking=True)
+        return _InFlight(sched, reqs, ids, host, lp, self.platform.record_event(), graph, t0,
+                         ahead)
 
+    def _sampling_rows(self, reqs: list[Request]) -> tuple[list[int] | None, list[Request]]:
+        """A request with n > 1 samples its first token once per choice, from the same
+        logits row: the rows to sample (None: one per request, as they are) and whose."""
+        if not any(r.choices and not r.forked for r in reqs):
+            return None, reqs
+        rows, out = [], []
+        for i, r in enumerate(reqs):
+            for c in (r.choices if r.choices and not r.forked else [r]):
+                rows.append(i)
+                out.append(c)
+        return rows, out
 
-    def _record_step(self, sched, reqs, tokens, graph, t0, ahead: bool = False
-                     ) -> list[TokenEvent]:
+    def _fork(self, r: Request) -> None:
+        """The first choice's prompt is computed: start the other choices on its blocks."""
+        r.forked = True
+        with self._lock:
+            for c in r.choices[1:]:
+                self._requests[c.seq.request_id] = c
+        for c in r.choices[1:]:
+            c.listener = r.listener
+            c.forked = True
+            self.scheduler.fork(r.seq, c.seq)
+
+    def _decode_token(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def _add_prompt_logprobs(self, spans, logits: torch.Tensor) -> None:
+        """Logprobs of prompt tokens from the rows of a prefill (see ModelRunner.prepare):
+        the row at position p scores prompt token p + 1. One batched pass for the step."""
+        targets = [t for s, first, count in spans
+                   for t in s.seq.prompt_token_ids[first + 1:first + 1 + count]]
+        k = max(s.seq.params.prompt_logprobs for s, _, _ in spans)
+        lp = compute_logprobs(logits, torch.tensor(targets, device=logits.device), k).to_host()
+        row = 0
+        for s, first, count in spans:
+            r = self._requests[s.seq.request_id]
+            if r.prompt_logprobs is not None:
+                for p in range(first + 1, first + 1 + count):
+                    if r.prompt_logprobs[p] is None:    # (a recompute scores it again)
+                        r.prompt_logprobs[p] = lp.row(row + p - first - 1,
+                                                      s.seq.params.prompt_logprobs,
+                                                      self._decode_token)
+            row += count
+
+    def _record_step(self, sched, reqs, tokens, logprobs: LogprobsTensors | None, graph, t0,
+                     ahead: bool = False) -> list[TokenEvent]:
         """Hand out one step's tokens and record the step. A request that ended while its
         step was in flight (aborted, or finished by the step before) drops its token."""
         events: list[TokenEvent] = []
         finished: list[str] = []
         now = time.monotonic()
-        for r, tok in zip(reqs, tokens):
+        for i, (r, tok) in enumerate(zip(reqs, tokens)):
             if r.seq.is_finished:
                 continue
-            ev = self._append_token(r, tok, now)
+            if r.seq.params.max_tokens == 0:    # prompt scoring only: no token
+                self.scheduler.finish(r.seq, "length")
+                self._finish(r, now)
+                finished.append(r.seq.request_id)
+                continue
+            if r.choices and not r.forked:
+                self._fork(r)
+            lp = None
+            if r.logprobs is not None:
+                lp = logprobs.row(i, r.seq.params.logprobs, self._decode_token)
+                r.logprobs.append(lp)
+            ev = self._append_token(r, tok, now, lp)
             events.append(ev)
             if ev.finished:
                 finished.append(r.seq.request_id)
@@ -415,7 +520,8 @@ class EngineCore:
                     self._step(speculate=False)
 
 
-    def _append_token(self, r: Request, tok: int, now: float) -> TokenEvent:
+    def _append_token(self, r: Request, tok: int, now: float,
+                      logprobs: dict[int, Logprob] | None = None) -> TokenEvent:
         seq, p, m = r.seq, r.seq.params, r.metrics
         seq.token_ids.append(tok)
         m.output_tokens += 1
@@ -425,6 +531,8 @@ class EngineCore:
         reason = None
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
             reason = "stop"
+            if p.include_stop_str_in_output:
+                r.detok.add(tok)
         elif r.detok.add(tok) is not None:
             reason = "stop"
         elif r.grammar is not None and not r.grammar.consume_token(tok):
@@ -437,15 +545,16 @@ class EngineCore:
             reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)
-        ev = TokenEvent(seq.request_id, tok, r.detok.take(final=reason is not None),
-                        seq.num_output_tokens, now, reason is not None, reason)
+        ev = TokenEvent(r.request_id, tok, r.detok.take(final=reason is not None),
+                        seq.num_output_tokens, now, reason is not None, reason, logprobs,
+                        r.choice, r.prompt_logprobs if seq.num_output_tokens == 1 else None)
         if reason is not None:
             self._finish(r, now, deliver=False)
         self._deliver(r, ev)
-        if reason is not None:
-            r.done.set()
+        owner = r.owner or r
+        if reason is not None and owner.unfinished == 0:
+            owner.done.set()
         return ev
-
 
     def _deliver(self, r: Request, ev: TokenEvent) -> None:
         """Hand an event to the request's listener. A listener that raises (say, its asyncio
@@ -458,23 +567,41 @@ class EngineCore:
             log.exception("listener of %s raised; aborting that request", r.seq.request_id)
             r.listener = None
             if not ev.finished:
-                self.abort(r.seq.request_id)
+                self.abort(r.request_id)
 
 
     def _finish(self, r: Request, now: float, deliver: bool = True) -> None:
-        """Book-keeping for a request that ended (finished, stopped or aborted)."""
-        r.metrics.finished_time = now
-        r.metrics.finish_reason = r.seq.finish_reason
-        r.metrics.num_preemptions = r.seq.num_preemptions
-        self.telemetry.add_request(r.metrics)
-        with self._lock:
-            self._requests.pop(r.seq.request_id, None)
+        """Book-keeping for a choice that ended (finished, stopped or aborted); the request
+        is recorded when its last choice ends. Choices that never started (the first one
+        ended before its prompt was computed) end with it."""
+        owner = r.owner or r
+        ended = [r]
+        if r is owner and r.choices and not r.forked:
+            for c in r.choices[1:]:
+                c.seq.status, c.seq.finish_reason = SequenceStatus.FINISHED, r.seq.finish_reason
+                c.listener = r.listener
+                ended.append(c)
+        owner.unfinished -= len(ended)
+        with self._lock:   # the first choice stays findable (abort) until the last ends
+            if r is not owner:
+                self._requests.pop(r.seq.request_id, None)
+            if owner.unfinished == 0:
+                self._requests.pop(owner.seq.request_id, None)
+        if owner.unfinished == 0:
+            m = owner.metrics
+            m.finished_time = now
+            m.finish_reason = owner.seq.finish_reason
+            m.num_preemptions = sum(c.seq.num_preemptions for c in owner.choices or [owner])
+            m.output_tokens = sum(c.seq.num_output_tokens for c in owner.choices or [owner])
+            self.telemetry.add_request(m)
         if deliver:   # an abort: tell the listener, with any text still held back
-            ev = TokenEvent(r.seq.request_id, None, r.detok.take(final=True),
-                            r.seq.num_output_tokens, now, True, r.seq.finish_reason)
-            self._deliver(r, ev)
-            r.done.set()
-
+            for c in ended:
+                self._deliver(c, TokenEvent(
+                    c.request_id, None, c.detok.take(final=True), c.seq.num_output_tokens, now,
+                    True, c.seq.finish_reason, None, c.choice,
+                    c.prompt_logprobs if c.seq.num_output_tokens == 0 else None))
+            if owner.unfinished == 0:
+                owner.done.set()
 
     # ---- looking inside (for block maps and steppers) --------------------------------------
     def _kv_snapshot(self) -> KVBlockSnapshot:
@@ -503,6 +630,7 @@ class EngineCore:
             with self._lock:
                 reqs = list(self._requests.values())
                 queued = {id(r) for r in self._inbox}
+            reqs = [r for r in reqs if not r.seq.is_finished]
             return [RequestState(r.seq.request_id,
                                  "queued" if id(r) in queued else r.seq.status.value,
                                  r.seq.num_prompt_tokens, r.seq.num_output_tokens,

@@ -10,7 +10,7 @@ import torch
 
 from ..telemetry import RequestMetrics
 from .detokenizer import IncrementalDetokenizer
-from .sequence import Sequence
+from .sequence import Logprob, Sequence
 
 
 @dataclass(slots=True)
@@ -25,7 +25,15 @@ class TokenEvent:
     """Number of output tokens so far."""
     time: float
     finished: bool = False
+    """This choice has ended (a request with n > 1 ends when all its choices have)."""
     finish_reason: str | None = None
+    logprobs: dict[int, Logprob] | None = None
+    """With SamplingParams.logprobs: the token's logprob and the top-k alternatives'."""
+    choice: int = 0
+    """Which of the request's n sequences this token belongs to."""
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """With SamplingParams.prompt_logprobs: on the request's first event (choice 0), one
+    entry per prompt token (None for the first)."""
 
 
 @dataclass(eq=False)
@@ -42,6 +50,22 @@ class Request:
     """The structured-output grammar matcher (core/structured_output.py), or None."""
     listener: Callable[[TokenEvent], None] | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    """Set when every choice has ended (on the first choice's Request)."""
+    request_id: str = ""
+    """The id the caller knows (choices after the first run as '<id>#<choice>')."""
+    choice: int = 0
+    choices: list["Request"] = field(default_factory=list)
+    """On the first choice of an n > 1 request: all n choices, itself first. Later choices
+    wait here until the first one's prompt is computed, then fork its KV blocks."""
+    owner: "Request | None" = None
+    """On a later choice: the first choice."""
+    forked: bool = False
+    unfinished: int = 1
+    """On the first choice: choices still running."""
+    logprobs: list[dict[int, Logprob]] | None = None
+    """One dict per output token (with SamplingParams.logprobs)."""
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """One entry per prompt token (with SamplingParams.prompt_logprobs; None for the first)."""
 
 
 @dataclass

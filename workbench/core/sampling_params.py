@@ -10,6 +10,8 @@ from ..config import field_checker
 SAMPLING_EPS = 1e-5
 """Temperatures below this are treated as greedy (as vLLM does): dividing logits by a
 vanishing temperature overflows."""
+MAX_LOGPROBS = 20
+"""Most alternatives per position that logprobs / prompt_logprobs may ask for (OpenAI's cap)."""
 
 
 @dataclass
@@ -69,7 +71,12 @@ class StructuredOutputsParams:
 
 @dataclass
 class SamplingParams:
+    n: int = 1
+    """Sequences generated from the prompt; they share its KV blocks (a fork after prefill)."""
     max_tokens: int = 128
+    """0 only makes sense with prompt_logprobs: the prompt is scored, nothing is generated."""
+    min_tokens: int = 0
+    """EOS and stop_token_ids cannot end the output before this many tokens."""
     temperature: float = 1.0
     """0 is greedy."""
     top_k: int = 0
@@ -81,6 +88,26 @@ class SamplingParams:
     """Strings that end the output; the stop string itself is not returned."""
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    """Keep the stop string (or the text of the stop token) at the end of the output."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the output text."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already in the output (-2..2)."""
+    frequency_penalty: float = 0.0
+    """Subtracted once per occurrence in the output (-2..2)."""
+    repetition_penalty: float = 1.0
+    """Logits of tokens in the prompt or output are divided by it (multiplied when negative)."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the top token's."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> value added to its logit (-100..100) before sampling."""
+    logprobs: int | None = None
+    """Return each sampled token's logprob plus this many top alternatives (0..20), taken
+    from the model's raw distribution (before penalties and temperature, as vLLM does)."""
+    prompt_logprobs: int | None = None
+    """Return the logprob of each prompt token plus this many top alternatives (0..20). Such
+    a request computes its whole prompt (no prefix-cache hits: every position's logits)."""
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON schema, a regex, a choice or a grammar."""
     truncate_prompt_tokens: int | None = None
@@ -99,6 +126,11 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids: must be a list of token ids (got {self.stop_token_ids!r})")
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.logit_bias, dict):   # JSON objects have string keys
+            try:
+                self.logit_bias = {int(k): v for k, v in self.logit_bias.items()} or None
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias: keys must be token ids (got {self.logit_bias!r})") from None
         self.validate()
 
     def validate(self) -> None:
@@ -110,8 +142,16 @@ class SamplingParams:
         def is_num(v):
             return isinstance(v, (int, float)) and not isinstance(v, bool)
 
-        if not is_int(self.max_tokens) or self.max_tokens <= 0:
-            bad("max_tokens", "must be an integer > 0")
+        if not is_int(self.n) or not 1 <= self.n <= 128:
+            bad("n", "must be an integer in [1, 128]")
+        if not is_int(self.max_tokens) or self.max_tokens < 0:
+            bad("max_tokens", "must be an integer >= 0")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            bad("max_tokens", "must be > 0 (0 is only for scoring a prompt with prompt_logprobs)")
+        if self.max_tokens == 0 and self.n != 1:
+            bad("n", "must be 1 when max_tokens is 0")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", "must be an integer in [0, max_tokens]")
         if not is_num(self.temperature) or not self.temperature >= 0 or self.temperature == float("inf"):
             bad("temperature", "must be a finite number >= 0")
         if not is_int(self.top_k) or self.top_k < -1:
@@ -124,8 +164,26 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
-        if not isinstance(self.ignore_eos, bool):
-            bad("ignore_eos", "must be true or false")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be true or false")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_num(v) or not -2 <= v <= 2:
+                bad(name, "must be a number in [-2, 2]")
+        if not is_num(self.repetition_penalty) or not 0 < self.repetition_penalty <= 100:
+            bad("repetition_penalty", "must be a number in (0, 100]")
+        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                    is_int(k) and k >= 0 and is_num(v) and -100 <= v <= 100
+                    for k, v in self.logit_bias.items()):
+                bad("logit_bias", "must map token ids to numbers in [-100, 100]")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                bad(name, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
         tpt = self.truncate_prompt_tokens
         if tpt is not None and (not is_int(tpt) or not (tpt >= 1 or tpt == -1)):
             bad("truncate_prompt_tokens", "must be an integer >= 1, or -1 (max_model_len)")
@@ -135,3 +193,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        """Needs the tokens seen so far (so the sampler needs the history)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
+
+    @property
+    def needs_processing(self) -> bool:
+        """Anything between the raw logits and temperature (a logits processor)."""
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0

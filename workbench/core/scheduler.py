@@ -88,6 +88,25 @@ class Scheduler:
         self._arrivals += 1
         self.waiting.append(seq)
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start another choice of parent's prompt on parent's KV blocks (see
+        BlockManager.fork); it runs next to its parent, or waits at the head of the queue
+        when the running batch is full."""
+        assert not child.block_table and child.token_ids[:parent.num_prompt_tokens] == \
+            parent.token_ids[:parent.num_prompt_tokens]
+        bs = self.block_manager.block_size
+        n = min(parent.num_computed_tokens // bs, child.num_tokens // bs, len(parent.block_table))
+        child.block_table = self.block_manager.fork(parent.block_table[:n])
+        child.block_hashes = parent.block_hashes[:n]
+        child.num_computed_tokens = n * bs
+        child.arrival_index = parent.arrival_index
+        if len(self.running) < self.config.max_num_seqs:
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+        else:
+            child.status = SequenceStatus.WAITING
+            self.waiting.appendleft(child)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -181,6 +200,8 @@ class Scheduler:
     def _match_prefix(self, seq: Sequence) -> int:
         """Start an unallocated sequence on the cached blocks of its longest cached prefix;
         returns how many blocks were looked up."""
+        if seq.params.prompt_logprobs is not None:
+            return 0    # prompt logprobs need the logits of every prompt position
         hit = self.block_manager.match_prefix(seq.token_ids)
         seq.block_table, seq.block_hashes = hit.block_ids, hit.block_hashes
         seq.num_computed_tokens = seq.num_cached_tokens = (len(hit.block_ids)
@@ -238,6 +259,9 @@ class Scheduler:
         admitted one step late when a request ends (the running batch was full before)."""
         if self.waiting and len(self.running) < self.config.max_num_seqs:
             return None
+        in_prev = {id(s.seq) for s in prev.scheduled}
+        if any(id(seq) not in in_prev for seq in self.running):
+            return None                              # a request joined (a forked choice)
         rows, out = [], SchedulerOutput()
         for i, s in enumerate(prev.scheduled):
             seq = s.seq

@@ -8,6 +8,15 @@ from dataclasses import dataclass, field
 from .sampling_params import SamplingParams
 
 
+@dataclass(slots=True)
+class Logprob:
+    """One token's log-probability at one position (vLLM's name and fields)."""
+    logprob: float
+    rank: int | None = None
+    """Its rank in that position's distribution (1 = the most likely)."""
+    decoded_token: str | None = None
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -148,6 +148,8 @@ class ModelRunner:
         slots: list[int] = []
         logits_rows: list[int] = []
         sampling: list[ScheduledSeq] = []
+        prompt_rows: list[int] = []
+        prompt_spans: list[tuple[ScheduledSeq, int, int]] = []
 
         for s in decodes:
             p = s.start
@@ -195,6 +197,13 @@ class ModelRunner:
             if s.samples:
                 logits_rows.append(q_start + n - 1)
                 sampling.append(s)
+            # Prompt logprobs: the logits at each fed position whose next token is a prompt
+            # token, in rows after the sampling rows.
+            last = s.seq.num_prompt_tokens - 1
+            if s.seq.params.prompt_logprobs is not None and s.start < last:
+                count = min(s.start + n, last) - s.start
+                prompt_spans.append((s, s.start, count))
+                prompt_rows += range(q_start, q_start + count)
 
         plan = None
         if prefills and self.prefill_kernel is not None:
@@ -224,8 +233,8 @@ class ModelRunner:
             self.backend.prepare(meta)
         inputs = (to(torch.tensor(input_ids, dtype=torch.long)),
                   to(torch.tensor(positions, dtype=torch.long)),
-                  to(torch.tensor(logits_rows, dtype=torch.long)))
-        return inputs, meta, sampling
+                  to(torch.tensor(logits_rows + prompt_rows, dtype=torch.long)))
+        return inputs, meta, sampling, prompt_spans
 
     def _replay_decode(self, out: SchedulerOutput, input_ids: torch.Tensor | None = None):
         """A pure decode step on a captured graph, or None to run it eager. input_ids: the
@@ -240,23 +249,25 @@ class ModelRunner:
         logits, size = g.run(ids, [p for _, p in seqs],
                              [slot(q.block_table, p, bs) for q, p in seqs],
                              [q.block_table for q, _ in seqs], [p + 1 for _, p in seqs])
-        return logits, list(out.scheduled), (FULL, size)
+        return logits, list(out.scheduled), (FULL, size), []
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, input_ids: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, list[ScheduledSeq], tuple[str, int] | None]:
-        """Run one step; returns fp32 logits [len(sampling), vocab], the sampling rows, and
-        how graphs ran it: (FULL, batch size) for a replayed decode graph, (PIECEWISE,
-        token bucket), or None when the step ran eager. input_ids: a decode step's ids on
-        the device, for a step scheduled before its tokens reached the host."""
+                ) -> tuple[torch.Tensor, list[ScheduledSeq], tuple[str, int] | None, list]:
+        """Run one step; returns fp32 logits [len(sampling) + prompt rows, vocab], the
+        sampling rows, how graphs ran it: (FULL, batch size) for a replayed decode graph,
+        (PIECEWISE, token bucket), or None when the step ran eager, and the prompt-logprob
+        spans (scheduled seq, first position, count) whose rows follow the sampling rows.
+        input_ids: a decode step's ids on the device, for a step scheduled before its tokens
+        reached the host."""
         replayed = self._replay_decode(out, input_ids)
         if replayed is not None:
             return replayed
         assert input_ids is None, "device-side ids need a decode graph (async scheduling)"
-        (input_ids, positions, logits_indices), meta, sampling = self.prepare(out)
+        (input_ids, positions, logits_indices), meta, sampling, spans = self.prepare(out)
         pw = self.piecewise
         if pw is not None and pw.size_for(input_ids.shape[0]) is not None:
             logits, size = pw.run(input_ids, positions, meta, logits_indices)
-            return logits, sampling, (PIECEWISE, size)
+            return logits, sampling, (PIECEWISE, size), spans
         logits = self.model(input_ids, positions, self.layer_caches, meta, logits_indices)
-        return logits, sampling, None
+        return logits, sampling, None, spans

@@ -37,10 +37,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine import Engine
 from ..core.sampling_params import SamplingParams
 from .metrics import EngineMetrics
-from .protocol import (UNSET, APIError, bad_request, body_field, chat_messages, check_fields,
-                       completion_prompt, from_value_error, is_template_error, max_token_bytes,
-                       read_json, sampling_params_from, structured_error,
-                       structured_outputs_from)
+from .protocol import (UNSET, APIError, bad_request, body_field, chat_logprobs, chat_messages,
+                       check_fields, completion_logprobs, completion_prompt, from_value_error,
+                       is_template_error, max_token_bytes, read_json, sampling_params_from,
+                       structured_error, structured_outputs_from, vllm_prompt_logprobs)
 
 log = logging.getLogger("workbench.server")
 
@@ -63,10 +63,28 @@ class _Served:
     """One validated request, ready to run."""
 
     def __init__(self, kind: str, rid: str, prompt_ids: list[int], params: SamplingParams,
-                 stream: bool, include_usage: bool):
+                 stream: bool, include_usage: bool, echo: str | None = None,
+                 vllm_prompt_logprobs: bool = False):
         self.kind, self.rid, self.prompt_ids, self.params = kind, rid, prompt_ids, params
         self.stream, self.include_usage = stream, include_usage
+        self.echo = echo
+        """Completions with echo: the prompt's text, returned before the output."""
+        self.vllm_prompt_logprobs = vllm_prompt_logprobs
+        """The body asked for vLLM's `prompt_logprobs` field by name."""
         self.created = int(time.time())
+
+
+class _Choice:
+    """What one of a request's n choices has produced so far."""
+
+    def __init__(self):
+        self.texts: list[str] = []
+        self.n_out = 0
+        self.finish: str | None = None
+        self.logprobs: list = []
+        """(token id, {id: Logprob}) per output token, when asked."""
+        self.offset = 0
+        """Characters returned so far (completions' text_offset)."""
 
 
 def create_app(engine: Engine, model_name: str | None = None, api_key: str | None = None,
@@ -144,7 +162,8 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
             raise bad_request("stream_options", "stream_options: only allowed when stream is true")
         # OpenAI's defaults: 16 tokens for completions; chat fills the context.
         so, so_field = structured_outputs_from(body)
-        params, which = sampling_params_from(body, 16 if kind == "completion" else None, so)
+        params, which = sampling_params_from(body, 16 if kind == "completion" else None, so,
+                                             kind)
         explicit = body.get(which) is not None
         options = {"truncate_prompt_tokens": params.truncate_prompt_tokens,
                    "add_special_tokens": body_field(body, "add_special_tokens", (bool,),
@@ -201,23 +220,45 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
                               f"{params.max_tokens}, but max_model_len is {engine.max_model_len}; "
                               f"at most {room} new tokens fit", code="context_length_exceeded")
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        return _Served(kind, f"{prefix}-{uuid.uuid4().hex}", ids, params, stream, include_usage)
+        echo = None
+        if kind == "completion" and body.get("echo") is True:
+            echo = prompt if isinstance(prompt, str) else (
+                engine.tokenizer.decode(ids) if has_tokenizer else "")
+        return _Served(kind, f"{prefix}-{uuid.uuid4().hex}", ids, params, stream, include_usage,
+                       echo, body.get("prompt_logprobs") is not None)
 
     def usage(req: _Served, n_out: int) -> dict:
         n_in = len(req.prompt_ids)
         return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
 
-    def chunk(req: _Served, text: str | None, finish: str | None, role: bool = False) -> dict:
+    def token_text(t: int) -> str:
+        return engine.tokenizer.decode([t]) if has_tokenizer else f"token_id:{t}"
+
+    def logprobs_of(req: _Served, c: _Choice, entries: list, prompt_lps=None) -> dict | None:
+        """The choice's `logprobs` for `entries` (output tokens), with the echoed prompt's
+        tokens first when there are prompt logprobs to show."""
+        if req.params.logprobs is None:
+            return None
+        if req.kind == "chat":
+            return {"content": chat_logprobs(entries, token_text, req.params.logprobs)}
+        if prompt_lps is not None and req.echo is not None:
+            entries = list(zip(req.prompt_ids, prompt_lps)) + entries
+        out, c.offset = completion_logprobs(entries, token_text, c.offset)
+        return out
+
+    def chunk(req: _Served, text: str | None, finish: str | None, role: bool = False,
+              index: int = 0, logprobs: dict | None = None) -> dict:
         if req.kind == "chat":
             delta: dict = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs,
+                      "finish_reason": finish}
             obj = "text_completion"
         out = {"id": req.rid, "object": obj, "created": req.created, "model": served,
                "choices": [choice]}
@@ -235,49 +276,71 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
     tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="workbench-tokenize")
 
     async def sse_events(req: _Served) -> AsyncIterator[str]:
-        """The SSE body of one streamed request. Closing or cancelling it (a client
+        """The SSE body of one streamed request: each choice's chunks carry its index, and
+        each choice ends with its own finish_reason. Closing or cancelling it (a client
         disconnect) closes the engine stream, which aborts the request."""
         agen = engine.astream(req.prompt_ids, req.params, request_id=req.rid)
-        n_out, finish = 0, None
+        choices = [_Choice() for _ in range(req.params.n)]
+        failed = False
+        want_lp = req.params.logprobs is not None
         try:
             if req.kind == "chat":
-                yield dumps(chunk(req, "", None, role=True))
+                for i in range(req.params.n):
+                    yield dumps(chunk(req, "", None, role=True, index=i))
+            elif req.echo is not None and req.params.prompt_logprobs is None:
+                for i in range(req.params.n):
+                    yield dumps(chunk(req, req.echo, None, index=i))
             async for ev in agen:
+                c = choices[ev.choice]
+                if ev.prompt_logprobs is not None and req.echo is not None:
+                    for i, ci in enumerate(choices):    # the echoed prompt, now scored
+                        yield dumps(chunk(req, req.echo, None, index=i, logprobs=logprobs_of(
+                            req, ci, [], ev.prompt_logprobs)))
                 if ev.token_id is not None:
-                    n_out = ev.index
-                if ev.text or (ev.token_id is not None and not has_tokenizer):
-                    yield dumps(chunk(req, ev.text, None))
+                    c.n_out = ev.index
+                entries = [(ev.token_id, ev.logprobs)] if want_lp and ev.token_id is not None else []
+                if ev.text or entries or (ev.token_id is not None and not has_tokenizer):
+                    yield dumps(chunk(req, ev.text, None, index=ev.choice,
+                                      logprobs=logprobs_of(req, c, entries) if entries else None))
                 if ev.finished:
-                    finish = ev.finish_reason
+                    if ev.finish_reason == "error":
+                        failed = True
+                        break
+                    yield dumps(chunk(req, None if req.kind == "chat" else "", ev.finish_reason,
+                                      index=ev.choice))
         except Exception:    # not a disconnect (that is a CancelledError): tell the client
             log.exception("stream %s failed", req.rid)
-            finish = "error"
+            failed = True
         finally:
             await agen.aclose()
-        if finish == "error":
+        if failed:
             yield dumps(APIError(500, "the engine failed while running this request",
                                  type="server_error").body())
-        else:
-            yield dumps(chunk(req, None if req.kind == "chat" else "", finish))
-            if req.include_usage:
-                yield dumps({"id": req.rid, "object": chunk(req, "", None)["object"],
-                             "created": req.created, "model": served, "choices": [],
-                             "usage": usage(req, n_out)})
+        elif req.include_usage:
+            yield dumps({"id": req.rid, "object": chunk(req, "", None)["object"],
+                         "created": req.created, "model": served, "choices": [],
+                         "usage": usage(req, sum(c.n_out for c in choices))})
         yield "[DONE]"
 
     async def run_to_end(req: _Served, request: Request) -> dict:
         """A non-streamed request; aborted if the client disconnects while it runs."""
         async def collect():
-            texts, n_out, finish = [], 0, None
+            choices = [_Choice() for _ in range(req.params.n)]
+            prompt_lps = None
             async with contextlib.aclosing(engine.astream(req.prompt_ids, req.params,
                                                           request_id=req.rid)) as agen:
                 async for ev in agen:
-                    texts.append(ev.text)
+                    c = choices[ev.choice]
+                    c.texts.append(ev.text)
+                    if ev.prompt_logprobs is not None:
+                        prompt_lps = ev.prompt_logprobs
                     if ev.token_id is not None:
-                        n_out = ev.index
+                        c.n_out = ev.index
+                        if req.params.logprobs is not None:
+                            c.logprobs.append((ev.token_id, ev.logprobs))
                     if ev.finished:
-                        finish = ev.finish_reason
-            return "".join(texts), n_out, finish
+                        c.finish = ev.finish_reason
+            return choices, prompt_lps
 
         work = asyncio.ensure_future(collect())
         gone = asyncio.ensure_future(_wait_for_disconnect(request))
@@ -290,18 +353,27 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
         if not work.done() or work.cancelled():
             await asyncio.wait({work})      # let the engine stream close (it aborts the request)
             raise APIError(499, "client closed the request", code="client_closed_request")
-        text, n_out, finish = work.result()
-        if finish == "error":
+        choices, prompt_lps = work.result()
+        if any(c.finish == "error" for c in choices):
             raise APIError(500, "the engine failed while running this request", type="server_error")
-        if req.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            obj = "text_completion"
-        return {"id": req.rid, "object": obj, "created": req.created, "model": served,
-                "choices": [choice], "usage": usage(req, n_out)}
+        out = []
+        for i, c in enumerate(choices):
+            text = "".join(c.texts)
+            lp = logprobs_of(req, c, c.logprobs, prompt_lps)
+            if req.kind == "chat":
+                out.append({"index": i, "message": {"role": "assistant", "content": text},
+                            "logprobs": lp, "finish_reason": c.finish})
+            else:
+                out.append({"index": i, "text": (req.echo or "") + text, "logprobs": lp,
+                            "finish_reason": c.finish})
+                if req.vllm_prompt_logprobs:
+                    out[-1]["prompt_logprobs"] = vllm_prompt_logprobs(prompt_lps)
+        resp = {"id": req.rid, "object": "chat.completion" if req.kind == "chat" else
+                "text_completion", "created": req.created, "model": served, "choices": out,
+                "usage": usage(req, sum(c.n_out for c in choices))}
+        if req.kind == "chat" and req.vllm_prompt_logprobs:
+            resp["prompt_logprobs"] = vllm_prompt_logprobs(prompt_lps)
+        return resp
 
     async def handle(kind: str, request: Request):
         check_auth(request)

@@ -73,7 +73,7 @@ def body_field(body: dict, name: str, kinds: tuple[type, ...], what: str) -> Any
 
 
 # ---- the request fields: the one place that says which exist and how each is handled --------
-OURS, PART_A, NO = "supported", "supported by part A", "unsupported"
+OURS, NO = "supported", "unsupported"
 BOTH, CHAT, COMPLETION = ("chat", "completion"), ("chat",), ("completion",)
 
 REQUEST_FIELDS: dict[str, tuple[tuple[str, ...], str, tuple]] = {
@@ -94,14 +94,14 @@ REQUEST_FIELDS: dict[str, tuple[tuple[str, ...], str, tuple]] = {
     "seed": (BOTH, OURS, ()),
     "stop": (BOTH, OURS, ()),
     "response_format": (BOTH, OURS, ()),
-    "n": (BOTH, PART_A, (1,)),
+    "n": (BOTH, OURS, (1,)),
     "best_of": (COMPLETION, NO, (1,)),
-    "logprobs": (BOTH, PART_A, (False,)),
-    "top_logprobs": (CHAT, PART_A, (0,)),
-    "echo": (BOTH, PART_A, (False,)),
-    "presence_penalty": (BOTH, PART_A, (0,)),
-    "frequency_penalty": (BOTH, PART_A, (0,)),
-    "logit_bias": (BOTH, PART_A, ({},)),
+    "logprobs": (BOTH, OURS, ()),
+    "top_logprobs": (CHAT, OURS, ()),
+    "echo": (COMPLETION, OURS, ()),
+    "presence_penalty": (BOTH, OURS, (0,)),
+    "frequency_penalty": (BOTH, OURS, (0,)),
+    "logit_bias": (BOTH, OURS, ({},)),
     "suffix": (COMPLETION, NO, ("",)),
     "user": (BOTH, NO, ()),
     "tools": (CHAT, NO, ([],)),
@@ -135,12 +135,12 @@ REQUEST_FIELDS: dict[str, tuple[tuple[str, ...], str, tuple]] = {
     "continue_final_message": (CHAT, OURS, ()),
     "chat_template": (CHAT, OURS, ()),
     "chat_template_kwargs": (CHAT, OURS, ()),
-    "min_p": (BOTH, PART_A, (0,)),
-    "repetition_penalty": (BOTH, PART_A, (1,)),
-    "min_tokens": (BOTH, PART_A, (0,)),
-    "prompt_logprobs": (BOTH, PART_A, ()),
-    "include_stop_str_in_output": (BOTH, PART_A, (False,)),
-    "skip_special_tokens": (BOTH, PART_A, (True,)),
+    "min_p": (BOTH, OURS, (0,)),
+    "repetition_penalty": (BOTH, OURS, (1,)),
+    "min_tokens": (BOTH, OURS, (0,)),
+    "prompt_logprobs": (BOTH, OURS, ()),
+    "include_stop_str_in_output": (BOTH, OURS, (False,)),
+    "skip_special_tokens": (BOTH, OURS, (True,)),
     "use_beam_search": (BOTH, NO, (False,)),
     "length_penalty": (BOTH, NO, (1,)),
     "guided_decoding_backend": (BOTH, NO, ()),
@@ -178,8 +178,7 @@ def check_fields(kind: str, body: dict) -> None:
             raise bad_request(name, f"Unrecognized request argument supplied: {name}")
         _, status, neutral = entry
         if status != OURS and not _asks_nothing(value, neutral):
-            what = ("not supported by this server yet" if status == PART_A
-                    else "not supported by this server")
+            what = "not supported by this server"
             if name in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"):
                 what += " (tool calling is not supported)"
             shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
@@ -246,13 +245,37 @@ def structured_error(name: str, e: ValueError) -> APIError:
     return bad_request(name, msg)
 
 
+def logprobs_fields(body: dict, kind: str) -> tuple[int | None, int | None, bool]:
+    """(logprobs, prompt_logprobs, echo) as the engine counts them. Completions: `logprobs`
+    is the number of alternatives, and `echo` with it scores the prompt too. Chat:
+    `logprobs` is a flag and `top_logprobs` the number of alternatives."""
+    echo = False
+    if kind == "chat":
+        flag = body_field(body, "logprobs", (bool,), "true or false")
+        top = body_field(body, "top_logprobs", (int,), "an integer in [0, 20]")
+        if top is not UNSET and flag is not True:
+            raise bad_request("top_logprobs", "top_logprobs: needs logprobs set to true")
+        logprobs = (0 if top is UNSET else top) if flag is True else None
+    else:
+        logprobs = body_field(body, "logprobs", (int,), "an integer in [0, 20]")
+        logprobs = None if logprobs is UNSET else logprobs
+        echo = body_field(body, "echo", (bool,), "true or false") is True
+    prompt_logprobs = body_field(body, "prompt_logprobs", (int,), "an integer in [0, 20]")
+    prompt_logprobs = None if prompt_logprobs is UNSET else prompt_logprobs
+    if echo and logprobs is not None and prompt_logprobs is None:
+        prompt_logprobs = logprobs
+    return logprobs, prompt_logprobs, echo
+
+
 def sampling_params_from(body: dict, default_max_tokens: int | None,
-                         structured_outputs: StructuredOutputsParams | None = None
-                         ) -> tuple[SamplingParams, str]:
-    """OpenAI request fields -> SamplingParams. Returns the params and the name of the field
-    that set max_tokens (for error messages). `default_max_tokens` None means "fill the
-    context" and is resolved by the caller once the prompt length is known. The fields
-    themselves were checked by check_fields."""
+                         structured_outputs: StructuredOutputsParams | None = None,
+                         kind: str = "completion") -> tuple[SamplingParams, str]:
+    """OpenAI request fields (and vLLM's sampling extras) -> SamplingParams. Returns the
+    params and the name of the field that set max_tokens (for error messages).
+    `default_max_tokens` None means "fill the context" and is resolved by the caller once
+    the prompt length is known. The fields themselves were checked by check_fields; value
+    checks are SamplingParams' (a 400 naming the field)."""
+    logprobs, prompt_logprobs, echo = logprobs_fields(body, kind)
     which = "max_tokens"
     max_tokens = body.get("max_tokens")
     if body.get("max_completion_tokens") is not None:
@@ -283,6 +306,15 @@ def sampling_params_from(body: dict, default_max_tokens: int | None,
 
     if isinstance(max_tokens, bool):
         raise bad_request(which, f"{which}: must be an integer > 0 (got {max_tokens!r})")
+    if max_tokens == 0 and not echo:
+        raise bad_request(which, f"{which}: 0 is only for scoring a prompt (echo with logprobs)")
+    if max_tokens == 0 and prompt_logprobs is None:
+        prompt_logprobs = 0     # echo alone: the prompt comes back, scored or not
+    logit_bias = body_field(body, "logit_bias", (dict,), "an object of token id -> bias")
+    extras = {name: body[name] for name in (
+        "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+        "min_tokens", "include_stop_str_in_output", "skip_special_tokens")
+        if body.get(name) is not None}
     seed = num("seed", None)
     if isinstance(seed, int) and not -2**63 <= seed < 2**64:
         raise bad_request("seed", f"seed: must fit in 64 bits (got {seed!r})")
@@ -301,9 +333,12 @@ def sampling_params_from(body: dict, default_max_tokens: int | None,
             stop_token_ids=stop_ids,
             ignore_eos=False if ignore_eos is UNSET else ignore_eos,
             structured_outputs=structured_outputs,
-            truncate_prompt_tokens=num("truncate_prompt_tokens", None))
+            truncate_prompt_tokens=num("truncate_prompt_tokens", None),
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            logit_bias=None if logit_bias is UNSET else logit_bias, **extras)
     except (ValueError, TypeError) as e:
-        raise from_value_error(e, {"max_tokens": which}) from None
+        raise from_value_error(e, {"max_tokens": which, **(
+            {"logprobs": "top_logprobs"} if kind == "chat" else {})}) from None
     for name in ("temperature", "top_p"):   # the engine accepts inf/nan-free numbers only
         v = getattr(params, name)
         if isinstance(v, float) and not math.isfinite(v):
@@ -449,3 +484,45 @@ def check_text(body: dict) -> None:
         elif isinstance(value, list):
             stack.extend((param, "", v) for v in value)
 
+
+# ---- logprobs in OpenAI's response shapes ---------------------------------------------------
+def completion_logprobs(entries, token_text, offset: int = 0) -> tuple[dict, int]:
+    """Completions' `logprobs` object for (token id, {id: Logprob} | None) entries: tokens,
+    token_logprobs, top_logprobs (the token and its top alternatives, by text) and
+    text_offset (counted from `offset`). Returns it and the offset after the last token."""
+    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tid, lps in entries:
+        text = token_text(tid)
+        out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        if lps is None:         # the first prompt token has no context
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        out["token_logprobs"].append(lps[tid].logprob)
+        top: dict[str, float] = {}
+        for t, lp in sorted(lps.items(), key=lambda kv: -kv[1].logprob):
+            top.setdefault(token_text(t), lp.logprob)
+        out["top_logprobs"].append(top)
+    return out, offset
+
+
+def chat_logprobs(entries, token_text, k: int) -> list[dict]:
+    """Chat's `logprobs.content`: per token its text, logprob, UTF-8 bytes and the top k."""
+    def item(t, lp):
+        text = token_text(t)
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+    content = []
+    for tid, lps in entries:
+        top = sorted(((t, lp) for t, lp in lps.items() if lp.rank is not None and lp.rank <= k),
+                     key=lambda kv: kv[1].rank)
+        content.append({**item(tid, lps[tid]), "top_logprobs": [item(t, lp) for t, lp in top]})
+    return content
+
+
+def vllm_prompt_logprobs(plp) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` field: per prompt token {id: {logprob, rank, decoded_token}}."""
+    return [None if d is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token}
+                                    for t, lp in d.items()} for d in plp]
