@@ -459,3 +459,22 @@ def test_sampled_replies_differ_between_pages_unless_seeded(smollm2_engine, comm
         seeds(Dashboard(smollm2_engine, seed=7), temperature=0.7) == [7, 8, 9]
     assert seeds(a, temperature=0.7, seed=100) == [103, 104, 105]    # after a's first 3
     assert seeds(a, temperature=0) == [None] * 3
+
+
+def test_dashboard_shades_real_engine_tokens():
+    """The dashboard asks the engine for logprobs, and the stream cards shade what the engine
+    sends (not only hand-made events): each token's probability with its top candidates."""
+    from widgets import Dashboard
+    dash = Dashboard(config=EngineConfig(model="random:tiny", device="cpu", num_kv_blocks=64))
+    dash.prompts.value = "5 6 7 8"
+    rids = dash.send(2, SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True))
+    assert len(rids) == 2 and asyncio.run(dash.wait(timeout=60))
+    dash.pump.tick()
+    for rid in rids:
+        pieces = dash.streams.streams[rid].pieces
+        assert len(pieces) == 6
+        for p in pieces:
+            assert 0 < p.prob <= 1 and len(p.alternatives) >= 5
+            probs = [q for _, q in p.alternatives]
+            assert probs == sorted(probs, reverse=True) and p.prob <= probs[0] + 1e-6
+    dash.source.close()
