@@ -113,11 +113,17 @@ def stop_tree(proc, timeout: float = 30.0) -> list[int]:
     if proc.poll() is None:
         proc.terminate()
     _, alive = psutil.wait_procs(tree, timeout=timeout)
-    for p in alive:
+    kill_all(alive)
+    proc.wait(10)
+    return [p.pid for p in alive]
+
+
+def kill_all(procs: list) -> None:
+    """The test's own clean-up, whatever the code under test did."""
+    import psutil
+    for p in procs:
         try:
             p.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(alive, timeout=10)
-    proc.wait(10)
-    return [p.pid for p in alive]
+    psutil.wait_procs(procs, timeout=10)

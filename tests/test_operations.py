@@ -37,16 +37,6 @@ def kernels_below(pid: int) -> list:
     return out
 
 
-def kill_all(procs: list) -> None:
-    """The test's own clean-up, whatever the code under test did."""
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(procs, timeout=10)
-
-
 def wait_until(predicate, timeout: float, what: str, log: Path | None = None, detail=None):
     """predicate()'s first true value, polled for at most `timeout` s; else fail with the
     log's tail (or what `detail()` says)."""
