@@ -244,7 +244,7 @@ def test_remote_source_panels_fill(server):
         # No /metrics: said once, polled once (the probe), never reported as an error; the
         # timeline is the client's own view, labelled as such.
         assert source.resolution == "client" and timeline.resolution == "client"
-        assert "as this client saw its streams" in timeline.fig.layout.xaxis2.title.text
+        assert "as this client saw its streams" in timeline.x_title
         [notice] = source.notices
         assert "has no vLLM /metrics (GET /metrics: 404)" in notice
         assert live.notices.value.count("has no vLLM /metrics") == 1

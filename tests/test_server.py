@@ -717,7 +717,7 @@ def test_remote_source_feeds_token_panel_and_timeline(server):
 
     live, rids, bad = asyncio.run(run())
     streams, timeline, kv, summary = live.panels
-    assert timeline.resolution == "poll" and "/metrics poll" in str(timeline.fig.layout.xaxis2.title.text)
+    assert timeline.resolution == "poll" and "/metrics poll" in timeline.x_title
     for rid in rids:
         st = streams.streams[rid]
         assert st.status == "length" and st.num_tokens == 40 and st.text and st.ttft > 0

@@ -110,6 +110,11 @@ class BatchTimeline(w.VBox):
         self.resolution = resolution
         self.fig.update_xaxes(title_text=self.AXIS[resolution], row=3, col=1)
 
+    @property
+    def x_title(self) -> str:
+        """What the x axis counts, as its title says (under the bottom row)."""
+        return self.fig.layout.xaxis3.title.text or ""
+
     X_AXES = ("xaxis", "xaxis2", "xaxis3")
     Y_AXES = ("yaxis", "yaxis2", "yaxis3")
 
