@@ -158,10 +158,18 @@ def test_full_mode_replays_prefill_and_mixed_steps_piecewise(replaying_platform,
 
 
 def test_capture_needs_the_fused_kernel(replaying_platform):
-    e = Engine(model="random:tiny", device="cpu", attention_backend="reference",
-               max_num_seqs=2, num_kv_blocks=16)
-    assert e.info().graph_mode == "eager" and "fused paged attention" in e.notices[0]
-    assert e.core.runner.graphs is None
+    """Whole decode-step graphs need the platform's fused paged attention; piecewise graphs
+    (graph_mode 'full') do not. Without the kernel the device's choice is eager, silently;
+    asking for 'decode' says why it runs eager."""
+    kw = dict(model="random:tiny", device="cpu", attention_backend="reference", max_num_seqs=2,
+              num_kv_blocks=16, max_num_batched_tokens=64)
+    default = Engine(**kw)
+    assert default.info().graph_mode == "eager" == default.config.graph_mode
+    assert default.notices == [] and default.core.runner.graphs is None
+    asked = Engine(**kw, graph_mode="decode")
+    assert asked.info().graph_mode == "eager" and "fused paged attention" in asked.notices[0]
+    full = Engine(**kw, graph_mode="full")
+    assert full.core.runner.graphs is None and full.info().piecewise_sizes
 
 
 def test_cpu_graph_modes_say_they_run_eager():

@@ -80,9 +80,6 @@ class EngineCore:
         self.platform = get_platform(config.device)
         if config.block_size is None:
             config = replace(config, block_size=self.platform.default_block_size)
-        if config.graph_mode is None:
-            config = replace(config, graph_mode="decode" if self.platform.supports_graphs
-                             else "eager")
         self.config = config
         """The knobs as run (block_size and graph_mode resolved for the device)."""
         self.platform.check_config(config)
@@ -133,6 +130,8 @@ class EngineCore:
         (the same list is exported with the telemetry)."""
         self.graph_mode, self.capture_sizes, self.piecewise_sizes, notices = \
             self.runner.capture_graphs(config, max_model_len)
+        if config.graph_mode is None:        # the device's choice, now made
+            config = self.config = replace(config, graph_mode=self.graph_mode)
         for text in notices:
             self.notices.append(text)
             log.info(text)

@@ -91,10 +91,12 @@ class ModelRunner:
         """Capture what config.graph_mode asks for, where this runner can; the one place that
         decides it. Returns the mode as run, the decode batch sizes and piecewise token
         buckets captured, and notices saying what runs differently from what was asked."""
+        decode = self.can_capture_decode
         asked = config.graph_mode
+        if asked is None:     # the device's choice: decode graphs where they can be captured
+            asked = "decode" if self.platform.supports_graphs and decode else "eager"
         if asked == "eager":
             return "eager", [], [], []
-        decode = self.can_capture_decode
         why = None
         if not self.platform.supports_graphs:
             why = f"graph capture is not available on {self.platform.name} in this build"

@@ -18,9 +18,9 @@ class CudaPlatform(AcceleratorPlatform):
     def is_available(cls) -> bool:
         return torch.cuda.is_available()
 
-    @property
-    def supports_graphs(self) -> bool:
-        return importlib.util.find_spec("triton") is not None
+    supports_graphs = True
+    """CUDA graphs are torch's: piecewise capture needs no Triton. Whole decode-step graphs
+    need the fused paged attention (Triton); ModelRunner.capture_graphs decides."""
 
     def model_ops(self, dtype):
         if importlib.util.find_spec("triton") is None:
