@@ -59,9 +59,10 @@ class EngineConfig:
     graph_mode: str | None = None
     """'eager', 'decode' (capture decode steps; vLLM-Ascend's FULL_DECODE_ONLY) or 'full'
     (also prefill and mixed steps, piecewise around attention; see graphs.py). None: the
-    device's choice, 'decode' where it can capture graphs and 'eager' where it cannot (the
-    CPU). A mode asked for by name on a device without capture runs eager and says so in
-    Engine.notices."""
+    device's choice, made by ModelRunner.capture_graphs: 'decode' where whole decode steps
+    can be captured (a graph-capable device with its fused paged attention), else 'eager'
+    (the CPU). A mode asked for by name that cannot run as asked runs eager (or piecewise
+    only) and says so in Engine.notices."""
     cudagraph_capture_sizes: list[int] | None = None
     """Decode batch sizes to capture; None: 1, 2, 4, 8, then every 16 up to max_num_seqs."""
 
