@@ -84,13 +84,17 @@ def snapshot(url: str, pid: int) -> dict:
             "waiting": m["num_requests_waiting"], "kv_usage": m["kv_cache_usage_perc"]}
 
 
-def wait_idle(url: str, pid: int, timeout: float = 30.0) -> dict:
-    """The server's figures once nothing runs or waits (bounded)."""
+def wait_idle(url: str, pid: int, timeout: float = 30.0, settle_to: dict | None = None) -> dict:
+    """The server's figures once nothing runs or waits (bounded). With `settle_to`, also
+    until its fds and threads are back to those levels: a connection the client just closed
+    may take the server a moment to close. The bound is longer than the server's header
+    timeout (10 s), so whatever is still open after it is a leak."""
     deadline = time.monotonic() + timeout
     while True:
         s = snapshot(url, pid)
-        if (s["running"] == 0 and s["waiting"] == 0 and s["kv_usage"] == 0) \
-                or time.monotonic() > deadline:
+        idle = s["running"] == 0 and s["waiting"] == 0 and s["kv_usage"] == 0
+        settled = settle_to is None or all(s[k] <= settle_to[k] for k in ("fds", "threads"))
+        if (idle and settled) or time.monotonic() > deadline:
             return s
         time.sleep(0.2)
 
@@ -164,8 +168,7 @@ def soak(minutes: float, model: str = "smollm2", concurrency: int = 8, seed: int
         t = time.monotonic()
         counts = asyncio.run(traffic(url, minutes * 60, concurrency, seed))
         elapsed = time.monotonic() - t
-        time.sleep(1.0)                   # let the server see the last connections close
-        end = wait_idle(url, proc.pid)
+        end = wait_idle(url, proc.pid, settle_to=start)
         ok_health = httpx.get(url + "/health", timeout=10).status_code == 200
     finally:
         stop_server(proc)
