@@ -498,14 +498,19 @@ class FakeTorchNpu(types.ModuleType):
         return F.silu(a) * b
 
 
-def install(monkeypatch, version="2.8.0", soc=223, cann=None) -> FakeTorchNpu:
+def install(monkeypatch, version="2.8.0", soc=223, cann=None, fp32=True) -> FakeTorchNpu:
     """Make `import torch_npu` and `torch.npu` the fake for one test, and let the real
-    NpuPlatform allocate on the CPU, in fp32 (so tokens compare exactly with the CPU
-    reference path; the fake ops do not check the dtype)."""
+    NpuPlatform allocate on the CPU; with fp32, in fp32 (so tokens compare exactly with the
+    CPU reference path; the fake ops do not check the dtype), else in bf16 with the real
+    backend's dtype rule."""
     from workbench.platforms.npu import NpuPlatform
+    from workbench.platforms.npu_attention import NpuAttention
     fake = FakeTorchNpu(version, soc, cann)
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
     monkeypatch.setattr(torch, "npu", fake.npu, raising=False)
     monkeypatch.setattr(NpuPlatform, "device", property(lambda self: torch.device("cpu")))
-    monkeypatch.setattr(NpuPlatform, "default_dtype", torch.float32)
+    if fp32:
+        monkeypatch.setattr(NpuPlatform, "default_dtype", torch.float32)
+        monkeypatch.setattr(NpuAttention, "supported_dtypes",
+                            (torch.float32, *NpuAttention.supported_dtypes))
     return fake

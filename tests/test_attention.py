@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workbench.executor.attention import AttentionMetadata, decode_attention, pool_rows, write_kv
 from workbench.platforms import get_platform
+from workbench.platforms.attention import decode_attention, pool_rows, write_kv
+from workbench.platforms.cpu import CpuAttention
 
 
 def random_case(b=6, kv_heads=2, g=3, d=32, bs=16, nb=64, max_len=150, seed=0):
@@ -21,17 +22,17 @@ def random_case(b=6, kv_heads=2, g=3, d=32, bs=16, nb=64, max_len=150, seed=0):
     return q, k_cache, v_cache, tables, lens
 
 
-def reference_meta(tables, lens, kv_heads, nb, bs):
+def reference_inputs(tables, lens, kv_heads, nb, bs):
+    """The gather path's pool rows and padding bias (what TorchAttention.build makes)."""
     pad = torch.arange(tables.shape[1] * bs)[None, :] >= lens[:, None]
     bias = torch.zeros(pad.shape).masked_fill_(pad, float("-inf")).unsqueeze(1).repeat(kv_heads, 1, 1)
-    return AttentionMetadata(torch.zeros(0, dtype=torch.long), len(lens),
-                             pool_rows(tables, kv_heads, nb), bias, [])
+    return pool_rows(tables, kv_heads, nb), bias
 
 
 def test_reference_decode_matches_dense_attention():
     q, kc, vc, tables, lens = random_case()
     kv_heads, nb, bs, d = kc.shape
-    out = decode_attention(q, kc, vc, reference_meta(tables, lens, kv_heads, nb, bs), 0.2)
+    out = decode_attention(q, kc, vc, *reference_inputs(tables, lens, kv_heads, nb, bs), 0.2)
     for i in range(len(lens)):
         n = int(lens[i])
         k = kc[:, tables[i]].reshape(kv_heads, -1, d)[:, :n]
@@ -52,11 +53,12 @@ def test_write_kv_lands_in_the_right_slots():
 
 @pytest.mark.parametrize("seed,g,bs", [(0, 3, 16), (1, 1, 8), (2, 4, 64)])
 def test_cpu_kernel_matches_reference(seed, g, bs):
-    kernel = get_platform("cpu").decode_attention_kernel(torch.float32)
-    if kernel is None:
+    backend = get_platform("cpu").attention_backend(torch.float32)
+    if not isinstance(backend, CpuAttention):
         pytest.skip("no C++ compiler: the CPU kernel could not be built")
+    kernel = backend.kernel
     q, kc, vc, tables, lens = random_case(g=g, bs=bs, seed=seed)
     kv_heads, nb, bs, d = kc.shape
-    ref = decode_attention(q, kc, vc, reference_meta(tables, lens, kv_heads, nb, bs), 0.17)
+    ref = decode_attention(q, kc, vc, *reference_inputs(tables, lens, kv_heads, nb, bs), 0.17)
     out = kernel(q, kc, vc, tables, lens, 0.17)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from workbench.core.block_manager import BlockManager, chain_hash
+from workbench.core.block_manager import NULL_BLOCK, BlockManager, chain_hash
 
 
 def held(bm: BlockManager, num_tokens: int, table: list[int] | None = None) -> list[int]:
@@ -29,13 +29,29 @@ def test_allocate_and_free_balance():
     table = held(bm, 13, table)                      # 13 -> 4 blocks
     assert len(table) == 4
     bm.free(table)
-    assert bm.num_used_blocks == 0 and bm.num_free_blocks == 8
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks == 7     # 8, less the null block
+
+
+def test_the_null_block_is_never_handed_out():
+    """Block 0 is reserved: a drained pool hands out every other block, once each, and
+    neither counts it as used nor free; the snapshot names it."""
+    bm = BlockManager(6, 4)
+    table = held(bm, 20)
+    assert sorted(table) == [1, 2, 3, 4, 5] and NULL_BLOCK not in table
+    assert bm.allocate_slots(5, 21) is None
+    st = bm.stats()
+    assert (st.num_blocks, st.used, st.free) == (6, 5, 0)
+    snap = bm.snapshot({"r": table})
+    assert snap.null_block == NULL_BLOCK and snap.ref_counts[NULL_BLOCK] == 0
+    bm.free(table)
+    bm.reset_prefix_cache()
+    assert NULL_BLOCK not in held(bm, 20) and bm.num_free_blocks == 0
 
 
 def test_allocation_fails_cleanly_when_full():
     bm = BlockManager(2, 4)
     assert bm.allocate_slots(0, 12) is None
-    assert bm.num_free_blocks == 2
+    assert bm.num_free_blocks == 1
 
 
 def test_prefix_hit_shares_blocks_and_leaves_one_token_to_compute():
@@ -51,7 +67,7 @@ def test_prefix_hit_shares_blocks_and_leaves_one_token_to_compute():
 
 
 def test_cached_free_blocks_serve_hits_then_get_evicted_last():
-    bm = BlockManager(4, 4)
+    bm = BlockManager(5, 4)                          # 4 usable blocks
     first = held(bm, 8)
     computed(bm, range(8), first)
     bm.free(first)
@@ -76,7 +92,7 @@ def test_hash_collision_is_caught_by_token_check(monkeypatch):
 
 
 def test_eviction_drops_hash():
-    bm = BlockManager(2, 4)
+    bm = BlockManager(3, 4)
     a = held(bm, 8)
     computed(bm, range(8), a)
     bm.free(a)
@@ -97,6 +113,7 @@ def test_chain_hash_depends_on_parent():
     assert chain_hash(None, (1, 2)) != chain_hash(chain_hash(None, (0,)), (1, 2))
 
 
-def test_zero_blocks_rejected():
-    with pytest.raises(ValueError, match="num_kv_blocks"):
-        BlockManager(0, 16)
+@pytest.mark.parametrize("n", [0, 1])
+def test_a_pool_without_a_usable_block_is_rejected(n):
+    with pytest.raises(ValueError, match="num_kv_blocks: must be >= 2, one of them the reserved"):
+        BlockManager(n, 16)

@@ -15,7 +15,7 @@ ENGINE_VARIANTS = {
     "bs16-noprefix": dict(block_size=16, enable_prefix_caching=False),
     "bs64-noprefix": dict(block_size=64, enable_prefix_caching=False),
     # A pool of 12 blocks of 16 tokens cannot hold eight requests: preemption must happen.
-    "bs16-tinypool": dict(block_size=16, num_kv_blocks=12, max_model_len=192),
+    "bs16-tinypool": dict(block_size=16, num_kv_blocks=13, max_model_len=192),   # 12 + null
     # The plain-torch attention path (the default uses the platform's fused kernel).
     "bs16-reference": dict(block_size=16, attention_backend="reference"),
     # Small step budget: long prompts are prefilled in chunks next to decodes.
@@ -86,7 +86,7 @@ def test_random_checkpoint_preemption_matches_hf(tiny_checkpoints):
     path, hf = tiny_checkpoints["qwen3"]
     prompts = random_prompts(8, 10, 60, hf.config.vocab_size, seed=2)
     refs = [hf_greedy(hf, p, 40) for p in prompts]
-    engine = Engine(model=str(path), device="cpu", block_size=16, num_kv_blocks=10,
+    engine = Engine(model=str(path), device="cpu", block_size=16, num_kv_blocks=11,
                     max_model_len=160)
     outs = engine.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == refs

@@ -296,15 +296,16 @@ def test_telemetry_records_steps_requests_and_memory(tiny_engine, tmp_path):
     steps, reqs = tiny_engine.telemetry.snapshot()
     assert steps[0].phase == "prefill" and steps[-1].phase == "decode"
     assert sum(s.num_decode_tokens for s in steps) + 4 == sum(len(o.token_ids) for o in outs)
-    assert all(s.duration > 0 and s.kv_blocks_used + s.kv_blocks_free == 64 for s in steps)
+    # 64 blocks, one of them the null block: neither used nor free.
+    assert all(s.duration > 0 and s.kv_blocks_used + s.kv_blocks_free == 63 for s in steps)
     assert not any(s.graph for s in steps)
     m = outs[0].metrics
     assert m.ttft > 0 and m.tpot > 0 and len(m.itl) == 9 and m.e2e >= m.ttft
     assert m.prompt_tokens == len(outs[0].prompt_token_ids) and m.output_tokens == 10
     assert {r.request_id for r in reqs} == {o.request_id for o in outs}
     mem = tiny_engine.telemetry.memory
-    # The pool holds one scratch block beyond those handed out (padding rows of graphs).
-    assert mem.weights_bytes > 0 and mem.kv_cache_bytes == (64 + 1) * mem.kv_bytes_per_block
+    # The pool is num_kv_blocks blocks, its null block included.
+    assert mem.weights_bytes > 0 and mem.kv_cache_bytes == 64 * mem.kv_bytes_per_block
     data = json.loads(tiny_engine.telemetry.to_json(str(tmp_path / "t.json")))
     assert len(data["steps"]) == len(steps) and data["requests"][0]["ttft"] > 0
     assert json.loads((tmp_path / "t.json").read_text()) == data

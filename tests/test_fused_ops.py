@@ -5,7 +5,7 @@ In fp16, SiLU-and-mul and RoPE must match bit for bit (the kernels round whereve
 rounds) and the norms to one unit in the last place (a row's sum of squares is added in
 another order). bf16 is checked to four units, because the interpreter truncates
 fp32 -> bf16 where a GPU rounds to nearest (benchmarks/gpu.py checks bf16 logits on a real
-GPU). The fused KV write must equal attention.write_kv exactly. Then a whole engine in fp16
+GPU). The fused KV write must equal the reference's write_kv exactly. Then a whole engine in fp16
 with every Triton kernel the CUDA platform uses (these ops, the KV write, paged decode
 attention) must give the reference engine's greedy tokens, for a Qwen3 and a Llama.
 """
@@ -51,7 +51,7 @@ CODE = textwrap.dedent('''
         diff(f"qk_norm_rope {n}", fused.qk_rope(qk, cos, sin, h, qn, kn, 1e-6),
              ref.qk_rope(qk, cos, sin, h, qn, kn, 1e-6))
 
-    from workbench.executor.attention import write_kv
+    from workbench.platforms.attention import write_kv
     from workbench.platforms.triton_attention import write_kv_cache
     for dt in (torch.float32, torch.float16):
         kvh, nb, bs, d, t = 3, 10, 16, 48, 9
@@ -67,13 +67,13 @@ CODE = textwrap.dedent('''
 
     prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(5 + 9 * i)] for i in range(4)]
     p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    from workbench.platforms.triton_attention import paged_decode_attention
+    from triton_on_cpu import triton_on_cpu
     for model in ("random:tiny-qwen3", "random:tiny"):
         kw = dict(model=model, device="cpu", dtype="float16", num_kv_blocks=64)
-        a, b = Engine(**kw), Engine(**kw)
-        # b: every Triton kernel the CUDA platform plugs in, through the same plumbing
-        b.core.model.ops = TritonOps()
-        b.core.runner.decode_kernel, b.core.runner.write_kernel = paged_decode_attention, write_kv_cache
+        a = Engine(**kw)
+        with triton_on_cpu():
+            b = Engine(**kw)
+        assert b.info().attention == "triton" and b.info().ops == TritonOps().name
         out[model] = [[o.token_ids for o in a.generate(prompts, p)] ==
                       [o.token_ids for o in b.generate(prompts, p)]]
     print(json.dumps(out))
@@ -83,7 +83,9 @@ CODE = textwrap.dedent('''
 def test_fused_ops_match_the_torch_reference_in_the_interpreter():
     pytest.importorskip("triton")
     r = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=900,
-                       env={**os.environ, "TRITON_INTERPRET": "1"})
+                       env={**os.environ, "TRITON_INTERPRET": "1",
+                            "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__),
+                                                       os.environ.get("PYTHONPATH", "")])})
     assert r.returncode == 0, r.stderr[-3000:]
     import json
     res = json.loads(r.stdout.strip().splitlines()[-1])

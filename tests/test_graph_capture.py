@@ -27,7 +27,7 @@ def test_triton_decode_kernel_matches_the_reference_in_the_interpreter():
     pytest.importorskip("triton")
     code = textwrap.dedent('''
         import torch
-        from workbench.executor.attention import AttentionMetadata, decode_attention, pool_rows
+        from workbench.platforms.attention import decode_attention, pool_rows
         from workbench.platforms.triton_attention import paged_decode_attention
         torch.manual_seed(0)
         worst = 0.0
@@ -48,9 +48,8 @@ def test_triton_decode_kernel_matches_the_reference_in_the_interpreter():
             paged_decode_attention(q, k, v, tables, lens.to(torch.int32), D ** -0.5, out=out)
             pad = torch.arange(width * bs)[None, :] >= lens[:, None]
             bias = torch.zeros(pad.shape).masked_fill_(pad, float("-inf")).unsqueeze(1)
-            meta = AttentionMetadata(None, B, pool_rows(tables.long(), kvH, NB),
-                                     bias.repeat(kvH, 1, 1), [])
-            ref = decode_attention(q, k, v, meta, D ** -0.5)
+            ref = decode_attention(q, k, v, pool_rows(tables.long(), kvH, NB),
+                                   bias.repeat(kvH, 1, 1), D ** -0.5)
             assert not out.isnan().any()
             worst = max(worst, float((out - ref).norm() / ref.norm()))
         print("worst", worst)

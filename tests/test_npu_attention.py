@@ -16,7 +16,7 @@ import torch
 import fake_torch_npu
 from conftest import make_tiny_checkpoint, random_prompts
 from workbench import Engine, EngineConfig, SamplingParams
-from workbench.platforms.npu_attention import DecodeGraphTasks, check_npu_config
+from workbench.platforms.npu_attention import DecodeGraphTasks
 
 KW = dict(num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=160,
           enable_prefix_caching=True)
@@ -57,8 +57,10 @@ def test_npu_backend_tokens_equal_the_reference(qwen3_d128, reference_tokens, mo
     npu = Engine(model=str(qwen3_d128), device="npu", **KW, graph_mode="eager")
     assert npu.core.platform.name == "npu" and npu.config.block_size == 128
     attn = npu.core.model.layers[0].self_attn
-    # NpuPlatform.kv_cache_shape: [layers, K/V, blocks + scratch, block_size, kv_heads, D]
-    assert tuple(npu.core.runner.kv_cache.shape) == (3, 2, 25, 128, attn.num_kv_heads, 128)
+    # NpuAttention.kv_cache_shape: [layers, K/V, blocks (the null block among them),
+    # block_size, kv_heads, D]
+    assert npu.info().attention == "npu"
+    assert tuple(npu.core.runner.kv_cache.shape) == (3, 2, 24, 128, attn.num_kv_heads, 128)
     got = [o.token_ids for o in npu.generate(prompts[:5], params[:5])]
     got += [o.token_ids for o in npu.generate(prompts[5:], params[5:])]
     want = reference_tokens(prompts[:5], params[:5]) + reference_tokens(prompts[5:], params[5:])
@@ -201,12 +203,17 @@ def test_doctor_reports_and_refuses(monkeypatch, capsys):
     assert main(["doctor", "--device", "npu"]) == 2             # not installed: the hint
 
 
-def test_npu_config_rules():
-    with pytest.raises(ValueError, match="dtype"):
-        check_npu_config(EngineConfig(block_size=128, dtype="float32"))
+def test_npu_config_rules(qwen3_d128, monkeypatch):
+    """The NPU backend's knob domains, enforced at build, before any weights load."""
+    fake_torch_npu.install(monkeypatch, fp32=False)
+    kw = dict(model=str(qwen3_d128), device="npu", **KW)
+    with pytest.raises(ValueError, match="dtype: npu's attention .npu. takes bfloat16 or float16"):
+        Engine(**kw, dtype="float32")
     with pytest.raises(ValueError, match="attention_backend"):
-        check_npu_config(EngineConfig(block_size=128, attention_backend="reference"))
-    check_npu_config(EngineConfig(block_size=128))
+        Engine(**kw, attention_backend="reference")
+    with pytest.raises(ValueError, match="block_size: npu's attention pages KV in blocks of 128"):
+        Engine(**kw, block_size=64)
+    assert Engine(**kw, graph_mode="eager").config.block_size == 128
 
 
 def test_npu_benchmark_script_runs_small(monkeypatch, capsys):

@@ -15,7 +15,8 @@ import pytest
 KERNEL = textwrap.dedent('''
     import json, torch
     import torch.nn.functional as F
-    from workbench.platforms.triton_attention import PagedPrefill, paged_prefill_attention
+    from workbench.platforms.triton_attention import (paged_prefill_attention, plan_prefill,
+                                                      prefill_block_q)
     torch.manual_seed(0)
     res = []
     # (heads, kv heads, head_dim, block_size, pool blocks, dtype): MHA, GQA with G = 2, 3, 4
@@ -43,8 +44,8 @@ KERNEL = textwrap.dedent('''
             qs += n
         assert used <= NB
         ref = torch.cat(refs)
-        plan = PagedPrefill().plan([n for _, n in chunks], [s + n for s, n in chunks], tables,
-                                   H, kvH, "cpu")
+        plan = plan_prefill([n for _, n in chunks], [s + n for s, n in chunks], tables,
+                            prefill_block_q(H, kvH), "cpu")
         out = torch.full((T, H, D), float("nan"), dtype=dt)   # every element must be written
         paged_prefill_attention(q, kc, vc, plan, D ** -0.5, out=out)
         res.append([str(dt), bool(out.isnan().any()), float((out.float() - ref).norm() / ref.norm())])
@@ -53,30 +54,30 @@ KERNEL = textwrap.dedent('''
 
 ENGINE = textwrap.dedent('''
     import json, torch
+    import workbench.platforms.triton_attention as ta
+    from triton_on_cpu import triton_on_cpu
     from workbench import Engine, SamplingParams
-    from workbench.platforms.triton_ops import TritonOps
-    from workbench.platforms.triton_attention import (PagedPrefill, paged_decode_attention,
-                                                      write_kv_cache)
+
     shared = [(5 * j) % 400 + 3 for j in range(40)]          # a shared 40-token prefix
     prompts = [shared + [(7 * i + 3 * j) % 500 + 1 for j in range(9 + 13 * i)] for i in range(5)]
     prompts.append(shared[:33])                                 # a prefix hit mid-block
     p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    calls = []
+    kernel = ta.paged_prefill_attention
+    ta.paged_prefill_attention = lambda *x, **kw: calls.append(1) or kernel(*x, **kw)
     out = {}
     for model in ("random:tiny-qwen3", "random:tiny"):
         kw = dict(model=model, device="cpu", dtype="float16", num_kv_blocks=96, block_size=16,
                   max_num_batched_tokens=48, max_num_seqs=8, enable_prefix_caching=True)
-        a, b = Engine(**kw), Engine(**kw)
-        b.core.model.ops = TritonOps()
-        b.core.runner.decode_kernel, b.core.runner.write_kernel = paged_decode_attention, write_kv_cache
-        b.core.runner.prefill_kernel = PagedPrefill()
-        calls = []
-        orig = PagedPrefill.__call__
-        PagedPrefill.__call__ = lambda self, *x: calls.append(1) or orig(self, *x)
+        a = Engine(**kw)
+        with triton_on_cpu():
+            b = Engine(**kw)
+        assert b.info().attention == "triton" and a.info().attention == "reference"
+        calls.clear()
         want = [o.token_ids for o in a.generate(prompts[:1], p)]
         want += [o.token_ids for o in a.generate(prompts[1:], p)]
         got = [o.token_ids for o in b.generate(prompts[:1], p)]
         got += [o.token_ids for o in b.generate(prompts[1:], p)]
-        PagedPrefill.__call__ = orig
         steps = b.telemetry.snapshot()[0]
         out[model] = dict(equal=got == want, kernel_calls=len(calls),
                           cached=sum(s.num_cached_tokens for s in steps),
@@ -88,7 +89,9 @@ ENGINE = textwrap.dedent('''
 def _run(code: str) -> str:
     pytest.importorskip("triton")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
-                       env={**os.environ, "TRITON_INTERPRET": "1"})
+                       env={**os.environ, "TRITON_INTERPRET": "1",
+                            "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__),
+                                                       os.environ.get("PYTHONPATH", "")])})
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout.strip().splitlines()[-1]
 

@@ -13,8 +13,9 @@ from workbench.core.sequence import Sequence
 
 
 def make(num_blocks=64, block_size=16, **kw):
+    """A scheduler over a pool of num_blocks usable blocks (and the null block)."""
     cfg = EngineConfig(**kw)   # the block size lives in the block manager
-    bm = BlockManager(num_blocks, block_size, cfg.enable_prefix_caching)
+    bm = BlockManager(num_blocks + 1, block_size, cfg.enable_prefix_caching)
     return Scheduler(cfg, bm, max_model_len=4096), bm
 
 

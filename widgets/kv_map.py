@@ -61,7 +61,10 @@ class KVBlockMap(w.VBox):
             cached_free += refs == 0 and snap.cached[b]
             if b >= n:
                 continue
-            if refs > 0:
+            if b == snap.null_block:
+                cells.append(f'<i class="n" title="block {b} · the null block: reserved, '
+                             'never handed out; padded graph rows write here"></i>')
+            elif refs > 0:
                 who = owners[b]
                 cls = f"o{self._colour(who[0])}" + (" s" if refs > 1 else "")
                 tip = f"block {b} · {', '.join(who)} · refs {refs}" + (" · cached" if snap.cached[b] else "")
@@ -75,9 +78,12 @@ class KVBlockMap(w.VBox):
                          f'<span class="muted">{len(t)}</span></span>'
                          for r, t in list(snap.block_tables.items())[:24])
         more = "" if n == snap.num_blocks else f" · showing the first {n}"
+        usable = snap.num_blocks - (snap.null_block is not None)
+        null = ('<span><i class="n"></i>null block (reserved)</span>'
+                if snap.null_block is not None and snap.null_block < n else "")
         self.view.value = (
             f'<div class="wb"><h3>{esc(self.title)} <span class="muted">· {snap.num_blocks} '
-            f'blocks of {snap.block_size} tokens · {used} used ({used / snap.num_blocks:.0%}) · '
+            f'blocks of {snap.block_size} tokens · {used} used ({used / max(usable, 1):.0%}) · '
             f'{shared} shared · {cached_free} cached-free{more}</span></h3>'
             f'<div class="kv" style="grid-template-columns: repeat({self.columns}, 11px)">'
             f'{"".join(cells)}</div><div class="legend">{legend}'
@@ -85,5 +91,5 @@ class KVBlockMap(w.VBox):
             '<span><i style="background: repeating-linear-gradient(45deg, #a0cbe8 0 2px, '
             '#dbe9f4 2px 4px)"></i>cached-free</span>'
             '<span><i style="outline: 2px solid #222; outline-offset: -2px; background: '
-            '#ccc"></i>shared prefix</span></div></div>')
+            f'#ccc"></i>shared prefix</span>{null}</div></div>')
         self.renders += 1

@@ -62,6 +62,7 @@ CSS = """
 .wb .kv { display: grid; gap: 2px; }
 .wb .kv i { width: 11px; height: 11px; border-radius: 2px; display: block;
             background: var(--jp-layout-color3, #e4e6ea); }
+.wb .kv i.n, .wb .legend i.n { background: var(--jp-ui-font-color2, #616161); }
 .wb .kv i.c { background: repeating-linear-gradient(45deg, #a0cbe8 0 2px, #dbe9f4 2px 4px); }
 .wb .kv i.s { outline: 2px solid var(--jp-ui-font-color1, #222); outline-offset: -2px; }
 .wb .legend { display: flex; flex-wrap: wrap; gap: 4px 12px; margin-top: 6px; font-size: 11px; }

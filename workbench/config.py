@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 # The knobs' domains, listed once: the CLI's choices and the knob panel's options read them.
-# A platform narrows them where its kernels must (Platform.supported_block_sizes).
+# A device's attention backend narrows them (AttentionBackend.supported_block_sizes and
+# supported_dtypes; the knob panel offers what platforms.block_sizes(device) says).
 DEVICES = ("auto", "npu", "cuda", "cpu")
 """'auto' tries the others in this order."""
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -44,8 +45,8 @@ class EngineConfig:
     """Tokens per KV block: a power of two from 8 to 256. None: the device's choice (16; 128
     on the NPU, whose fused prefill pages in blocks of 128)."""
     num_kv_blocks: int | None = None
-    """Blocks in the KV pool; None sizes it from kv_cache_memory_gb or, on a GPU/NPU, from
-    gpu_memory_utilization."""
+    """Blocks in the KV pool, its reserved null block included (requests hold the others);
+    None sizes it from kv_cache_memory_gb or, on a GPU/NPU, from gpu_memory_utilization."""
     kv_cache_memory_gb: float | None = None
     """Memory for the KV pool when num_kv_blocks is None. None: on a device that reports its
     memory, what gpu_memory_utilization leaves; on the CPU, 1 GiB."""
@@ -121,8 +122,9 @@ class EngineConfig:
         if self.block_size is not None and self.block_size not in BLOCK_SIZES:
             bad("block_size", f"must be one of {BLOCK_SIZES} or None (the device's choice)")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int)
-                                               or self.num_kv_blocks < 1):
-            bad("num_kv_blocks", "must be a positive integer or None")
+                                               or self.num_kv_blocks < 2):
+            bad("num_kv_blocks", "must be an integer >= 2 (one block is the pool's reserved "
+                "null block) or None")
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             bad("kv_cache_memory_gb", "must be > 0 or None")
         if not 0 < self.gpu_memory_utilization <= 1:

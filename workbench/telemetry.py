@@ -156,7 +156,7 @@ class RequestMetrics:
 class MemoryStats:
     weights_bytes: int
     kv_cache_bytes: int
-    """The whole KV pool: num_kv_blocks plus one scratch block."""
+    """The whole KV pool (num_kv_blocks, its null block included)."""
     peak_bytes: int
     """Device peak allocation where the platform tracks it, else the process's peak RSS."""
     kv_bytes_per_block: int
@@ -186,7 +186,8 @@ class EngineInfo:
     piecewise_sizes: tuple[int, ...]
     """Token buckets captured piecewise (graph_mode 'full')."""
     attention: str
-    """'fused' (the platform's kernels) or 'reference' (plain torch)."""
+    """The attention backend: 'reference' (plain torch), 'cpu' (C++ decode kernel),
+    'triton' or 'npu' (torch_npu's fused ops)."""
     ops: str
     """The decoder's fusable ops in use (RMSNorm, SiLU-and-mul, RoPE)."""
     async_scheduling: bool
@@ -231,8 +232,10 @@ class EngineStats:
 
     @property
     def kv_usage(self) -> float:
-        """Fraction of the pool's blocks in use."""
-        return self.kv_blocks_used / self.num_kv_blocks if self.num_kv_blocks else 0.0
+        """Fraction of the blocks requests can hold that are in use (the pool's null block
+        is neither used nor free)."""
+        usable = self.kv_blocks_used + self.kv_blocks_free
+        return self.kv_blocks_used / usable if usable else 0.0
 
 
 def _tail(d: deque, n: int) -> list:

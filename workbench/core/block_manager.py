@@ -70,6 +70,8 @@ class KVBlockSnapshot:
     """Each live request's block table, in position order."""
     step: int = -1
     """Engine step after which it was taken (-1: before any)."""
+    null_block: int | None = None
+    """The pool's reserved block (None in traces recorded before it existed)."""
 
     def owners(self) -> list[list[str]]:
         """Request ids holding each block (several for a shared prefix block)."""
@@ -84,15 +86,25 @@ def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent, token_ids))
 
 
+NULL_BLOCK = 0
+"""The pool's reserved block (vLLM's null block): never handed out, never freed. Whatever
+must be written somewhere but belongs to no request goes there: the padding rows of a
+replayed decode graph write their K/V into it, and block tables are padded with its id."""
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        if num_blocks < 1:
-            raise ValueError(f"num_kv_blocks: must be >= 1 (got {num_blocks})")
+        if num_blocks < 2:
+            raise ValueError(f"num_kv_blocks: must be >= 2, one of them the reserved null "
+                             f"block (got {num_blocks})")
         self.num_blocks = num_blocks
+        """Blocks in the pool, the null block included."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free_plain: deque[int] = deque(range(num_blocks))
+        self._free_plain: deque[int] = deque(b for b in range(num_blocks) if b != NULL_BLOCK)
+        self.num_usable_blocks = len(self._free_plain)
+        """Blocks requests can hold: all but the null block."""
         self._free_cached: OrderedDict[int, None] = OrderedDict()   # LRU order: oldest first
         self._hash_to_block: dict[int, int] = {}
         self.hits = 0
@@ -105,7 +117,7 @@ class BlockManager:
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
+        return self.num_usable_blocks - self.num_free_blocks
 
     def stats(self) -> BlockStats:
         return BlockStats(self.num_blocks, self.num_used_blocks, self.num_free_blocks,
@@ -114,7 +126,8 @@ class BlockManager:
     def snapshot(self, block_tables: dict[str, list[int]], step: int = -1) -> KVBlockSnapshot:
         return KVBlockSnapshot(self.num_blocks, self.block_size,
                                [b.ref_count for b in self.blocks],
-                               [b.hash is not None for b in self.blocks], block_tables, step)
+                               [b.hash is not None for b in self.blocks], block_tables, step,
+                               NULL_BLOCK)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)

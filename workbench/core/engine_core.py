@@ -78,12 +78,15 @@ def _model_shape(model, hf_config) -> dict:
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.platform = get_platform(config.device)
+        dtype = self.platform.default_dtype if config.dtype == "auto" else DTYPES[config.dtype]
+        self.attn_backend = self.platform.attention_backend(dtype, config.attention_backend)
+        """The device's AttentionBackend: KV layout, block sizes and dtypes, attention."""
         if config.block_size is None:
-            config = replace(config, block_size=self.platform.default_block_size)
+            config = replace(config, block_size=self.attn_backend.default_block_size)
         self.config = config
         """The knobs as run (block_size and graph_mode resolved for the device)."""
         self.platform.check_config(config)
-        dtype = self.platform.default_dtype if config.dtype == "auto" else DTYPES[config.dtype]
+        self.attn_backend.check_config(config, self.platform.name)
 
         ckpt = load_checkpoint(config.model)
         self.hf_config = ckpt.hf_config
@@ -104,21 +107,21 @@ class EngineCore:
         self.platform.check_model(self.model)
         bs = config.block_size
         num_blocks = num_kv_blocks(config, self.platform, self.model, self.hf_config, dtype)
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         # A request must fit in the pool (and in one step when prompts are not chunked).
-        limit = num_blocks * bs
-        if not config.enable_chunked_prefill:
-            limit = min(limit, config.max_num_batched_tokens)
+        pool = self.block_manager.num_usable_blocks * bs
+        limit = pool if config.enable_chunked_prefill else min(pool, config.max_num_batched_tokens)
         if max_model_len > limit:
             if config.max_model_len is not None:
-                what = ("num_kv_blocks" if limit == num_blocks * bs else "max_num_batched_tokens")
+                what = ("num_kv_blocks (one block is the reserved null block)" if limit == pool
+                        else "max_num_batched_tokens")
                 raise ValueError(f"max_model_len: {max_model_len} tokens do not fit; {what} "
                                  f"allows {limit} (raise it or lower max_model_len)")
             max_model_len = limit
         self.max_model_len = max_model_len
 
-        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, max_model_len)
-        self.runner = ModelRunner(self.model, num_blocks, bs, self.platform, config.attention_backend)
+        self.runner = ModelRunner(self.model, num_blocks, bs, self.platform, self.attn_backend)
         self.telemetry = Telemetry(config.max_step_events, config.max_request_records)
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.telemetry.memory = MemoryStats(weights, self.runner.kv_cache_bytes,
@@ -145,7 +148,7 @@ class EngineCore:
             kv_bytes_per_block=self.telemetry.memory.kv_bytes_per_block,
             graph_mode=self.graph_mode, capture_sizes=tuple(self.capture_sizes),
             piecewise_sizes=tuple(self.piecewise_sizes),
-            attention=self.runner.attention_backend, ops=self.model.ops.name,
+            attention=self.attn_backend.name, ops=self.model.ops.name,
             async_scheduling=False, vocab_size=self.vocab_size,
             num_params=sum(p.numel() for p in self.model.parameters()),
             num_layers=self.model.num_layers, **_model_shape(self.model, self.hf_config),

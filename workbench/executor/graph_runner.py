@@ -9,8 +9,8 @@ of those buffers, fills the rows up to the next captured size B with padding, an
 graph B; the first b rows of the captured logits are the answer.
 
 Padding rows must not disturb anyone: each feeds token 0 at position 0, writes its K/V to
-a scratch block that no request owns (the pool has one block more than the block manager
-hands out), and attends over that one slot. Their logits are computed and ignored.
+the block pool's null block, which is never handed out (core.block_manager.NULL_BLOCK), and
+attends over that one slot. Their logits are computed and ignored.
 
 Capture and replay are the platform's (torch.cuda.CUDAGraph, torch.npu.NPUGraph). A decode
 batch larger than every captured size runs eager; so does a step with a prefill in it,
@@ -22,38 +22,35 @@ from typing import Callable
 
 import torch
 
-from .attention import AttentionMetadata, block_table_array, paged_attention
+from ..core.block_manager import NULL_BLOCK
+from ..platforms.attention import AttentionMetadata, CommonAttentionMetadata, block_table_array
 from .graphs import padded_size
 
 
 class DecodeGraphs:
-    """Decode steps as graphs, with the platform's fused paged attention inside: either a
-    decode kernel (CUDA's Triton kernel: int64 tables, lengths on the device) or a whole
-    attention backend that supports capture (torch_npu's ops: int32 tables, lengths on the
-    host, handed to each replay through platform.replay_graph)."""
+    """Decode steps as graphs, with the backend's paged attention inside. The backend says
+    how it wants the tables and lengths it reads: their dtype (CUDA's Triton kernel: int64;
+    torch_npu's ops: int32) and whether the lengths are read from host memory (torch_npu's:
+    they reach each replay through platform.replay_graph)."""
 
-    def __init__(self, model, layer_caches, platform, sizes: list[int], max_blocks: int,
-                 scratch_block: int, block_size: int, kernel: Callable | None = None,
-                 backend=None, write_kernel: Callable | None = None):
+    def __init__(self, model, layer_caches, platform, backend, sizes: list[int],
+                 max_blocks: int, block_size: int):
         dev = platform.device
         self.model = model
         self.layer_caches = layer_caches
         self.platform = platform
-        self.kernel = kernel
         self.backend = backend
-        self.write_kernel = write_kernel
         self.sizes = sorted(sizes)
         self.block_size = block_size
-        self.scratch_block = scratch_block
         self.max_blocks = max_blocks
         n = self.sizes[-1]
-        index = torch.int32 if backend is not None else torch.long
+        index = backend.index_dtype
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slots = torch.full((n,), scratch_block * block_size, dtype=torch.long, device=dev)
-        self.tables = torch.full((n, max_blocks), scratch_block, dtype=index, device=dev)
-        self.host_lens = backend is not None
-        """Whether the attention op reads context lengths from host memory. Then a replay
+        self.slots = torch.full((n,), NULL_BLOCK * block_size, dtype=torch.long, device=dev)
+        self.tables = torch.full((n, max_blocks), NULL_BLOCK, dtype=index, device=dev)
+        self.host_lens = backend.lens_on_host
+        """Whether the attention reads context lengths from host memory. Then a replay
         would reuse the ones seen at capture: they go to platform.replay_graph instead of
         being copied into `lens`."""
         self.lens = torch.ones(n, dtype=index, device="cpu" if self.host_lens else dev)
@@ -62,14 +59,9 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
 
     def _forward(self, size: int) -> torch.Tensor:
-        meta = AttentionMetadata(slot_mapping=self.slots[:size], num_decode=size,
-                                 decode_rows=None, decode_bias=None, prefills=[],
-                                 decode_kernel=self.kernel, backend=self.backend,
-                                 write_kernel=self.write_kernel,
-                                 decode_block_tables=self.tables[:size],
-                                 decode_lens=self.lens[:size])
-        if self.backend is not None:
-            self.backend.prepare(meta)     # captured too: what it derives reads the buffers
+        # Built inside the capture: whatever the backend derives reads the static buffers.
+        meta = self.backend.build(CommonAttentionMetadata(
+            self.slots[:size], size, self.tables[:size], self.lens[:size]))
         return self.model(self.input_ids[:size], self.positions[:size], self.layer_caches, meta,
                           self.rows[:size])
 
@@ -99,12 +91,12 @@ class DecodeGraphs:
         pad = size - b
         lens = torch.tensor(lens + [1] * pad, dtype=self.lens.dtype)
         # Only the table columns this batch uses are copied: the kernels read no entry past
-        # a row's context length, and a padding row's length is 1 (its scratch block).
+        # a row's context length, and a padding row's length is 1 (the null block).
         width = max(map(len, tables))
-        table = block_table_array(tables, width, self.scratch_block, rows=size)
+        table = block_table_array(tables, width, NULL_BLOCK, rows=size)
         host = dict(
             positions=torch.tensor(positions + [0] * pad, dtype=torch.long),
-            slots=torch.tensor(slots + [self.scratch_block * self.block_size] * pad, dtype=torch.long))
+            slots=torch.tensor(slots + [NULL_BLOCK * self.block_size] * pad, dtype=torch.long))
         if isinstance(input_ids, torch.Tensor):
             self.input_ids[:b].copy_(input_ids)
             self.input_ids[b:size].zero_()
@@ -214,8 +206,8 @@ class PiecewiseGraphs:
         pieces, m = self.graphs[size], self.model
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(m.layers, self.layer_caches)):
             pieces[i].replay()
-            o = paged_attention(self.q[:t], self.k[:t], self.v[:t], k_cache, v_cache, meta,
-                                layer.self_attn.scale)
+            o = meta.backend.forward(self.q[:t], self.k[:t], self.v[:t], k_cache, v_cache, meta,
+                                     layer.self_attn.scale)
             self.attn_out[:t].copy_(o)
         pieces[-1].replay()
         return m.compute_logits(self.hidden[:t], self.residual[:t], logits_indices), size

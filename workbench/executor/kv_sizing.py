@@ -45,9 +45,9 @@ def kv_cache_budget(config: EngineConfig, platform, hf_config, dtype: torch.dtyp
 
 
 def num_kv_blocks(config: EngineConfig, platform, model, hf_config, dtype: torch.dtype) -> int:
-    """num_kv_blocks if given, else as many blocks as the budget holds (one is kept back for
-    the pool's reserved null block)."""
+    """num_kv_blocks if given, else as many blocks as the budget holds (the pool's null
+    block among them)."""
     if config.num_kv_blocks:
         return config.num_kv_blocks
     per_block = kv_bytes_per_block(model, config.block_size, dtype)
-    return max(1, int(kv_cache_budget(config, platform, hf_config, dtype) // per_block) - 1)
+    return max(2, int(kv_cache_budget(config, platform, hf_config, dtype) // per_block))

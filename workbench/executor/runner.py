@@ -8,7 +8,9 @@ import torch
 
 from .graphs import default_capture_sizes, default_piecewise_sizes
 from ..utils import cdiv
-from .attention import AttentionMetadata, PrefillSpan, block_table_array, pool_rows, slot
+from ..platforms.attention import (CommonAttentionMetadata, PrefillSpan, block_table_array,
+                                   slot)
+from ..core.block_manager import NULL_BLOCK
 from ..core.scheduler import ScheduledSeq, SchedulerOutput
 from ..telemetry import FULL, PIECEWISE
 
@@ -16,33 +18,21 @@ log = logging.getLogger("workbench")
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, platform,
-                 attention_backend: str = "auto"):
+    def __init__(self, model, num_blocks: int, block_size: int, platform, backend):
         self.model = model
         self.platform = platform
         self.device = platform.device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        """Blocks the block manager hands out (the pool holds one more: scratch)."""
-        p = next(model.parameters())
-        self.dtype = p.dtype
-        # One allocation for the whole pool; layer i uses kv_cache[i][0] (K) and [i][1] (V).
-        # The last block is scratch, never handed out: padded rows of a replayed decode graph
-        # write their K/V there.
-        self.scratch_block = num_blocks
-        shape = platform.kv_cache_shape(model.num_layers, model.num_kv_heads, num_blocks + 1,
-                                        block_size, model.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        """Blocks in the pool, the block manager's null block included."""
+        self.dtype = next(model.parameters()).dtype
+        self.backend = backend
+        """The platform's AttentionBackend: the pool's layout, the per-step metadata, the
+        attention itself, and whether decode steps can be captured."""
+        attn = model.layers[0].self_attn
+        self.kv_cache = backend.bind(model.num_layers, attn.num_heads, model.num_kv_heads,
+                                     model.head_dim, num_blocks, block_size, self.device)
         self.layer_caches = [(layer[0], layer[1]) for layer in self.kv_cache]   # views, made once
-        auto = attention_backend == "auto"
-        self.backend = platform.attention_backend(self.dtype) if auto else None
-        self.decode_kernel = platform.decode_attention_kernel(self.dtype) if auto else None
-        self.write_kernel = platform.kv_write_kernel(self.dtype) if auto else None
-        self.prefill_kernel = (platform.prefill_attention_kernel(self.dtype)
-                               if auto and self.backend is None else None)
-        if self.backend is None and len(shape) != 6:
-            raise ValueError("attention_backend: this device's KV layout needs its own attention "
-                             "backend; 'reference' is not available here")
         self.graphs = None
         """DecodeGraphs, once captured."""
         self.piecewise = None
@@ -64,9 +54,9 @@ class ModelRunner:
 
     @property
     def can_capture_decode(self) -> bool:
-        """Whole decode steps can be captured: the platform's fused paged attention (a
-        decode kernel, or a backend that supports capture) reads the pool in place."""
-        return self.decode_kernel is not None or getattr(self.backend, "supports_graphs", False)
+        """Whole decode steps can be captured: the backend reads the pool in place through
+        static tables and lengths."""
+        return self.backend.supports_decode_graphs
 
     def capture_decode_graphs(self, sizes: list[int], max_model_len: int, progress=None) -> None:
         """Capture the decode forward at each batch size (see graph_runner.py)."""
@@ -75,10 +65,8 @@ class ModelRunner:
             raise ValueError("graph_mode: capturing decode graphs needs the platform's fused "
                              "paged attention (attention_backend='auto')")
         max_blocks = cdiv(max_model_len, self.block_size)
-        self.graphs = DecodeGraphs(self.model, self.layer_caches, self.platform, sizes,
-                                   max_blocks, self.scratch_block, self.block_size,
-                                   kernel=self.decode_kernel, backend=self.backend,
-                                   write_kernel=self.write_kernel)
+        self.graphs = DecodeGraphs(self.model, self.layer_caches, self.platform, self.backend,
+                                   sizes, max_blocks, self.block_size)
         self.graphs.capture(self.graph_pool, progress)
 
     def capture_piecewise_graphs(self, sizes: list[int], progress=None) -> None:
@@ -129,20 +117,15 @@ class ModelRunner:
         return asked, decode_sizes, piecewise, notices
 
     @property
-    def attention_backend(self) -> str:
-        return "fused" if (self.decode_kernel or self.backend) is not None else "reference"
-
-    @property
     def kv_cache_bytes(self) -> int:
-        """The whole pool, the scratch block included."""
+        """The whole pool, the null block included."""
         return self.kv_cache.numel() * self.kv_cache.element_size()
 
     def prepare(self, out: SchedulerOutput):
         """Flatten the step: decodes first, then prefill chunks. Returns model inputs, the
-        attention metadata and, in logits order, the scheduled sequences that sample."""
+        backend's attention metadata and, in logits order, the scheduled sequences that
+        sample, and the prompt-logprob spans."""
         bs = self.block_size
-        dev = self.device
-        to = (lambda t: t.to(dev, non_blocking=True)) if dev.type != "cpu" else (lambda t: t)
         decodes = [s for s in out.scheduled if s.is_decode]
         prefills = [s for s in out.scheduled if not s.is_decode]
         input_ids: list[int] = []
@@ -160,42 +143,19 @@ class ModelRunner:
             slots.append(slot(s.seq.block_table, p, bs))
             logits_rows.append(len(logits_rows))
             sampling.append(s)
-        decode_rows = decode_bias = scratch = tables = lens = None
-        kv_heads = self.model.num_kv_heads
+        common = CommonAttentionMetadata(None, len(decodes))
         if decodes:
-            max_blocks = max(len(s.seq.block_table) for s in decodes)
-            tables = block_table_array([s.seq.block_table for s in decodes], max_blocks, 0)
-            lens = torch.tensor([s.start + 1 for s in decodes])
-            if self.decode_kernel is None and self.backend is None:
-                decode_rows = pool_rows(tables, kv_heads, self.num_blocks + 1)
-                pad = torch.arange(max_blocks * bs)[None, :] >= lens[:, None]
-                decode_bias = torch.zeros(pad.shape, dtype=self.dtype).masked_fill_(pad, float("-inf"))
-                decode_bias = to(decode_bias.unsqueeze(1).repeat(kv_heads, 1, 1))
-                row = bs * self.model.head_dim
-                scratch = tuple(torch.empty(len(decode_rows), row, dtype=self.dtype, device=dev)
-                                for _ in range(2))
-                decode_rows = to(decode_rows)
-                tables = lens = None
-            elif self.backend is not None:    # backends take int32 (lengths stay on the host)
-                tables, lens = to(tables.int()), lens.int()
-            else:
-                tables, lens = to(tables), to(lens)
+            tables = [s.seq.block_table for s in decodes]
+            common.decode_block_tables = block_table_array(tables, max(map(len, tables)),
+                                                           NULL_BLOCK)
+            common.decode_lens = torch.tensor([s.start + 1 for s in decodes])
 
-        spans = []
         for s in prefills:
             q_start, n = len(input_ids), s.num_new_tokens
             input_ids += s.seq.token_ids[s.start:s.start + n]
             positions += range(s.start, s.start + n)
             slots += [slot(s.seq.block_table, p, bs) for p in range(s.start, s.start + n)]
-            rows = mask = None
-            if s.start > 0 and self.backend is None and self.prefill_kernel is None:
-                ctx = s.start + n
-                block_ids = torch.tensor(s.seq.block_table[:cdiv(ctx, bs)], dtype=torch.long)
-                rows = pool_rows(block_ids, kv_heads, self.num_blocks + 1)
-                q_pos = torch.arange(s.start, ctx)
-                mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
-                rows, mask = to(rows), to(mask)
-            spans.append(PrefillSpan(q_start, q_start + n, s.start, rows, mask))
+            common.prefills.append(PrefillSpan(q_start, q_start + n, s.start, s.seq.block_table))
             if s.samples:
                 logits_rows.append(q_start + n - 1)
                 sampling.append(s)
@@ -207,32 +167,9 @@ class ModelRunner:
                 prompt_spans.append((s, s.start, count))
                 prompt_rows += range(q_start, q_start + count)
 
-        plan = None
-        if prefills and self.prefill_kernel is not None:
-            m = self.model
-            plan = self.prefill_kernel.plan(
-                [s.num_new_tokens for s in prefills], [s.start + s.num_new_tokens for s in prefills],
-                [s.seq.block_table for s in prefills], m.layers[0].self_attn.num_heads,
-                m.num_kv_heads, dev)
-        meta = AttentionMetadata(
-            slot_mapping=to(torch.tensor(slots, dtype=torch.long)),
-            num_decode=len(decodes),
-            decode_rows=decode_rows,
-            decode_bias=decode_bias,
-            prefills=spans,
-            decode_scratch=scratch,
-            decode_kernel=self.decode_kernel if decodes else None,
-            write_kernel=self.write_kernel,
-            decode_block_tables=tables,
-            decode_lens=lens,
-            backend=self.backend,
-            prefill_block_tables=([s.seq.block_table for s in prefills]
-                                  if self.backend is not None else None),
-            prefill_kernel=self.prefill_kernel if plan is not None else None,
-            prefill_plan=plan,
-        )
-        if self.backend is not None:
-            self.backend.prepare(meta)
+        to = self.backend.to_device
+        common.slot_mapping = to(torch.tensor(slots, dtype=torch.long))
+        meta = self.backend.build(common)
         inputs = (to(torch.tensor(input_ids, dtype=torch.long)),
                   to(torch.tensor(positions, dtype=torch.long)),
                   to(torch.tensor(logits_rows + prompt_rows, dtype=torch.long)))

@@ -2,16 +2,10 @@ from __future__ import annotations
 
 import torch
 
-from ..config import BLOCK_SIZES
-
-
 class Platform:
     """What the engine needs to know about a device. Subclasses fill in the specifics."""
     name = "base"
     default_dtype = torch.float32
-    default_block_size = 16
-    supported_block_sizes = BLOCK_SIZES
-    """Block sizes its attention kernels page in (EngineConfig.block_size must be one)."""
     supports_graphs = False
     """Whether this platform can capture and replay step graphs (graph_mode 'decode'/'full')."""
     runs_async = False
@@ -75,23 +69,23 @@ class Platform:
         """Refuse a model whose shapes this device's kernels cannot run (ValueError), at
         engine build rather than at the first step."""
 
-    def kv_cache_shape(self, num_layers: int, kv_heads: int, num_blocks: int, block_size: int,
-                       head_dim: int) -> tuple[int, ...]:
-        """The pool: [layers, K/V, ...] with one layer's K (or V) laid out as the attention
-        code expects. Default head-major [kv_heads, num_blocks, block_size, head_dim]."""
-        return (num_layers, 2, kv_heads, num_blocks, block_size, head_dim)
+    def attention_backend(self, dtype: torch.dtype, choice: str = "auto"):
+        """This device's AttentionBackend (platforms/attention.py) for `dtype`: its fused
+        kernels where it has them for that dtype and `choice` is 'auto', else the plain-torch
+        reference."""
+        from .attention import TorchAttention
+        return TorchAttention(dtype)
 
-    def attention_backend(self, dtype):
-        """A whole-attention backend for this device (KV write, decode and prefill in its own
-        pool layout; see AttentionMetadata.backend), or None for the code in attention.py."""
-        return None
+    @classmethod
+    def attention_backend_classes(cls) -> tuple[type, ...]:
+        """Every backend class this platform may hand out (the knob domains are their
+        union), readable without constructing the platform."""
+        from .attention import TorchAttention
+        return (TorchAttention,)
 
     def check_config(self, config) -> None:
-        """Refuse knob values this device's kernels cannot run (ValueError naming the knob)."""
-        if config.block_size not in self.supported_block_sizes:
-            raise ValueError(f"block_size: {self.name}'s attention pages KV in blocks of "
-                             f"{' or '.join(map(str, self.supported_block_sizes))} tokens "
-                             f"(got {config.block_size})")
+        """Refuse knob values this device cannot run (ValueError naming the knob); the
+        attention backend checks its own (AttentionBackend.check_config)."""
 
     def model_ops(self, dtype):
         """The decoder's fusable ops (RMSNorm, SiLU-and-mul, q/k norm + RoPE) for this
@@ -99,23 +93,6 @@ class Platform:
         reference (platforms/ops.py)."""
         from .ops import TorchOps
         return TorchOps()
-
-    def kv_write_kernel(self, dtype):
-        """A fused KV-cache write with attention.write_kv's signature, or None for
-        write_kv itself."""
-        return None
-
-    def prefill_attention_kernel(self, dtype):
-        """A ragged paged prefill attention for this device (one call per layer for all of a
-        step's prefill chunks: see triton_attention.PagedPrefill), or None for the per-chunk
-        plain-torch path in `workbench/executor/attention.py`."""
-        return None
-
-    def decode_attention_kernel(self, dtype):
-        """A fused paged decode-attention op for this device and dtype, or None to use the
-        plain-torch reference in `workbench/executor/attention.py`. Signature:
-        (q [B,H,D], k_cache, v_cache, block_tables [B,max_blocks], context_lens [B], scale)."""
-        return None
 
 
 class _Done:

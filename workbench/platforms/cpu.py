@@ -8,7 +8,10 @@ import resource
 import threading
 from pathlib import Path
 
+import torch
+
 from ..utils import cdiv
+from .attention import TorchAttention
 from .base import Platform
 
 log = logging.getLogger("workbench")
@@ -39,7 +42,6 @@ def kernel_key() -> str:
     import sys
     import sysconfig
 
-    import torch
     try:
         info = Path("/proc/cpuinfo").read_text()
         flags = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
@@ -134,7 +136,6 @@ def decode_when_built(q, k_cache, v_cache, block_tables, context_lens, scale):
     if _kernels:
         return _kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
                                                scale)
-    import torch
     import torch.nn.functional as F
     kv_heads, _, bs, d = k_cache.shape
     out = torch.empty_like(q)
@@ -168,12 +169,40 @@ class CpuPlatform(Platform):
         # ru_maxrss is in KiB on Linux: the process's peak resident set, weights included.
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
-    def decode_attention_kernel(self, dtype):
-        import torch
-        if dtype != torch.float32:
-            return None
+    def attention_backend(self, dtype, choice: str = "auto"):
+        if choice != "auto" or dtype != torch.float32:
+            return super().attention_backend(dtype, choice)
         if _kernels is None and not kernel_is_built():
             build_in_background()             # first start on this machine: don't wait for it
-            return decode_when_built
+            return CpuAttention(dtype, decode_when_built)
         mod = load_cpu_kernels()
-        return None if mod is None else mod.paged_decode_attention
+        if mod is None:
+            return super().attention_backend(dtype, choice)
+        return CpuAttention(dtype, mod.paged_decode_attention)
+
+    @classmethod
+    def attention_backend_classes(cls) -> tuple[type, ...]:
+        return (*super().attention_backend_classes(), CpuAttention)
+
+
+class CpuAttention(TorchAttention):
+    """The reference, with decodes in the C++ paged decode kernel (fp32): it reads the pool
+    in place through the block tables instead of gathering each context into a copy."""
+    name = "cpu"
+    supported_dtypes = (torch.float32,)
+    supports_decode_graphs = True
+    """The kernel reads tables and lengths from tensors, so a captured decode step would
+    replay right; the CPU has no graphs to capture into (CpuPlatform.supports_graphs), but
+    the tests' replaying platform runs the graph plumbing through this backend."""
+
+    def __init__(self, dtype, kernel):
+        super().__init__(dtype)
+        self.kernel = kernel
+        """paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)."""
+
+    def build_decode(self, meta, tables, lens) -> None:
+        meta.decode_block_tables, meta.decode_lens = tables, lens
+
+    def decode(self, q, k_cache, v_cache, meta, scale: float):
+        return self.kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens,
+                           scale)

@@ -28,20 +28,15 @@ class CudaPlatform(AcceleratorPlatform):
         from .triton_ops import TritonOps      # fused for bf16/fp16; fp32 stays on torch
         return TritonOps()
 
-    def kv_write_kernel(self, dtype):
-        if importlib.util.find_spec("triton") is None:
-            return None
-        from .triton_attention import write_kv_cache
-        return write_kv_cache
+    def attention_backend(self, dtype, choice: str = "auto"):
+        if choice != "auto" or importlib.util.find_spec("triton") is None:
+            return super().attention_backend(dtype, choice)
+        from .triton_attention import TritonAttention
+        return TritonAttention(dtype)
 
-    def prefill_attention_kernel(self, dtype):
+    @classmethod
+    def attention_backend_classes(cls) -> tuple[type, ...]:
         if importlib.util.find_spec("triton") is None:
-            return None
-        from .triton_attention import PagedPrefill
-        return PagedPrefill()
-
-    def decode_attention_kernel(self, dtype):
-        if importlib.util.find_spec("triton") is None:
-            return None
-        from .triton_attention import paged_decode_attention
-        return paged_decode_attention
+            return super().attention_backend_classes()
+        from .triton_attention import TritonAttention
+        return (*super().attention_backend_classes(), TritonAttention)

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import torch
 
 from .base import AcceleratorPlatform
-from .npu_attention import BLOCK_SIZE
 
 log = logging.getLogger("workbench")
 INSTALL_HINT = ("device 'npu' needs Ascend's torch_npu matched to your torch version and a "
@@ -151,9 +150,6 @@ def probe(torch_npu) -> NpuReport:
 
 class NpuPlatform(AcceleratorPlatform):
     name = "npu"
-    default_block_size = BLOCK_SIZE
-    supported_block_sizes = (BLOCK_SIZE,)
-    """The fused prefill's paging unit (vLLM-Ascend's choice)."""
     graph_class = "NPUGraph"
 
     def __init__(self):
@@ -231,16 +227,15 @@ class NpuPlatform(AcceleratorPlatform):
         from .npu_ops import NpuOps
         return NpuOps(self.torch_npu)
 
-    def kv_cache_shape(self, num_layers, kv_heads, num_blocks, block_size, head_dim):
-        from .npu_attention import block_major_shape
-        return block_major_shape(num_layers, kv_heads, num_blocks, block_size, head_dim)
-
-    def attention_backend(self, dtype):
+    def attention_backend(self, dtype, choice: str = "auto"):
+        if choice != "auto":
+            raise ValueError("attention_backend: the NPU runs its fused ops; 'reference' is "
+                             "the CPU/CUDA plain-torch path")
         from .npu_attention import NpuAttention
-        self._attention = NpuAttention(self.torch_npu)
+        self._attention = NpuAttention(dtype, self.torch_npu)
         return self._attention
 
-    def check_config(self, config) -> None:
-        super().check_config(config)
-        from .npu_attention import check_npu_config
-        check_npu_config(config)
+    @classmethod
+    def attention_backend_classes(cls) -> tuple[type, ...]:
+        from .npu_attention import NpuAttention
+        return (NpuAttention,)

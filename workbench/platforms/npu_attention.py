@@ -16,7 +16,8 @@ Per step, for every layer:
   tables, cumulative query ends and per-request KV lengths, sparse_mode=3 (causal aligned
   to the end of each request's KV, which is what a chunk after a cached prefix needs) and
   the 2048 x 2048 mask that mode expects.
-FIA's paged prefill wants block_size 128 (vLLM-Ascend's choice); `check_config` says so.
+FIA's paged prefill wants block_size 128 (vLLM-Ascend's choice): NpuAttention's
+`supported_block_sizes`, which `check_config` enforces.
 
 Inside a decode graph the paged attention is a task group (DecodeGraphTasks): its host-side
 lengths are baked into the graph at capture, and each replay re-issues it with the step's.
@@ -26,6 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .attention import (AttentionBackend, AttentionMetadata, CommonAttentionMetadata,
+                        block_table_array)
 
 BLOCK_SIZE = 128
 MASK_SIZE = 2048
@@ -92,13 +96,35 @@ class DecodeGraphTasks:
                 task.event.record(stream)
 
 
-class NpuAttention:
-    supports_graphs = True
+@dataclass(slots=True)
+class NpuMetadata(AttentionMetadata):
+    decode_block_tables: torch.Tensor | None = None
+    """[num_decode, width] int32 on the device."""
+    decode_lens: torch.Tensor | None = None
+    """[num_decode] int32 on the host, as _npu_paged_attention reads them."""
+    prefill_block_tables: torch.Tensor | None = None
+    """[chunks, width] int32 on the device."""
+    q_ends: list[int] | None = None
+    """Cumulative query ends of the prefill chunks (TND's actual_seq_lengths)."""
+    kv_lens: list[int] | None = None
+    """Each chunk's cached prefix + its tokens (actual_seq_lengths_kv)."""
+
+
+class NpuAttention(AttentionBackend):
+    name = "npu"
+    supported_dtypes = (torch.bfloat16, torch.float16)
+    supported_block_sizes = (BLOCK_SIZE,)
+    """FIA's paged prefill pages in blocks of 128 (vLLM-Ascend's choice)."""
+    default_block_size = BLOCK_SIZE
+    supports_decode_graphs = True
     """Decode steps can be captured (graph_runner.DecodeGraphs): the KV write and paged
     attention read static buffers, and the host-side context lengths reach each replay
     through task updates (DecodeGraphTasks, NpuPlatform.replay_graph)."""
+    index_dtype = torch.int32
+    lens_on_host = True
 
-    def __init__(self, ops):
+    def __init__(self, dtype, ops):
+        super().__init__(dtype)
         self.ops = ops
         """The torch_npu module (or, in tests, something with the same functions)."""
         self._mask: torch.Tensor | None = None
@@ -106,19 +132,25 @@ class NpuAttention:
         """Set by NpuPlatform.capture_graph while it captures: decode attention is then
         recorded there as task groups."""
 
-    def prepare(self, meta) -> None:
-        """Per-step tensors every layer shares: int32 slots, prefill tables and lengths."""
-        dev = meta.slot_mapping.device
-        state = {"slots": meta.slot_mapping.to(torch.int32)}
-        if meta.prefills:
-            tables = meta.prefill_block_tables
-            width = max(len(t) for t in tables)
-            state["tables"] = torch.tensor([t + [0] * (width - len(t)) for t in tables],
-                                           dtype=torch.int32).to(dev)
-            first = meta.prefills[0].q_start
-            state["q_ends"] = [sp.q_end - first for sp in meta.prefills]
-            state["kv_lens"] = [sp.start + sp.q_end - sp.q_start for sp in meta.prefills]
-        meta.backend_state = state
+    def kv_cache_shape(self, num_layers, kv_heads, num_blocks, block_size, head_dim):
+        """What the ATB ops read: per layer, K and V each [num_blocks, block_size,
+        num_kv_heads, head_dim]."""
+        return (num_layers, 2, num_blocks, block_size, kv_heads, head_dim)
+
+    def build(self, common: CommonAttentionMetadata) -> NpuMetadata:
+        """int32 slots and tables on the device, decode lengths on the host."""
+        meta = NpuMetadata(self, common.slot_mapping.to(torch.int32), common.num_decode)
+        if common.num_decode:
+            meta.decode_block_tables = self.to_device(common.decode_block_tables, torch.int32)
+            meta.decode_lens = common.decode_lens.to(torch.int32)
+        if common.prefills:
+            p = common.prefills
+            meta.prefill_block_tables = self.to_device(block_table_array(
+                [s.block_table for s in p], max(len(s.block_table) for s in p), 0), torch.int32)
+            first = p[0].q_start
+            meta.q_ends = [s.q_end - first for s in p]
+            meta.kv_lens = [s.ctx_len for s in p]
+        return meta
 
     def causal_mask(self, device) -> torch.Tensor:
         if self._mask is None or self._mask.device != device:
@@ -126,10 +158,10 @@ class NpuAttention:
                                                device=device), diagonal=1)
         return self._mask
 
-    def __call__(self, q, k, v, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
-        ops, state = self.ops, meta.backend_state
+    def forward(self, q, k, v, k_cache, v_cache, meta: NpuMetadata, scale: float) -> torch.Tensor:
+        ops = self.ops
         ops._npu_reshape_and_cache(key=k.contiguous(), value=v.contiguous(), key_cache=k_cache,
-                                   value_cache=v_cache, slot_indices=state["slots"])
+                                   value_cache=v_cache, slot_indices=meta.slot_mapping)
         heads, kv_heads = q.shape[1], k_cache.shape[2]
         out = torch.empty_like(q)
         nd = meta.num_decode
@@ -141,28 +173,14 @@ class NpuAttention:
                 self.graph_tasks.capture(ops, args, meta.decode_lens)
             else:
                 ops._npu_paged_attention(**args, context_lens=meta.decode_lens)
-        if meta.prefills:
+        if meta.q_ends is not None:
             num_blocks, block_size, _, d = k_cache.shape
             o, _ = ops.npu_fused_infer_attention_score(
                 q[nd:].contiguous(), k_cache.view(num_blocks, block_size, kv_heads * d),
                 v_cache.view(num_blocks, block_size, kv_heads * d),
-                atten_mask=self.causal_mask(q.device), actual_seq_lengths=state["q_ends"],
-                actual_seq_lengths_kv=state["kv_lens"], block_table=state["tables"],
+                atten_mask=self.causal_mask(q.device), actual_seq_lengths=meta.q_ends,
+                actual_seq_lengths_kv=meta.kv_lens, block_table=meta.prefill_block_tables,
                 num_heads=heads, scale=scale, input_layout="TND",
                 num_key_value_heads=kv_heads, sparse_mode=3, block_size=block_size)
             out[nd:] = o
         return out
-
-
-def block_major_shape(num_layers: int, kv_heads: int, num_blocks: int, block_size: int,
-                      head_dim: int) -> tuple[int, ...]:
-    return (num_layers, 2, num_blocks, block_size, kv_heads, head_dim)
-
-
-def check_npu_config(config) -> None:
-    if config.dtype == "float32":
-        raise ValueError("dtype: the NPU's fused attention ops take bfloat16 or float16 "
-                         "(got float32)")
-    if config.attention_backend == "reference":
-        raise ValueError("attention_backend: the NPU runs its fused ops; 'reference' is the "
-                         "CPU/CUDA plain-torch path")

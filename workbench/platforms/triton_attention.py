@@ -26,7 +26,8 @@ causal diagonal. The tile map is built on the host (`plan_prefill`), where the c
 are known anyway, so the kernel does no searching.
 
 Pool layout per layer: [num_kv_heads, num_blocks, block_size, head_dim] (head-major), as in
-`workbench/executor/attention.py`.
+the reference (`workbench/platforms/attention.py`). `TritonAttention` is the backend that
+plugs these kernels into the engine.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ import triton
 import triton.language as tl
 
 from ..utils import cdiv
+from .attention import AttentionBackend, AttentionMetadata, CommonAttentionMetadata
 
 
 @triton.jit
@@ -272,13 +274,45 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
-class PagedPrefill:
-    """What the runner plugs in for prefill: `plan(...)` once per step, then a call per layer."""
+@dataclass(slots=True)
+class TritonMetadata(AttentionMetadata):
+    decode_block_tables: torch.Tensor | None = None
+    """[num_decode, width] int64 on the device."""
+    decode_lens: torch.Tensor | None = None
+    """[num_decode] int64 on the device."""
+    prefill_plan: PrefillPlan | None = None
 
-    def plan(self, q_lens: list[int], ctx_lens: list[int], tables: list[list[int]],
-             num_heads: int, kv_heads: int, device) -> PrefillPlan:
-        return plan_prefill(q_lens, ctx_lens, tables, prefill_block_q(num_heads, kv_heads),
-                            device)
 
-    def __call__(self, q, k_cache, v_cache, plan: PrefillPlan, scale: float) -> torch.Tensor:
-        return paged_prefill_attention(q, k_cache, v_cache, plan, scale)
+class TritonAttention(AttentionBackend):
+    """CUDA's backend: the KV write, the decodes and all prefill chunks each one Triton
+    launch per layer, reading the head-major pool in place. Decode steps can be captured
+    (tables and lengths are device tensors the kernels read)."""
+    name = "triton"
+    supports_decode_graphs = True
+
+    def build(self, common: CommonAttentionMetadata) -> TritonMetadata:
+        meta = TritonMetadata(self, common.slot_mapping, common.num_decode)
+        if common.num_decode:
+            meta.decode_block_tables = self.to_device(common.decode_block_tables, torch.long)
+            meta.decode_lens = self.to_device(common.decode_lens, torch.long)
+        if common.prefills:
+            p = common.prefills
+            meta.prefill_plan = plan_prefill(
+                [s.q_end - s.q_start for s in p], [s.ctx_len for s in p],
+                [s.block_table for s in p], prefill_block_q(self.num_heads, self.kv_heads),
+                self.device)
+        return meta
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float):
+        write_kv_cache(k_cache, v_cache, k, v, meta.slot_mapping)
+        nd = meta.num_decode
+        if meta.prefill_plan is None:
+            return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                          meta.decode_lens, scale)
+        out = torch.empty_like(q)
+        if nd:
+            paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                   meta.decode_lens, scale, out=out[:nd])
+        paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_plan, scale,
+                                out=out[nd:])
+        return out

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import AttentionMetadata, paged_attention
+from ...platforms.attention import AttentionMetadata
 from ...platforms.ops import TorchOps
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -106,7 +106,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, ops, x, residual, cos, sin, kv_cache, meta: AttentionMetadata):
         q, k, v, residual = self.before_attention(ops, x, residual, cos, sin)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.self_attn.scale)
+        o = meta.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.self_attn.scale)
         return self.after_attention(ops, o, residual)
 
     # The layer is cut around attention so that piecewise graphs (graph_runner.py) can

@@ -1,0 +1,30 @@
+"""The CPU platform with CUDA's attention backend and fused ops: what a CUDA engine runs,
+driven on CPU tensors by Triton's interpreter (TRITON_INTERPRET=1). Used by the subprocess
+checks of test_fused_ops.py and test_prefill_kernel.py (their PYTHONPATH has tests/)."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from workbench.platforms.cpu import CpuPlatform
+
+
+class TritonOnCpu(CpuPlatform):
+    def attention_backend(self, dtype, choice="auto"):
+        from workbench.platforms.triton_attention import TritonAttention
+        return TritonAttention(dtype)
+
+    def model_ops(self, dtype):
+        from workbench.platforms.triton_ops import TritonOps
+        return TritonOps()
+
+
+@contextmanager
+def triton_on_cpu():
+    """Engines built inside get the TritonOnCpu platform."""
+    import workbench.core.engine_core as engine_core
+    orig = engine_core.get_platform
+    engine_core.get_platform = lambda name: TritonOnCpu()
+    try:
+        yield
+    finally:
+        engine_core.get_platform = orig
