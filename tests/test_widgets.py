@@ -203,6 +203,25 @@ def test_knobs_validate_and_rebuild_the_dashboard_engine(comms):
     dash.source.close()
 
 
+def test_block_size_knob_offers_what_the_devices_attention_takes():
+    """The block-size options are the device's attention backend's (platforms.block_sizes):
+    every size on the CPU, only 128 on the NPU (its backend's domain, read without
+    torch_npu); a size the new device does not take falls back to its choice."""
+    from widgets.knobs import KnobPanel
+    from workbench.platforms import block_sizes
+    from workbench.platforms.npu_attention import NpuAttention
+    knobs = KnobPanel(EngineConfig(model="random:tiny", device="cpu", block_size=32))
+    assert [v for v in knobs.block_size.options if isinstance(v, int)] == list(block_sizes("cpu"))
+    assert knobs.block_size.value == 32
+    knobs._device_changed({"new": "npu"})
+    assert knobs.block_size.options == (("device's choice", None), 128)
+    assert knobs.block_size.value is None and block_sizes("npu") == NpuAttention.supported_block_sizes
+    knobs._device_changed({"new": "cpu"})
+    knobs.block_size.value = 64
+    knobs._device_changed({"new": "cuda"})
+    assert knobs.block_size.value == 64
+
+
 def test_dashboard_bad_prompt_shows_error_and_sends_nothing():
     from widgets import Dashboard
     dash = Dashboard(config=EngineConfig(model="random:tiny", device="cpu"))

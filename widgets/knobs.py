@@ -15,7 +15,8 @@ import ipywidgets as w
 import traitlets
 
 from workbench import Engine, EngineConfig, SamplingParams
-from workbench.config import BLOCK_SIZES, DEVICES, GRAPH_MODES
+from workbench.config import DEVICES, GRAPH_MODES
+from workbench.platforms import block_sizes
 
 from .live import running_loop
 from .progress import BuildProgress
@@ -30,6 +31,11 @@ def available_devices() -> list[str]:
     present = {"auto": True, "npu": importlib.util.find_spec("torch_npu") is not None,
                "cuda": torch.cuda.is_available(), "cpu": True}
     return [d for d in DEVICES if present[d]]
+
+
+def _block_size_options(device: str) -> list:
+    """The block sizes the device's attention backend takes (platforms.block_sizes)."""
+    return [("device's choice", None), *block_sizes(device)]
 
 
 def _label(text: str, tip: str, width: str = "150px") -> dict:
@@ -65,7 +71,7 @@ class KnobPanel(w.VBox):
         self.device = w.Dropdown(options=available_devices(), value=c.device
                                  if c.device in available_devices() else "auto",
                                  **_label("Device", "device: auto picks npu, then cuda, then cpu"))
-        self.block_size = w.Dropdown(options=[("device's choice", None), *BLOCK_SIZES],
+        self.block_size = w.Dropdown(options=_block_size_options(self.device.value),
                                      value=c.block_size,
                                      **_label("KV block (tokens)", "block_size: tokens per KV "
                                               "block. Small blocks waste less memory at the end "
@@ -106,6 +112,7 @@ class KnobPanel(w.VBox):
         self.progress = BuildProgress()
         self.status = w.HTML()
         self.apply_button.on_click(lambda _: self._clicked())
+        self.device.observe(self._device_changed, names="value")
         engine_knobs = [self.model, self.device, self.block_size, self.num_kv_blocks,
                         self.max_num_seqs, self.max_num_batched_tokens, self.graph_mode,
                         self.enable_prefix_caching]
@@ -113,6 +120,13 @@ class KnobPanel(w.VBox):
                                                "rebuilds it)</span>"), *engine_knobs,
                           w.HTML("<b>Requests</b>"), self.temperature, self.max_tokens,
                           self.apply_button, self.progress, self.status], **kw)
+
+    def _device_changed(self, change) -> None:
+        """Offer only the block sizes the new device's attention takes; a size it does not
+        take falls back to the device's choice."""
+        keep = self.block_size.value
+        self.block_size.options = _block_size_options(change["new"])
+        self.block_size.value = keep if keep in block_sizes(change["new"]) else None
 
     # ---- reading the knobs ----------------------------------------------------------------
     def values(self) -> dict:

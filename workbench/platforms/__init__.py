@@ -28,4 +28,21 @@ def get_platform(name: str = "auto") -> Platform:
     return platform()
 
 
-__all__ = ["Platform", "get_platform"]
+def block_sizes(device: str) -> tuple[int, ...]:
+    """The KV block sizes `device`'s attention backends take (the knob's domain there), read
+    off their classes: no platform is built and torch_npu is not imported. 'auto': those of
+    the device it picks (npu where torch_npu is installed: it cannot be asked more cheaply)."""
+    import importlib.util
+
+    import torch
+    if device == "auto":
+        device = ("npu" if importlib.util.find_spec("torch_npu") is not None else
+                  "cuda" if torch.cuda.is_available() else "cpu")
+    if device not in _PLATFORMS:
+        raise ValueError(f"device: must be 'auto' or one of {sorted(_PLATFORMS)} (got {device!r})")
+    sizes = {b for cls in _PLATFORMS[device].attention_backend_classes()
+             for b in cls.supported_block_sizes}
+    return tuple(sorted(sizes))
+
+
+__all__ = ["Platform", "block_sizes", "get_platform"]
