@@ -12,7 +12,7 @@ from ..utils import cdiv
 from .base import Platform
 
 log = logging.getLogger("workbench")
-_CSRC = Path(__file__).parent / "csrc" / "cpu_attention.cpp"
+_CSRC = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "cpu_ops.cpp")]
 _kernels = None
 # -ffast-math lets gcc vectorise expf (libmvec); the kernel never sees inf or NaN inputs.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
@@ -48,7 +48,7 @@ def kernel_key() -> str:
         flags = model = ""
     text = "|".join([platform.machine(), model, flags, torch.__version__,
                      str(torch.version.git_version), sys.version, str(sysconfig.get_config_var("EXT_SUFFIX")),
-                     _compiler(), repr(_CFLAGS), _CSRC.read_text()])
+                     _compiler(), repr(_CFLAGS), *(p.read_text() for p in _CSRC)])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -85,7 +85,7 @@ def load_cpu_kernels():
                                 "version, about 25-40 s)…")
                     (build / "lock").unlink(missing_ok=True)
                     from torch.utils.cpp_extension import load
-                    _kernels = load(name=_NAME, sources=[str(_CSRC)], extra_cflags=_CFLAGS,
+                    _kernels = load(name=_NAME, sources=[str(p) for p in _CSRC], extra_cflags=_CFLAGS,
                                     build_directory=str(build), verbose=False)
                     done.write_text(f"{_NAME}.so\n")
         except Exception as e:   # no compiler / ninja: the plain-torch path still works
@@ -167,6 +167,20 @@ class CpuPlatform(Platform):
     def peak_memory_bytes(self) -> int:
         # ru_maxrss is in KiB on Linux: the process's peak resident set, weights included.
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def model_ops(self, dtype):
+        import torch
+        if dtype != torch.float32:
+            return super().model_ops(dtype)
+        from .cpu_ops import CpuOps
+        return CpuOps()
+
+    def kv_write_kernel(self, dtype):
+        import torch
+        if dtype != torch.float32:
+            return None
+        from .cpu_ops import write_kv_when_built
+        return write_kv_when_built
 
     def decode_attention_kernel(self, dtype):
         import torch
