@@ -99,3 +99,83 @@ def test_fused_ops_match_the_torch_reference_in_the_interpreter():
         else:
             assert equal, (name, worst)                     # bit for bit
     assert res["random:tiny-qwen3"] == [True] and res["random:tiny"] == [True]
+
+
+def test_cpu_ops_match_the_torch_reference():
+    """The C++ small ops and batch-1 GEMV (platforms/cpu_ops.py) against the torch reference,
+    fp32: the residual add, RoPE and the KV write bit for bit; norms, SiLU and the GEMV to a
+    few units in the last place (sums in another order, another expf)."""
+    import torch
+
+    from workbench.platforms.attention import write_kv
+    from workbench.platforms import cpu, get_platform
+    from workbench.platforms.cpu_ops import CpuOps, write_kv_when_built
+    from workbench.platforms.ops import TorchOps
+    kern = cpu.load_cpu_kernels()
+    if kern is None:
+        pytest.skip("no C++ compiler: the CPU kernels could not be built")
+    assert isinstance(get_platform("cpu").model_ops(torch.float32), CpuOps)
+    torch.manual_seed(0)
+    ref, ops = TorchOps(), CpuOps()
+
+    def close(a, b, units=4):
+        assert a.shape == b.shape
+        return float(((a - b).abs() / b.abs().max()).max()) <= units * 2 ** -23
+
+    for t in (1, 5, 33):
+        x, r, w = torch.randn(t, 96), torch.randn(t, 96), torch.rand(96) + 0.5
+        out = ops.rms_norm(x, w, 1e-5)
+        assert torch.equal(out, kern.rms_norm(x, w, 1e-5))         # the kernel, not a fallback
+        assert close(out, ref.rms_norm(x, w, 1e-5))
+        (a, ra), (b, rb) = ops.add_rms_norm(x, r, w, 1e-5), ref.add_rms_norm(x, r, w, 1e-5)
+        assert torch.equal(ra, rb) and close(a, b)
+        gu = torch.randn(t, 2 * 80)
+        assert close(ops.silu_and_mul(gu), ref.silu_and_mul(gu))
+        qkv = torch.randn(t, 6 + 2 * 2, 32)
+        qk = qkv[:, :8]                                               # a strided view
+        cos, sin = torch.randn(t, 1, 32), torch.randn(t, 1, 32)
+        assert torch.equal(ops.qk_rope(qk, cos, sin, 6), ref.qk_rope(qk, cos, sin, 6))
+        qn, kn = torch.rand(32) + 0.5, torch.rand(32) + 0.5
+        assert close(ops.qk_rope(qk, cos, sin, 6, qn, kn, 1e-6),
+                     ref.qk_rope(qk, cos, sin, 6, qn, kn, 1e-6))
+        pool = [torch.randn(2, 10, 16, 32) for _ in range(2)]
+        copy = [p.clone() for p in pool]
+        slots = torch.randperm(160)[:t]
+        write_kv_when_built(pool[0], pool[1], qkv[:, 6:8], qkv[:, 8:], slots)
+        write_kv(copy[0], copy[1], qkv[:, 6:8], qkv[:, 8:], slots)
+        assert torch.equal(pool[0], copy[0]) and torch.equal(pool[1], copy[1])
+    if hasattr(kern, "gemv"):                                         # AVX-512 machines
+        for n, k in ((960, 576), (37, 100), (3, 20)):
+            x, wt, bias = torch.randn(1, k), torch.randn(n, k), torch.randn(n)
+            assert torch.equal(ops.linear(x, wt), kern.gemv(x, wt, None))
+            assert close(ops.linear(x, wt), ref.linear(x, wt), 16)
+            assert close(ops.linear(x, wt, bias), ref.linear(x, wt, bias), 16)
+    x, wt = torch.randn(3, 64), torch.randn(8, 64)                    # batches: torch's GEMM
+    assert torch.equal(ops.linear(x, wt), ref.linear(x, wt))
+
+
+@pytest.mark.parametrize("model", ["random:tiny", "random:tiny-qwen2", "random:tiny-qwen3"])
+def test_cpu_batch_1_decode_in_one_call_equals_the_layer_loop(model):
+    """Batch-1 decode through every layer in one C++ call (CpuOps.decode_layers) gives the
+    layer loop's logprobs bit for bit where it applies (Llama), and Qwen2's biases and
+    Qwen3's q/k norms, which it does not compute, run the loop."""
+    import torch
+
+    from workbench import Engine, SamplingParams
+    from workbench.platforms import cpu
+    if cpu.load_cpu_kernels() is None:
+        pytest.skip("no C++ compiler: the CPU kernels could not be built")
+    kw = dict(model=model, device="cpu", num_kv_blocks=64)
+    fused, loop = Engine(**kw), Engine(**kw)
+    ran = []
+    one_call = fused.core.model.ops.decode_layers
+    fused.core.model.ops.decode_layers = lambda *a: ran.append(one_call(*a)) or ran[-1]
+    loop.core.model.ops.decode_layers = lambda *a: None
+    p = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
+    prompt = [(5 * j) % 200 + 1 for j in range(21)]
+    a, b = fused.generate([prompt], p)[0], loop.generate([prompt], p)[0]
+    assert a.token_ids == b.token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs
+    assert a.outputs[0].logprobs and len(a.outputs[0].logprobs) == 10
+    used = [r is not None for r in ran]
+    assert used.count(True) == (9 if model == "random:tiny" else 0), used
+    assert fused.core.model.embed_tokens.weight.dtype == torch.float32

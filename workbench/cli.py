@@ -331,7 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="offline throughput benchmark against HF transformers")
     _engine_args(b)
     b.set_defaults(model=None)   # smollm2 here; with --url, the model id to request
-    b.add_argument("--num-requests", type=int, default=64)
+    b.add_argument("--num-requests", type=int, default=64,
+                   help="requests of the throughput workload; 0 runs the batch-1 part alone")
     b.add_argument("--input-len", default="16:256", help="prompt length range LO:HI")
     b.add_argument("--output-len", default="16:256", help="output length range LO:HI")
     b.add_argument("--seed", type=int, default=0)

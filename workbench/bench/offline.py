@@ -275,9 +275,12 @@ def run(model: str = "smollm2", num_requests: int = 64, in_range=(16, 256), out_
     for note in engine.notices:
         log(f"note: {note}")
     res = report["results"]
-    with tqdm(total=num_requests, desc="workbench engine", unit="req") as bar:
-        res["workbench"] = run_engine(engine, wl, progress=lambda d, n: bar.update(d - bar.n))
-    log(f"workbench: {res['workbench']}")
+    if not num_requests:      # the batch-1 part alone (`workbench bench --num-requests 0`)
+        peers = tuple(p for p in peers if p == "b1")
+    else:
+        with tqdm(total=num_requests, desc="workbench engine", unit="req") as bar:
+            res["workbench"] = run_engine(engine, wl, progress=lambda d, n: bar.update(d - bar.n))
+        log(f"workbench: {res['workbench']}")
     b1_prompt_ids = make_workload(1, (b1_prompt, b1_prompt), (1, 1), engine.info().vocab_size, seed + 1).prompts[0]
     if "b1" in peers:
         res["workbench_b1"] = run_engine_b1(engine, b1_prompt_ids, b1_new)
@@ -296,7 +299,7 @@ def run(model: str = "smollm2", num_requests: int = 64, in_range=(16, 256), out_
         if "b1" in peers:
             res["hf_b1"] = hf_peers.hf_generate_b1(hf, b1_prompt_ids, b1_new)
             log(f"hf b1: {res['hf_b1']}")
-    ours = res["workbench"]["out_tok_s"]
+    ours = res.get("workbench", {}).get("out_tok_s")
     ratios = {}
     if "hf_static" in res:
         ratios["vs_hf_static"] = round(ours / res["hf_static"]["out_tok_s"], 2)
@@ -311,17 +314,20 @@ def run(model: str = "smollm2", num_requests: int = 64, in_range=(16, 256), out_
 
 def format_table(report: dict) -> str:
     res = report["results"]
-    rows = [("workbench (continuous batching)", res.get("workbench", {}).get("out_tok_s"), "")]
+    rows = [("workbench (continuous batching)", res["workbench"]["out_tok_s"], "")] \
+        if "workbench" in res else []
     if "hf_static" in res:
         rows.append(("HF generate, static batches", res["hf_static"]["out_tok_s"],
                      report["ratios"].get("vs_hf_static")))
     if "hf_generate_batch" in res:
         rows.append(("HF generate_batch", res["hf_generate_batch"]["out_tok_s"],
                      report["ratios"].get("vs_hf_generate_batch")))
-    lines = [f"{'system':<34} {'output tok/s':>12} {'ours ÷ it':>10}", "-" * 58]
-    lines += [f"{name:<34} {tps:>12} {('' if r == '' else f'{r}x'):>10}" for name, tps, r in rows]
-    if "workbench_b1" in res:
+    lines = []
+    if rows:
+        lines = [f"{'system':<34} {'output tok/s':>12} {'ours ÷ it':>10}", "-" * 58]
+        lines += [f"{name:<34} {tps:>12} {('' if r == '' else f'{r}x'):>10}" for name, tps, r in rows]
         lines.append("")
+    if "workbench_b1" in res:
         lines.append(f"{'batch-1 decode':<34} {'tok/s':>12} {'TPOT ms':>10}")
         lines.append(f"{'workbench':<34} {res['workbench_b1']['decode_tok_s']:>12} "
                      f"{res['workbench_b1']['tpot_ms']:>10}")

@@ -15,7 +15,7 @@ from .attention import TorchAttention
 from .base import Platform
 
 log = logging.getLogger("workbench")
-_CSRC = Path(__file__).parent / "csrc" / "cpu_attention.cpp"
+_CSRC = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "cpu_ops.cpp")]
 _kernels = None
 # -ffast-math lets gcc vectorise expf (libmvec); the kernel never sees inf or NaN inputs.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
@@ -50,7 +50,7 @@ def kernel_key() -> str:
         flags = model = ""
     text = "|".join([platform.machine(), model, flags, torch.__version__,
                      str(torch.version.git_version), sys.version, str(sysconfig.get_config_var("EXT_SUFFIX")),
-                     _compiler(), repr(_CFLAGS), _CSRC.read_text()])
+                     _compiler(), repr(_CFLAGS), *(p.read_text() for p in _CSRC)])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -87,7 +87,7 @@ def load_cpu_kernels():
                                 "version, about 25-40 s)…")
                     (build / "lock").unlink(missing_ok=True)
                     from torch.utils.cpp_extension import load
-                    _kernels = load(name=_NAME, sources=[str(_CSRC)], extra_cflags=_CFLAGS,
+                    _kernels = load(name=_NAME, sources=[str(p) for p in _CSRC], extra_cflags=_CFLAGS,
                                     build_directory=str(build), verbose=False)
                     done.write_text(f"{_NAME}.so\n")
         except Exception as e:   # no compiler / ninja: the plain-torch path still works
@@ -169,6 +169,12 @@ class CpuPlatform(Platform):
         # ru_maxrss is in KiB on Linux: the process's peak resident set, weights included.
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
+    def model_ops(self, dtype):
+        if dtype != torch.float32:
+            return super().model_ops(dtype)
+        from .cpu_ops import CpuOps
+        return CpuOps()
+
     def attention_backend(self, dtype, choice: str = "auto"):
         if choice != "auto" or dtype != torch.float32:
             return super().attention_backend(dtype, choice)
@@ -202,6 +208,10 @@ class CpuAttention(TorchAttention):
 
     def build_decode(self, meta, tables, lens) -> None:
         meta.decode_block_tables, meta.decode_lens = tables, lens
+
+    def write_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
+        from .cpu_ops import write_kv_when_built      # one C++ call for K and V
+        write_kv_when_built(k_cache, v_cache, k, v, slot_mapping)
 
     def decode(self, q, k_cache, v_cache, meta, scale: float):
         return self.kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens,

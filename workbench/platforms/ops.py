@@ -29,6 +29,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 class TorchOps:
     name = "torch"
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    def decode_layers(self, model, x, cos, sin, kv_caches, meta):
+        """Every layer of a step at once, where a platform has that fused: (the last layer's
+        output, the residual stream), as the layer loop returns them; None to run the loop."""
+        return None
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dtype == torch.float32:   # HF's steps, minus its no-op casts: five ops
             return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))

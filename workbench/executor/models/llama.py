@@ -12,7 +12,6 @@ greedy tokens match HF transformers.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...platforms.attention import AttentionMetadata
@@ -70,7 +69,8 @@ class Attention(nn.Module):
     def qkv(self, ops, x, cos, sin):
         """Project and rotate: x [T, hidden] -> q [T, H, D], k and v [T, kvH, D]."""
         t = x.shape[0]
-        qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = qkv.view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:
             qk = ops.qk_rope(qk, cos, sin, self.num_heads, self.q_norm.weight, self.k_norm.weight,
@@ -88,7 +88,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, ops, x):
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        up, down = self.gate_up_proj, self.down_proj
+        return ops.linear(ops.silu_and_mul(ops.linear(x, up.weight, up.bias)), down.weight,
+                          down.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -125,7 +127,7 @@ class DecoderLayer(nn.Module):
     def after_attention(self, ops, o, residual):
         """o: attention's output [T, H, D] -> (MLP output, residual stream)."""
         attn = self.self_attn
-        x = attn.o_proj(o.reshape(o.shape[0], attn.q_size))
+        x = ops.linear(o.reshape(o.shape[0], attn.q_size), attn.o_proj.weight, attn.o_proj.bias)
         norm = self.post_attention_layernorm
         x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
         return self.mlp(ops, x), residual
@@ -170,6 +172,9 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids/positions: [T]; returns fp32 logits for the rows in logits_indices."""
         x, cos, sin = self.embed(input_ids, positions)
+        fused = self.ops.decode_layers(self, x, cos, sin, kv_caches, meta)
+        if fused is not None:
+            return self.compute_logits(*fused, logits_indices)
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(self.ops, x, residual, cos, sin, kv, meta)
@@ -189,7 +194,7 @@ class LlamaForCausalLM(nn.Module):
                                      residual.index_select(0, logits_indices),
                                      self.norm.weight, self.norm.eps)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight).float()
+        return self.ops.linear(x, weight).float()
 
     # ---- weights --------------------------------------------------------------------------
     @torch.no_grad()

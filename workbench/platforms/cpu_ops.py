@@ -1,0 +1,102 @@
+"""The decoder's ops on the CPU in fp32 (csrc/cpu_ops.cpp): one C++ call each instead of five
+to eight aten ops, a batch-1 GEMV that streams the weights faster than MKL's, and batch-1
+decode through every layer in one call. At batch 1 a step reads all the weights (540 MB for
+SmolLM2-135M) and the rest was dispatch; see docs/benchmarks.md. Until the kernel module is
+built (the first start on a machine builds it in the background), and for anything but
+fp32, they are the torch reference's."""
+from __future__ import annotations
+
+import torch
+
+from . import cpu
+from .ops import TorchOps
+
+
+class CpuOps(TorchOps):
+    name = "cpu"
+
+    def linear(self, x, weight, bias=None):
+        k = cpu._kernels
+        if k and x.shape[0] == 1 and x.dim() == 2 and x.dtype == torch.float32 \
+                and hasattr(k, "gemv"):
+            return k.gemv(x, weight, bias)
+        return torch.nn.functional.linear(x, weight, bias)
+
+    _layers = None
+    _weights: list | None = None
+
+    def decode_layers(self, model, x, cos, sin, kv_caches, meta):
+        """Batch-1 decode through every layer in one C++ call (`decode_layers` in
+        csrc/cpu_ops.cpp), for fp32 Llama layers without biases or q/k norms whose attention
+        runs on this platform's kernels: the same kernels the layer loop calls, without the
+        interpreter between them. Anything else runs the loop."""
+        k = cpu._kernels
+        if not (k and x.shape[0] == 1 and meta.num_decode == 1 and x.dtype == torch.float32
+                and isinstance(meta.backend, cpu.CpuAttention)
+                and meta.backend.kernel is k.paged_decode_attention):
+            return None
+        if self._layers is not model.layers:
+            self._layers, self._weights = model.layers, _fusable_weights(model)
+        if self._weights is None:
+            return None
+        attn = model.layers[0].self_attn
+        return k.decode_layers(x, self._weights, [c[0] for c in kv_caches],
+                               [c[1] for c in kv_caches], cos, sin,
+                               meta.decode_block_tables, meta.decode_lens, meta.slot_mapping,
+                               attn.num_heads, attn.num_kv_heads,
+                               model.layers[0].input_layernorm.eps, attn.scale)
+
+    def rms_norm(self, x, weight, eps):
+        k = cpu._kernels
+        if k and x.dtype == torch.float32:
+            return k.rms_norm(x, weight, eps)
+        return super().rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        k = cpu._kernels
+        if k and x.dtype == torch.float32:
+            return tuple(k.add_rms_norm(x, residual, weight, eps))
+        return super().add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, gate_up):
+        k = cpu._kernels
+        if k and gate_up.dtype == torch.float32 and gate_up.dim() == 2:
+            return k.silu_and_mul(gate_up)
+        return super().silu_and_mul(gate_up)
+
+    def qk_rope(self, qk, cos, sin, num_q_heads, q_norm=None, k_norm=None, eps=0.0):
+        k = cpu._kernels
+        if not (k and qk.dtype == torch.float32 and qk.stride(-1) == 1):
+            return super().qk_rope(qk, cos, sin, num_q_heads, q_norm, k_norm, eps)
+        if q_norm is not None:
+            q, kk = qk.split([num_q_heads, qk.shape[1] - num_q_heads], dim=1)
+            qk = torch.cat((k.rms_norm(q, q_norm, eps), k.rms_norm(kk, k_norm, eps)), dim=1)
+        return k.rope(qk, cos, sin)
+
+
+def write_kv_when_built(k_cache, v_cache, k, v, slot_mapping):
+    """attention.write_kv's signature: the C++ write once the kernel is built, plain torch
+    (index_copy_ into the head-major pool, as write_kv does) until then."""
+    kern = cpu._kernels
+    if kern:
+        return kern.write_kv(k_cache, v_cache, k, v, slot_mapping)
+    kv_heads, d = k.shape[1], k.shape[2]
+    k_cache.view(kv_heads, -1, d).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    v_cache.view(kv_heads, -1, d).index_copy_(1, slot_mapping, v.transpose(0, 1))
+
+
+def _fusable_weights(model) -> list | None:
+    """Six weights a layer for decode_layers, or None where a layer has what it does not
+    compute (biases, q/k norms, norms with different eps)."""
+    out = []
+    eps = model.layers[0].input_layernorm.eps
+    for layer in model.layers:
+        a, m = layer.self_attn, layer.mlp
+        linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if a.q_norm is not None or any(lin.bias is not None for lin in linears) \
+                or any(n.eps != eps for n in norms):
+            return None
+        out += [norms[0].weight, a.qkv_proj.weight, a.o_proj.weight, norms[1].weight,
+                m.gate_up_proj.weight, m.down_proj.weight]
+    return [w.detach() for w in out]
