@@ -161,13 +161,39 @@ def graph_replay_ms(e: Engine, size: int) -> float | None:
     return round(timed(graphs.graphs[size].replay, 50) * 1e3, 3)
 
 
+def gemv_tuning(e: Engine) -> list[dict] | None:
+    """What the engine measured at start for its batch-1 linear layers: cuBLAS and the
+    Triton GEMV per weight shape, in µs per call inside a graph, and what it chose."""
+    ops = e.core.model.ops
+    tuning = getattr(ops, "gemv_tuning", None)
+    if not tuning:
+        return None
+    size = next(e.core.model.parameters()).element_size()
+    return [t.as_dict(size) for t in tuning.values()]
+
+
 def batch1(small: bool) -> None:
+    """Batch-1 decode: eager, decode graphs with the GEMV as tuned at start, and decode
+    graphs on cuBLAS alone (the GEMV's A/B, same call)."""
     model = "random:tiny" if small else "random:qwen3-0.6b"
     new = 32 if small else 256
     rows = {}
-    for mode in ("eager", "decode"):
-        e = Engine(model=model, device=DEV, graph_mode=mode, max_num_seqs=8, max_model_len=2048,
-                   num_kv_blocks=512)
+    for mode in ("eager", "decode", "decode_cublas"):
+        TritonOps = None
+        if mode == "decode_cublas":
+            if DEV != "cuda":
+                continue
+            try:
+                from workbench.platforms.triton_ops import TritonOps
+                TritonOps.tune_gemv = False
+            except ImportError:
+                continue
+        try:
+            e = Engine(model=model, device=DEV, graph_mode=mode.split("_")[0], max_num_seqs=8,
+                       max_model_len=2048, num_kv_blocks=512)
+        finally:
+            if TritonOps is not None:
+                TritonOps.tune_gemv = True
         prompt = [random.Random(2).randrange(10, e.info().vocab_size) for _ in range(128)]
         r = run_engine_b1(e, prompt, new)
         rows[mode] = r
@@ -178,9 +204,14 @@ def batch1(small: bool) -> None:
             except Exception as ex:                           # a diagnostic, never fatal
                 kernels = f"{type(ex).__name__}: {ex}"[:200]
         emit(f"b1_{mode}", model=model, graph_mode_run=e.info().graph_mode, ops=e.info().ops,
-             eager_decode_step=kernels, graph_replay_ms=graph_replay_ms(e, 1), **r)
+             eager_decode_step=kernels, graph_replay_ms=graph_replay_ms(e, 1),
+             gemv=gemv_tuning(e) if mode == "decode" else None, **r)
         free_engine(e)
-    emit("b1_ratio", eager_over_decode=round(rows["eager"]["tpot_ms"] / rows["decode"]["tpot_ms"], 2))
+    ratio = dict(eager_over_decode=round(rows["eager"]["tpot_ms"] / rows["decode"]["tpot_ms"], 2))
+    if "decode_cublas" in rows:
+        ratio["cublas_over_gemv"] = round(rows["decode_cublas"]["tpot_ms"]
+                                          / rows["decode"]["tpot_ms"], 3)
+    emit("b1_ratio", **ratio)
 
 
 # ---- 3. W1 ----------------------------------------------------------------------------------
@@ -412,6 +443,8 @@ def table() -> None:
             ("batch-1 TPOT ms, eager", g("b1_eager", "tpot_ms")),
             ("batch-1 TPOT ms, decode graphs (<= 1.2)", g("b1_decode", "tpot_ms")),
             ("  eager / graphs", g("b1_ratio", "eager_over_decode")),
+            ("batch-1 TPOT ms, decode graphs, cuBLAS only", g("b1_decode_cublas", "tpot_ms")),
+            ("  cuBLAS only / with the GEMV", g("b1_ratio", "cublas_over_gemv")),
             ("HF generate batch-1 TPOT ms", g("anchor_hf_generate_b1", "tpot_ms")),
             ("W1 ours, output tok/s (>= 26k)", g("w1_ours", "out_tok_s")),
             ("  fraction of the physical bound", g("w1_ours", "fraction_of_bound")),

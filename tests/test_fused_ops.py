@@ -65,6 +65,50 @@ CODE = textwrap.dedent('''
         out[f"write_kv {str(dt).split('.')[1]} exact"] = [
             bool(torch.equal(pool[0], pool[2]) and torch.equal(pool[1], pool[3])), 0.0]
 
+    import torch.nn.functional as F
+    from workbench.platforms import triton_gemv
+    for dt in (torch.float16, torch.bfloat16):
+        for n, k in ((37, 300), (64, 1024), (100, 2096)):
+            x, w, b = torch.randn(1, k, dtype=dt), torch.randn(n, k, dtype=dt), torch.randn(n, dtype=dt)
+            ref = F.linear(x.float(), w.float(), b.float())
+            worst = max(float(((triton_gemv.gemv(x, w, b, c).float() - ref).abs()
+                               / ref.abs().max()).max()) for c in triton_gemv.CONFIGS)
+            worst_torch = float(((F.linear(x, w, b).float() - ref).abs() / ref.abs().max()).max())
+            out[f"gemv {n}x{k} {str(dt).split('.')[1]}"] = [worst <= 2 * worst_torch + 2 ** -11, worst]
+            gu = torch.randn(1, 2 * k, dtype=dt)          # SiLU-and-mul fused into the loads
+            c = triton_gemv.CONFIGS[n % len(triton_gemv.CONFIGS)]
+            out[f"gemv silu_mul {n}x{k} {str(dt).split('.')[1]} exact"] = [bool(torch.equal(
+                triton_gemv.gemv(gu, w, b, c, silu_mul=True),
+                triton_gemv.gemv(fused.silu_and_mul(gu), w, b, c))), 0.0]
+
+    # tune(): the choice per shape follows the timer. A fake one here: a call runs every
+    # weight of its shape; config CONFIGS[3] is the fast one, and cuBLAS beats it only on
+    # the widest shape.
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(64, 48).half(), torch.nn.Linear(64, 48).half()
+            self.c = torch.nn.Linear(64, 512, bias=False).half()
+    ran, real_gemv, real_linear = [], triton_gemv.gemv, F.linear
+    triton_gemv.gemv = lambda x, w, b, c, **kw: (ran.append((c, w.shape[0]))
+                                                 or real_gemv(x, w, b, c, **kw))
+    F.linear = lambda x, w, b: ran.append(("torch", w.shape[0])) or real_linear(x, w, b)
+    fast = triton_gemv.CONFIGS[3]                   # one with a strip no wider than 256
+
+    def timer(fn):
+        ran.clear()
+        fn()
+        what, n = ran[0]
+        assert len(ran) == (2 if n == 48 else 1) and all(r == ran[0] for r in ran)
+        if what == "torch":
+            return len(ran) * (1.0 if n == 512 else 9.0)
+        return len(ran) * (2.0 if what == fast else 5.0)
+    tuning = triton_gemv.tune(Tiny(), timer)
+    F.linear = real_linear
+    out["tune"] = [tuning[(48, 64)].weights == 2 and tuning[(48, 64)].best == fast
+                   and tuning[(48, 64)].use_gemv and not tuning[(512, 64)].use_gemv
+                   and tuning[(512, 64)].torch_us == 1.0 and tuning[(48, 64)].best_us == 2.0]
+
     prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(5 + 9 * i)] for i in range(4)]
     p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     from triton_on_cpu import triton_on_cpu
@@ -74,8 +118,12 @@ CODE = textwrap.dedent('''
         with triton_on_cpu():
             b = Engine(**kw)
         assert b.info().attention == "triton" and b.info().ops == TritonOps().name
+        ran.clear()
         out[model] = [[o.token_ids for o in a.generate(prompts, p)] ==
-                      [o.token_ids for o in b.generate(prompts, p)]]
+                      [o.token_ids for o in b.generate(prompts, p)] and
+                      a.generate(prompts[3:], p)[0].token_ids ==   # batch 1: the GEMV
+                      b.generate(prompts[3:], p)[0].token_ids]
+        out[model + " gemv ran"] = [len(ran) > 0 and bool(b.core.model.ops.gemv_plan)]
     print(json.dumps(out))
 ''')
 
@@ -89,8 +137,10 @@ def test_fused_ops_match_the_torch_reference_in_the_interpreter():
     assert r.returncode == 0, r.stderr[-3000:]
     import json
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    for name, (equal, worst) in ((k, v) for k, v in res.items() if " " in k):
-        if name.endswith("exact"):
+    for name, (equal, worst) in ((k, v) for k, v in res.items() if len(v) == 2):
+        if name.startswith("gemv"):                         # within twice cuBLAS's own error
+            assert equal, (name, worst)                     # (sums in another order)
+        elif name.endswith("exact"):
             assert equal, name
         elif name.endswith("bfloat16"):
             assert worst < 2 ** -5, (name, worst)           # up to four truncations: 4 units
@@ -99,6 +149,8 @@ def test_fused_ops_match_the_torch_reference_in_the_interpreter():
         else:
             assert equal, (name, worst)                     # bit for bit
     assert res["random:tiny-qwen3"] == [True] and res["random:tiny"] == [True]
+    for name in ("tune", "random:tiny-qwen3 gemv ran", "random:tiny gemv ran"):
+        assert res[name] == [True], name
 
 
 def test_cpu_ops_match_the_torch_reference():

@@ -14,8 +14,22 @@ class TritonOnCpu(CpuPlatform):
         return TritonAttention(dtype)
 
     def model_ops(self, dtype):
-        from workbench.platforms.triton_ops import TritonOps
-        return TritonOps()
+        return TritonOpsWithGemv()
+
+
+def TritonOpsWithGemv():
+    """CUDA's fused ops with the batch-1 GEMV on for every weight shape of the model (CUDA
+    turns it on per shape by timing it against cuBLAS; the interpreter's timings mean
+    nothing), the shapes taking the candidate configs in turn."""
+    from workbench.platforms import triton_gemv
+    from workbench.platforms.triton_ops import TritonOps
+
+    class Ops(TritonOps):
+        def prepare(self, model, platform):
+            shapes = triton_gemv.linear_weights(model)
+            self.gemv_plan = {s: triton_gemv.CONFIGS[i % len(triton_gemv.CONFIGS)]
+                              for i, s in enumerate(shapes)}
+    return Ops()
 
 
 @contextmanager

@@ -65,6 +65,11 @@ class Platform:
         ops that read them from host memory (which a graph would otherwise keep as captured)."""
         graph.replay()
 
+    def kernel_timer(self):
+        """A function timing device work as a decode step runs it (fn -> µs per call), for
+        ops that pick kernels by measuring them; None where this device has none."""
+        return None
+
     def check_model(self, model) -> None:
         """Refuse a model whose shapes this device's kernels cannot run (ValueError), at
         engine build rather than at the first step."""
@@ -154,6 +159,26 @@ class AcceleratorPlatform(Platform):
             for _ in range(2):
                 fn()
         api.current_stream().wait_stream(stream)
+
+    def kernel_timer(self):
+        return self.time_in_graph
+
+    def time_in_graph(self, fn, reps: int = 20) -> float:
+        """Device time of one call of `fn`, in µs, replayed from a captured graph: what it
+        costs inside a decode step, with no launch overhead of the host's."""
+        api = self.api
+        self.warm_up(fn)
+        graph = getattr(api, self.graph_class)()
+        with api.graph(graph):
+            fn()
+        graph.replay()
+        start, end = api.Event(enable_timing=True), api.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3 / reps
 
     def capture_graph(self, fn, pool):
         self.warm_up(fn)

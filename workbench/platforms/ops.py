@@ -29,6 +29,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 class TorchOps:
     name = "torch"
 
+    def prepare(self, model, platform) -> None:
+        """Called once the weights are on the device, before any graph is captured: where a
+        platform picks its kernels by measuring them on the model's own shapes."""
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, weight, bias)
@@ -56,6 +60,12 @@ class TorchOps:
         """[T, 2I] (gate, then up) -> silu(gate) * up, [T, I]."""
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def silu_and_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor,
+                            bias: torch.Tensor | None = None) -> torch.Tensor:
+        """linear(silu_and_mul(gate_up), weight, bias): the MLP's tail, for a platform that
+        fuses the two."""
+        return self.linear(self.silu_and_mul(gate_up), weight, bias)
 
     def qk_rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int,
                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,

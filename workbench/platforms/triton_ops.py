@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_gemv
 from .ops import TorchOps
 
 
@@ -88,6 +89,37 @@ def _qk_rope_kernel(qk_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, out_ptr, stride_t,
 class TritonOps(TorchOps):
     """Fused kernels for bf16/fp16 rows; anything else goes to the torch reference."""
     name = "triton"
+    tune_gemv = True
+    """Whether `prepare` measures the batch-1 GEMV against cuBLAS (benchmarks/gpu.py turns
+    it off for its A/B run)."""
+
+    def __init__(self):
+        self.gemv_plan: dict[tuple[int, int], triton_gemv.GemvConfig] = {}
+        """Weight shapes whose one-row calls run the Triton GEMV, and its config for each."""
+        self.gemv_tuning: dict[tuple[int, int], triton_gemv.ShapeTuning] = {}
+        """What `prepare` measured, per weight shape."""
+
+    def prepare(self, model, platform):
+        """Time the batch-1 GEMV against cuBLAS on the model's weights, where the platform can
+        time kernels inside a graph (CUDA), and keep it for the shapes where it wins."""
+        timer = platform.kernel_timer()
+        if not (self.tune_gemv and timer):
+            return
+        self.gemv_tuning = triton_gemv.tune(model, timer)
+        self.gemv_plan = {s: t.best for s, t in self.gemv_tuning.items() if t.use_gemv}
+
+    def linear(self, x, weight, bias=None):
+        cfg = self.gemv_plan.get(tuple(weight.shape)) if self.gemv_plan else None
+        if cfg is not None and triton_gemv.usable(x, weight):
+            return triton_gemv.gemv(x, weight, bias, cfg)
+        return super().linear(x, weight, bias)
+
+    def silu_and_mul_linear(self, gate_up, weight, bias=None):
+        cfg = self.gemv_plan.get(tuple(weight.shape)) if self.gemv_plan else None
+        if (cfg is not None and triton_gemv.usable(gate_up, weight)
+                and gate_up.shape[1] == 2 * weight.shape[1]):
+            return triton_gemv.gemv(gate_up, weight, bias, cfg, silu_mul=True)
+        return super().silu_and_mul_linear(gate_up, weight, bias)
 
     @staticmethod
     def _fused(x: torch.Tensor) -> bool:

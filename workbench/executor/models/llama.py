@@ -89,8 +89,8 @@ class MLP(nn.Module):
 
     def forward(self, ops, x):
         up, down = self.gate_up_proj, self.down_proj
-        return ops.linear(ops.silu_and_mul(ops.linear(x, up.weight, up.bias)), down.weight,
-                          down.bias)
+        return ops.silu_and_mul_linear(ops.linear(x, up.weight, up.bias), down.weight,
+                                       down.bias)
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,182 @@
+"""Batch-1 linear layers as a Triton GEMV, used per weight shape where it beats cuBLAS.
+
+At batch 1 a decode step reads every weight once and does almost no arithmetic with it, so
+its speed is how fast the weights stream from memory. On the H200 (issue 10), cuBLAS ran
+Qwen3-0.6B's M = 1 GEMMs at about 1.4 TB/s, a third of the copy bandwidth: its kernels for
+these shapes split K over a second reduction kernel, and tile for a matrix product, not for
+one row.
+
+`_gemv_kernel` is written for the one row. A program owns BLOCK_N output features and walks K
+in BLOCK_K-wide strips of their weight rows, each strip one wide load, keeping a
+[BLOCK_N, BLOCK_K] fp32 tile of partial products; the tile is summed across K once, at the
+end (not once per strip), and the bias added. Nothing is split across programs, so there is
+one launch per layer and no atomics: the result does not depend on timing.
+
+Which is faster depends on the shape and the chip, and nothing here can be trusted without
+measuring it there. So `tune` measures, at engine start on the device, for each distinct
+weight shape of the model: cuBLAS and every config in CONFIGS, each inside a captured graph
+(as a decode step runs them) over all of the model's weights of that shape in turn (so the
+weights come from memory, not the L2 cache). A shape gets the GEMV only where its best
+config beats cuBLAS; the measurements stay on the ops object (`TritonOps.gemv_tuning`) for
+benchmarks/gpu.py to print.
+
+Where a shape's GEMV reads SiLU-and-mul's output (the MLP's down projection), it computes
+that itself from the gate and up rows as it loads them (`silu_mul`), rounding where the
+separate kernel rounds, so the MLP's tail is one launch.
+
+fp32 stays on cuBLAS (the exact checks against HF run in fp32), and so does every call with
+more than one row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr,
+                 SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    k = tl.arange(0, BLOCK_K)
+    rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + k
+        k_ok = kk < K
+        w = tl.load(rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        if SILU_MUL:        # x_ptr is [gate | up]: what _silu_and_mul_kernel would store
+            dt = out_ptr.dtype.element_ty
+            up = tl.load(x_ptr + K + kk, mask=k_ok, other=0.0).to(tl.float32)
+            x = (x / (1.0 + tl.exp(-x))).to(dt).to(tl.float32)
+            x = (x * up).to(dt).to(tl.float32)
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    num_warps: int
+
+    def __str__(self) -> str:
+        return f"n{self.block_n}k{self.block_k}w{self.num_warps}"
+
+
+CONFIGS = (
+    GemvConfig(2, 1024, 4), GemvConfig(4, 512, 4), GemvConfig(4, 1024, 4),
+    GemvConfig(8, 256, 4), GemvConfig(8, 512, 4), GemvConfig(8, 1024, 8),
+    GemvConfig(16, 256, 4), GemvConfig(16, 512, 8), GemvConfig(32, 256, 8),
+)
+"""The candidates `tune` measures: tiles of 2-32 features by 256-1024 of K, so that a
+program's strip is one 4-32 KiB load and the small shapes (N = 1024) still make a few
+hundred programs."""
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+         config: GemvConfig, silu_mul: bool = False) -> torch.Tensor:
+    """F.linear for x [1, K] (contiguous) and a weight [N, K] with unit stride along K.
+    silu_mul: x is [1, 2K], gate then up, and the product is taken with SiLU(gate) * up
+    (TorchOps.silu_and_mul, fused into the GEMV's loads: one launch instead of two)."""
+    n, k = weight.shape
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, config.block_n),)](
+        x, weight, weight if bias is None else bias, out, n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, num_warps=config.num_warps)
+    return out
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `gemv` can run this call: one contiguous bf16/fp16 row, a row-major weight."""
+    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
+            and x.is_contiguous() and weight.dtype == x.dtype and weight.stride(1) == 1)
+
+
+@dataclass
+class ShapeTuning:
+    """What `tune` measured for one weight shape [N, K], in µs per call inside a graph."""
+    shape: tuple[int, int]
+    weights: int
+    """How many of the model's weights have this shape (each timed call used all of them)."""
+    torch_us: float
+    best: GemvConfig | None
+    best_us: float
+    per_config_us: dict[str, float]
+    errors: dict[str, str]
+    """Configs that failed to compile or run here, and why."""
+
+    @property
+    def chosen(self) -> str:
+        return str(self.best) if self.use_gemv else "torch"
+
+    @property
+    def use_gemv(self) -> bool:
+        return self.best is not None and self.best_us < self.torch_us
+
+    def bytes_per_call(self, element_size: int) -> int:
+        return self.shape[0] * self.shape[1] * element_size
+
+    def as_dict(self, element_size: int) -> dict:
+        b = self.bytes_per_call(element_size)
+        return dict(shape=list(self.shape), weights=self.weights, chosen=self.chosen,
+                    torch_us=round(self.torch_us, 2), gemv_us=round(self.best_us, 2),
+                    torch_tb_s=round(b / self.torch_us / 1e6, 2),
+                    gemv_tb_s=round(b / self.best_us / 1e6, 2),
+                    per_config_us={k: round(v, 2) for k, v in self.per_config_us.items()},
+                    errors=self.errors or None)
+
+
+def linear_weights(model) -> dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor | None]]]:
+    """Every (weight, bias) a decode step passes to ops.linear, grouped by weight shape: the
+    model's nn.Linear layers and, with tied embeddings, the embedding matrix as LM head."""
+    groups: dict[tuple[int, int], list] = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            groups.setdefault(tuple(module.weight.shape), []).append((module.weight, module.bias))
+    if getattr(model, "lm_head", None) is None and hasattr(model, "embed_tokens"):
+        w = model.embed_tokens.weight
+        groups.setdefault(tuple(w.shape), []).append((w, None))
+    return groups
+
+
+@torch.inference_mode()
+def tune(model, timer) -> dict[tuple[int, int], ShapeTuning]:
+    """Measure cuBLAS and each of CONFIGS for every weight shape of `model` at one row.
+    timer(fn) -> µs per call of fn (the platform's graph timer; a test may pass its own).
+    A config that fails to compile or run is left out (and named in `errors`); the engine
+    then runs that shape on whatever else measured best."""
+    results = {}
+    for shape, pairs in linear_weights(model).items():
+        w0 = pairs[0][0]
+        if w0.dtype not in (torch.bfloat16, torch.float16):
+            continue
+        x = torch.randn(1, shape[1], dtype=w0.dtype, device=w0.device)
+
+        def run_all(fn):
+            return lambda: [fn(x, w, b) for w, b in pairs]
+
+        n = len(pairs)
+        torch_us = timer(run_all(F.linear)) / n
+        per, errors = {}, {}
+        for cfg in CONFIGS:
+            if cfg.block_k > max(256, triton.next_power_of_2(shape[1])):
+                continue                            # a strip wider than the row: a waste
+            try:
+                per[cfg] = timer(run_all(lambda x, w, b, c=cfg: gemv(x, w, b, c))) / n
+            except Exception as e:                  # noqa: BLE001 - measured, not trusted
+                errors[str(cfg)] = f"{type(e).__name__}: {e}"[:200]
+        best = min(per, key=per.get) if per else None
+        results[shape] = ShapeTuning(shape, n, torch_us, best,
+                                     per[best] if best else float("inf"),
+                                     {str(c): t for c, t in per.items()}, errors)
+    return results
