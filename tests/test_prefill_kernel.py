@@ -1,7 +1,7 @@
 """The ragged paged prefill kernel (platforms/triton_attention.py), on the CPU under Triton's
 interpreter: against dense causal attention over gathered contexts, and inside a whole
-engine with chunked prefill and prefix-cache hits, where greedy tokens must equal the
-plain-torch reference engine's."""
+engine with chunked prefill and prefix-cache hits (and split-context decode at batch 1),
+where greedy tokens must equal the plain-torch reference engine's."""
 from __future__ import annotations
 
 import json
@@ -65,6 +65,9 @@ ENGINE = textwrap.dedent('''
     calls = []
     kernel = ta.paged_prefill_attention
     ta.paged_prefill_attention = lambda *x, **kw: calls.append(1) or kernel(*x, **kw)
+    splits = []                                                 # batch-1 decodes split
+    choose = ta.decode_splits
+    ta.decode_splits = lambda *x: splits.append(choose(*x)) or splits[-1]
     out = {}
     for model in ("random:tiny-qwen3", "random:tiny"):
         kw = dict(model=model, device="cpu", dtype="float16", num_kv_blocks=96, block_size=16,
@@ -74,6 +77,7 @@ ENGINE = textwrap.dedent('''
             b = Engine(**kw)
         assert b.info().attention == "triton" and a.info().attention == "reference"
         calls.clear()
+        splits.clear()
         want = [o.token_ids for o in a.generate(prompts[:1], p)]
         want += [o.token_ids for o in a.generate(prompts[1:], p)]
         got = [o.token_ids for o in b.generate(prompts[:1], p)]
@@ -81,7 +85,8 @@ ENGINE = textwrap.dedent('''
         steps = b.telemetry.snapshot()[0]
         out[model] = dict(equal=got == want, kernel_calls=len(calls),
                           cached=sum(s.num_cached_tokens for s in steps),
-                          chunked=sum(1 for s in steps for k in s.kinds.values() if k == "chunk"))
+                          chunked=sum(1 for s in steps for k in s.kinds.values() if k == "chunk"),
+                          split_decodes=sum(n > 1 for n in splits))
     print(json.dumps(out))
 ''')
 
@@ -107,3 +112,4 @@ def test_engine_with_the_prefill_kernel_gives_the_reference_tokens():
     for model, r in res.items():
         assert r["equal"], (model, r)
         assert r["kernel_calls"] > 0 and r["cached"] > 0 and r["chunked"] > 0, (model, r)
+        assert r["split_decodes"] > 0, (model, r)

@@ -1,6 +1,7 @@
 """Paged attention in Triton: every query reads its K/V straight from the block pool.
 
-Two kernels, one launch each per layer: `paged_decode_attention` for the step's decodes and
+Two kernels, one launch each per layer: `paged_decode_attention` for the step's decodes (plus
+a small merge launch when a small batch splits its contexts, below) and
 `paged_prefill_attention` for all of its prefill chunks at once (ragged, causal, over the
 cached prefix and the chunk itself). Both run after the step's K/V are written to the pool
 (`write_kv_cache`), so prefix-cache hits and chunked prefill need nothing special: a chunk's
@@ -13,6 +14,14 @@ pool slot comes from the block table (block_table[n // block_size] * block_size 
 n % block_size), so any block size works and nothing is gathered into a new tensor. Softmax
 is computed online (running max and sum, rescaled per tile), in fp32; an fp32 cache is
 multiplied in full fp32 ("ieee"), not tf32, so fp32 runs match the reference closely.
+
+Split context (flash-decoding): a small batch gives too few (request, KV head) programs to
+fill the GPU, each walking its whole context alone. Then each request's context is cut into
+num_splits ranges of whole tiles, one more grid axis; a program folds its range as above and
+writes fp32 partials (running max, sum, unnormalised output; an empty range writes -inf, 0,
+0), and a second small kernel merges them per query head. The ranges are computed in the
+kernel from the length, and num_splits on the host from the batch size, KV heads and SM
+count only (`decode_splits`), so one grid serves every length.
 
 Shapes are fixed per batch size (the table is [B, max_blocks], lengths are read on the
 device), so the kernel can be captured in a CUDA graph and replayed with new tables and
@@ -31,6 +40,7 @@ plugs these kernels into the engine.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,13 +85,14 @@ def _attend_kv_tile(q, m, denom, acc, k_ptr, v_ptr, table, kv_head, start, end, 
 # A table's row stride is the step's widest table, which changes every step: not a value to
 # compile a kernel variant for (Triton specialises ints divisible by 16 by default).
 @triton.jit(do_not_specialize=["stride_tb"])
-def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, scale,
-                         stride_qb, stride_qh, stride_kv_head, stride_tb, stride_ob, stride_oh,
-                         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                         D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         PRECISION: tl.constexpr):
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, part_m_ptr,
+                         part_l_ptr, part_acc_ptr, scale, stride_qb, stride_qh, stride_kv_head,
+                         stride_tb, stride_ob, stride_oh, G: tl.constexpr, G_PAD: tl.constexpr,
+                         D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                         BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     length = tl.load(lens_ptr + b)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
@@ -93,13 +104,54 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, sca
     denom = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     head = kvh.to(tl.int64) * stride_kv_head
-    for start in range(0, length, BLOCK_N):
+    if SPLITS == 1:
+        lo = 0
+        hi = length
+    else:
+        # This program's share of the context: SPLITS ranges of whole tiles, sized from the
+        # length here on the device (so one grid serves every length); trailing ones may be
+        # empty.
+        chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, length)
+    for start in range(lo, hi, BLOCK_N):
         m, denom, acc = _attend_kv_tile(q, m, denom, acc, k_ptr, v_ptr, tables_ptr + b * stride_tb,
-                                        head, start, length, m, d, d_ok, scale, False, D,
+                                        head, start, hi, m, d, d_ok, scale, False, D,
                                         BLOCK_SIZE, BLOCK_N, PRECISION)
-    out = acc / denom[:, None]
-    tl.store(out_ptr + b * stride_ob + (kvh * G + g)[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    if SPLITS == 1:
+        out = acc / denom[:, None]
+        tl.store(out_ptr + b * stride_ob + (kvh * G + g)[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    else:
+        # Partials of query head h: row (b * H + h) * SPLITS + split of the scratch tensors
+        # (an empty range leaves m = -inf, sum = 0, acc = 0).
+        row = (b * tl.num_programs(1) * G + kvh * G + g) * SPLITS + split
+        tl.store(part_m_ptr + row, m, mask=g_ok)
+        tl.store(part_l_ptr + row, denom, mask=g_ok)
+        tl.store(part_acc_ptr + row[:, None] * D + d[None, :], acc,
+                 mask=g_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ob, stride_oh,
+                         SPLITS: tl.constexpr, S_PAD: tl.constexpr, D: tl.constexpr,
+                         D_PAD: tl.constexpr):
+    """One program per (request, query head): rescale each split's sum and output to the
+    largest running max and add them up (a fixed reduction, no atomics: deterministic)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, S_PAD)
+    d = tl.arange(0, D_PAD)
+    s_ok = s < SPLITS
+    row = (b * tl.num_programs(1) + h) * SPLITS + s
+    m = tl.load(part_m_ptr + row, mask=s_ok, other=float("-inf"))
+    denom = tl.load(part_l_ptr + row, mask=s_ok, other=0.0)
+    acc = tl.load(part_acc_ptr + row[:, None] * D + d[None, :],
+                  mask=s_ok[:, None] & (d < D)[None, :], other=0.0)
+    w = tl.exp(m - tl.max(m, 0))                     # split 0 is never empty: max is finite
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(denom * w, 0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d < D)
 
 
 @triton.jit
@@ -128,11 +180,34 @@ def write_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor
                                         D=d, D_PAD=triton.next_power_of_2(d))
 
 
+# Splitting the context pays when (request, KV head) programs are too few to fill the chip.
+MAX_DECODE_SPLITS = 16
+CPU_SM_COUNT = 8
+"""What the split choice assumes for CPU tensors (Triton's interpreter): with it a batch-1
+decode of a model with 2 KV heads splits, so CPU tests run the split path."""
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return CPU_SM_COUNT
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_splits(batch: int, kv_heads: int, device: torch.device) -> int:
+    """How many ranges each request's context is cut into: enough for about one program per
+    SM, at most MAX_DECODE_SPLITS; 1 (no split) once the batch fills the SMs by itself.
+    Depends on shapes only, never on the lengths, so a captured graph stays valid."""
+    return max(1, min(MAX_DECODE_SPLITS, _sm_count(device) // max(1, batch * kv_heads)))
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                           scale: float, out: torch.Tensor | None = None,
+                           num_splits: int | None = None) -> torch.Tensor:
     """q [B, H, D]; k/v_cache [kvH, num_blocks, block_size, D]; block_tables [B, max_blocks];
-    context_lens [B] (the new token included, which must already be in the cache)."""
+    context_lens [B] (the new token included, which must already be in the cache; >= 1).
+    num_splits: context ranges per request (default: `decode_splits`)."""
     b, h, d = q.shape
     kv_heads, _, block_size, _ = k_cache.shape
     g = h // kv_heads
@@ -141,17 +216,31 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty(b, h, d, dtype=q.dtype, device=q.device) if out is None else out
     if b == 0:
         return out
+    splits = decode_splits(b, kv_heads, q.device) if num_splits is None else num_splits
+    if splits > 1:
+        # fp32 partials per (request, query head, split); under graph capture the graph's
+        # pool owns them.
+        part_m = torch.empty(b, h, splits, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_l = part_acc = out                      # not read
     # Context tiles span blocks (each token finds its own block), so the tile is sized for
     # the loads, not for block_size: tl.dot wants >= 16 on every side.
     block_n = 64 if d <= 128 else 32
-    _paged_decode_kernel[(b, kv_heads)](
-        q, k_cache, v_cache, out, block_tables, context_lens, scale,
+    d_pad = max(16, triton.next_power_of_2(d))
+    _paged_decode_kernel[(b, kv_heads, splits)](
+        q, k_cache, v_cache, out, block_tables, context_lens, part_m, part_l, part_acc, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), block_tables.stride(0),
         out.stride(0), out.stride(1),
-        G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=max(16, triton.next_power_of_2(d)),
-        BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=d_pad,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLITS=splits,
         # fp32 stays fp32 (Triton would use tf32 for an fp32 dot); bf16/fp16 use the units.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    if splits > 1:
+        _merge_splits_kernel[(b, h)](part_m, part_l, part_acc, out, out.stride(0), out.stride(1),
+                                     SPLITS=splits, S_PAD=triton.next_power_of_2(splits), D=d,
+                                     D_PAD=d_pad)
     return out
 
 
@@ -285,7 +374,7 @@ class TritonMetadata(AttentionMetadata):
 
 class TritonAttention(AttentionBackend):
     """CUDA's backend: the KV write, the decodes and all prefill chunks each one Triton
-    launch per layer, reading the head-major pool in place. Decode steps can be captured
+    launch per layer (split decodes two), reading the head-major pool in place. Decode steps can be captured
     (tables and lengths are device tensors the kernels read)."""
     name = "triton"
     supports_decode_graphs = True
