@@ -374,8 +374,9 @@ class TritonMetadata(AttentionMetadata):
 
 class TritonAttention(AttentionBackend):
     """CUDA's backend: the KV write, the decodes and all prefill chunks each one Triton
-    launch per layer (split decodes two), reading the head-major pool in place. Decode steps can be captured
-    (tables and lengths are device tensors the kernels read)."""
+    launch per layer (decodes two when a small batch splits its contexts), reading the
+    head-major pool in place. Decode steps can be captured (tables and lengths are device
+    tensors the kernels read)."""
     name = "triton"
     supports_decode_graphs = True
 
