@@ -61,6 +61,18 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def add_rms_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
+                            norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                            bias: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm (after the residual add, when there is a residual), then a linear layer:
+        (linear(normed), the residual stream: x + residual, or x itself in the first layer,
+        where residual is None). For a platform that fuses the norm into the projection."""
+        if residual is None:
+            return self.linear(self.rms_norm(x, norm_weight, eps), weight, bias), x
+        normed, residual = self.add_rms_norm(x, residual, norm_weight, eps)
+        return self.linear(normed, weight, bias), residual
+
     def silu_and_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor,
                             bias: torch.Tensor | None = None) -> torch.Tensor:
         """linear(silu_and_mul(gate_up), weight, bias): the MLP's tail, for a platform that

@@ -24,6 +24,11 @@ Where a shape's GEMV reads SiLU-and-mul's output (the MLP's down projection), it
 that itself from the gate and up rows as it loads them (`silu_mul`), rounding where the
 separate kernel rounds, so the MLP's tail is one launch.
 
+Where it reads a normed row (the q/k/v and gate/up projections), it computes the RMSNorm
+itself, with the residual add before it, and program 0 stores the residual stream
+(`norm_gemv`): each program first reads the whole row (a few KiB, from the L2 cache) for
+its RMS. So a batch-1 layer has two fewer launches.
+
 fp32 stays on cuBLAS (the exact checks against HF run in fp32), and so does every call with
 more than one row.
 """
@@ -38,11 +43,30 @@ import triton.language as tl
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr,
-                 SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, norm_w_ptr, res_out_ptr, N, K,
+                 stride_wn, eps, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+                 NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     k = tl.arange(0, BLOCK_K)
+    dt = out_ptr.dtype.element_ty
+    if NORM:
+        # The row's RMS first (every program reads the row: K values from the L2 cache);
+        # program 0 also stores the residual stream x + residual.
+        squares = tl.zeros([BLOCK_K], tl.float32)
+        first = (k * 0 + pid) == 0                            # program 0, as a lane mask
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + k
+            k_ok = kk < K
+            h = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                h += tl.load(res_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+                h = h.to(dt).to(tl.float32)                   # torch rounds the sum
+                tl.store(res_out_ptr + kk, h.to(dt), mask=k_ok & first)
+            squares += h * h
+        inv = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
     rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -51,15 +75,21 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_wn, HAS_BIAS: tl.con
         w = tl.load(rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
         if SILU_MUL:        # x_ptr is [gate | up]: what _silu_and_mul_kernel would store
-            dt = out_ptr.dtype.element_ty
             up = tl.load(x_ptr + K + kk, mask=k_ok, other=0.0).to(tl.float32)
             x = (x / (1.0 + tl.exp(-x))).to(dt).to(tl.float32)
             x = (x * up).to(dt).to(tl.float32)
+        if NORM:            # what _rms_norm_kernel would store
+            if HAS_RESIDUAL:
+                x += tl.load(res_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+                x = x.to(dt).to(tl.float32)
+            x = (x * inv).to(dt).to(tl.float32)
+            nw = tl.load(norm_w_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+            x = (nw * x).to(dt).to(tl.float32)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+    tl.store(out_ptr + n, y.to(dt), mask=n_ok)
 
 
 @dataclass(frozen=True)
@@ -87,13 +117,32 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """F.linear for x [1, K] (contiguous) and a weight [N, K] with unit stride along K.
     silu_mul: x is [1, 2K], gate then up, and the product is taken with SiLU(gate) * up
     (TorchOps.silu_and_mul, fused into the GEMV's loads: one launch instead of two)."""
-    n, k = weight.shape
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        x, weight, weight if bias is None else bias, out, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, num_warps=config.num_warps)
+    out = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
+    _launch(x, weight, bias, out, None, None, None, 0.0, config, silu_mul=silu_mul)
     return out
+
+
+def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+              eps: float, weight: torch.Tensor, bias: torch.Tensor | None,
+              config: GemvConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """TorchOps.add_rms_norm_linear for one row in one launch: (F.linear(RMSNorm(x +
+    residual)), x + residual), or with residual None (F.linear(RMSNorm(x)), x)."""
+    out = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(x) if residual is not None else x
+    _launch(x, weight, bias, out, residual, norm_weight, res_out, eps, config, norm=True)
+    return out, res_out
+
+
+def _launch(x, weight, bias, out, residual, norm_weight, res_out, eps, config,
+            silu_mul=False, norm=False) -> None:
+    n, k = weight.shape
+    _gemv_kernel[(triton.cdiv(n, config.block_n),)](
+        x, weight, weight if bias is None else bias, out,
+        x if residual is None else residual, x if norm_weight is None else norm_weight,
+        x if res_out is None else res_out, n, k, weight.stride(0), eps,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm,
+        HAS_RESIDUAL=residual is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps)
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -114,6 +114,14 @@ class TritonOps(TorchOps):
             return triton_gemv.gemv(x, weight, bias, cfg)
         return super().linear(x, weight, bias)
 
+    def add_rms_norm_linear(self, x, residual, norm_weight, eps, weight, bias=None):
+        cfg = self.gemv_plan.get(tuple(weight.shape)) if self.gemv_plan else None
+        if (cfg is not None and triton_gemv.usable(x, weight)
+                and (residual is None or (residual.shape == x.shape and residual.is_contiguous()
+                                          and residual.dtype == x.dtype))):
+            return triton_gemv.norm_gemv(x, residual, norm_weight, eps, weight, bias, cfg)
+        return super().add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
+
     def silu_and_mul_linear(self, gate_up, weight, bias=None):
         cfg = self.gemv_plan.get(tuple(weight.shape)) if self.gemv_plan else None
         if (cfg is not None and triton_gemv.usable(gate_up, weight)

@@ -66,10 +66,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if qk_norm else None
 
-    def qkv(self, ops, x, cos, sin):
-        """Project and rotate: x [T, hidden] -> q [T, H, D], k and v [T, kvH, D]."""
-        t = x.shape[0]
-        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+    def rope(self, ops, qkv, cos, sin):
+        """The projection's output [T, (H + 2 kvH) D] -> q [T, H, D] and k [T, kvH, D]
+        (normed per head in Qwen3, then rotated) and v [T, kvH, D]."""
+        t = qkv.shape[0]
         qkv = qkv.view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:
@@ -82,15 +82,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """Its weights; the arithmetic is in DecoderLayer.after_attention (the norm before it is
+    fused into gate_up_proj where the platform can)."""
+
     def __init__(self, cfg, bias: bool):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
-
-    def forward(self, ops, x):
-        up, down = self.gate_up_proj, self.down_proj
-        return ops.silu_and_mul_linear(ops.linear(x, up.weight, up.bias), down.weight,
-                                       down.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -116,21 +114,19 @@ class DecoderLayer(nn.Module):
     def before_attention(self, ops, x, residual, cos, sin):
         """-> q, k, v and the residual stream (x + residual; x itself in layer 0, where
         residual is None)."""
-        norm = self.input_layernorm
-        if residual is None:
-            residual, x = x, ops.rms_norm(x, norm.weight, norm.eps)
-        else:
-            x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
-        q, k, v = self.self_attn.qkv(ops, x, cos, sin)
+        norm, attn = self.input_layernorm, self.self_attn
+        qkv, residual = ops.add_rms_norm_linear(x, residual, norm.weight, norm.eps,
+                                                attn.qkv_proj.weight, attn.qkv_proj.bias)
+        q, k, v = attn.rope(ops, qkv, cos, sin)
         return q, k, v, residual
 
     def after_attention(self, ops, o, residual):
         """o: attention's output [T, H, D] -> (MLP output, residual stream)."""
-        attn = self.self_attn
+        attn, mlp, norm = self.self_attn, self.mlp, self.post_attention_layernorm
         x = ops.linear(o.reshape(o.shape[0], attn.q_size), attn.o_proj.weight, attn.o_proj.bias)
-        norm = self.post_attention_layernorm
-        x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
-        return self.mlp(ops, x), residual
+        gate_up, residual = ops.add_rms_norm_linear(x, residual, norm.weight, norm.eps,
+                                                    mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
+        return ops.silu_and_mul_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias), residual
 
 
 class LlamaForCausalLM(nn.Module):
