@@ -247,3 +247,25 @@ def test_cpu_batch_1_decode_in_one_call_equals_the_layer_loop(model):
     used = [r is not None for r in ran]
     assert used.count(True) == (9 if model == "random:tiny" else 0), used
     assert fused.core.model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_batch_1_decode_launches_fewer_kernels_with_the_gemv():
+    """benchmarks/launches.py counts a batch-1 decode step's device launches on the CUDA path
+    (under the interpreter). With the GEMV on, no norm or SiLU-and-mul launches of their own
+    remain (they are fused into the GEMVs), every linear layer is one GEMV launch, and the
+    step launches at least two fewer kernels per layer than with cuBLAS."""
+    pytest.importorskip("triton")
+    import json
+    from pathlib import Path
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "launches.py"
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {d["setup"]: d for d in map(json.loads, r.stdout.strip().splitlines())}
+    before, after = rows["before"], rows["gemv+split"]
+    layers = before["layers"]
+    ops = after["by_op"]
+    assert "triton._rms_norm_kernel" not in ops and "triton._silu_and_mul_kernel" not in ops, ops
+    assert "torch.linear" not in ops and ops["triton._gemv_kernel"] == 4 * layers + 1, ops
+    assert ops["triton._merge_splits_kernel"] == layers, ops        # batch 1 splits here
+    assert after["total"] <= before["total"] - 2 * layers, (before, after)

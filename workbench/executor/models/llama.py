@@ -186,11 +186,11 @@ class LlamaForCausalLM(nn.Module):
                        logits_indices: torch.Tensor) -> torch.Tensor:
         """The last residual add, final norm and LM head, on the rows that sample: fp32
         [len(logits_indices), vocab]."""
-        x, _ = self.ops.add_rms_norm(x.index_select(0, logits_indices),
-                                     residual.index_select(0, logits_indices),
-                                     self.norm.weight, self.norm.eps)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.ops.linear(x, weight).float()
+        logits, _ = self.ops.add_rms_norm_linear(x.index_select(0, logits_indices),
+                                                 residual.index_select(0, logits_indices),
+                                                 self.norm.weight, self.norm.eps, weight)
+        return logits.float()
 
     # ---- weights --------------------------------------------------------------------------
     @torch.no_grad()
