@@ -8,10 +8,12 @@ decode step is watched. Every Triton launch counts one; every torch op that woul
 device kernel counts one (views, allocations and other metadata ops count none; a cuBLAS
 GEMM counts one, though for M = 1 cuBLAS may add a split-K reduction kernel).
 
-Three setups, the same model and prompt: `before` (cuBLAS for every linear layer, one
-decode-attention program per (request, KV head): this file's parent commit), `gemv` (the
-Triton GEMV with the norms and SiLU-and-mul fused into it, for every weight shape) and
-`gemv+split` (also split-context decode attention, as CUDA picks it at batch 1 on an H200).
+Four setups, the same model and prompt: `before` (cuBLAS for every linear layer, the KV write
+a launch of its own, one decode-attention program per (request, KV head): as before issue
+10's batch-1 work), `gemv` (the Triton GEMV with the norms and SiLU-and-mul fused into it,
+for every weight shape), `gemv+kv` (also the decode kernel writing its tokens' K/V) and
+`gemv+kv+split` (also split-context decode attention, as CUDA picks it at batch 1 on an
+H200: what runs now).
 
     TRITON_INTERPRET=1 python benchmarks/launches.py [--model random:tiny-qwen3]
 """
@@ -64,7 +66,7 @@ class Launches(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_decode_step(model: str, gemv: bool, splits: int | None) -> dict:
+def count_decode_step(model: str, gemv: bool, splits: int | None, fused_write: bool) -> dict:
     from triton.runtime.interpreter import InterpretedFunction
 
     import workbench.platforms.triton_attention as ta
@@ -77,6 +79,15 @@ def count_decode_step(model: str, gemv: bool, splits: int | None) -> dict:
                    graph_mode="eager")
     if not gemv:
         e.core.model.ops = TritonOps()                        # cuBLAS for every linear layer
+    orig_forward = ta.TritonAttention.forward
+    if not fused_write:
+        def forward(self, q, k, v, k_cache, v_cache, meta, scale):   # pure decode steps as
+            if meta.prefill_plan is not None:                            # before: write first
+                return orig_forward(self, q, k, v, k_cache, v_cache, meta, scale)
+            ta.write_kv_cache(k_cache, v_cache, k, v, meta.slot_mapping)
+            return ta.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                             meta.decode_lens, scale)
+        ta.TritonAttention.forward = forward
     orig_splits = ta.decode_splits
     if splits is not None:
         ta.decode_splits = lambda *a: splits
@@ -103,6 +114,7 @@ def count_decode_step(model: str, gemv: bool, splits: int | None) -> dict:
     finally:
         InterpretedFunction.run = orig_run
         ta.decode_splits = orig_splits
+        ta.TritonAttention.forward = orig_forward
     layers = e.info().num_layers
     e.close()
     total = sum(mode.counts.values())
@@ -113,9 +125,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="random:tiny-qwen3")
     a = ap.parse_args()
-    rows = {"before": count_decode_step(a.model, gemv=False, splits=1),
-            "gemv": count_decode_step(a.model, gemv=True, splits=1),
-            "gemv+split": count_decode_step(a.model, gemv=True, splits=None)}
+    rows = {"before": count_decode_step(a.model, gemv=False, splits=1, fused_write=False),
+            "gemv": count_decode_step(a.model, gemv=True, splits=1, fused_write=False),
+            "gemv+kv": count_decode_step(a.model, gemv=True, splits=1, fused_write=True),
+            "gemv+kv+split": count_decode_step(a.model, gemv=True, splits=None,
+                                               fused_write=True)}
     for name, r in rows.items():
         print(json.dumps(dict(setup=name, model=a.model, **r)))
     return 0

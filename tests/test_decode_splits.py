@@ -72,6 +72,21 @@ CODE = textwrap.dedent('''
             outs[splits] = out
             res.append(dict(dtype=str(dt), splits=splits, nan=bool(out.isnan().any()),
                             err=float((out.double() - ref).norm() / ref.norm())))
+        # new_kv: each row's last token handed in, its pool slot holding garbage; the kernel
+        # must attend with the handed-in K/V and write them to the pool.
+        last = (lens - 1).tolist()
+        slots = torch.tensor([int(tables[i, n // bs]) * bs + n % bs for i, n in enumerate(last)])
+        kn = kc.view(kvH, -1, D)[:, slots].transpose(0, 1).clone()       # [B, kvH, D]
+        vn = vc.view(kvH, -1, D)[:, slots].transpose(0, 1).clone()
+        for splits in (1, 3):
+            kc2, vc2 = kc.clone(), vc.clone()
+            kc2.view(kvH, -1, D)[:, slots] = 7
+            vc2.view(kvH, -1, D)[:, slots] = -7
+            out = paged_decode_attention(q, kc2, vc2, tables, lens, D ** -0.5, num_splits=splits,
+                                         new_kv=(kn, vn, slots))
+            res.append(dict(dtype=str(dt), splits=splits,
+                            new_kv_equal=bool(torch.equal(out, outs[splits])),
+                            written=bool(torch.equal(kc2, kc) and torch.equal(vc2, vc))))
         for splits in (3, 8):
             a, b = outs[splits].double(), outs[1].double()
             again = paged_decode_attention(q, kc, vc, tables, lens, D ** -0.5, num_splits=splits)
@@ -100,7 +115,9 @@ def test_split_decode_matches_the_reference_in_the_interpreter():
     assert res[-1]["splits"] > 1, res[-1]
     for r in res:
         fp32 = r["dtype"] in ("torch.float32", "auto batch 1")
-        if "err" in r:
+        if "new_kv_equal" in r:                 # the new token handed in, then written
+            assert r["new_kv_equal"] and r["written"], r
+        elif "err" in r:
             assert not r["nan"], r
             assert r["err"] < (1e-5 if fp32 else 5e-3), r
         else:                                    # the split path against the single pass

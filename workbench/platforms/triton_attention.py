@@ -3,9 +3,11 @@
 Two kernels, one launch each per layer: `paged_decode_attention` for the step's decodes (plus
 a small merge launch when a small batch splits its contexts, below) and
 `paged_prefill_attention` for all of its prefill chunks at once (ragged, causal, over the
-cached prefix and the chunk itself). Both run after the step's K/V are written to the pool
-(`write_kv_cache`), so prefix-cache hits and chunked prefill need nothing special: a chunk's
-context is just the first ctx_len slots of its block table.
+cached prefix and the chunk itself). The prefill kernel runs after the chunks' K/V are
+written to the pool (`write_kv_cache`), so prefix-cache hits and chunked prefill need nothing
+special: a chunk's context is just the first ctx_len slots of its block table. The decode
+kernel writes its own token's K/V (a pure decode step has no write launch): the token's
+program takes them from the projection, not the pool, and stores them for later steps.
 
 Decode:
 One program per (request, KV head). It loads the G query heads that share that KV head as
@@ -54,19 +56,26 @@ from .attention import AttentionBackend, AttentionMetadata, CommonAttentionMetad
 
 @triton.jit
 def _attend_kv_tile(q, m, denom, acc, k_ptr, v_ptr, table, kv_head, start, end, pos, d, d_ok,
-                    scale, CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                    scale, k_new, v_new, new_pos, CAUSAL: tl.constexpr, HAS_NEW: tl.constexpr,
+                    D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PRECISION: tl.constexpr):
     """One BLOCK_N-token tile of context [start, end) for a [rows, D] query tile: find each
     token's slot through the block table, load K and V from the pool, and fold the tile
     into the online softmax (running max m, sum denom, output acc). CAUSAL masks tokens past
-    each row's own position (pos)."""
+    each row's own position (pos). HAS_NEW: the token at new_pos is not read from the pool
+    but is k_new, v_new [D] (a decode's own token, which this launch writes to the pool)."""
     n = start + tl.arange(0, BLOCK_N)
     n_ok = n < end
     block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0)
     slot = block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
     offs = kv_head + slot[:, None] * D + d[None, :]
     kv_mask = n_ok[:, None] & d_ok[None, :]
+    if HAS_NEW:
+        is_new = (n == new_pos)[:, None]
+        kv_mask = kv_mask & (n != new_pos)[:, None]
     k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)
+    if HAS_NEW:
+        k = tl.where(is_new, k_new[None, :], k)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
     ok = n_ok[None, :]
     if CAUSAL:
@@ -78,6 +87,8 @@ def _attend_kv_tile(q, m, denom, acc, k_ptr, v_ptr, table, kv_head, start, end, 
     alpha = tl.exp(m - m_new)
     denom = denom * alpha + tl.sum(p, 1)
     v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
+    if HAS_NEW:
+        v = tl.where(is_new, v_new[None, :], v)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
     return m_new, denom, acc
 
@@ -86,10 +97,13 @@ def _attend_kv_tile(q, m, denom, acc, k_ptr, v_ptr, table, kv_head, start, end, 
 # compile a kernel variant for (Triton specialises ints divisible by 16 by default).
 @triton.jit(do_not_specialize=["stride_tb"])
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, part_m_ptr,
-                         part_l_ptr, part_acc_ptr, scale, stride_qb, stride_qh, stride_kv_head,
-                         stride_tb, stride_ob, stride_oh, G: tl.constexpr, G_PAD: tl.constexpr,
-                         D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+                         part_l_ptr, part_acc_ptr, k_new_ptr, v_new_ptr, slots_ptr, scale,
+                         stride_qb, stride_qh, stride_kv_head, stride_tb, stride_ob, stride_oh,
+                         stride_knb, stride_knh, stride_vnb, stride_vnh,
+                         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                         D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                         SPLITS: tl.constexpr, WRITE_NEW: tl.constexpr,
+                         PRECISION: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -104,6 +118,19 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, par
     denom = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     head = kvh.to(tl.int64) * stride_kv_head
+    if WRITE_NEW:
+        # The step's own token: its K/V come from the projection, not the pool, and the
+        # first split's program stores them in the pool at the token's slot for later
+        # steps (no program of this launch reads that slot).
+        k_new = tl.load(k_new_ptr + b * stride_knb + kvh * stride_knh + d, mask=d_ok, other=0.0)
+        v_new = tl.load(v_new_ptr + b * stride_vnb + kvh * stride_vnh + d, mask=d_ok, other=0.0)
+        dst = head + tl.load(slots_ptr + b).to(tl.int64) * D + d
+        first = d_ok & ((d * 0 + split) == 0)
+        tl.store(k_ptr + dst, k_new, mask=first)
+        tl.store(v_ptr + dst, v_new, mask=first)
+    else:
+        k_new = tl.zeros([D_PAD], k_ptr.dtype.element_ty)
+        v_new = k_new
     if SPLITS == 1:
         lo = 0
         hi = length
@@ -116,8 +143,9 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, par
         hi = tl.minimum(lo + chunk, length)
     for start in range(lo, hi, BLOCK_N):
         m, denom, acc = _attend_kv_tile(q, m, denom, acc, k_ptr, v_ptr, tables_ptr + b * stride_tb,
-                                        head, start, hi, m, d, d_ok, scale, False, D,
-                                        BLOCK_SIZE, BLOCK_N, PRECISION)
+                                        head, start, hi, m, d, d_ok, scale, k_new, v_new,
+                                        length - 1, False, WRITE_NEW, D, BLOCK_SIZE, BLOCK_N,
+                                        PRECISION)
     if SPLITS == 1:
         out = acc / denom[:, None]
         tl.store(out_ptr + b * stride_ob + (kvh * G + g)[:, None] * stride_oh + d[None, :],
@@ -204,9 +232,13 @@ def decode_splits(batch: int, kv_heads: int, device: torch.device) -> int:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float, out: torch.Tensor | None = None,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None,
+                           new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                           ) -> torch.Tensor:
     """q [B, H, D]; k/v_cache [kvH, num_blocks, block_size, D]; block_tables [B, max_blocks];
-    context_lens [B] (the new token included, which must already be in the cache; >= 1).
+    context_lens [B] (the new token included; >= 1). new_kv: (k [B, kvH, D], v [B, kvH, D],
+    slots [B]): the new tokens' K/V, which this launch writes to the pool itself (one launch
+    fewer than write_kv_cache first); without it they must already be in the pool.
     num_splits: context ranges per request (default: `decode_splits`)."""
     b, h, d = q.shape
     kv_heads, _, block_size, _ = k_cache.shape
@@ -225,16 +257,24 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_acc = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
     else:
         part_m = part_l = part_acc = out                      # not read
+    if new_kv is not None:
+        k_new, v_new, slots = new_kv
+        if k_new.stride(-1) != 1 or v_new.stride(-1) != 1:
+            k_new, v_new = k_new.contiguous(), v_new.contiguous()
+    else:
+        k_new = v_new = slots = q                             # not read
     # Context tiles span blocks (each token finds its own block), so the tile is sized for
     # the loads, not for block_size: tl.dot wants >= 16 on every side.
     block_n = 64 if d <= 128 else 32
     d_pad = max(16, triton.next_power_of_2(d))
     _paged_decode_kernel[(b, kv_heads, splits)](
-        q, k_cache, v_cache, out, block_tables, context_lens, part_m, part_l, part_acc, scale,
+        q, k_cache, v_cache, out, block_tables, context_lens, part_m, part_l, part_acc,
+        k_new, v_new, slots, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0),
+        v_new.stride(1),
         G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=d_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLITS=splits,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLITS=splits, WRITE_NEW=new_kv is not None,
         # fp32 stays fp32 (Triton would use tf32 for an fp32 dot); bf16/fp16 use the units.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     if splits > 1:
@@ -279,8 +319,8 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, ctx_lens_ptr
     end = tl.minimum(ctx_len, first_pos + q0 + BLOCK_Q)
     for start in range(0, end, BLOCK_N):
         m, denom, acc = _attend_kv_tile(q, m, denom, acc, k_ptr, v_ptr, table, kv_head, start,
-                                        end, pos, d, d_ok, scale, True, D, BLOCK_SIZE, BLOCK_N,
-                                        PRECISION)
+                                        end, pos, d, d_ok, scale, d, d, 0, True, False, D,
+                                        BLOCK_SIZE, BLOCK_N, PRECISION)
     out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -373,9 +413,10 @@ class TritonMetadata(AttentionMetadata):
 
 
 class TritonAttention(AttentionBackend):
-    """CUDA's backend: the KV write, the decodes and all prefill chunks each one Triton
-    launch per layer (decodes two when a small batch splits its contexts), reading the
-    head-major pool in place. Decode steps can be captured (tables and lengths are device
+    """CUDA's backend, reading the head-major pool in place: per layer, one Triton launch
+    for the decodes, which writes their K/V too (two when a small batch splits its
+    contexts), and, in a step with prefill chunks, one to write the chunks' K/V and one for
+    all of their attention. Decode steps can be captured (tables and lengths are device
     tensors the kernels read)."""
     name = "triton"
     supports_decode_graphs = True
@@ -394,15 +435,19 @@ class TritonAttention(AttentionBackend):
         return meta
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float):
-        write_kv_cache(k_cache, v_cache, k, v, meta.slot_mapping)
+        # The decodes' K/V are written by the decode kernel itself; the prefill chunks' first,
+        # by the write kernel (the prefill kernel reads each chunk's own tokens from the pool).
         nd = meta.num_decode
+        slots = meta.slot_mapping
         if meta.prefill_plan is None:
             return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
-                                          meta.decode_lens, scale)
+                                          meta.decode_lens, scale, new_kv=(k, v, slots))
+        write_kv_cache(k_cache, v_cache, k[nd:], v[nd:], slots[nd:])
         out = torch.empty_like(q)
         if nd:
             paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                   meta.decode_lens, scale, out=out[:nd])
+                                   meta.decode_lens, scale, out=out[:nd],
+                                   new_kv=(k[:nd], v[:nd], slots[:nd]))
         paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_plan, scale,
                                 out=out[nd:])
         return out
