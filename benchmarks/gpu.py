@@ -130,6 +130,33 @@ def correctness(small: bool) -> None:
     emit("correctness_bf16_logits", ours_rel_err=round(rel(ours), 5), hf_bf16_rel_err=round(rel(hf16), 5),
          ok=rel(ours) <= max(2 * rel(hf16), 2e-2), argmax_equal=int(ours.argmax()) == int(ref.argmax()))
     free_engine(e)
+    # bf16 batch-1 decode, replayed from decode graphs: the path of the batch-1 work (the
+    # GEMV as tuned at start with the norms and SiLU-and-mul fused into it, split-context
+    # attention writing its own K/V). Each step's top-20 logprobs against HF fp32 on the
+    # same tokens (teacher-forced), beside HF bf16's own error on the same entries.
+    e = Engine(model=str(tmp), device=DEV, dtype="bfloat16", graph_mode="decode",
+               max_num_seqs=8, num_kv_blocks=256)
+    out = e.generate([p], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                                         logprobs=20))[0]
+    gemv = gemv_tuning(e)
+    free_engine(e)
+    full = torch.tensor([p + out.token_ids], device=DEV)
+    with torch.inference_mode():
+        lp16 = hf(full).logits[0].float().log_softmax(-1)           # hf is bf16 by now
+        del hf
+        hf = Qwen3ForCausalLM.from_pretrained(tmp, dtype=torch.float32).to(DEV).eval()
+        lp32 = hf(full).logits[0].float().log_softmax(-1)
+    ours_err = hf16_err = 0.0
+    for i, top in enumerate(out.outputs[0].logprobs):
+        row = len(p) - 1 + i                                        # predicts output token i
+        for tok, lp in top.items():
+            ours_err = max(ours_err, abs(lp.logprob - float(lp32[row, tok])))
+            hf16_err = max(hf16_err, abs(float(lp16[row, tok]) - float(lp32[row, tok])))
+    greedy = [int(lp32[len(p) - 1 + i].argmax()) for i in range(len(out.token_ids))]
+    emit("correctness_bf16_decode_b1", ours_max_abs_err=round(ours_err, 4),
+         hf_bf16_max_abs_err=round(hf16_err, 4), ok=ours_err <= max(2 * hf16_err, 0.05),
+         tokens_equal_fp32_argmax=sum(a == b for a, b in zip(out.token_ids, greedy)),
+         of=len(greedy), gemv_chosen={str(t["shape"]): t["chosen"] for t in gemv or []})
 
 
 # ---- 2. batch-1 decode ----------------------------------------------------------------------
@@ -466,6 +493,7 @@ def table() -> None:
     for part in ("correctness_fp32_eager", "correctness_fp32_decode", "correctness_fp32_full"):
         rows.append((part, g(part, "equal")))
     rows.append(("bf16 logits ok", g("correctness_bf16_logits", "ok")))
+    rows.append(("bf16 batch-1 decode logprobs ok", g("correctness_bf16_decode_b1", "ok")))
     rows.append(("release ok (3 rebuilds at 0.9, drop frees)", g("release", "ok")))
     print("\n" + "\n".join(f"{k:<46} {v}" for k, v in rows))
 
