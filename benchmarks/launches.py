@@ -70,15 +70,12 @@ def count_decode_step(model: str, gemv: bool, splits: int | None, fused_write: b
     from triton.runtime.interpreter import InterpretedFunction
 
     import workbench.platforms.triton_attention as ta
-    from triton_on_cpu import TritonOpsWithGemv, triton_on_cpu
+    from triton_on_cpu import triton_on_cpu
     from workbench import Engine, SamplingParams
-    from workbench.platforms.triton_ops import TritonOps
 
-    with triton_on_cpu():
+    with triton_on_cpu(gemv):                         # without: cuBLAS's part, torch's linear
         e = Engine(model=model, device="cpu", dtype="float16", num_kv_blocks=64,
                    graph_mode="eager")
-    if not gemv:
-        e.core.model.ops = TritonOps()                        # cuBLAS for every linear layer
     orig_forward = ta.TritonAttention.forward
     if not fused_write:
         def forward(self, q, k, v, k_cache, v_cache, meta, scale):   # pure decode steps as

@@ -105,7 +105,8 @@ INTERNALS = re.compile(r"\.(block_manager|scheduler|runner|model_runner)\b|"
                        r"\b(engine|eng|e|self\.engine)\.(model|platform|hf_config)\b")
 PRIVATE = re.compile(r"\b(?!self\b|cls\b)[A-Za-z_]\w*\._[a-z]\w*")
 # Reads of another library's underscore names that its own docs tell you to use.
-FOREIGN_PRIVATE = {"config._attn_implementation"}
+FOREIGN_PRIVATE = {"config._attn_implementation",
+                   "utils._python_dispatch"}    # TorchDispatchMode's documented home
 CORE_DIAGNOSTICS = {"gpu.py", "npu.py"}
 """Device benchmarks that time kernels and graph replays may reach the engine core
 (`engine.core`), on purpose and nowhere else."""

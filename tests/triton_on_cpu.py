@@ -9,11 +9,17 @@ from workbench.platforms.cpu import CpuPlatform
 
 
 class TritonOnCpu(CpuPlatform):
+    def __init__(self, gemv: bool = True):
+        self.gemv = gemv
+
     def attention_backend(self, dtype, choice="auto"):
         from workbench.platforms.triton_attention import TritonAttention
         return TritonAttention(dtype)
 
     def model_ops(self, dtype):
+        if not self.gemv:                           # cuBLAS's part: torch's linear layers
+            from workbench.platforms.triton_ops import TritonOps
+            return TritonOps()
         return TritonOpsWithGemv()
 
 
@@ -33,11 +39,11 @@ def TritonOpsWithGemv():
 
 
 @contextmanager
-def triton_on_cpu():
-    """Engines built inside get the TritonOnCpu platform."""
+def triton_on_cpu(gemv: bool = True):
+    """Engines built inside get the TritonOnCpu platform (gemv=False: without the GEMV)."""
     import workbench.core.engine_core as engine_core
     orig = engine_core.get_platform
-    engine_core.get_platform = lambda name: TritonOnCpu()
+    engine_core.get_platform = lambda name: TritonOnCpu(gemv)
     try:
         yield
     finally:

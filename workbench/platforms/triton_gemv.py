@@ -18,13 +18,15 @@ weight shape of the model: cuBLAS and every config in CONFIGS, each inside a cap
 (as a decode step runs them) over all of the model's weights of that shape in turn (so the
 weights come from memory, not the L2 cache). A shape gets the GEMV only where its best
 config beats cuBLAS; the measurements stay on the ops object (`TritonOps.gemv_tuning`) for
-benchmarks/gpu.py to print.
+benchmarks/gpu.py to print. The first start on a machine also compiles the configs (Triton
+keeps them in its on-disk cache for the next).
 
 Where a shape's GEMV reads SiLU-and-mul's output (the MLP's down projection), it computes
 that itself from the gate and up rows as it loads them (`silu_mul`), rounding where the
 separate kernel rounds, so the MLP's tail is one launch.
 
-Where it reads a normed row (the q/k/v and gate/up projections), it computes the RMSNorm
+Where it reads a normed row (the q/k/v and gate/up projections, and the LM head after the
+final norm), it computes the RMSNorm
 itself, with the residual add before it, and program 0 stores the residual stream
 (`norm_gemv`): each program first reads the whole row (a few KiB, from the L2 cache) for
 its RMS. So a batch-1 layer has two fewer launches.
