@@ -106,6 +106,7 @@ class EngineCore:
         del ckpt
         self.platform.check_model(self.model)
         self.model.ops.prepare(self.model, self.platform)
+        self.platform.empty_cache()      # what measuring kernels cached is not in use
         bs = config.block_size
         num_blocks = num_kv_blocks(config, self.platform, self.model, self.hf_config, dtype)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
