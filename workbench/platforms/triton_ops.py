@@ -8,6 +8,10 @@ value that torch stores in bf16/fp16 between ops is rounded to that dtype here t
 rest runs in fp32 as torch's own kernels do. What can still differ is the order of a
 row's sum of squares, so a normed value may land one unit in the last place away.
 
+At batch 1 the linear layers, and the norms and SiLU-and-mul that feed them, can run as one
+Triton GEMV each (platforms/triton_gemv.py), for the weight shapes where `prepare` measured
+it faster than cuBLAS.
+
 fp32 keeps the torch path: it is the dtype of the exact checks against HF, and launch
 counts matter only for speed, which is measured in bf16.
 
