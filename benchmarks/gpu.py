@@ -171,13 +171,36 @@ def device_kernels_per_decode_step(e: Engine, prompt: list[int]) -> dict | None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         e.step()
     e.generate([[1, 2]], SamplingParams(max_tokens=1))          # drains the rest
+    return kernel_summary(prof, 8)
+
+
+def kernel_summary(prof, top_n: int) -> dict:
+    """A profile's device kernels: how many, their total device time, and the top_n names
+    by time (count and µs each)."""
     kernels = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
     by_name: dict[str, list[float]] = {}
     for ev in kernels:
         by_name.setdefault(ev.name[:70], []).append(ev.device_time)
-    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:8]
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top_n]
     return dict(kernels=len(kernels), device_ms=round(sum(ev.device_time for ev in kernels) / 1e3, 3),
                 top=[[name, len(t), round(sum(t), 1)] for name, t in top])
+
+
+def graph_replay_kernels(e: Engine, size: int) -> dict | None:
+    """The kernels of one replay of the decode graph for `size` requests, from the profiler:
+    how many, their device time (the rest of graph_replay_ms is the gaps between them) and
+    the kernels that take most of it; None off CUDA."""
+    graphs = e.core.runner.graphs
+    if DEV != "cuda" or graphs is None or size not in graphs.graphs:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    graph = graphs.graphs[size]
+    graph.replay()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        sync()
+    return kernel_summary(prof, 10)
 
 
 def graph_replay_ms(e: Engine, size: int) -> float | None:
@@ -230,8 +253,13 @@ def batch1(small: bool) -> None:
                 kernels = device_kernels_per_decode_step(e, prompt)
             except Exception as ex:                           # a diagnostic, never fatal
                 kernels = f"{type(ex).__name__}: {ex}"[:200]
+        try:
+            replay_kernels = graph_replay_kernels(e, 1)
+        except Exception as ex:                               # a diagnostic, never fatal
+            replay_kernels = f"{type(ex).__name__}: {ex}"[:200]
         emit(f"b1_{mode}", model=model, graph_mode_run=e.info().graph_mode, ops=e.info().ops,
              eager_decode_step=kernels, graph_replay_ms=graph_replay_ms(e, 1),
+             graph_replay_kernels=replay_kernels,
              gemv=gemv_tuning(e) if mode == "decode" else None, **r)
         free_engine(e)
     ratio = dict(eager_over_decode=round(rows["eager"]["tpot_ms"] / rows["decode"]["tpot_ms"], 2))

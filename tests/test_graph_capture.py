@@ -260,3 +260,26 @@ def test_async_scheduling_gives_the_synchronous_tokens(replaying_platform):
         ahead.shutdown()
     assert [[ev.token_id for ev in evs] for evs in streamed] == want[1:4]
     assert ahead.core._inflight is None and ahead.stats().kv_blocks_used == 0
+
+
+def test_gpu_script_runs_every_part_at_toy_sizes_on_the_cpu(tmp_path):
+    """benchmarks/gpu.py --small: every part at toy sizes on the CPU, so a slip in the
+    script shows here and not in a GPU call's scarce minutes. No part may fail, and the
+    correctness parts must hold (on the CPU they check the CPU path)."""
+    import json
+    from pathlib import Path
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu.py"
+    r = subprocess.run([sys.executable, str(script), "--small", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    parts = {d.pop("part"): d for d in map(json.loads,
+                                           (tmp_path / "gpu.jsonl").read_text().splitlines())}
+    assert not [p for p in parts if p.endswith("_error")], {p: d for p, d in parts.items()
+                                                            if p.endswith("_error")}
+    for name in ("ceilings", "prefill", "b1_eager", "b1_decode", "b1_ratio", "w1_ours",
+                 "concurrency_1", "w1_ours_full"):
+        assert name in parts, (name, sorted(parts))
+    for mode in ("eager", "decode", "full"):
+        assert parts[f"correctness_fp32_{mode}"]["equal"], parts[f"correctness_fp32_{mode}"]
+    for name in ("correctness_bf16_logits", "correctness_bf16_decode_b1", "release"):
+        assert parts[name]["ok"], (name, parts[name])
