@@ -82,9 +82,8 @@ def test_dashboard_replays_the_shipped_trace_with_no_model(monkeypatch):
     d.pump.tick()
     assert d.streams.num_requests == 0                     # nothing before Play
     d.replay_button.click()
-    time.sleep(0.2)
-    d.pump.tick()
     t = Trace.load(SHIPPED_TRACE)
+    tick_until(d, lambda: d.summary.num_finished == 8 and d.timeline.num_points == len(t.frames))
     assert "no model loaded" in d.header.value
     assert d.streams.num_requests == len(t.prompts) == 8
     assert d.timeline.num_points == len(t.frames) and d.roofline.num_points == len(t.frames)
@@ -93,10 +92,19 @@ def test_dashboard_replays_the_shipped_trace_with_no_model(monkeypatch):
     assert d.send_button.disabled and d.knobs.apply_button.disabled
     d.restart_replay()                                     # again from the start
     assert d.streams.num_requests == 0
-    time.sleep(0.2)
-    d.pump.tick()
-    assert d.streams.num_requests == 8
+    tick_until(d, lambda: d.streams.num_requests == 8)
     d.pump.stop()
+
+
+def tick_until(d, done, timeout: float = 30.0) -> None:
+    """Tick the dashboard's pump until `done()` (bounded): a replay plays on its own thread."""
+    deadline = time.monotonic() + timeout
+    while True:
+        d.pump.tick()
+        if done():
+            return
+        assert time.monotonic() < deadline, "the replay did not get there in time"
+        time.sleep(0.02)
 
 
 def test_replay_rejects_bad_files_and_cli_says_why(tmp_path, capsys):

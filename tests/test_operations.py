@@ -160,10 +160,9 @@ def test_a_huge_prompt_is_refused_by_size_and_does_not_stall_others(abused_serve
     tokenized are tokenized off the event loop, so /health keeps answering meanwhile."""
     import concurrent.futures
     url, _ = abused_server
-    t = time.perf_counter()
     r = httpx.post(url + "/v1/completions", json={"prompt": "hello " * 2_500_000}, timeout=60)
-    assert time.perf_counter() - t < 10          # tokenizing it took 40 s
-    assert "cannot fit in max_model_len" in assert_openai_error(r, 400, "prompt")
+    # Refused from its size (the message counts bytes), not after tokenizing (about 40 s).
+    assert "bytes of text cannot fit in max_model_len" in assert_openai_error(r, 400, "prompt")
     assert r.json()["error"]["code"] == "context_length_exceeded"
 
     # 2.5 MB: under the size bound (8192 tokens x 324 bytes), far too long once tokenized,
@@ -255,5 +254,7 @@ def test_the_server_shuts_its_engine_down_on_exit(monkeypatch):
         assert r.status_code == 200, r.text
         assert engine.is_running_in_background
     assert calls == [engine] and not engine.is_running_in_background
-    time.sleep(0.2)
-    assert not [t for t in threading.enumerate() if t.name.startswith("workbench-tokenize")]
+    deadline = time.monotonic() + 10
+    while [t for t in threading.enumerate() if t.name.startswith("workbench-tokenize")]:
+        assert time.monotonic() < deadline, "the tokenizing thread outlived shutdown()"
+        time.sleep(0.02)

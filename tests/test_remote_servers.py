@@ -141,11 +141,21 @@ def test_bench_url_completes_and_says_what_the_server_lacks(server, tmp_path):
     assert "4/4 requests" in r.stdout and "Traceback" not in r.stderr
     if server.kind == "transformers":
         assert report["server"]["metrics"] is False and report["server"]["metrics_why"] == "404"
-        assert report["server_peaks"] is None
+        assert report["server_peaks"] is None and report["server_counts"] is None
         assert "server peaks: no data (GET /metrics: 404)" in r.stdout
     else:
         assert report["server"]["metrics"] is True
-        assert report["server_peaks"]["num_requests_running"] >= 1
+        # The server's counters see every request, whatever the polling caught (a gauge
+        # sampled every 0.5 s can miss 4 short requests entirely on a quiet machine).
+        counts = report["server_counts"]
+        assert counts["request_success"] == 4, counts
+        assert sum(counts["request_success_by_reason"].get(r, 0) for r in ("stop", "length")) == 4
+        assert counts["generation_tokens"] == report["total_output_tokens"]
+        assert counts["prompt_tokens"] == report["total_input_tokens"] > 0
+        assert counts["histogram_counts"]["time_to_first_token_seconds"] == 4
+        assert set(report["server_peaks"]) == {"num_requests_running", "num_requests_waiting",
+                                               "kv_cache_usage_perc"}
+        assert "server counted: 4 requests finished" in r.stdout
         import workbench
         assert report["server"]["version"] == workbench.__version__
 
@@ -205,9 +215,16 @@ def test_remote_source_panels_fill(server):
                     SummaryPanel())
         rids = await live.generate(["Name a colour.", "Say hello.", "Count to three."],
                                    SamplingParams(max_tokens=5, temperature=0), timeout=240)
-        await asyncio.sleep(0.5)          # a couple more intervals, then one last tick
-        live.pump.tick()
-        n_points = len(live.panels[1].points)
+        # The timeline's points count every token of the batch once the next interval has
+        # been polled (the server's counters, or the client's own count): wait for that.
+        streams, timeline = live.panels[0], live.panels[1]
+        want = sum(streams.streams[rid].num_tokens for rid in rids)
+        deadline = time.monotonic() + 30
+        while sum(p.num_decode_tokens for p in timeline.points) < want:
+            assert time.monotonic() < deadline, "the timeline never counted the batch's tokens"
+            await asyncio.sleep(0.05)
+            live.pump.tick()
+        n_points = len(timeline.points)
         # Two requests the server refuses (transformers: vLLM's ignore_eos; workbench: a prompt
         # longer than its context), then a good one: the error stays listed, counted.
         params = SamplingParams(max_tokens=4, temperature=0,
@@ -254,7 +271,6 @@ def test_remote_source_panels_fill(server):
         # The points up to the first batch's end hold exactly its tokens, and its TTFTs.
         first = pts[:n_points]
         assert sum(p.num_decode_tokens for p in first) == sum(records[r] for r in rids)
-        assert max(p.num_running + p.num_waiting for p in first) >= 1
         ttfts = {r.request_id: r.ttft for r in summary.records}
         assert sorted(t for p in first for t in p.ttfts) == sorted(ttfts[r] for r in rids)
         assert "no /metrics either" in kv.view.value
@@ -262,7 +278,13 @@ def test_remote_source_panels_fill(server):
         assert "400" in message and "prompt" in message
         assert source.resolution == "poll" and not source.notices and live.notices.value == ""
         pts = list(timeline.points)
-        assert pts and all(p.phase == "poll" for p in pts) and max(p.num_running for p in pts) >= 1
+        assert pts and all(p.phase == "poll" for p in pts)
+        # The server's counters, polled from before the first request: the points up to the
+        # first batch's end hold exactly its tokens and prompts (a sampled gauge such as
+        # num_running can miss a short burst between two polls; a counter cannot).
+        first = pts[:n_points]
+        assert sum(p.num_decode_tokens for p in first) == sum(records[r] for r in rids)
+        assert sum(p.num_prefill_tokens for p in first) > 0
         assert "timeline shows its KV usage" in kv.view.value
 
 

@@ -708,8 +708,13 @@ def test_remote_source_feeds_token_panel_and_timeline(server):
         rids = await live.generate(["Tell me about the sea."] * 3 + ["Name a colour."],
                                    SamplingParams(max_tokens=40, temperature=0.8, ignore_eos=True),
                                    timeout=120)
-        await asyncio.sleep(0.5)       # a few more polls see the server idle again
-        live.pump.tick()
+        # Wait (bounded) until the polls have counted every token and seen the server idle.
+        timeline, deadline = live.panels[1], time.monotonic() + 30
+        while not (sum(p.num_decode_tokens for p in timeline.points) >= 4 * 40
+                   and timeline.points and timeline.points[-1].num_running == 0):
+            assert time.monotonic() < deadline, "the /metrics polls never saw the batch end"
+            await asyncio.sleep(0.05)
+            live.pump.tick()
         bad = source.submit("word " * 1500, SamplingParams(max_tokens=4))   # too long: a 400
         await live.pump.wait(timeout=30)
         live.close()
@@ -726,8 +731,9 @@ def test_remote_source_feeds_token_panel_and_timeline(server):
     pts = list(timeline.points)
     assert len(pts) >= 3 and max(p.num_running for p in pts) >= 1
     assert max(p.kv_usage for p in pts) > 0 and pts[-1].num_running == 0
+    # The counters' baseline is read before the first request: the points hold every token.
     drawn = sum(p.num_decode_tokens for p in pts)
-    assert 0 < drawn <= scrape(server)["generation_tokens_total"] - before
+    assert drawn == 4 * 40 == scrape(server)["generation_tokens_total"] - before
     assert summary.num_finished == 4 and summary.figures()["ttft_p50"] > 0
     assert "does not publish its block table" in kv.view.value
 

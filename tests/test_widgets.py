@@ -430,7 +430,9 @@ def test_dashboard_loads_behind_a_progress_bar_and_shows_what_runs(comms):
         assert dash.send(2) == [] and "still loading" in dash.message.value
         shown = []
         dash.loading.layout.observe(lambda ch: shown.append(ch.new), "display")
+        deadline = time.monotonic() + 120
         while not dash.ready:
+            assert time.monotonic() < deadline, f"never ready: {dash.message.value}"
             await asyncio.sleep(0.02)
         return dash, shown
 

@@ -227,6 +227,7 @@ class RemoteSource:
         self._tasks: dict[str, asyncio.Task] = {}
         self._metrics_task: asyncio.Task | None = None
         self._last: dict | None = None
+        """The previous /metrics read: each point is the counters' change since it."""
         self._polls = 0
         self._first_token: dict[str, float | None] = {}   # client's view: rid -> TTFT, in flight
         self._tokens = 0                                  # client's view: tokens this interval
@@ -302,6 +303,13 @@ class RemoteSource:
 
     def _ensure_metrics(self) -> None:
         if self._metrics_task is None or self._metrics_task.done():
+            if self.resolution == "poll" and self._last is None:
+                # The counters' baseline, read before the first request goes out: every
+                # token the server counts from here on lands in some point.
+                try:
+                    self._last = self.remote.poll_metrics()
+                except Exception as e:
+                    self._errors.append(("/metrics", str(e)))
             self._metrics_task = asyncio.ensure_future(self._poll_metrics())
 
     async def _poll_metrics(self) -> None:

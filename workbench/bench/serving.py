@@ -37,8 +37,12 @@ async def bench_async(url: str, num_requests: int = 64, concurrency: int = 16,
     sent only when True) makes each run to its length on servers that take it. `request_rate`
     (requests/s) spaces the arrivals as a Poisson process (seeded); inf sends them all at
     once. Where the server has /metrics, it is polled for the peak running / waiting / KV
-    usage (`server_peaks`; None where it has none). `progress` shows a progress bar on
-    stderr. Returns a JSON-able report; `errors` maps each distinct error to its count.
+    usage (`server_peaks`: gauges sampled at that interval, so a short burst can fall
+    between two polls), and its counters are read before the first request and after the last
+    (`server_counts`: requests finished by reason, prompt and generated tokens, and the
+    latency histograms' sample counts, all as the server counted them, which sees every
+    request whatever the polling caught; None where it has no /metrics). `progress` shows a
+    progress bar on stderr. Returns a JSON-able report; `errors` maps each distinct error to its count.
     A server that lists no models, with no `model` given, raises RemoteError."""
     if concurrency < 1 or num_requests < 1 or not request_rate > 0:
         raise ValueError("num_requests and concurrency must be >= 1, request_rate > 0")
@@ -58,6 +62,7 @@ async def bench_async(url: str, num_requests: int = 64, concurrency: int = 16,
         model_name = remote.model
         peaks = dict.fromkeys(("num_requests_running", "num_requests_waiting",
                                "kv_cache_usage_perc"), 0.0) if info.metrics else None
+        before = await _counters(remote) if info.metrics else None
         if progress:
             from tqdm.auto import tqdm
             bar = tqdm(total=num_requests, desc="requests", unit="req")
@@ -100,6 +105,10 @@ async def bench_async(url: str, num_requests: int = 64, concurrency: int = 16,
         duration = time.monotonic() - t0
         done.set()
         await watcher
+        counts = None
+        if before is not None:
+            after = await _counters(remote)
+            counts = None if after is None else counter_deltas(before, after)
     finally:
         if bar is not None:
             bar.close()
@@ -124,7 +133,39 @@ async def bench_async(url: str, num_requests: int = 64, concurrency: int = 16,
         "itl_s": distribution([g for s in results for g in s.itl]),
         "e2e_s": distribution([s.e2e for s in results if s.e2e is not None]),
         "server_peaks": peaks,
+        "server_counts": counts,
     }
+
+
+async def _counters(remote: RemoteEngine) -> dict | None:
+    """One /metrics read for its counters (None: it failed or the server has none now)."""
+    try:
+        return await remote.apoll_metrics()
+    except (RemoteError, httpx.HTTPError, ValueError):
+        return None
+
+
+def counter_deltas(before: dict, after: dict) -> dict:
+    """What the server counted between two /metrics reads (`RemoteEngine.poll_metrics`):
+    requests finished by reason (and their total), prompt and generated tokens, preemptions,
+    and each latency histogram's number of samples. A counter the server lacks is None."""
+    def delta(key: str):
+        a, b = before.get(key), after.get(key)
+        return None if a is None or b is None else b - a
+
+    ra, rb = before["request_success_total"], after["request_success_total"]
+    reasons = {r: rb[r] - ra.get(r, 0.0) for r in rb if rb[r] - ra.get(r, 0.0)}
+    hist = {}
+    for name, h in after["histograms"].items():
+        h0 = before["histograms"].get(name)
+        if h is not None and h0 is not None:
+            hist[name] = h["count"] - h0["count"]
+    return {"request_success": sum(reasons.values()) if rb else None,
+            "request_success_by_reason": reasons,
+            "prompt_tokens": delta("prompt_tokens_total"),
+            "generation_tokens": delta("generation_tokens_total"),
+            "num_preemptions": delta("num_preemptions_total"),
+            "histogram_counts": hist}
 
 
 def bench(url: str, **kw) -> dict:
@@ -150,8 +191,16 @@ def format_report(r: dict) -> str:
         lines.append(f"  server peaks: no data (GET /metrics: {r['server']['metrics_why']}); "
                      "the figures above are the client's")
     else:
-        lines.append(f"  server peaks: running {p['num_requests_running']:.0f}, waiting "
-                     f"{p['num_requests_waiting']:.0f}, KV usage {p['kv_cache_usage_perc']:.0%}")
+        lines.append(f"  server peaks (sampled every poll): running {p['num_requests_running']:.0f}, "
+                     f"waiting {p['num_requests_waiting']:.0f}, KV usage "
+                     f"{p['kv_cache_usage_perc']:.0%}")
+    c = r.get("server_counts")
+    if c is not None:
+        def n(v):
+            return "n/a" if v is None else f"{v:.0f}"
+        lines.append(f"  server counted: {n(c['request_success'])} requests finished, "
+                     f"{n(c['prompt_tokens'])} prompt + {n(c['generation_tokens'])} generated "
+                     f"tokens, {n(c['num_preemptions'])} preemptions")
     for message, n in r["errors"].items():
         lines.append(f"  error x{n}: {message}")
     return "\n".join(lines)
