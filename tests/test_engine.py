@@ -223,7 +223,7 @@ def test_incremental_text_with_multibyte_characters(smol):
     assert text == smol.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
     assert "\ufffd" not in text and len(text) > 10
     # Direct check on a token sequence that splits characters across tokens.
-    from workbench.core.detokenizer import IncrementalDetokenizer
+    from workbench.engine.detokenizer import IncrementalDetokenizer
     ids = smol.tokenizer.encode("日本語 🚀 émoji")
     d = IncrementalDetokenizer(smol.tokenizer, [], [])
     pieces = []

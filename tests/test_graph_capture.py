@@ -88,8 +88,8 @@ class ReplayingCpuPlatform(CpuPlatform):
 
 @pytest.fixture
 def replaying_platform(monkeypatch):
-    import workbench.core.engine_core
-    monkeypatch.setattr(workbench.core.engine_core, "get_platform", lambda name: ReplayingCpuPlatform())
+    import workbench.engine.core
+    monkeypatch.setattr(workbench.engine.core, "get_platform", lambda name: ReplayingCpuPlatform())
 
 
 def same_greedy_tokens(engine, eager, longest: int, seed: int, max_tokens) -> list:

@@ -36,7 +36,7 @@ COLORS = ["red", "green", "blue", "dark purple"]
 def engine(smollm2_dir):
     from test_graph_capture import ReplayingCpuPlatform
 
-    import workbench.core.engine_core as core
+    import workbench.engine.core as core
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(core, "get_platform", lambda name: ReplayingCpuPlatform())
         e = Engine(model="smollm2", device="cpu", max_model_len=512, num_kv_blocks=128,

@@ -41,7 +41,7 @@ def TritonOpsWithGemv():
 @contextmanager
 def triton_on_cpu(gemv: bool = True):
     """Engines built inside get the TritonOnCpu platform (gemv=False: without the GEMV)."""
-    import workbench.core.engine_core as engine_core
+    import workbench.engine.core as engine_core
     orig = engine_core.get_platform
     engine_core.get_platform = lambda name: TritonOnCpu(gemv)
     try:

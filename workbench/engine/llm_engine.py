@@ -8,7 +8,7 @@ Two ways to drive it:
 
 Everything that observes an engine reads its public read API: `info()` (what it is),
 `stats()` (where it stands), `kv_blocks()`, `request_states()` and `telemetry`. The step
-machinery lives in `workbench.core.engine_core`.
+machinery lives in `workbench.engine.core`.
 """
 from __future__ import annotations
 
@@ -20,17 +20,17 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable, Iterator
 
-from .config import EngineConfig
-from .core.block_manager import KVBlockSnapshot
-from .core.engine_core import EngineCore
-from .core.inputs import InputProcessor, Prompt
-from .core.request import Request, RequestState, TokenEvent
-from .core.sampling_params import SamplingParams
-from .core.sequence import Logprob
-from .roofline import DeviceRoofs
-from .telemetry import EngineInfo, EngineStats, RequestMetrics, Telemetry
+from ..config import EngineConfig
+from ..core.block_manager import KVBlockSnapshot
+from .core import EngineCore
+from .input_processor import InputProcessor, Prompt
+from .request import Request, RequestState, TokenEvent
+from ..core.sampling_params import SamplingParams
+from ..core.sequence import Logprob
+from ..roofline import DeviceRoofs
+from ..telemetry import EngineInfo, EngineStats, RequestMetrics, Telemetry
 
-__all__ = ["Engine", "RequestOutput", "CompletionOutput", "TokenEvent", "RequestState"]
+__all__ = ["Engine", "RequestOutput", "CompletionOutput"]
 
 @dataclass
 class CompletionOutput:

@@ -10,7 +10,7 @@ import torch
 
 from ..telemetry import RequestMetrics
 from .detokenizer import IncrementalDetokenizer
-from .sequence import Logprob, Sequence
+from ..core.sequence import Logprob, Sequence
 
 
 @dataclass(slots=True)

@@ -30,13 +30,13 @@ from ..executor.sampler import LogprobsTensors, apply_token_bitmask, compute_log
 from ..platforms import get_platform
 from ..roofline import DeviceRoofs, probe_roofs
 from ..telemetry import FULL, EngineInfo, EngineStats, MemoryStats, RequestMetrics, StepEvent, Telemetry
-from .block_manager import BlockManager, KVBlockSnapshot
+from ..core.block_manager import BlockManager, KVBlockSnapshot
 from .detokenizer import IncrementalDetokenizer
 from .request import Request, RequestState, TokenEvent
-from .sampling_params import SamplingParams
-from .scheduler import Scheduler
-from .sequence import Logprob, Sequence, SequenceStatus
-from .structured_output import StructuredOutputManager
+from ..core.sampling_params import SamplingParams
+from ..core.scheduler import Scheduler
+from ..core.sequence import Logprob, Sequence, SequenceStatus
+from ..core.structured_output import StructuredOutputManager
 
 log = logging.getLogger("workbench")
 
