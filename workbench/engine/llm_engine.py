@@ -63,7 +63,7 @@ class RequestOutput:
     def of(cls, r: Request) -> "RequestOutput":
         s = r.seq
         outs = [CompletionOutput(c.choice, c.detok.text, c.seq.output_token_ids,
-                                 c.seq.finish_reason, c.logprobs) for c in r.choices or [r]]
+                                 c.seq.finish_reason, c.logprobs) for c in r.choices]
         return cls(s.request_id, r.prompt, s.prompt_token_ids, s.output_token_ids, r.detok.text,
                    s.is_finished, s.finish_reason, r.metrics, outs, r.prompt_logprobs)
 
