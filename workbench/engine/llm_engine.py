@@ -134,7 +134,7 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt, **controls) -> list[int]:
         """Text, chat messages (through the chat template) or token ids -> token ids; the
-        chat-template controls and truncation are core.inputs.InputProcessor's."""
+        chat-template controls and truncation are input_processor.InputProcessor's."""
         return self.inputs(prompt, **controls)
 
     def check_params(self, params: SamplingParams) -> None:
