@@ -39,12 +39,27 @@ def test_first_token_streams_before_finish(tiny_engine):
 
 
 def test_interleaved_streams_in_one_thread(tiny_engine):
+    """Two streams consumed in turn from one thread: each gets its own request's tokens (the
+    ones it gets alone), in order, and the two requests share the engine's steps."""
     p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    a, b = (tiny_engine.stream(x, p) for x in prompts(2))
-    order = []
+    x, y = prompts(2)
+    alone = [tiny_engine.generate([q], p)[0].token_ids for q in (x, y)]
+    first = tiny_engine.telemetry.num_steps
+    a, b = tiny_engine.stream(x, p), tiny_engine.stream(y, p)
+    got_a, got_b = [], []
     for _ in range(6):
-        order += [next(a).request_id, next(b).request_id]
-    assert len(set(order)) == 2 and order[0] != order[1]
+        got_a.append(next(a))
+        got_b.append(next(b))
+    for got, want in ((got_a, alone[0]), (got_b, alone[1])):
+        assert [ev.token_id for ev in got] == want
+        assert [ev.index for ev in got] == list(range(1, 7)) and got[-1].finished
+        assert len({ev.request_id for ev in got}) == 1
+    ra, rb = got_a[0].request_id, got_b[0].request_id
+    assert ra != rb
+    # A stream queues its request at its first next(): a's first step runs alone, then
+    # both requests share every step until a has its 6 tokens; b's last step runs alone.
+    steps = tiny_engine.telemetry.steps_since(first)
+    assert [set(s.tokens_per_request) for s in steps] == [{ra}] + [{ra, rb}] * 5 + [{rb}]
 
 
 def test_concurrent_streams_in_background_threads(tiny_engine):
@@ -223,7 +238,7 @@ def test_incremental_text_with_multibyte_characters(smol):
     assert text == smol.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
     assert "\ufffd" not in text and len(text) > 10
     # Direct check on a token sequence that splits characters across tokens.
-    from workbench.core.detokenizer import IncrementalDetokenizer
+    from workbench.engine.detokenizer import IncrementalDetokenizer
     ids = smol.tokenizer.encode("日本語 🚀 émoji")
     d = IncrementalDetokenizer(smol.tokenizer, [], [])
     pieces = []
@@ -414,6 +429,31 @@ def test_close_and_drop_free_the_engine_without_the_garbage_collector(tiny_check
             assert engine() is None and pool() is None, background
     finally:
         gc.enable()
+
+
+def test_the_first_engine_of_a_process_is_freed_with_the_gc_off():
+    """The first engine of a fresh process (whose build imports transformers and what it
+    pulls in for the first time) is freed by reference counting alone once closed and
+    dropped, with the cyclic GC off from the start; so is one dropped without close()."""
+    import subprocess
+    import sys
+    code = ("import gc, weakref\n"
+            "gc.disable()\n"
+            "from workbench import Engine, SamplingParams\n"
+            "p = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)\n"
+            "e = Engine(model='random:tiny', device='cpu', num_kv_blocks=16)\n"
+            "e.generate([[1, 2, 3]], p)\n"
+            "first = weakref.ref(e)\n"
+            "e.close()\n"
+            "del e\n"
+            "e = Engine(model='random:tiny', device='cpu', num_kv_blocks=16)\n"
+            "e.generate([[1, 2, 3]], p)\n"
+            "second = weakref.ref(e)\n"
+            "del e\n"
+            "print(first() is None, second() is None, gc.isenabled())\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["True", "True", "False"], r.stdout
 
 
 def test_default_graph_mode_is_the_devices_choice_and_says_nothing():

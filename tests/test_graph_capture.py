@@ -88,8 +88,8 @@ class ReplayingCpuPlatform(CpuPlatform):
 
 @pytest.fixture
 def replaying_platform(monkeypatch):
-    import workbench.core.engine_core
-    monkeypatch.setattr(workbench.core.engine_core, "get_platform", lambda name: ReplayingCpuPlatform())
+    import workbench.engine.build
+    monkeypatch.setattr(workbench.engine.build, "get_platform", lambda name: ReplayingCpuPlatform())
 
 
 def same_greedy_tokens(engine, eager, longest: int, seed: int, max_tokens) -> list:
@@ -259,7 +259,7 @@ def test_async_scheduling_gives_the_synchronous_tokens(replaying_platform):
     finally:
         ahead.shutdown()
     assert [[ev.token_id for ev in evs] for evs in streamed] == want[1:4]
-    assert ahead.core._inflight is None and ahead.stats().kv_blocks_used == 0
+    assert ahead.core.pipeline.in_flight is None and ahead.stats().kv_blocks_used == 0
 
 
 def test_gpu_script_runs_every_part_at_toy_sizes_on_the_cpu(tmp_path):

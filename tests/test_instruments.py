@@ -14,7 +14,7 @@ pytest.importorskip("plotly")
 
 from workbench import Engine, SamplingParams  # noqa: E402
 from workbench.bench.offline import AB_METRICS, ab_run, make_workload  # noqa: E402
-from workbench.core.request import TokenEvent  # noqa: E402
+from workbench.engine import TokenEvent  # noqa: E402
 from workbench.trace import Trace, TraceError, record  # noqa: E402
 
 TINY = dict(model="random:tiny", device="cpu", num_kv_blocks=64, block_size=16)

@@ -42,7 +42,7 @@ def test_kv_pool_sized_from_device_memory(monkeypatch):
     beside what is already in use, leaves room for a step's activations, and grows with
     the utilization; too little room is a clear error. (Bounds on behaviour, not the
     formula: any sizing rule that keeps these promises passes.)"""
-    import workbench.core.engine_core
+    import workbench.engine.build
     from workbench import Engine
     from workbench.platforms.cpu import CpuPlatform
     GiB = 2**30
@@ -51,7 +51,7 @@ def test_kv_pool_sized_from_device_memory(monkeypatch):
         def memory_info(self):
             return (3 * GiB, 4 * GiB)            # 1 GiB already in use
 
-    monkeypatch.setattr(workbench.core.engine_core, "get_platform", lambda name: Reporting())
+    monkeypatch.setattr(workbench.engine.build, "get_platform", lambda name: Reporting())
 
     def pool_bytes(**kw):
         return Engine(model="random:tiny", max_num_batched_tokens=512, **kw).telemetry.memory.kv_cache_bytes

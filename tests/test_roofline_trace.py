@@ -84,7 +84,7 @@ def test_probe_is_measured_once_then_cached(tmp_path, monkeypatch):
 
 def small_trace() -> Trace:
     from workbench.core.block_manager import KVBlockSnapshot
-    from workbench.core.request import RequestState, TokenEvent
+    from workbench.engine import RequestState, TokenEvent
     from workbench.trace import TraceFrame
     states = [RequestState("a", "running", 3, 1, 3, 0, 0, [0], "Hi")]
     tok = TokenEvent("a", 42, "Hi", 1, 0.5)

@@ -36,9 +36,9 @@ COLORS = ["red", "green", "blue", "dark purple"]
 def engine(smollm2_dir):
     from test_graph_capture import ReplayingCpuPlatform
 
-    import workbench.core.engine_core as core
+    import workbench.engine.build as build
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(core, "get_platform", lambda name: ReplayingCpuPlatform())
+        mp.setattr(build, "get_platform", lambda name: ReplayingCpuPlatform())
         e = Engine(model="smollm2", device="cpu", max_model_len=512, num_kv_blocks=128,
                    max_num_seqs=16, cudagraph_capture_sizes=[1, 2, 4, 8, 16],
                    async_scheduling=True)

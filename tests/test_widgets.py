@@ -389,7 +389,7 @@ class Logprob:        # the shape issue 12 gives TokenEvent.logprobs values
 def test_stream_cards_shade_tokens_by_probability_and_keep_their_order():
     from widgets import TokenStreamPanel
     from widgets.sources import Update
-    from workbench.core.request import TokenEvent
+    from workbench.engine import TokenEvent
 
     Event = TokenEvent
     if "logprobs" not in {f.name for f in dataclasses.fields(TokenEvent)}:

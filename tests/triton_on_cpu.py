@@ -41,10 +41,10 @@ def TritonOpsWithGemv():
 @contextmanager
 def triton_on_cpu(gemv: bool = True):
     """Engines built inside get the TritonOnCpu platform (gemv=False: without the GEMV)."""
-    import workbench.core.engine_core as engine_core
-    orig = engine_core.get_platform
-    engine_core.get_platform = lambda name: TritonOnCpu(gemv)
+    import workbench.engine.build as engine_build
+    orig = engine_build.get_platform
+    engine_build.get_platform = lambda name: TritonOnCpu(gemv)
     try:
         yield
     finally:
-        engine_core.get_platform = orig
+        engine_build.get_platform = orig

@@ -1,7 +1,7 @@
 """EngineConfig: every knob of the engine, validated in one place, named as in vLLM."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 # The knobs' domains, listed once: the CLI's choices and the knob panel's options read them.
 # A device's attention backend narrows them (AttentionBackend.supported_block_sizes and
@@ -155,10 +155,6 @@ class EngineConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
 
 
 def validate_capture_sizes(sizes: list[int], max_num_seqs: int) -> list[int]:

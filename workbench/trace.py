@@ -25,9 +25,8 @@ from types import SimpleNamespace
 
 from .config import EngineConfig
 from .core.block_manager import KVBlockSnapshot
-from .core.request import RequestState, TokenEvent
 from .core.sampling_params import SamplingParams
-from .engine import Engine
+from .engine import Engine, RequestState, TokenEvent
 from .roofline import DeviceRoofs
 from .telemetry import EngineInfo, MemoryStats, RequestMetrics, StepEvent
 

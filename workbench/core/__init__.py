@@ -1,4 +1,4 @@
-"""The engine core's pure-Python parts: requests as sequences, the scheduler, the KV block
-pool with its prefix cache, sampling parameters and incremental detokenizing. Nothing here
-touches a device: the scheduler works on token counts and block ids, so it is unit-tested
-with no model."""
+"""The pure-Python floor: sequences, the scheduler, the KV block pool with its prefix cache,
+sampling parameters and structured-output grammars. Nothing here touches a device or imports
+the executor (which imports this floor): the scheduler works on token counts and block ids,
+so it is unit-tested with no model."""

@@ -71,10 +71,5 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
-    def is_decoding(self) -> bool:
-        """True when the next step feeds just the newest sampled token."""
-        return self.num_output_tokens > 0 and self.num_uncomputed_tokens == 1
-
-    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED

@@ -12,7 +12,8 @@ the mask itself (sampler.apply_token_bitmask).
 A grammar is a matcher object per request: it is compiled when the request is added (so a
 bad schema is a ValueError before anything is queued), fills its row of the bitmask before
 each sampling step, and consumes each token the request gets. The mask for step N+1 depends on
-the token of step N, so these requests never run ahead (Engine._may_run_ahead).
+the token of step N, so these requests never run ahead (engine/pipeline.py's
+may_run_ahead).
 """
 from __future__ import annotations
 

@@ -8,10 +8,15 @@ import torch
 from ..config import EngineConfig
 
 
+def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
+    """K and V of every layer for one token, in the KV pool's dtype."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * elem
+
+
 def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
     """K and V of every layer for one block of tokens."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * elem
+    return block_size * kv_bytes_per_token(model, dtype)
 
 
 def activation_reserve(config: EngineConfig, hf_config, dtype: torch.dtype) -> int:

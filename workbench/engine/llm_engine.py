@@ -8,7 +8,7 @@ Two ways to drive it:
 
 Everything that observes an engine reads its public read API: `info()` (what it is),
 `stats()` (where it stands), `kv_blocks()`, `request_states()` and `telemetry`. The step
-machinery lives in `workbench.core.engine_core`.
+machinery lives in `workbench.engine.core`.
 """
 from __future__ import annotations
 
@@ -20,17 +20,17 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable, Iterator
 
-from .config import EngineConfig
-from .core.block_manager import KVBlockSnapshot
-from .core.engine_core import EngineCore
-from .core.inputs import InputProcessor, Prompt
-from .core.request import Request, RequestState, TokenEvent
-from .core.sampling_params import SamplingParams
-from .core.sequence import Logprob
-from .roofline import DeviceRoofs
-from .telemetry import EngineInfo, EngineStats, RequestMetrics, Telemetry
+from ..config import EngineConfig
+from ..core.block_manager import KVBlockSnapshot
+from .core import EngineCore
+from .input_processor import InputProcessor, Prompt
+from .request import Request, RequestState, TokenEvent
+from ..core.sampling_params import SamplingParams
+from ..core.sequence import Logprob
+from ..roofline import DeviceRoofs
+from ..telemetry import EngineInfo, EngineStats, RequestMetrics, Telemetry
 
-__all__ = ["Engine", "RequestOutput", "CompletionOutput", "TokenEvent", "RequestState"]
+__all__ = ["Engine", "RequestOutput", "CompletionOutput"]
 
 @dataclass
 class CompletionOutput:
@@ -63,7 +63,7 @@ class RequestOutput:
     def of(cls, r: Request) -> "RequestOutput":
         s = r.seq
         outs = [CompletionOutput(c.choice, c.detok.text, c.seq.output_token_ids,
-                                 c.seq.finish_reason, c.logprobs) for c in r.choices or [r]]
+                                 c.seq.finish_reason, c.logprobs) for c in r.choices]
         return cls(s.request_id, r.prompt, s.prompt_token_ids, s.output_token_ids, r.detok.text,
                    s.is_finished, s.finish_reason, r.metrics, outs, r.prompt_logprobs)
 
@@ -134,7 +134,7 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt, **controls) -> list[int]:
         """Text, chat messages (through the chat template) or token ids -> token ids; the
-        chat-template controls and truncation are core.inputs.InputProcessor's."""
+        chat-template controls and truncation are input_processor.InputProcessor's."""
         return self.inputs(prompt, **controls)
 
     def check_params(self, params: SamplingParams) -> None:

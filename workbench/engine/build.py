@@ -1,0 +1,165 @@
+"""Building an engine, in one place: the device and its attention backend, the checkpoint
+and model, the KV pool sized for what memory is left, the scheduler, the captured graphs,
+and EngineInfo, the record of what was built (vLLM does the same across EngineCore's and
+its workers' start-up)."""
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import sys
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..config import EngineConfig
+from ..core.block_manager import BlockManager
+from ..core.scheduler import Scheduler
+from ..executor.kv_sizing import kv_bytes_per_block, kv_bytes_per_token, num_kv_blocks
+from ..executor.models import build_model, load_checkpoint
+from ..executor.runner import ModelRunner
+from ..platforms import get_platform
+from ..telemetry import EngineInfo, MemoryStats, Telemetry
+
+log = logging.getLogger("workbench")
+
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+@dataclass(slots=True)
+class BuiltEngine:
+    """The parts an EngineCore runs, as built."""
+    config: EngineConfig
+    """The knobs as run (block_size, graph_mode resolved for the device)."""
+    platform: object
+    attn_backend: object
+    """The device's AttentionBackend: KV layout, block sizes and dtypes, attention."""
+    tokenizer: object
+    model: torch.nn.Module
+    runner: ModelRunner
+    block_manager: BlockManager
+    scheduler: Scheduler
+    telemetry: Telemetry
+    max_model_len: int
+    eos_token_ids: set[int]
+    async_scheduling: bool
+    """Whether steps run ahead (see pipeline.py): asked for, or the device's choice."""
+    info: EngineInfo
+
+
+def build_engine(config: EngineConfig) -> BuiltEngine:
+    modules = len(sys.modules)
+    platform = get_platform(config.device)
+    # config.DTYPES lists torch's own names for the dtypes.
+    dtype = platform.default_dtype if config.dtype == "auto" else getattr(torch, config.dtype)
+    backend = platform.attention_backend(dtype, config.attention_backend)
+    if config.block_size is None:
+        config = replace(config, block_size=backend.default_block_size)
+    platform.check_config(config)
+    backend.check_config(config, platform.name)
+
+    ckpt = load_checkpoint(config.model)
+    hf_config, tokenizer, model_path = ckpt.hf_config, ckpt.tokenizer, ckpt.path
+    model_limit = getattr(hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN)
+    if config.max_model_len is not None and config.max_model_len > model_limit:
+        raise ValueError(f"max_model_len: the model supports at most {model_limit} positions "
+                         f"(got {config.max_model_len})")
+    max_model_len = config.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)
+
+    platform.empty_cache()       # what dropped engines left cached counts as free
+    platform.reset_peak_memory()
+    ops = platform.model_ops(dtype) if config.attention_backend == "auto" else None
+    model = build_model(ckpt, dtype, platform.device, max_model_len, config.seed, ops)
+    del ckpt
+    platform.check_model(model)
+    model.ops.prepare(model, platform)
+    platform.empty_cache()      # what measuring kernels cached is not in use
+    bs = config.block_size
+    num_blocks = num_kv_blocks(config, platform, model, hf_config, dtype)
+    block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+    max_model_len = _fit_max_model_len(config, max_model_len, block_manager.num_usable_blocks * bs)
+
+    scheduler = Scheduler(config, block_manager, max_model_len)
+    runner = ModelRunner(model, num_blocks, bs, platform, backend)
+    telemetry = Telemetry(config.max_step_events, config.max_request_records)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    telemetry.memory = MemoryStats(weights, runner.kv_cache_bytes, platform.peak_memory_bytes(),
+                                   kv_bytes_per_block(model, bs, dtype), num_blocks)
+    graph_mode, capture_sizes, piecewise_sizes, notices = runner.capture_graphs(config,
+                                                                                max_model_len)
+    if config.graph_mode is None:        # the device's choice, now made
+        config = replace(config, graph_mode=graph_mode)
+    for text in notices:
+        telemetry.notices.append(text)
+        log.info(text)
+    # Async scheduling needs decode graphs (the next step's ids are fed on the device) and
+    # pays off where the device runs behind the host.
+    run_ahead = (config.async_scheduling if config.async_scheduling is not None
+                 else platform.runs_async) and runner.graphs is not None
+    info = EngineInfo(
+        model=config.model, model_path=str(model_path) if model_path else None,
+        device=platform.name, device_name=platform.device_name(),
+        dtype=str(dtype).replace("torch.", ""),
+        max_model_len=max_model_len, block_size=bs, num_kv_blocks=num_blocks,
+        kv_bytes_per_block=telemetry.memory.kv_bytes_per_block,
+        graph_mode=graph_mode, capture_sizes=tuple(capture_sizes),
+        piecewise_sizes=tuple(piecewise_sizes),
+        attention=backend.name, ops=model.ops.name,
+        async_scheduling=run_ahead, vocab_size=hf_config.vocab_size,
+        num_params=sum(p.numel() for p in model.parameters()),
+        num_layers=model.num_layers, **_model_shape(model, hf_config, dtype), config=config)
+    built = BuiltEngine(config, platform, backend, tokenizer, model, runner, block_manager,
+                        scheduler, telemetry, max_model_len,
+                        _eos_ids(hf_config, tokenizer, model_path), run_ahead, info)
+    if len(sys.modules) > modules and not gc.isenabled():
+        # A library imported for the first time above may leave a reference cycle that
+        # holds one of its import-time frames (trio, which transformers pulls in through
+        # huggingface_hub, keeps the traceback of its start-up self-test in a local). A
+        # frame keeps its callers' frames through f_back, up to Engine.__init__ and the
+        # engine in it, for as long as the cycle lives: with the cyclic GC off, for ever,
+        # so the first engine of a process would never be freed. Collect it now: the cycle
+        # is garbage already, and our frames go free with it. (With the GC on, it collects
+        # such cycles itself.)
+        gc.collect()
+    return built
+
+
+def _fit_max_model_len(config: EngineConfig, max_model_len: int, pool_tokens: int) -> int:
+    """A request must fit in the pool (and in one step when prompts are not chunked): the
+    model's limit is lowered to what fits; a max_model_len asked for that does not fit is
+    an error naming what limits it."""
+    limit = (pool_tokens if config.enable_chunked_prefill
+             else min(pool_tokens, config.max_num_batched_tokens))
+    if max_model_len <= limit:
+        return max_model_len
+    if config.max_model_len is not None:
+        what = ("num_kv_blocks (one block is the reserved null block)" if limit == pool_tokens
+                else "max_num_batched_tokens")
+        raise ValueError(f"max_model_len: {max_model_len} tokens do not fit; {what} "
+                         f"allows {limit} (raise it or lower max_model_len)")
+    return limit
+
+
+def _model_shape(model, hf_config, dtype: torch.dtype) -> dict:
+    """The shape figures EngineInfo carries (what FLOP and byte counts of a step need)."""
+    layers = sum(p.numel() for p in model.layers.parameters())
+    head = (model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight).numel()
+    elem = next(model.parameters()).element_size()
+    return dict(num_layer_params=layers, hidden_size=hf_config.hidden_size,
+                intermediate_size=hf_config.intermediate_size,
+                num_attention_heads=hf_config.num_attention_heads,
+                num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+                weight_bytes=(layers + head) * elem,
+                kv_bytes_per_token=kv_bytes_per_token(model, dtype))
+
+
+def _eos_ids(hf_config, tokenizer, model_path) -> set[int]:
+    """EOS ids from the config, the tokenizer and generation_config.json, together."""
+    found = [getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)]
+    gen = model_path / "generation_config.json" if model_path else None
+    if gen is not None and gen.is_file():
+        found.append(json.loads(gen.read_text()).get("eos_token_id"))
+    ids: set[int] = set()
+    for v in found:
+        ids.update([v] if isinstance(v, int) else [x for x in (v or []) if isinstance(x, int)])
+    return ids

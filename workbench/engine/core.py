@@ -1,0 +1,267 @@
+"""The engine core: requests in, one step at a time, tokens out (vLLM v1's EngineCore).
+
+A short loop over named parts: `build_engine` makes the model, the KV pool, the scheduler
+and the runner; each step, the StepPipeline schedules, runs and samples, and the
+OutputProcessor turns the sampled ids into TokenEvents. `add` and `abort` go through an inbox
+under a short lock, so they never wait for a forward pass; the step (or the step loop,
+`run_loop`, on the front door's background thread) picks them up at the start of the next
+step. Tokenizing, streams and `generate` live in the front door (`llm_engine.Engine`).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from ..config import EngineConfig
+from ..core.block_manager import KVBlockSnapshot
+from ..core.sampling_params import SamplingParams
+from ..core.structured_output import StructuredOutputManager
+from ..roofline import DeviceRoofs, probe_roofs
+from ..telemetry import EngineInfo, EngineStats
+from .build import build_engine
+from .output_processor import OutputProcessor
+from .pipeline import StepPipeline, StepResult
+from .request import Request, RequestState, TokenEvent, make_request
+
+log = logging.getLogger("workbench")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        b = build_engine(config)
+        self.config = b.config
+        """The knobs as run (block_size and graph_mode resolved for the device)."""
+        self.platform = b.platform
+        self.model = b.model
+        self.runner = b.runner
+        self.block_manager = b.block_manager
+        self.scheduler = b.scheduler
+        self.telemetry = b.telemetry
+        self.tokenizer = b.tokenizer
+        self.max_model_len = b.max_model_len
+        self.vocab_size = b.info.vocab_size
+        self.notices: list[str] = b.telemetry.notices
+        """Things the user asked for that this engine does differently, in words for a UI
+        (the same list is exported with the telemetry)."""
+        self._info = b.info
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size)
+        self.output = OutputProcessor(self.tokenizer, b.eos_token_ids, self.max_model_len,
+                                      self.scheduler, self.telemetry)
+        self.pipeline = StepPipeline(self.scheduler, self.runner, self.platform, self.output,
+                                     self.structured_output, self.telemetry, b.eos_token_ids,
+                                     b.async_scheduling, self.config.max_num_seqs)
+
+        self._inbox: list[Request] = []
+        self._aborts: list[str] = []
+        self._lock = threading.Lock()            # guards _inbox, _aborts
+        self._step_lock = threading.Lock()       # one step at a time
+        self._wake = threading.Condition(self._lock)
+        self._looping = False
+        """True while run_loop steps on another thread."""
+        self._kv_wanted = False
+        self._kv_last: KVBlockSnapshot | None = None
+        self._closed = False
+
+    # ---- the public read API --------------------------------------------------------------
+    def info(self) -> EngineInfo:
+        return self._info
+
+    def stats(self) -> EngineStats:
+        b = self.block_manager.stats()
+        with self._lock:
+            queued = len(self._inbox)
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting) + queued,
+                           b.num_blocks, b.used, b.free, b.cached, self.scheduler.num_preemptions,
+                           b.hits, b.queries, self.telemetry.num_steps,
+                           self.telemetry.num_requests)
+
+    def kv_blocks(self) -> KVBlockSnapshot | None:
+        """The KV pool block by block. Never waits for a forward pass: while a step runs in
+        the background it returns the snapshot taken at the end of the previous step it was
+        asked for (None the first time) and asks for a fresh one at the end of this step."""
+        if self._step_lock.acquire(blocking=False):
+            try:
+                return self._kv_snapshot()
+            finally:
+                self._step_lock.release()
+        self._kv_wanted = True
+        return self._kv_last
+
+    def _kv_snapshot(self) -> KVBlockSnapshot:
+        tables = {r.seq.request_id: list(r.seq.block_table) for r in self.output.requests()
+                  if r.seq.block_table}
+        return self.block_manager.snapshot(tables, self.telemetry.num_steps - 1)
+
+    def request_states(self) -> list[RequestState]:
+        """Every unfinished request, in arrival order (waits for a running step to end)."""
+        with self._step_lock:
+            with self._lock:
+                reqs = self.output.requests()
+                queued = {id(r) for r in self._inbox}
+            return [RequestState(r.seq.request_id,
+                                 "queued" if id(r) in queued else r.seq.status.value,
+                                 r.seq.num_prompt_tokens, r.seq.num_output_tokens,
+                                 r.seq.num_computed_tokens, r.seq.num_cached_tokens,
+                                 r.seq.num_preemptions, list(r.seq.block_table), r.detok.text)
+                    for r in reqs if not r.seq.is_finished]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output.has_unfinished()
+
+    def prompt_logits(self, prompt_ids: list[int]):
+        """The logits at a prompt's last position from one real prefill step, for numerics
+        checks against a reference (benchmarks/gpu.py, npu.py). Only while idle; the request
+        is aborted afterwards, so nothing else changes."""
+        with self._step_lock:
+            if self.output.has_unfinished() or self.pipeline.in_flight is not None:
+                raise RuntimeError("prompt_logits: the engine has requests; run it when idle")
+            req = self.make_request(list(prompt_ids), prompt_ids, SamplingParams(max_tokens=1),
+                                    "prompt-logits")
+            self.add([req])
+            self._drain_inbox()
+            logits = self.runner.execute(self.scheduler.schedule())[0][0].float()
+        self.abort(req.seq.request_id)
+        return logits
+
+    def device_roofs(self, refresh: bool = False) -> DeviceRoofs:
+        return probe_roofs(self.platform, next(self.model.parameters()).dtype, refresh)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block (the blocks stay in the pool, free)."""
+        with self._step_lock:
+            self.block_manager.reset_prefix_cache()
+
+    # ---- requests -------------------------------------------------------------------------
+    def make_request(self, prompt_ids: list[int], prompt: Any, params: SamplingParams,
+                     request_id: str) -> Request:
+        """A Request for validated token ids (see request.make_request)."""
+        return make_request(prompt_ids, prompt, params, request_id, tokenizer=self.tokenizer,
+                            max_model_len=self.max_model_len, engine_seed=self.config.seed,
+                            structured_output=self.structured_output)
+
+    def add(self, reqs: list[Request]) -> None:
+        self.check_open()
+        with self._lock:
+            self.output.add(reqs)
+            for r in reqs:
+                r.seq.arrival_time = r.metrics.arrival_time = time.monotonic()
+            self._inbox.extend(reqs)
+            self._wake.notify_all()
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks at the next step boundary. False if unknown."""
+        with self._lock:
+            if request_id not in self.output:
+                return False
+            self._aborts.append(request_id)
+            self._wake.notify_all()
+        if not self._looping and not self._step_lock.locked():
+            with self._step_lock:
+                self._drain_inbox()
+        return True
+
+    def abort_all(self) -> None:
+        """Abort every request, queued ones included, now."""
+        for r in self.output.requests():
+            self.abort(r.seq.request_id)
+        with self._step_lock:
+            self._drain_inbox()
+
+    # ---- stepping -------------------------------------------------------------------------
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            new, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for r in new:
+            self.scheduler.add(r.seq)
+        for rid in aborts:
+            self.output.abort(rid)
+
+    def _quiet(self) -> bool:
+        """No request arrived or was aborted since the step began (the pipeline may run
+        ahead)."""
+        return not self._inbox and not self._aborts
+
+    def _step(self, run_ahead: bool = True) -> StepResult:
+        self._drain_inbox()
+        result = self.pipeline.step(self._quiet if run_ahead else lambda: False)
+        if self._kv_wanted:
+            self._kv_wanted = False
+            self._kv_last = self._kv_snapshot()
+        return result
+
+    def step(self) -> list[TokenEvent]:
+        """Run one scheduler step: admit, run the model, sample, deliver. Returns the events
+        (with async scheduling, of the step launched the call before)."""
+        self.check_open()
+        with self._step_lock:
+            return self._step().events
+
+    def finish_in_flight(self) -> None:
+        """Hand out the step still in flight, launching nothing after it."""
+        if self.pipeline.in_flight is not None:
+            with self._step_lock:
+                if self.pipeline.in_flight is not None:
+                    self._step(run_ahead=False)
+
+    def run_loop(self, stop: threading.Event) -> None:
+        """Step until `stop` is set, sleeping while there is nothing to do (the front door's
+        background thread runs this)."""
+        self._looping = True
+        try:
+            while not stop.is_set():
+                with self._lock:
+                    if (not self._inbox and not self._aborts and self.pipeline.in_flight is None
+                            and not self.scheduler.has_unfinished()):
+                        self._wake.wait(timeout=0.5)
+                        continue
+                try:
+                    with self._step_lock:
+                        result = self._step()
+                except Exception:   # keep serving: fail the requests of the broken step only
+                    log.exception("engine step failed; aborting its requests")
+                    self.pipeline.in_flight = None
+                    for seq in list(self.scheduler.running):
+                        r = self.output.get(seq.request_id)
+                        if r is None:
+                            self.scheduler.finish(seq, "error")
+                        else:
+                            self.output.end(r, "error", time.monotonic())
+                    continue
+                if result.idle and not self._inbox:
+                    # Nothing could run (a held-back batch): sleep until it may be admitted.
+                    wait = self.scheduler.next_wakeup()
+                    with self._lock:
+                        self._wake.wait(timeout=min(wait if wait is not None else 0.01, 0.05))
+        finally:
+            self._looping = False
+
+    # ---- release --------------------------------------------------------------------------
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("engine: closed (close() freed its KV pool and weights); "
+                               "build a new Engine")
+
+    def close(self) -> None:
+        """Abort every request, hand out a step still in flight, and free the KV pool,
+        captured graphs and weights now. Idempotent."""
+        if self._closed:
+            return
+        self.finish_in_flight()
+        self.abort_all()
+        with self._step_lock:
+            self._closed = True
+            self.runner.release()
+            self.model = None
+        self.platform.empty_cache()
+
+    def wake(self) -> None:
+        """Wake a sleeping run_loop (to notice its stop event)."""
+        with self._lock:
+            self._wake.notify_all()

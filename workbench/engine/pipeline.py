@@ -1,0 +1,184 @@
+"""One engine step: schedule, run the model, sample, hand the ids to the output processor,
+record the StepEvent; with async scheduling (vLLM's name), a pipeline that keeps one step in
+flight.
+
+Synchronously, a step's tokens are handed out before the next step is scheduled. With async
+scheduling, a decode step that replayed a graph keeps its sampled ids on the device and stays
+in flight (an InFlightStep); the next call advances its sequences, schedules and launches the
+step after it from those ids (Scheduler.schedule_next_decode) and only then waits for them,
+so the host's bookkeeping for step N runs while the device computes step N+1. That call's
+events are step N's; the step still in flight is handed out by the call after it (or by
+`step(run_ahead=False)`).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..core.scheduler import Scheduler, SchedulerOutput
+from ..core.structured_output import StructuredOutputManager
+from ..executor.runner import ModelRunner
+from ..executor.sampler import LogprobsTensors, apply_token_bitmask, compute_logprobs, sample
+from ..telemetry import FULL, StepEvent, Telemetry
+from .output_processor import OutputProcessor
+from .parallel_sampling import ParentRequest
+from .request import Request, TokenEvent
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one call of StepPipeline.step did."""
+    events: list[TokenEvent]
+    """The tokens it handed out (with async scheduling, of the step launched before)."""
+    phase: str
+    """The phase of the step whose tokens it handed out ('prefill', 'decode', 'mixed'), or
+    'idle': nothing could be scheduled (a queue held back by waiting_timeout_ms, say; see
+    Scheduler.next_wakeup)."""
+
+    @property
+    def idle(self) -> bool:
+        return self.phase == "idle"
+
+
+@dataclass(slots=True)
+class InFlightStep:
+    """A launched step whose sampled ids are still on their way to the host."""
+    sched: SchedulerOutput
+    reqs: list[Request]
+    token_ids: torch.Tensor
+    """[rows] on the device, in the step's sampling order (the next step's input ids)."""
+    host_ids: torch.Tensor
+    """Where they land on the host, once `ready` has passed."""
+    host_logprobs: LogprobsTensors | None
+    """The rows' logprobs (when a row asked), also copied to the host without waiting."""
+    ready: Any
+    graph: tuple[str, int]
+    t0: float
+    ahead: bool
+    """Scheduled before the step before it had handed out its tokens."""
+
+
+def may_run_ahead(r: Request) -> bool:
+    """Whether a request's next step may be launched before its token is known: greedy (the
+    id is picked on the device), no stop strings (they need the text), no grammar (its mask
+    for the next step depends on this step's token), no logits processors (penalties need the
+    token history on the host). Logprobs may: they are computed on the device and copied back
+    with the ids."""
+    p = r.seq.params
+    return r.generator is None and not p.stop and r.grammar is None and not p.needs_processing
+
+
+class StepPipeline:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, platform,
+                 output: OutputProcessor, structured_output: StructuredOutputManager,
+                 telemetry: Telemetry, eos_token_ids: set[int], async_scheduling: bool,
+                 max_num_seqs: int):
+        self.scheduler = scheduler
+        self.runner = runner
+        self.platform = platform
+        self.output = output
+        self.structured_output = structured_output
+        self.telemetry = telemetry
+        self.eos_token_ids = eos_token_ids
+        self.async_scheduling = async_scheduling
+        self.in_flight: InFlightStep | None = None
+        """The step launched last, whose tokens are not handed out yet (async scheduling)."""
+        self._host_ids = ([platform.host_buffer(max_num_seqs, torch.long) for _ in range(2)]
+                          if async_scheduling else [])
+        self._host_flip = 0
+
+    def step(self, run_ahead: Callable[[], bool]) -> StepResult:
+        """One step's worth of work (see the module's docstring). `run_ahead()` is asked just
+        before a next step would be launched early: False (requests arrived or were aborted
+        meanwhile, or the caller wants the pipeline drained) hands out the step in flight
+        and launches nothing."""
+        pending, self.in_flight = self.in_flight, None
+        if pending is None:
+            t0 = time.monotonic()
+            sched = self.scheduler.schedule(t0)
+            self.output.note_scheduled(sched, t0)
+            if sched.is_empty:
+                return self._hand_out(sched, [], [], None, None, t0)
+            logits, sampling, graph, spans = self.runner.execute(sched)
+            reqs = self.output.requests_of(sampling)
+            if not (self.async_scheduling and graph is not None and graph[0] == FULL
+                    and all(may_run_ahead(r) for r in reqs)):
+                if spans:
+                    self.output.add_prompt_logprobs(spans, logits[len(sampling):])
+                rows, reqs = ParentRequest.sampling_rows(reqs)
+                if rows is not None:
+                    logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+                out = self._sample(logits[:len(reqs)], reqs)
+                self.scheduler.update_after_step(sched)
+                lp = out.logprobs.to_host() if out.logprobs is not None else None
+                return self._hand_out(sched, reqs, out.token_ids.tolist(), lp, graph, t0)
+            pending = self._copy_to_host(sched, logits, reqs, graph, t0, ahead=False)
+        # Step N is in flight: advance its sequences, launch N+1 from its device-side ids,
+        # then wait for N's ids and hand them out.
+        self.scheduler.update_after_step(pending.sched)
+        if run_ahead():
+            nxt = self.scheduler.schedule_next_decode(
+                pending.sched, lambda seq: may_run_ahead(self.output.get(seq.request_id)))
+            if nxt is not None:
+                t1 = time.monotonic()
+                rows, nsched = nxt
+                ids = pending.token_ids
+                if rows != list(range(len(rows))) or len(rows) != ids.shape[0]:
+                    ids = ids.index_select(0, torch.tensor(rows).to(ids.device, non_blocking=True))
+                # No larger than the step before it, so a captured size holds it.
+                logits, sampling, graph, _ = self.runner.execute(nsched, input_ids=ids)
+                self.in_flight = self._copy_to_host(nsched, logits,
+                                                    self.output.requests_of(sampling), graph, t1,
+                                                    ahead=True)
+        pending.ready.synchronize()
+        return self._hand_out(pending.sched, pending.reqs, pending.host_ids.tolist(),
+                              pending.host_logprobs, pending.graph, pending.t0, pending.ahead)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]):
+        """Pick each row's token (and its logprobs, when asked); rows with a grammar are
+        masked first, all in one bitmask (so, as in vLLM, their logprobs are the masked
+        distribution's)."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if rows:
+            bitmask = self.structured_output.grammar_bitmask([reqs[i].grammar for i in rows])
+            logits = apply_token_bitmask(logits, bitmask, rows)
+        return sample(logits, [r.seq for r in reqs], [r.generator for r in reqs],
+                      self.eos_token_ids)
+
+    def _copy_to_host(self, sched, logits, reqs, graph, t0, ahead: bool) -> InFlightStep:
+        """Greedy ids picked on the device and copied to a pinned host buffer without
+        waiting; two buffers alternate, so the one being filled is never the one read."""
+        ids = logits.argmax(dim=-1)
+        self._host_flip ^= 1
+        host = self._host_ids[self._host_flip][:ids.shape[0]]
+        host.copy_(ids, non_blocking=True)
+        k = max((r.seq.params.logprobs for r in reqs if r.seq.params.logprobs is not None),
+                default=None)
+        # (a non-blocking copy from the device lands in pinned memory)
+        lp = None if k is None else compute_logprobs(logits, ids, k).to_host(non_blocking=True)
+        return InFlightStep(sched, reqs, ids, host, lp, self.platform.record_event(), graph, t0,
+                            ahead)
+
+    def _hand_out(self, sched: SchedulerOutput, reqs: list[Request], tokens: list[int],
+                  logprobs: LogprobsTensors | None, graph, t0: float,
+                  ahead: bool = False) -> StepResult:
+        """One step's tokens to the output processor, and the step into telemetry."""
+        events, finished = self.output.process(reqs, tokens, logprobs, time.monotonic())
+        bstats = self.scheduler.block_manager.stats()
+        self.telemetry.add_step(StepEvent(
+            step=self.telemetry.num_steps, start=t0, duration=time.monotonic() - t0,
+            phase=sched.phase, num_prefill_tokens=sched.num_prefill_tokens,
+            num_decode_tokens=sched.num_decode_tokens, num_cached_tokens=sched.num_cached_tokens,
+            tokens_per_request={s.seq.request_id: s.num_new_tokens for s in sched.scheduled},
+            kinds={s.seq.request_id: "decode" if s.is_decode else "prefill" if s.samples
+                   else "chunk" for s in sched.scheduled},
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=bstats.used, kv_blocks_free=bstats.free, kv_blocks_cached=bstats.cached,
+            num_preempted=len(sched.preempted), preempted=[s.request_id for s in sched.preempted],
+            graph=graph is not None, graph_kind=graph and graph[0],
+            graph_size=graph and graph[1], finished=finished, scheduled_ahead=ahead,
+            context_lens={s.seq.request_id: s.start for s in sched.scheduled}))
+        return StepResult(events, sched.phase)
