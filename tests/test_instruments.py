@@ -77,7 +77,9 @@ def test_dashboard_replays_the_shipped_trace_with_no_model(monkeypatch):
     from widgets import Dashboard
     from widgets.replay import SHIPPED_TRACE
     no_engine(monkeypatch)
-    d = Dashboard(replay=SHIPPED_TRACE, speed=1000)        # 1000× real time
+    d = Dashboard(replay=SHIPPED_TRACE, speed=1000, autoplay=False)   # 1000× real time, paused
+    assert d.replay_button.description == "Play the recording"
+    d._view_count = 1                                      # a browser shows it: still paused
     time.sleep(0.2)
     d.pump.tick()
     assert d.streams.num_requests == 0                     # nothing before Play
@@ -99,6 +101,31 @@ def test_dashboard_replays_the_shipped_trace_with_no_model(monkeypatch):
     d.pump.stop()
 
 
+def test_replay_plays_when_a_browser_first_shows_it(tiny_trace, monkeypatch):
+    """The default (`workbench dashboard --replay`): nothing is released while no browser
+    shows the page (plotly figures would miss it), and all of it once one does, without a
+    click; a second view does not start it again."""
+    from widgets import Dashboard
+    no_engine(monkeypatch)
+    d = Dashboard(replay=tiny_trace, speed=1000)
+    assert d.replay_button.description == "Replay from the start"
+    d.pump.tick()
+    assert not d.source.playing and d.streams.num_requests == 0
+    d._view_count = 1                      # what the browser sets when it displays the page
+    assert d.source.playing
+    t = Trace.load(tiny_trace)
+    deadline = time.monotonic() + 30
+    while not d.source.done and time.monotonic() < deadline:
+        d.pump.tick()
+        time.sleep(0.01)
+    d.pump.tick()
+    assert d.timeline.num_points == len(t.frames) and d.summary.num_finished == len(t.prompts)
+    d._view_count = 2                      # another view of the same page: no restart
+    d.pump.tick()
+    assert d.timeline.num_points == len(t.frames)
+    d.pump.stop()
+
+
 def test_replay_rejects_bad_files_and_cli_says_why(tmp_path, capsys):
     from widgets import Dashboard
     from workbench.cli import main
@@ -110,6 +137,8 @@ def test_replay_rejects_bad_files_and_cli_says_why(tmp_path, capsys):
     assert "not a workbench trace" in capsys.readouterr().err
     assert main(["dashboard", "--replay", str(foreign), "--url", "http://x"]) == 2
     assert "takes no --url" in capsys.readouterr().err
+    assert main(["dashboard", "--paused"]) == 2
+    assert "--paused: only with --replay" in capsys.readouterr().err
 
 
 def test_roofline_panel_places_decode_left_of_prefill(tiny_trace):
