@@ -50,6 +50,23 @@ def test_record_keeps_every_step_token_and_finished_request(tiny_trace):
     assert 0 <= t.frames[0].time < t.frames[-1].time == pytest.approx(t.duration)
 
 
+def test_a_trace_counts_from_its_own_start():
+    """Steps from 0 and requests req-0, req-1, … whatever the engine ran before (the shipped
+    trace is recorded after a calibration on the same engine)."""
+    e = Engine(**TINY)
+    try:
+        e.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))
+        t = record(e, [[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3, ignore_eos=True))
+    finally:
+        e.close()
+    assert [f.step.step for f in t.frames] == list(range(len(t.frames)))
+    assert list(t.prompts) == ["req-0", "req-1"]
+    assert sorted(r.request_id for r in t.requests) == ["req-0", "req-1"]
+    assert {tok.request_id for f in t.frames for tok in f.tokens} == {"req-0", "req-1"}
+    assert t.frames[-1].kv.step == t.frames[-1].step.step
+    assert 0 <= t.frames[0].step.start < t.duration
+
+
 def test_stepper_replays_with_no_model(tiny_trace, monkeypatch):
     from widgets import Stepper
     no_engine(monkeypatch)

@@ -293,7 +293,9 @@ def record(engine: Engine, prompts: list, params: SamplingParams | list[Sampling
            = None, *, kv_every: int = 1, roofs: bool = True, max_steps: int = 100_000) -> Trace:
     """Run `prompts` to the end on `engine` (stepping it in this thread; it must not run in the
     background) and record every step. kv_every: keep the KV pool every n-th step (and at
-    the last one). roofs: include the device's roofs (probed once per machine)."""
+    the last one). roofs: include the device's roofs (probed once per machine). A trace
+    counts from its own start, whatever the engine ran before: times from its first request,
+    steps from 0, and requests named req-0, req-1, … in the order of `prompts`."""
     if engine.is_running_in_background:
         raise ValueError("engine: record() steps the engine itself; pass one that is not "
                          "running in the background")
@@ -305,15 +307,17 @@ def record(engine: Engine, prompts: list, params: SamplingParams | list[Sampling
         params = [params] * len(prompts)
     if len(params) != len(prompts):
         raise ValueError(f"params: {len(params)} for {len(prompts)} prompts")
-    t0 = time.monotonic()
-    labels = {engine.add_request(p, sp): prompt_label(p) for p, sp in zip(prompts, params)}
-    frames: list[TraceFrame] = []
     tel = engine.telemetry
-    next_step, next_request = tel.num_steps, tel.num_requests
+    first_step = next_step = tel.num_steps
+    next_request = tel.num_requests
+    t0 = time.monotonic()
+    labels = {engine.add_request(p, sp, f"req-{i}"): prompt_label(p)
+              for i, (p, sp) in enumerate(zip(prompts, params))}
+    frames: list[TraceFrame] = []
     while engine.has_unfinished_requests() and len(frames) < max_steps:
         tokens = engine.step()
-        new = [replace(s, start=s.start - t0) for s in tel.steps_since(next_step)
-               if s.phase != "idle"]
+        new = [replace(s, start=s.start - t0, step=s.step - first_step)
+               for s in tel.steps_since(next_step) if s.phase != "idle"]
         next_step = tel.num_steps
         if not new:
             continue
@@ -321,9 +325,9 @@ def record(engine: Engine, prompts: list, params: SamplingParams | list[Sampling
         tokens = [replace(t, time=t.time - t0) for t in tokens]
         for s in new[:-1]:             # steps run inside one call (none today) carry no tokens
             frames.append(TraceFrame(s))
+        kv = engine.kv_blocks() if done or len(frames) % kv_every == 0 else None
         frames.append(TraceFrame(new[-1], tokens, engine.request_states(),
-                                 engine.kv_blocks() if done or len(frames) % kv_every == 0
-                                 else None))
+                                 replace(kv, step=kv.step - first_step) if kv else None))
     reqs = [replace(m, arrival_time=m.arrival_time - t0, token_times=[x - t0 for x in
                                                                      m.token_times],
                     **{k: getattr(m, k) - t0 for k in ("first_scheduled_time",
