@@ -121,8 +121,9 @@ class Trace:
     memory: MemoryStats | None = None
     notices: list[str] = field(default_factory=list)
     model_sha256: str | None = None
-    """The weights' content hash (`loader.model_digest`): the embedded model's GGUF, a checkpoint
-    directory's files; None for random weights (their name and seed say what they are)."""
+    """The weights' content hash (`Engine.model_sha256()`): the embedded model's GGUF, a
+    checkpoint directory's files; None for random weights (their name and seed say what they
+    are)."""
     calibration: Calibration | None = None
     """What `benchmarks/record_trace.py` checked the steps against (None for other traces)."""
 
@@ -334,11 +335,8 @@ def record(engine: Engine, prompts: list, params: SamplingParams | list[Sampling
                                                         "first_token_time", "finished_time")
                        if getattr(m, k) is not None})
             for m in tel.requests_since(next_request)]
-    from .executor.models.loader import model_digest
-    info = engine.info()
-    return Trace(info, frames, reqs, labels, engine.device_roofs() if roofs else None,
-                 tel.memory, list(engine.notices), model_digest(info.config.model,
-                                                                info.model_path))
+    return Trace(engine.info(), frames, reqs, labels, engine.device_roofs() if roofs else None,
+                 tel.memory, list(engine.notices), engine.model_sha256())
 
 
 def calibrate(engine: Engine, prompts: list, params: SamplingParams | list[SamplingParams] |

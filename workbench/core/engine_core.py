@@ -24,7 +24,7 @@ import torch
 
 from ..config import EngineConfig
 from ..executor.kv_sizing import kv_bytes_per_block, num_kv_blocks
-from ..executor.models import build_model, load_checkpoint
+from ..executor.models import build_model, load_checkpoint, model_digest
 from ..executor.runner import ModelRunner
 from ..executor.sampler import LogprobsTensors, apply_token_bitmask, compute_logprobs, sample
 from ..platforms import get_platform
@@ -209,6 +209,9 @@ class EngineCore:
 
     def device_roofs(self, refresh: bool = False) -> DeviceRoofs:
         return probe_roofs(self.platform, next(self.model.parameters()).dtype, refresh)
+
+    def model_sha256(self) -> str | None:
+        return model_digest(self.config.model, self.model_path)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix block (the blocks stay in the pool, free)."""
