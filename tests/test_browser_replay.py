@@ -66,7 +66,11 @@ def replay_page(tmp_path, *extra: str):
                 info = page.locator(".engine-info")
                 info.wait_for(timeout=120_000)
                 assert "no model loaded" in info.inner_text()
-                yield page, trace, errors, proc
+                try:
+                    yield page, trace, errors, proc
+                except BaseException:
+                    print("page errors:", errors)     # shown with a failure's captured output
+                    raise
             finally:
                 browser.close()
         assert stop_tree(proc) == [], "processes outlived SIGTERM to workbench dashboard"

@@ -323,7 +323,9 @@ class Dashboard(w.VBox):
         FigureWidget is sent before its browser side exists is lost, and a recording of a
         few seconds would be over before the page appeared. The browser counts its views of
         a widget in `_view_count` once it is a number (ipywidgets' view tracking), so the
-        first view is the moment to start."""
+        first view is the moment to start: by then the browser holds every widget of the
+        page, and a figure still loading its script is handed what it is sent once loaded
+        (anywidget queues it)."""
         def shown(change) -> None:
             if change["new"]:
                 self.unobserve(shown, "_view_count")
