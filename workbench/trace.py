@@ -105,6 +105,9 @@ class Calibration:
     cpu_count: int
     threads: int
     """torch's intra-op threads."""
+    bench_batch1_tpot_s: float | None = None
+    """Batch-1 TPOT as `workbench bench --num-requests 0` measured it on the same engine right
+    after the recording (what tests/test_trace_recording.py holds `Trace.batch1_tpot()` to)."""
 
 
 @dataclass
