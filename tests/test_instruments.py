@@ -50,6 +50,23 @@ def test_record_keeps_every_step_token_and_finished_request(tiny_trace):
     assert 0 <= t.frames[0].time < t.frames[-1].time == pytest.approx(t.duration)
 
 
+def test_a_trace_counts_from_its_own_start():
+    """Steps from 0 and requests req-0, req-1, … whatever the engine ran before (the shipped
+    trace is recorded after a calibration on the same engine)."""
+    e = Engine(**TINY)
+    try:
+        e.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))
+        t = record(e, [[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3, ignore_eos=True))
+    finally:
+        e.close()
+    assert [f.step.step for f in t.frames] == list(range(len(t.frames)))
+    assert list(t.prompts) == ["req-0", "req-1"]
+    assert sorted(r.request_id for r in t.requests) == ["req-0", "req-1"]
+    assert {tok.request_id for f in t.frames for tok in f.tokens} == {"req-0", "req-1"}
+    assert t.frames[-1].kv.step == t.frames[-1].step.step
+    assert 0 <= t.frames[0].step.start < t.duration
+
+
 def test_stepper_replays_with_no_model(tiny_trace, monkeypatch):
     from widgets import Stepper
     no_engine(monkeypatch)
@@ -77,7 +94,9 @@ def test_dashboard_replays_the_shipped_trace_with_no_model(monkeypatch):
     from widgets import Dashboard
     from widgets.replay import SHIPPED_TRACE
     no_engine(monkeypatch)
-    d = Dashboard(replay=SHIPPED_TRACE, speed=1000)        # 1000× real time
+    d = Dashboard(replay=SHIPPED_TRACE, speed=1000, autoplay=False)   # 1000× real time, paused
+    assert d.replay_button.description == "Play the recording"
+    d._view_count = 1                                      # a browser shows it: still paused
     time.sleep(0.2)
     d.pump.tick()
     assert d.streams.num_requests == 0                     # nothing before Play
@@ -107,6 +126,31 @@ def tick_until(d, done, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
+def test_replay_plays_when_a_browser_first_shows_it(tiny_trace, monkeypatch):
+    """The default (`workbench dashboard --replay`): nothing is released while no browser
+    shows the page (plotly figures would miss it), and all of it once one does, without a
+    click; a second view does not start it again."""
+    from widgets import Dashboard
+    no_engine(monkeypatch)
+    d = Dashboard(replay=tiny_trace, speed=1000)
+    assert d.replay_button.description == "Replay from the start"
+    d.pump.tick()
+    assert not d.source.playing and d.streams.num_requests == 0
+    d._view_count = 1                      # what the browser sets when it displays the page
+    assert d.source.playing
+    t = Trace.load(tiny_trace)
+    deadline = time.monotonic() + 30
+    while not d.source.done and time.monotonic() < deadline:
+        d.pump.tick()
+        time.sleep(0.01)
+    d.pump.tick()
+    assert d.timeline.num_points == len(t.frames) and d.summary.num_finished == len(t.prompts)
+    d._view_count = 2                      # another view of the same page: no restart
+    d.pump.tick()
+    assert d.timeline.num_points == len(t.frames)
+    d.pump.stop()
+
+
 def test_replay_rejects_bad_files_and_cli_says_why(tmp_path, capsys):
     from widgets import Dashboard
     from workbench.cli import main
@@ -118,6 +162,8 @@ def test_replay_rejects_bad_files_and_cli_says_why(tmp_path, capsys):
     assert "not a workbench trace" in capsys.readouterr().err
     assert main(["dashboard", "--replay", str(foreign), "--url", "http://x"]) == 2
     assert "takes no --url" in capsys.readouterr().err
+    assert main(["dashboard", "--paused"]) == 2
+    assert "--paused: only with --replay" in capsys.readouterr().err
 
 
 def test_roofline_panel_places_decode_left_of_prefill(tiny_trace):

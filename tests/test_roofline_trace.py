@@ -126,3 +126,76 @@ def test_trace_bad_foreign_and_wrong_version(tmp_path):
     with pytest.raises(TraceError, match="cannot read"):
         Trace.load(tmp_path / "absent.json")
     assert d["format"] == FORMAT
+
+
+def test_a_trace_names_no_local_path_and_old_ones_still_load(tmp_path):
+    """Traces recorded before model_sha256 kept the recording machine's absolute path in
+    info.model_path (and a checkpoint directory's in info.model): they load, without it, and
+    saving names the directory by its last component only."""
+    from dataclasses import replace
+    d = small_trace().to_dict()
+    assert "model_sha256" in d and d["info"]["model_path"] is None
+    old = json.loads(json.dumps(d))
+    for key in ("model_sha256", "calibration"):           # what older files do not have
+        del old[key]
+    old["info"]["model_path"] = "/home/alice/.cache/workbench/smollm2-135m-instruct-0123"
+    old["info"]["model"] = old["info"]["config"]["model"] = "/home/alice/models/Qwen3-0.6B"
+    f = tmp_path / "old.trace.json.gz"
+    f.write_bytes(gzip.compress(json.dumps(old).encode()))
+    t = Trace.load(f)
+    assert t.info.model_path is None and t.model_sha256 is None and t.calibration is None
+    assert t.info.model == t.info.config.model == "Qwen3-0.6B"
+    assert t.frames[0].tokens[0].text == "Hi"
+    assert "alice" not in gzip.decompress(t.save(tmp_path / "again.trace.json.gz")
+                                          .read_bytes()).decode()
+    # Made by hand with a path, a trace drops it too; the embedded and random names stay.
+    assert Trace(replace(SHAPE, model_path="/x/y"), []).info.model_path is None
+    assert Trace(replace(SHAPE, model="random:tiny"), []).info.model == "random:tiny"
+
+
+def test_batch1_tpot_is_the_longest_lone_decode_stretch():
+    from workbench.engine import TokenEvent
+    from workbench.trace import TraceFrame
+
+    def frame(i, t, rids, phase="decode"):
+        kinds = {r: phase for r in rids}
+        return TraceFrame(event(step=i, start=t, duration=0.01, phase=phase,
+                                num_prefill_tokens=0, num_decode_tokens=len(rids),
+                                tokens_per_request={r: 1 for r in rids}, kinds=kinds),
+                          [TokenEvent(r, 1, "x", 1, t) for r in rids])
+    frames = [frame(0, 0.0, ["a", "b"]), frame(1, 0.1, ["a"]), frame(2, 0.3, ["a"]),
+              frame(3, 0.4, ["a", "b"]),                       # b back: the stretch ends
+              frame(4, 1.0, ["b"]), frame(5, 1.05, ["b"]), frame(6, 1.1, ["b"]),
+              frame(7, 1.15, ["b"])]
+    t = Trace(SHAPE, frames)
+    tpot, n = t.batch1_tpot()
+    assert n == 4 and tpot == pytest.approx(0.05)
+    assert Trace(SHAPE, frames[:1]).batch1_tpot() is None
+
+
+def test_check_steps_names_each_step_off_its_kinds_calibration(tmp_path):
+    from dataclasses import replace
+
+    from workbench.trace import check_steps, step_kind
+    t = small_trace()                        # two steps of one kind, 0.5 s each
+    samples = {step_kind(t.frames[0].step): [0.4, 0.5, 0.9]}
+    cal, off = check_steps(t, samples, 2.0, 3, [0.5, 0.25, 0.125])
+    assert off == []
+    assert (cal.min_ratio, cal.max_ratio, cal.factor, cal.repeats) == (1.0, 1.0, 2.0, 3)
+    st = cal.step_times[0]
+    assert (st.phase, st.num_prefill_tokens, st.num_decode_tokens) == ("mixed", 3, 1)
+    assert (st.median_s, st.min_s, st.samples) == (0.5, 0.4, 3)
+    t.frames[1].step = replace(t.frames[1].step, duration=1.2)        # 2.4x the median
+    t.frames[0].step = replace(t.frames[0].step, duration=0.2)        # 0.4x: too fast is off too
+    cal, off = check_steps(t, samples, 2.0, 3, [0.5, 0.25, 0.125])
+    assert len(off) == 2 and "step 1 (mixed, 3 prefill + 1 decode tokens)" in off[1]
+    assert "1200.0 ms, 2.40x the calibration's 500.0 ms" in off[1] and "0.40x" in off[0]
+    assert cal.max_ratio == pytest.approx(2.4) and cal.min_ratio == pytest.approx(0.4)
+    _, off = check_steps(t, {("decode", 0, 8): [0.1]}, 2.0, 1, [0.0] * 3)
+    assert len(off) == 2 and all("no step of this kind" in line for line in off)
+    with pytest.raises(ValueError, match="factor"):
+        check_steps(t, samples, 1.0, 3, [0.0] * 3)
+    # What it was checked against travels with the trace.
+    t.calibration = cal
+    back = Trace.load(t.save(tmp_path / "t.json.gz"))
+    assert back.calibration == cal and back.to_dict() == t.to_dict()

@@ -56,7 +56,8 @@ DASHBOARD_DEFAULTS = dict(max_num_seqs=32, num_kv_blocks=384)
 class Dashboard(w.VBox):
     """The whole workbench on one page. Give an `engine`, a `config`, a server `url` (with
     `api_key` and `model`, the model id to request, where needed), or a recorded trace to
-    `replay` (at `speed`; `autoplay` starts it without waiting for Play).
+    `replay` (at `speed`; it plays as soon as the page shows it, or with `autoplay=False`
+    when Play is pressed).
 
     Layout (made to fit 1440×900 while 8 requests stream): the header, then the controls on
     the left, and on the right the summary over two columns: compact token-stream cards,
@@ -73,7 +74,7 @@ class Dashboard(w.VBox):
 
     def __init__(self, engine: Engine | None = None, *, config: EngineConfig | None = None,
                  url: str | None = None, api_key: str | None = None, model: str | None = None,
-                 replay: str | Path | None = None, speed: float = 1.0, autoplay: bool = False,
+                 replay: str | Path | None = None, speed: float = 1.0, autoplay: bool = True,
                  hz: float = 20.0, seed: int | None = None):
         if sum(x is not None for x in (engine, config, url, replay)) > 1:
             raise ValueError("give one of engine, config, url or replay")
@@ -144,7 +145,9 @@ class Dashboard(w.VBox):
         if url is not None:
             source = RemoteSource(url, api_key=api_key, model=model)
         elif replay is not None:
-            source = ReplaySource(replay, speed, autoplay)
+            source = ReplaySource(replay, speed, autoplay=False)   # played by _play_when_shown
+            if autoplay:
+                self._play_when_shown()
         elif engine is not None:
             source = as_source(engine)
         elif running_loop() is None:
@@ -216,11 +219,14 @@ class Dashboard(w.VBox):
     @classmethod
     def from_env(cls) -> "Dashboard":
         """Settings from WORKBENCH_URL (+ WORKBENCH_API_KEY, WORKBENCH_MODEL) for a server, else
-        WORKBENCH_MODEL / WORKBENCH_DEVICE for an engine here (what `workbench dashboard` sets)."""
+        WORKBENCH_MODEL / WORKBENCH_DEVICE for an engine here, or WORKBENCH_REPLAY (+
+        WORKBENCH_REPLAY_SPEED, WORKBENCH_REPLAY_PAUSED) for a trace (what `workbench
+        dashboard` sets)."""
         url = os.environ.get("WORKBENCH_URL")
         if os.environ.get("WORKBENCH_REPLAY"):
             return cls(replay=os.environ["WORKBENCH_REPLAY"],
-                       speed=float(os.environ.get("WORKBENCH_REPLAY_SPEED", "1")))
+                       speed=float(os.environ.get("WORKBENCH_REPLAY_SPEED", "1")),
+                       autoplay=not os.environ.get("WORKBENCH_REPLAY_PAUSED"))
         if url:
             return cls(url=url, api_key=os.environ.get("WORKBENCH_API_KEY"),
                        model=os.environ.get("WORKBENCH_MODEL"))
@@ -311,6 +317,21 @@ class Dashboard(w.VBox):
     def clear(self) -> None:
         for p in (self.streams, self.timeline, self.summary, self.errors, self.roofline):
             p.clear()
+
+    def _play_when_shown(self) -> None:
+        """Start the replay when a browser first shows this page. Not before: what a plotly
+        FigureWidget is sent before its browser side exists is lost, and a recording of a
+        few seconds would be over before the page appeared. The browser counts its views of
+        a widget in `_view_count` once it is a number (ipywidgets' view tracking), so the
+        first view is the moment to start: by then the browser holds every widget of the
+        page, and a figure still loading its script is handed what it is sent once loaded
+        (anywidget queues it)."""
+        def shown(change) -> None:
+            if change["new"]:
+                self.unobserve(shown, "_view_count")
+                self.restart_replay()
+        self._view_count = 0
+        self.observe(shown, "_view_count")
 
     def restart_replay(self) -> None:
         """Play the recorded trace (again) from its start."""

@@ -7,6 +7,9 @@ gaps (a TTFT shows as recorded whatever the speed).
 
     Dashboard(replay="docs/traces/smollm2-cpu.trace.json.gz")     # `workbench dashboard --replay`
     Stepper.replay("…trace.json.gz")                               # step by step
+
+The Dashboard plays it when a browser first shows the page (`autoplay=False`, `--paused`:
+when Play is pressed), never earlier: plotly figures miss what is sent before they are shown.
 """
 from __future__ import annotations
 

@@ -274,6 +274,10 @@ def cmd_dashboard(a) -> int:
         Trace.load(a.replay)                    # a bad file fails here (TraceError), not in the page
         env["WORKBENCH_REPLAY"] = str(Path(a.replay).resolve())
         env["WORKBENCH_REPLAY_SPEED"] = str(a.speed)
+        if a.paused:
+            env["WORKBENCH_REPLAY_PAUSED"] = "1"
+    elif a.paused:
+        raise ValueError("--paused: only with --replay")
     if a.model:
         env["WORKBENCH_MODEL"] = a.model
     if a.url:
@@ -389,10 +393,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "vLLM-Ascend, workbench serve)")
     d.add_argument("--api-key", default=None, help="the --url server's API key")
     d.add_argument("--replay", default=None, metavar="FILE",
-                   help="play a recorded trace back (workbench.trace) with no model loaded; "
-                        "docs/traces/ has one")
+                   help="play a recorded trace back (workbench.trace) with no model loaded, "
+                        "from when the page opens; docs/traces/ has one")
     d.add_argument("--speed", type=float, default=1.0,
                    help="with --replay: times real time (default 1)")
+    d.add_argument("--paused", action="store_true",
+                   help="with --replay: wait for the Play button (default: play when the page "
+                        "opens)")
     d.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     d.add_argument("--port", type=int, default=8866)
     d.add_argument("--browser", action="store_true", help="also open it in a browser")

@@ -18,6 +18,7 @@ from ..config import EngineConfig
 from ..core.block_manager import KVBlockSnapshot
 from ..core.sampling_params import SamplingParams
 from ..core.structured_output import StructuredOutputManager
+from ..executor.models import model_digest
 from ..roofline import DeviceRoofs, probe_roofs
 from ..telemetry import EngineInfo, EngineStats
 from .build import build_engine
@@ -127,6 +128,11 @@ class EngineCore:
 
     def device_roofs(self, refresh: bool = False) -> DeviceRoofs:
         return probe_roofs(self.platform, next(self.model.parameters()).dtype, refresh)
+
+    def model_sha256(self) -> str | None:
+        """The weights' content hash (the embedded GGUF's, a checkpoint directory's files'),
+        None for random weights."""
+        return model_digest(self.config.model, self._info.model_path)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix block (the blocks stay in the pool, free)."""

@@ -128,6 +128,13 @@ class Engine:
         (probed once per machine, device and dtype, then cached; see roofline.probe_roofs)."""
         return self.core.device_roofs(refresh)
 
+    def model_sha256(self) -> str | None:
+        """The sha256 that identifies the weights wherever they live: the embedded model's
+        GGUF, a checkpoint directory's files; None for random weights (their name and seed say
+        what they are). What a shared trace names instead of a local path; hashed on first
+        call (a large checkpoint takes seconds), then remembered."""
+        return self.core.model_sha256()
+
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 

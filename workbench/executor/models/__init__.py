@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .llama import LlamaForCausalLM, rope_tables
-from .loader import LoadedCheckpoint, load_checkpoint
+from .loader import LoadedCheckpoint, load_checkpoint, model_digest
 
 
 def build_model(ckpt: LoadedCheckpoint, dtype: torch.dtype, device: torch.device,
@@ -27,4 +27,5 @@ def build_model(ckpt: LoadedCheckpoint, dtype: torch.dtype, device: torch.device
     return model.to(device=device, dtype=dtype).eval()
 
 
-__all__ = ["LlamaForCausalLM", "build_model", "load_checkpoint", "LoadedCheckpoint"]
+__all__ = ["LlamaForCausalLM", "build_model", "load_checkpoint", "LoadedCheckpoint",
+           "model_digest"]

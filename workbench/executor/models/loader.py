@@ -66,6 +66,34 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+_digests: dict[tuple, str] = {}
+
+
+def model_digest(model: str, path: str | Path | None = None) -> str | None:
+    """The sha256 that identifies a model's weights wherever they live: the embedded model's
+    GGUF (what its cache entry is keyed by), or a checkpoint directory's files (names and
+    contents, in name order); None for `random:<shape>`, which its name and seed identify.
+    Remembered per file size and mtime for this process (a trace records it every run)."""
+    if model.startswith("random:"):
+        return None
+    if model == "smollm2":
+        files, root = [smollm2_gguf_path()], None
+    else:
+        root = Path(path or model)
+        files = sorted(p for p in root.rglob("*") if p.is_file()
+                       and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    key = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    if key not in _digests:
+        if root is None:
+            _digests[key] = file_digest(files[0])
+        else:
+            h = hashlib.sha256()
+            for p in files:
+                h.update(f"{p.relative_to(root).as_posix()}\0{file_digest(p)}\n".encode())
+            _digests[key] = h.hexdigest()
+    return _digests[key]
+
+
 def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     # Find the file without importing the package: its __init__ imports `llm`, which we don't need.

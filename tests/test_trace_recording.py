@@ -1,0 +1,119 @@
+"""The recorder of the shipped trace (benchmarks/record_trace.py) end to end on the embedded
+model: it refuses a busy machine and a recording whose steps stray from its calibration, saving
+nothing; what it saves carries what it was checked against and names no local path. And the
+shipped trace against the machine running the tests: its batch-1 TPOT within 2x of what
+`workbench bench --num-requests 0` measures here, so a stale or unrepresentative trace fails."""
+from __future__ import annotations
+
+import gzip
+import inspect
+import os
+import pwd
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from workbench import Engine
+from workbench.bench import offline
+from workbench.cache import cache_root
+from workbench.executor.models.loader import model_digest
+from workbench.trace import Trace, step_kind
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "record_trace.py"
+SHIPPED = ROOT / "docs" / "traces" / "smollm2-cpu.trace.json.gz"
+QUICK = ("--num-prompts", "2", "--repeats", "1", "--attempts", "1")
+"""A short recording: two prompts, one calibration run."""
+
+
+def record_trace(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+                          timeout=900, cwd=ROOT)
+
+
+def local_names() -> list[str]:
+    """What a shared trace must not carry: the home and cache directories, and the user."""
+    names = {str(Path.home()), str(cache_root()), str(cache_root().resolve()),
+             pwd.getpwuid(os.getuid()).pw_name}
+    try:
+        names.add(os.getlogin())
+    except OSError:                           # no controlling terminal (CI, containers)
+        pass
+    return sorted(names)
+
+
+def test_recorder_saves_a_checked_trace_with_no_local_path(tmp_path, smollm2_dir):
+    # A generous factor: this test checks what is saved, not this (shared) machine's noise.
+    out = tmp_path / "quick.trace.json.gz"
+    r = record_trace("--out", str(out), *QUICK, "--factor", "1000", "--tpot-factor", "1000",
+                     "--max-load", "1e9")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "batch-1 TPOT" in r.stdout
+    t = Trace.load(out)
+    assert list(t.prompts.values()) == ["Explain in two sentences why the sky is blue.",
+                                        "Write a haiku about a paged KV cache."]
+    assert t.info.model == t.info.config.model == "smollm2" and t.info.model_path is None
+    # The weights by content: the GGUF's sha256, the key of the converted model's cache entry.
+    assert t.model_sha256 == model_digest("smollm2")
+    assert smollm2_dir.name.endswith(t.model_sha256[:16])
+    cal = t.calibration
+    assert (cal.factor, cal.repeats) == (1000.0, 1) and 0 < cal.min_ratio <= cal.max_ratio
+    assert cal.bench_batch1_tpot_s > 0 and t.batch1_tpot()[1] >= 5
+    assert cal.cpu_count == os.cpu_count() and len(cal.load_average) == 3
+    kinds = {(s.phase, s.num_prefill_tokens, s.num_decode_tokens) for s in cal.step_times}
+    assert {step_kind(f.step) for f in t.frames} <= kinds
+    assert {"prefill", "decode"} <= {k[0] for k in kinds}
+    text = gzip.decompress(out.read_bytes()).decode()
+    for name in local_names():
+        assert not re.search(rf"(?<![\w.-]){re.escape(name)}(?![\w.-])", text), \
+            f"the trace carries {name!r}"
+
+
+def test_recorder_refuses_a_busy_machine_and_a_stray_recording(tmp_path, smollm2_dir):
+    out = tmp_path / "never.trace.json.gz"
+    r = record_trace("--out", str(out), *QUICK, "--max-load", "-1")
+    assert r.returncode == 1 and "the machine is busy" in r.stderr and "Nothing saved" in r.stderr
+    # Every step within 0.01% of its kind's calibration median: no real run is that steady.
+    r = record_trace("--out", str(out), *QUICK, "--num-prompts", "1", "--factor", "1.0001",
+                     "--max-load", "1e9")
+    assert r.returncode == 1, r.stdout + r.stderr[-3000:]
+    assert re.search(r"not representative \(each step within 1\.0001x of its kind's calibration "
+                     r"median, .*\):\n  step \d+ \((prefill|decode), \d+ prefill \+ \d+ decode "
+                     r"tokens\): [\d.]+ ms, [\d.]+x the calibration's [\d.]+ ms\n", r.stderr), \
+        r.stderr[-3000:]
+    assert "Nothing saved" in r.stderr and not out.exists()
+
+
+def test_shipped_trace_shows_this_machines_tpot(smollm2_dir):
+    """TPOT defined as `workbench bench` defines it on both sides (time after a lone request's
+    first token over the tokens after it): the trace's longest batch-1 stretch, against the
+    batch-1 part of `workbench bench --num-requests 0` (its prompt and length) on an engine
+    with the trace's config. The C++ CPU kernel is built first (a background build from an
+    earlier test is waited for), so both sides decode through it: an engine that decoded in
+    plain torch meanwhile would not be like with like."""
+    trace = Trace.load(SHIPPED)
+    got = trace.batch1_tpot()
+    assert got is not None and got[1] >= 5, "the shipped trace has no batch-1 stretch to compare"
+    tpot_trace, n = got
+    if trace.info.device == "cpu":
+        from workbench.platforms.cpu import load_cpu_kernels
+        load_cpu_kernels()
+    bench = {k: p.default for k, p in inspect.signature(offline.run).parameters.items()}
+    engine = Engine(trace.info.config)
+    try:
+        info = engine.info()
+        prompt = offline.make_workload(1, (bench["b1_prompt"],) * 2, (1, 1), info.vocab_size,
+                                       bench["seed"] + 1).prompts[0]
+        b1 = offline.run_engine_b1(engine, prompt, bench["b1_new"])
+    finally:
+        engine.close()
+    ratio = tpot_trace * 1e3 / b1["tpot_ms"]
+    assert 0.5 <= ratio <= 2, (
+        f"the shipped trace's batch-1 TPOT is {tpot_trace * 1e3:.1f} ms (over {n} tokens), "
+        f"{ratio:.2f}x the {b1['tpot_ms']} ms `workbench bench --num-requests 0` measures here "
+        f"(this engine: {info.dtype}, attention {info.attention}, ops {info.ops}; the trace's: "
+        f"{trace.info.dtype}, attention {trace.info.attention}, ops {trace.info.ops}). Re-record "
+        f"it on a quiet machine: python benchmarks/record_trace.py")
