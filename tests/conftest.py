@@ -100,22 +100,57 @@ def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[
     return [[r.randrange(3, vocab) for _ in range(r.randint(lo, hi))] for _ in range(n)]
 
 
-def stop_tree(proc, timeout: float = 30.0) -> list[int]:
-    """Stop a `workbench` command the way a service manager does (SIGTERM; it stops its own
-    children), then kill whatever of its process tree survived. Returns the survivors' pids,
-    so a test can assert there were none; nothing is left running either way."""
+def stop_tree(proc, timeout: float = 30.0, sig=None) -> list[int]:
+    """Stop a `workbench` command the way a service manager does (SIGTERM, or `sig`; it stops
+    its own children), then kill whatever of its process tree survived, and, where it leads a
+    process group of its own (start_server), whatever of that group is left too (children
+    that outlived their parent). Returns the survivors' pids, so a test can assert there were
+    none; nothing is left running either way."""
+    import os
+    import signal
+    import time
+
     import psutil
     try:
         root = psutil.Process(proc.pid)
         tree = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         tree = []
+    own_group = _pgid(proc.pid) == proc.pid
     if proc.poll() is None:
-        proc.terminate()
+        proc.send_signal(sig or signal.SIGTERM)
     _, alive = psutil.wait_procs(tree, timeout=timeout)
     kill_all(alive)
     proc.wait(10)
-    return [p.pid for p in alive]
+    survivors = [p.pid for p in alive]
+    if own_group:
+        deadline = time.monotonic() + 10
+        while _group_alive(proc.pid):       # members may take a moment to exit after the leader
+            if time.monotonic() > deadline:
+                survivors.append(-proc.pid)
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+            time.sleep(0.1)
+    return survivors
+
+
+def _pgid(pid: int) -> int | None:
+    import os
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def _group_alive(pgid: int) -> bool:
+    import os
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
 
 def kill_all(procs: list) -> None:
@@ -127,3 +162,48 @@ def kill_all(procs: list) -> None:
         except psutil.Error:
             pass
     psutil.wait_procs(procs, timeout=10)
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(cmd, log_path, ready: str = "/health", ok=lambda code: code == 200,
+                 timeout: float = 180.0, env: dict | None = None, what: str | None = None):
+    """The one way tests start a server: `cmd --port P` (or `cmd(P)` where cmd is a function of
+    the port, for a server configured otherwise) on a free loopback port, in its own
+    process group (so stop_tree can sweep it), output appended to log_path; polls GET
+    `ready` until `ok(status)` within `timeout` s. A port taken between picking and binding
+    it is retried on another. Returns (proc, base url); fails the test with the log's tail
+    (having stopped what it started) if the server exits or never answers."""
+    import os
+    import subprocess
+    import time
+    from pathlib import Path
+
+    import httpx
+    log_path = Path(log_path)
+    for _ in range(3):
+        port = free_port()
+        with open(log_path, "ab") as log:
+            argv = cmd(port) if callable(cmd) else [*cmd, "--port", str(port)]
+            proc = subprocess.Popen(argv, cwd=Path(__file__).parents[1],
+                                    env={**os.environ, **(env or {})}, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if ok(httpx.get(url + ready, timeout=2.0).status_code) and proc.poll() is None:
+                    return proc, url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        stop_tree(proc)
+        if "address already in use" not in log_path.read_text(errors="replace").lower():
+            break
+    pytest.fail(f"{what or argv[0]} did not come up; log:\n"
+                f"{log_path.read_text(errors='replace')[-4000:]}")

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,8 +16,7 @@ pytest.importorskip("voila")
 httpx = pytest.importorskip("httpx")
 
 from test_operations import wait_until  # noqa: E402
-from conftest import stop_tree  # noqa: E402
-from test_server import free_port  # noqa: E402
+from conftest import start_server, stop_tree  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -33,23 +30,11 @@ pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
 
 @pytest.fixture
 def dashboard(smollm2_dir, tmp_path):
-    port = free_port()
     log_path = tmp_path / "dashboard.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "dashboard", "--device",
-                                 "cpu", "--port", str(port)], cwd=ROOT, stdout=log,
-                                stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(url + "api/status", timeout=2.0).status_code < 500:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.25)
-    else:
-        stop_tree(proc)
-        pytest.fail(f"voila did not come up:\n{log_path.read_text(errors='replace')[-3000:]}")
+    proc, url = start_server([sys.executable, "-m", "workbench.cli", "dashboard", "--device",
+                              "cpu"], log_path, ready="/api/status", ok=lambda code: code < 500,
+                             timeout=60, what="voila")
+    url += "/"
     yield url, log_path
     assert stop_tree(proc) == [], "processes outlived SIGTERM to workbench dashboard"
 

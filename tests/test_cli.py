@@ -47,35 +47,23 @@ def test_bench_small_run_writes_json(tmp_path, smollm2_dir):
 
 def test_lab_serves_the_notebooks(tmp_path):
     """`workbench lab` starts JupyterLab on notebooks/ (bound to loopback) and says where."""
-    import os
-    import time
-
     import pytest
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("jupyterlab")
-    from test_server import free_port, stop_process
-    port = free_port()
+    from conftest import start_server, stop_tree
+    proc, url = start_server([sys.executable, "-m", "workbench.cli", "lab"], tmp_path / "lab.log",
+                             ready="/api/contents?token=t0k3n", timeout=90,
+                             env={"JUPYTER_TOKEN": "t0k3n"}, what="workbench lab")
     log = tmp_path / "lab.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "lab", "--port", str(port)],
-                                stdout=f, stderr=subprocess.STDOUT,
-                                env={**os.environ, "JUPYTER_TOKEN": "t0k3n"})
+    port = int(url.rsplit(":", 1)[1])
     try:
-        names = None
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and proc.poll() is None and names is None:
-            try:
-                r = httpx.get(f"http://127.0.0.1:{port}/api/contents?token=t0k3n", timeout=3)
-                if r.status_code == 200:
-                    names = {c["name"] for c in r.json()["content"]}
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        assert names is not None, log.read_text(errors="replace")[-3000:]
+        r = httpx.get(f"{url}/api/contents?token=t0k3n", timeout=10)
+        names = {c["name"] for c in r.json()["content"]}
         assert {"01_quickstart.ipynb", "02_prefill_decode_step_by_step.ipynb", "03_tuning.ipynb",
                 "dashboard.ipynb"} <= names
         assert f"http://127.0.0.1:{port}/lab" in log.read_text(errors="replace")
     finally:
-        stop_process(proc)
+        assert stop_tree(proc) == [], "processes outlived workbench lab"
 
 
 def test_dashboard_and_lab_need_a_checkout(monkeypatch, tmp_path):

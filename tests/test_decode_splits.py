@@ -5,12 +5,11 @@ block table; and the host's choice of num_splits."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from triton_on_cpu import run_interpreted
 
 CODE = textwrap.dedent('''
     import json, numpy as np, torch, triton.language as tl
@@ -107,11 +106,7 @@ CODE = textwrap.dedent('''
 
 
 def test_split_decode_matches_the_reference_in_the_interpreter():
-    pytest.importorskip("triton")
-    r = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res = json.loads(run_interpreted(CODE).splitlines()[-1])
     assert res[-1]["splits"] > 1, res[-1]
     for r in res:
         fp32 = r["dtype"] in ("torch.float32", "auto batch 1")

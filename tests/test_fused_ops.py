@@ -11,12 +11,11 @@ attention) must give the reference engine's greedy tokens, for a Qwen3 and a Lla
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from triton_on_cpu import run_interpreted
 
 CODE = textwrap.dedent('''
     import json, torch
@@ -153,14 +152,8 @@ CODE = textwrap.dedent('''
 
 
 def test_fused_ops_match_the_torch_reference_in_the_interpreter():
-    pytest.importorskip("triton")
-    r = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=900,
-                       env={**os.environ, "TRITON_INTERPRET": "1",
-                            "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__),
-                                                       os.environ.get("PYTHONPATH", "")])})
-    assert r.returncode == 0, r.stderr[-3000:]
     import json
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res = json.loads(run_interpreted(CODE).splitlines()[-1])
     for name, (equal, worst) in ((k, v) for k, v in res.items() if len(v) == 2):
         if name.startswith("gemv"):                         # tolerances in CODE
             assert equal, (name, worst)
@@ -263,14 +256,10 @@ def test_batch_1_decode_launches_fewer_kernels_with_the_gemv():
     their own remain (fused into the GEMVs and the decode kernel), every linear layer is one
     GEMV launch, and the step launches at least three fewer kernels per layer than before
     (cuBLAS, separate norms and write, no split)."""
-    pytest.importorskip("triton")
     import json
     from pathlib import Path
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "launches.py"
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                       timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = {d["setup"]: d for d in map(json.loads, r.stdout.strip().splitlines())}
+    rows = {d["setup"]: d for d in map(json.loads, run_interpreted(script=script).splitlines())}
     before, after = rows["before"], rows["gemv+kv+split"]
     layers = before["layers"]
     ops = after["by_op"]

@@ -3,9 +3,7 @@ Every test here starts real processes (Voila, JupyterLab, kernels, the server) a
 nothing of them survives."""
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,8 +13,7 @@ import pytest
 psutil = pytest.importorskip("psutil")
 httpx = pytest.importorskip("httpx")
 
-from conftest import stop_tree  # noqa: E402
-from test_server import free_port  # noqa: E402
+from conftest import start_server, stop_tree  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,24 +49,12 @@ def wait_until(predicate, timeout: float, what: str, log: Path | None = None, de
 
 
 def start_jupyter(command: str, tmp_path: Path, *extra: str):
-    """`workbench dashboard|lab` on a free port, with a kernel running under it."""
-    port = free_port()
+    """`workbench dashboard|lab` on a free port (conftest.start_server), answering its API."""
     log = tmp_path / f"{command}.log"
-    env = {**os.environ, "JUPYTER_TOKEN": "t0k3n"}
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", command, "--port",
-                                 str(port), *extra], stdout=f, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-
-    def up():
-        if proc.poll() is not None:
-            pytest.fail(f"{command} exited:\n{log.read_text(errors='replace')[-3000:]}")
-        try:
-            return httpx.get(f"{base}/api/status?token=t0k3n", timeout=3).status_code < 500
-        except httpx.HTTPError:
-            return False
-
-    wait_until(up, 90, f"{command} to answer", log)
+    proc, base = start_server([sys.executable, "-m", "workbench.cli", command, *extra], log,
+                              ready="/api/status?token=t0k3n", ok=lambda code: code < 500,
+                              timeout=90, env={"JUPYTER_TOKEN": "t0k3n"},
+                              what=f"workbench {command}")
     return proc, base, log
 
 

@@ -5,12 +5,9 @@ where greedy tokens must equal the plain-torch reference engine's."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
-import pytest
+from triton_on_cpu import run_interpreted
 
 KERNEL = textwrap.dedent('''
     import json, torch
@@ -92,13 +89,7 @@ ENGINE = textwrap.dedent('''
 
 
 def _run(code: str) -> str:
-    pytest.importorskip("triton")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
-                       env={**os.environ, "TRITON_INTERPRET": "1",
-                            "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__),
-                                                       os.environ.get("PYTHONPATH", "")])})
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r.stdout.strip().splitlines()[-1]
+    return run_interpreted(code).splitlines()[-1]
 
 
 def test_prefill_kernel_matches_dense_causal_attention_in_the_interpreter():

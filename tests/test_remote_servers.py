@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +20,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from conftest import start_server, stop_tree  # noqa: E402
 from workbench.serving.client import RemoteEngine, RemoteError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,54 +40,14 @@ class Server:
         return len(re.findall(r'"GET /metrics HTTP', self.log.read_text(errors="replace")))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(cmd: list[str], env: dict, log: Path, timeout: float):
-    """Start a server in its own process group on a free loopback port; wait (bounded) until
-    /health answers 200."""
-    port = _free_port()
-    with open(log, "ab") as f:
-        proc = subprocess.Popen([*cmd, "--port", str(port)], cwd=ROOT, env={**os.environ, **env},
-                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    _stop(proc)
-    pytest.fail(f"{cmd[0]} did not come up; log:\n{log.read_text(errors='replace')[-4000:]}")
+    """A server in its own process group on a free loopback port (conftest.start_server)."""
+    return start_server(cmd, log, timeout=timeout, env=env)
 
 
 def _stop(proc) -> None:
-    """SIGTERM the whole group, SIGKILL what is left after 20 s; check nothing survives."""
-    pgid = proc.pid
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        os.killpg(pgid, signal.SIGKILL)
-        proc.wait(10)
-    deadline = time.monotonic() + 10
-    while True:                      # children of the group may outlive the leader briefly
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
-        if time.monotonic() > deadline:
-            os.killpg(pgid, signal.SIGKILL)
-            pytest.fail(f"processes of group {pgid} were still running after the server stopped")
-        time.sleep(0.1)
+    """The server's process group stopped; nothing of it may survive."""
+    assert stop_tree(proc, timeout=20) == [], "processes of the server's group survived it"
 
 
 def _start_transformers(tmp: Path, log: Path):

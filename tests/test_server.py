@@ -8,13 +8,14 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+import conftest
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -34,45 +35,17 @@ MODEL = "smollm2"
 MAX_MODEL_LEN = 1024
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(extra: list[str], log_path: Path, timeout: float = 180.0):
-    """Start `workbench serve` on a free loopback port; wait (bounded) for /health."""
-    for attempt in range(3):   # a port can be taken between picking and binding it
-        port = free_port()
-        log = open(log_path, "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "serve", "--device", "cpu",
-                                 "--port", str(port), "--log-level", "warning", *extra],
-                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(url + "/health", timeout=2.0).status_code == 200 and proc.poll() is None:
-                    return proc, url
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        stop_process(proc)
-        text = log_path.read_text(errors="replace")
-        if "address already in use" not in text.lower():
-            break
-    pytest.fail(f"server did not come up; log:\n{log_path.read_text(errors='replace')[-4000:]}")
+    """`workbench serve` on the CPU (conftest.start_server: a free loopback port, bounded wait
+    for /health). Returns (proc, url)."""
+    return conftest.start_server([sys.executable, "-m", "workbench.cli", "serve", "--device",
+                                  "cpu", "--log-level", "warning", *extra], log_path,
+                                 timeout=timeout, what="workbench serve")
 
 
 def stop_process(proc, sig=signal.SIGTERM, timeout: float = 20.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+    """Stop a server started above, its process group and all; fail if anything outlived it."""
+    assert conftest.stop_tree(proc, timeout, sig) == [], "processes outlived the server's stop"
 
 
 @pytest.fixture(scope="module")
@@ -553,26 +526,16 @@ def nginx(server, tmp_path):
     if not os.path.exists(NGINX):
         pytest.skip("nginx is not installed (apt-get install nginx): the proxy test needs "
                     "/usr/sbin/nginx")
-    port = free_port()
-    conf = nginx_config(int(server.rsplit(":", 1)[1]), port, tmp_path)
-    check = subprocess.run([NGINX, "-t", "-p", str(tmp_path), "-c", str(conf), "-e",
-                            str(tmp_path / "error.log")], capture_output=True, text=True, timeout=30)
-    assert check.returncode == 0, check.stderr
-    proc = subprocess.Popen([NGINX, "-p", str(tmp_path), "-c", str(conf), "-e",
-                             str(tmp_path / "error.log")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 15
+    def command(port: int) -> list[str]:
+        conf = nginx_config(int(server.rsplit(":", 1)[1]), port, tmp_path)
+        check = subprocess.run([NGINX, "-t", "-p", str(tmp_path), "-c", str(conf), "-e",
+                                str(tmp_path / "error.log")], capture_output=True, text=True,
+                               timeout=30)
+        assert check.returncode == 0, check.stderr
+        return [NGINX, "-p", str(tmp_path), "-c", str(conf), "-e", str(tmp_path / "error.log")]
+
+    proc, url = conftest.start_server(command, tmp_path / "error.log", timeout=15, what="nginx")
     try:
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail("nginx did not come up: " + (tmp_path / "error.log").read_text())
-            time.sleep(0.1)
         yield url
     finally:
         stop_process(proc, signal.SIGQUIT, timeout=10)

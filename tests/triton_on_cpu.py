@@ -48,3 +48,23 @@ def triton_on_cpu(gemv: bool = True):
         yield
     finally:
         engine_build.get_platform = orig
+
+
+def run_interpreted(code: str | None = None, script=None, *args: str, timeout: float = 900) -> str:
+    """Run `code` (python -c) or `script` with args in a fresh interpreter under Triton's
+    interpreter (TRITON_INTERPRET=1 must be set before triton is imported, hence a subprocess),
+    with tests/ on its path so it can import this module. Returns its stdout (stripped); a
+    failing run fails the calling test with the end of its stderr."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+    pytest.importorskip("triton")
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = [sys.executable, "-c", code] if code is not None else [sys.executable, str(script)]
+    r = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, "TRITON_INTERPRET": "1",
+                            "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout.strip()

@@ -6,7 +6,6 @@ Temperature and max tokens are per-request settings (`sampling_params()`), not r
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import time
 from dataclasses import replace
 from typing import Callable
@@ -15,22 +14,14 @@ import ipywidgets as w
 import traitlets
 
 from workbench import Engine, EngineConfig, SamplingParams
-from workbench.config import DEVICES, GRAPH_MODES
-from workbench.platforms import block_sizes
+from workbench.config import GRAPH_MODES
+from workbench.platforms import available_devices, block_sizes
 
 from .live import running_loop
 from .progress import BuildProgress
 from .style import css_widget, esc
 
 MODELS = ["smollm2", "random:tiny", "random:smollm2-135m", "random:qwen3-0.6b"]
-
-
-def available_devices() -> list[str]:
-    """Devices this machine can run, in 'auto' order, without importing torch_npu."""
-    import torch
-    present = {"auto": True, "npu": importlib.util.find_spec("torch_npu") is not None,
-               "cuda": torch.cuda.is_available(), "cpu": True}
-    return [d for d in DEVICES if present[d]]
 
 
 def _block_size_options(device: str) -> list:

@@ -15,9 +15,20 @@ from .npu import NpuPlatform
 _PLATFORMS = {"cpu": CpuPlatform, "cuda": CudaPlatform, "npu": NpuPlatform}
 
 
+def available_devices() -> list[str]:
+    """The devices this machine can run, 'auto' first, then in the order 'auto' tries them
+    (npu, cuda, cpu); NPU: torch_npu imports and sees a device."""
+    return ["auto", *(n for n in DEVICES if n != "auto" and _PLATFORMS[n].is_available())]
+
+
+def auto_device() -> str:
+    """What device='auto' means, the one rule for it: the first available device."""
+    return available_devices()[1]
+
+
 def get_platform(name: str = "auto") -> Platform:
     if name == "auto":
-        name = next(n for n in DEVICES if n != "auto" and _PLATFORMS[n].is_available())
+        name = auto_device()
     if name not in _PLATFORMS:
         raise ValueError(f"device: must be 'auto' or one of {sorted(_PLATFORMS)} (got {name!r})")
     platform = _PLATFORMS[name]
@@ -30,14 +41,9 @@ def get_platform(name: str = "auto") -> Platform:
 
 def block_sizes(device: str) -> tuple[int, ...]:
     """The KV block sizes `device`'s attention backends take (the knob's domain there), read
-    off their classes: no platform is built and torch_npu is not imported. 'auto': those of
-    the device it picks (npu where torch_npu is installed: it cannot be asked more cheaply)."""
-    import importlib.util
-
-    import torch
+    off their classes: no platform is built. 'auto': those of the device it picks."""
     if device == "auto":
-        device = ("npu" if importlib.util.find_spec("torch_npu") is not None else
-                  "cuda" if torch.cuda.is_available() else "cpu")
+        device = auto_device()
     if device not in _PLATFORMS:
         raise ValueError(f"device: must be 'auto' or one of {sorted(_PLATFORMS)} (got {device!r})")
     sizes = {b for cls in _PLATFORMS[device].attention_backend_classes()
@@ -45,4 +51,4 @@ def block_sizes(device: str) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
-__all__ = ["Platform", "block_sizes", "get_platform"]
+__all__ = ["Platform", "auto_device", "available_devices", "block_sizes", "get_platform"]
