@@ -6,6 +6,8 @@ import random
 import pytest
 import torch
 
+from workbench.platforms.cpu import CpuPlatform
+
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 TEXTS = [
@@ -207,3 +209,37 @@ def start_server(cmd, log_path, ready: str = "/health", ok=lambda code: code == 
             break
     pytest.fail(f"{what or argv[0]} did not come up; log:\n"
                 f"{log_path.read_text(errors='replace')[-4000:]}")
+
+
+class ReplayGraph:
+    """Stands in for a device graph on the CPU: replay reruns the captured function, which
+    reads the same static buffers a real graph would, and refreshes the captured output."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out, self.replays = fn, out, 0
+
+    def replay(self):
+        out = self.fn()
+        if self.out is not None:
+            self.out.copy_(out)
+        self.replays += 1
+
+
+class ReplayingCpuPlatform(CpuPlatform):
+    """The CPU platform with 'graphs' (ReplayGraph): decode graphs and async scheduling run
+    on the CPU as they would on a device."""
+
+    supports_graphs = True
+
+    def graph_pool(self):
+        return None
+
+    def capture_graph(self, fn, pool):
+        out = fn()
+        return ReplayGraph(fn, out), out
+
+
+@pytest.fixture
+def replaying_platform(monkeypatch):
+    import workbench.engine.build
+    monkeypatch.setattr(workbench.engine.build, "get_platform", lambda name: ReplayingCpuPlatform())

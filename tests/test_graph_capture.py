@@ -20,7 +20,6 @@ import torch
 from conftest import random_prompts
 from triton_on_cpu import run_interpreted
 from workbench import Engine, SamplingParams
-from workbench.platforms.cpu import CpuPlatform
 
 
 def test_triton_decode_kernel_matches_the_reference_in_the_interpreter():
@@ -56,37 +55,6 @@ def test_triton_decode_kernel_matches_the_reference_in_the_interpreter():
     ''')
     worst = float(run_interpreted(code).split()[-1])
     assert worst < 1e-5, worst
-
-
-class ReplayGraph:
-    """Stands in for a device graph on the CPU: replay reruns the captured function, which
-    reads the same static buffers a real graph would, and refreshes the captured output."""
-
-    def __init__(self, fn, out):
-        self.fn, self.out, self.replays = fn, out, 0
-
-    def replay(self):
-        out = self.fn()
-        if self.out is not None:
-            self.out.copy_(out)
-        self.replays += 1
-
-
-class ReplayingCpuPlatform(CpuPlatform):
-    supports_graphs = True
-
-    def graph_pool(self):
-        return None
-
-    def capture_graph(self, fn, pool):
-        out = fn()
-        return ReplayGraph(fn, out), out
-
-
-@pytest.fixture
-def replaying_platform(monkeypatch):
-    import workbench.engine.build
-    monkeypatch.setattr(workbench.engine.build, "get_platform", lambda name: ReplayingCpuPlatform())
 
 
 def same_greedy_tokens(engine, eager, longest: int, seed: int, max_tokens) -> list:

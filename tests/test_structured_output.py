@@ -1,7 +1,7 @@
 """Structured output (llguidance) and the chat-template controls, on the real smollm2 model.
 
 One engine serves the module: smollm2 on the CPU platform whose "graphs" replay captured
-functions (test_graph_capture.ReplayingCpuPlatform), with async scheduling on, so the same
+functions (conftest.ReplayingCpuPlatform), with async scheduling on, so the same
 engine shows that constrained rows never run ahead while greedy unconstrained ones do."""
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ COLORS = ["red", "green", "blue", "dark purple"]
 
 @pytest.fixture(scope="module")
 def engine(smollm2_dir):
-    from test_graph_capture import ReplayingCpuPlatform
+    from conftest import ReplayingCpuPlatform
 
     import workbench.engine.build as build
     with pytest.MonkeyPatch.context() as mp:

@@ -54,6 +54,9 @@ class StepEvent:
     scheduled_ahead: bool = False
     """Launched before the previous step's tokens reached the host (async scheduling): its
     input ids came from that step's sampled ids on the device."""
+    held_back: dict[str, str] = field(default_factory=dict)
+    """Requests that kept this step from running the next one ahead (async scheduling on, a
+    captured decode step), and why ('grammar': its next mask needs this step's token)."""
     context_lens: dict[str, int] = field(default_factory=dict)
     """Tokens each scheduled request already had in the KV cache before the step (its
     attention read them besides its new tokens; see roofline.step_cost)."""
@@ -209,6 +212,10 @@ class EngineInfo:
     """K and V of every layer for one token."""
     config: Any
     """The EngineConfig as run (block_size and graph_mode resolved for the device)."""
+    generation_defaults: dict = field(default_factory=dict)
+    """The sampling defaults in force for fields a request leaves out (SamplingParams' names:
+    the checkpoint's generation_config.json with generation_config='auto'; {}: SamplingParams'
+    own)."""
 
 
 @dataclass(frozen=True)

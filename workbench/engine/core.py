@@ -52,7 +52,8 @@ class EngineCore:
                                       self.scheduler, self.telemetry)
         self.pipeline = StepPipeline(self.scheduler, self.runner, self.platform, self.output,
                                      self.structured_output, self.telemetry, b.eos_token_ids,
-                                     b.async_scheduling, self.config.max_num_seqs)
+                                     b.async_scheduling, self.config.max_num_seqs,
+                                     self.config.seed)
 
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
@@ -144,7 +145,7 @@ class EngineCore:
                      request_id: str) -> Request:
         """A Request for validated token ids (see request.make_request)."""
         return make_request(prompt_ids, prompt, params, request_id, tokenizer=self.tokenizer,
-                            max_model_len=self.max_model_len, engine_seed=self.config.seed,
+                            max_model_len=self.max_model_len, device=self.platform.device,
                             structured_output=self.structured_output)
 
     def add(self, reqs: list[Request]) -> None:

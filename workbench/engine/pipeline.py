@@ -21,7 +21,7 @@ import torch
 from ..core.scheduler import Scheduler, SchedulerOutput
 from ..core.structured_output import StructuredOutputManager
 from ..executor.runner import ModelRunner
-from ..executor.sampler import LogprobsTensors, apply_token_bitmask, compute_logprobs, sample
+from ..executor.sampler import LogprobsTensors, SamplerOutput, apply_token_bitmask, sample
 from ..telemetry import FULL, StepEvent, Telemetry
 from .output_processor import OutputProcessor
 from .parallel_sampling import ParentRequest
@@ -61,21 +61,25 @@ class InFlightStep:
     """Scheduled before the step before it had handed out its tokens."""
 
 
+def held_back_by(r: Request) -> str | None:
+    """Why a request's next step may not be launched before its token reaches the host, or
+    None: it may. Sampling (seeded or not), penalties, logit_bias, min_tokens and logprobs all
+    run on the device (penalties count the token still in flight from the device), and stop
+    strings are checked a step late like EOS (the extra row is dropped, so the text is cut
+    where a synchronous engine cuts it). Only a grammar holds a request back: its mask for
+    the next step depends on this step's token."""
+    return "grammar" if r.grammar is not None else None
+
+
 def may_run_ahead(r: Request) -> bool:
-    """Whether a request's next step may be launched before its token is known: greedy (the
-    id is picked on the device), no stop strings (they need the text), no grammar (its mask
-    for the next step depends on this step's token), no logits processors (penalties need the
-    token history on the host). Logprobs may: they are computed on the device and copied back
-    with the ids."""
-    p = r.seq.params
-    return r.generator is None and not p.stop and r.grammar is None and not p.needs_processing
+    return held_back_by(r) is None
 
 
 class StepPipeline:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, platform,
                  output: OutputProcessor, structured_output: StructuredOutputManager,
                  telemetry: Telemetry, eos_token_ids: set[int], async_scheduling: bool,
-                 max_num_seqs: int):
+                 max_num_seqs: int, seed: int = 0):
         self.scheduler = scheduler
         self.runner = runner
         self.platform = platform
@@ -89,6 +93,9 @@ class StepPipeline:
         self._host_ids = ([platform.host_buffer(max_num_seqs, torch.long) for _ in range(2)]
                           if async_scheduling else [])
         self._host_flip = 0
+        self.generator = torch.Generator(device=platform.device).manual_seed(seed)
+        """What unseeded sampled rows draw from (a seeded request has its own): the same
+        engine seed and the same requests in the same order sample the same tokens."""
 
     def step(self, run_ahead: Callable[[], bool]) -> StepResult:
         """One step's worth of work (see the module's docstring). `run_ahead()` is asked just
@@ -104,8 +111,10 @@ class StepPipeline:
                 return self._hand_out(sched, [], [], None, None, t0)
             logits, sampling, graph, spans = self.runner.execute(sched)
             reqs = self.output.requests_of(sampling)
+            held = ({r.request_id: why for r in reqs if (why := held_back_by(r))}
+                    if self.async_scheduling and graph is not None and graph[0] == FULL else {})
             if not (self.async_scheduling and graph is not None and graph[0] == FULL
-                    and all(may_run_ahead(r) for r in reqs)):
+                    and not held):
                 if spans:
                     self.output.add_prompt_logprobs(spans, logits[len(sampling):])
                 rows, reqs = ParentRequest.sampling_rows(reqs)
@@ -114,8 +123,10 @@ class StepPipeline:
                 out = self._sample(logits[:len(reqs)], reqs)
                 self.scheduler.update_after_step(sched)
                 lp = out.logprobs.to_host() if out.logprobs is not None else None
-                return self._hand_out(sched, reqs, out.token_ids.tolist(), lp, graph, t0)
-            pending = self._copy_to_host(sched, logits, reqs, graph, t0, ahead=False)
+                return self._hand_out(sched, reqs, out.token_ids.tolist(), lp, graph, t0,
+                                      held_back=held)
+            pending = self._copy_to_host(sched, self._sample(logits, reqs), reqs, graph, t0,
+                                         ahead=False)
         # Step N is in flight: advance its sequences, launch N+1 from its device-side ids,
         # then wait for N's ids and hand them out.
         self.scheduler.update_after_step(pending.sched)
@@ -130,41 +141,42 @@ class StepPipeline:
                     ids = ids.index_select(0, torch.tensor(rows).to(ids.device, non_blocking=True))
                 # No larger than the step before it, so a captured size holds it.
                 logits, sampling, graph, _ = self.runner.execute(nsched, input_ids=ids)
-                self.in_flight = self._copy_to_host(nsched, logits,
-                                                    self.output.requests_of(sampling), graph, t1,
-                                                    ahead=True)
+                reqs = self.output.requests_of(sampling)
+                # ids: each row's token of step N, not yet in its Sequence (penalties count it)
+                self.in_flight = self._copy_to_host(nsched, self._sample(logits, reqs, ids),
+                                                    reqs, graph, t1, ahead=True)
         pending.ready.synchronize()
         return self._hand_out(pending.sched, pending.reqs, pending.host_ids.tolist(),
                               pending.host_logprobs, pending.graph, pending.t0, pending.ahead)
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]):
-        """Pick each row's token (and its logprobs, when asked); rows with a grammar are
-        masked first, all in one bitmask (so, as in vLLM, their logprobs are the masked
-        distribution's)."""
+    def _sample(self, logits: torch.Tensor, reqs: list[Request],
+                pending_ids: torch.Tensor | None = None):
+        """Pick each row's token (and its logprobs, when asked) on the device; rows with a
+        grammar are masked first, all in one bitmask (so, as in vLLM, their logprobs are the
+        masked distribution's). pending_ids: see sampler.sample."""
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if rows:
             bitmask = self.structured_output.grammar_bitmask([reqs[i].grammar for i in rows])
             logits = apply_token_bitmask(logits, bitmask, rows)
         return sample(logits, [r.seq for r in reqs], [r.generator for r in reqs],
-                      self.eos_token_ids)
+                      self.eos_token_ids, shared=self.generator, pending_ids=pending_ids)
 
-    def _copy_to_host(self, sched, logits, reqs, graph, t0, ahead: bool) -> InFlightStep:
-        """Greedy ids picked on the device and copied to a pinned host buffer without
-        waiting; two buffers alternate, so the one being filled is never the one read."""
-        ids = logits.argmax(dim=-1)
+    def _copy_to_host(self, sched, out: SamplerOutput, reqs, graph, t0,
+                      ahead: bool) -> InFlightStep:
+        """The sampled ids (and logprobs) copied to pinned host memory without waiting; two
+        id buffers alternate, so the one being filled is never the one read."""
+        ids = out.token_ids
         self._host_flip ^= 1
         host = self._host_ids[self._host_flip][:ids.shape[0]]
         host.copy_(ids, non_blocking=True)
-        k = max((r.seq.params.logprobs for r in reqs if r.seq.params.logprobs is not None),
-                default=None)
         # (a non-blocking copy from the device lands in pinned memory)
-        lp = None if k is None else compute_logprobs(logits, ids, k).to_host(non_blocking=True)
+        lp = None if out.logprobs is None else out.logprobs.to_host(non_blocking=True)
         return InFlightStep(sched, reqs, ids, host, lp, self.platform.record_event(), graph, t0,
                             ahead)
 
     def _hand_out(self, sched: SchedulerOutput, reqs: list[Request], tokens: list[int],
                   logprobs: LogprobsTensors | None, graph, t0: float,
-                  ahead: bool = False) -> StepResult:
+                  ahead: bool = False, held_back: dict[str, str] | None = None) -> StepResult:
         """One step's tokens to the output processor, and the step into telemetry."""
         events, finished = self.output.process(reqs, tokens, logprobs, time.monotonic())
         bstats = self.scheduler.block_manager.stats()
@@ -180,5 +192,6 @@ class StepPipeline:
             num_preempted=len(sched.preempted), preempted=[s.request_id for s in sched.preempted],
             graph=graph is not None, graph_kind=graph and graph[0],
             graph_size=graph and graph[1], finished=finished, scheduled_ahead=ahead,
+            held_back=held_back or {},
             context_lens={s.seq.request_id: s.start for s in sched.scheduled}))
         return StepResult(events, sched.phase)

@@ -52,6 +52,8 @@ class Request:
     """The caller's record on the first choice (the others' add their token counts to it
     when the request ends)."""
     generator: torch.Generator | None
+    """A seeded request's own generator, on the device; None: it draws from the engine's
+    (greedy requests draw nothing)."""
     grammar: Any = None
     """The structured-output grammar matcher (core/structured_output.py), or None."""
     listener: Callable[[TokenEvent], None] | None = None
@@ -79,26 +81,23 @@ class Request:
 
 
 def make_request(prompt_ids: list[int], prompt: Any, params: SamplingParams, request_id: str, *,
-                 tokenizer, max_model_len: int, engine_seed: int,
+                 tokenizer, max_model_len: int, device,
                  structured_output: StructuredOutputManager) -> Request:
     """A Request for validated token ids (the front door tokenizes and validates); with n > 1,
     the first of n choices under a ParentRequest (the others start when its prompt is
     computed). A grammar (structured output) is compiled here, one matcher per choice: a bad
-    one raises ValueError."""
+    one raises ValueError. A seeded request gets a generator of its own on `device` (choice
+    i > 0 from a seed derived from the request's and i); an unseeded one draws from the
+    engine's shared generator."""
     def choice(i: int, params: SamplingParams) -> Request:
         grammar = (structured_output.compile(params.structured_outputs)
                    if params.structured_outputs is not None else None)
         seq = Sequence(request_id if i == 0 else f"{request_id}#{i}", prompt_ids, params,
                        max_len=max_model_len)
         gen = None
-        if not params.greedy:
-            # A stable default (str hashes are salted per process): the same engine seed and
-            # request id sample the same tokens in every run.
-            seed = (params.seed if params.seed is not None
-                    else zlib.crc32(f"{engine_seed}:{request_id}".encode()))
-            if i:
-                seed = zlib.crc32(f"{seed}:{i}".encode())
-            gen = torch.Generator().manual_seed(seed)
+        if not params.greedy and params.seed is not None:
+            seed = zlib.crc32(f"{params.seed}:{i}".encode()) if i else params.seed
+            gen = torch.Generator(device=device).manual_seed(seed)
         metrics = RequestMetrics(request_id, seq.arrival_time, len(prompt_ids))
         detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.stop,
                                        params.skip_special_tokens,

@@ -1,0 +1,270 @@
+"""The batched sampler (executor/sampler.py): what it draws is the filtered distribution,
+computed here independently in float64, for every filter and their combinations, over the
+candidate path, the full-sort fallback and the whole-vocabulary draw; a seeded row depends on
+nothing but its own logits and seed; the async pipeline runs sampled, seeded, penalised,
+stop-string and logprob requests ahead and gives the synchronous engine's tokens and text."""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from conftest import random_prompts
+from workbench import Engine, SamplingParams
+from workbench.core.sequence import Sequence
+from workbench.executor import sampler
+from workbench.executor.sampler import sample
+
+DRAWS = 40_000
+
+
+def reference(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """vLLM's order in float64: temperature, min-p and top-k (ties at the k-th value kept),
+    then top-p on what they keep (the smallest prefix reaching top_p of its mass)."""
+    probs = torch.softmax(logits.double() / p.temperature, -1)
+    if 0 < p.top_k < probs.numel():
+        probs = torch.where(probs >= probs.topk(p.top_k).values[-1], probs, 0.0)
+    if p.min_p > 0:
+        probs = torch.where(probs >= p.min_p * probs.max(), probs, 0.0)
+    if p.top_p < 1:
+        s, order = probs.sort(descending=True)
+        s = torch.where(s.cumsum(0) - s >= p.top_p * s.sum(), 0.0, s)
+        probs = torch.zeros_like(probs).scatter_(0, order, s)
+    return probs / probs.sum()
+
+
+def chi_square_fits(counts: torch.Tensor, probs: torch.Tensor) -> tuple[bool, str]:
+    """Counts drawn from probs? No draw outside the support, and Pearson's statistic within
+    df + 6 sd (cells expecting under 5 draws pooled): a false alarm is rarer than 1e-6, and
+    the filter mutations below are far outside it."""
+    n = int(counts.sum())
+    if bool((counts[probs == 0] > 0).any()):
+        return False, f"{int(counts[probs == 0].sum())} draws outside the kept set"
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big].double(), counts[~big].double().sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    df = max(int(keep.sum()) - 1, 1)
+    return stat <= df + 6 * math.sqrt(2 * df), f"chi2 {stat:.1f} for df {df}"
+
+
+def draw_counts(logits: torch.Tensor, p: SamplingParams, seed: int = 0) -> torch.Tensor:
+    """DRAWS draws of one row's distribution, as one batch of DRAWS rows (the batched path)."""
+    rows = logits[None].expand(DRAWS, -1).contiguous()
+    seq = Sequence("x", [1], p)
+    ids = sample(rows, [seq] * DRAWS, [None] * DRAWS,
+                 shared=torch.Generator().manual_seed(seed)).token_ids
+    return torch.bincount(ids, minlength=logits.numel())
+
+
+def peaked(vocab: int, seed: int, scale: float = 2.5) -> torch.Tensor:
+    return torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+FILTERS = [dict(temperature=0.7), dict(temperature=1.3), dict(top_k=7), dict(top_p=0.8),
+           dict(min_p=0.08), dict(temperature=0.6, top_k=20, top_p=0.95),
+           dict(temperature=0.8, top_p=0.7, min_p=0.05), dict(top_k=30, min_p=0.02),
+           dict(temperature=1.5, top_k=12, top_p=0.6, min_p=0.1)]
+
+
+@pytest.mark.parametrize("kw", FILTERS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_draws_follow_the_filtered_distribution(kw):
+    logits = peaked(60, seed=len(kw) * 7 + int(100 * kw.get("top_p", 0)))
+    p = SamplingParams(**{"temperature": 1.0, **kw})
+    ok, why = chi_square_fits(draw_counts(logits, p), reference(logits, p))
+    assert ok, why
+
+
+@pytest.mark.parametrize("kw,widest,why", [
+    (dict(top_p=0.5, temperature=0.3), 64, "nucleus (4 tokens) within the first candidates"),
+    (dict(top_p=0.95, temperature=0.3), 512, "nucleus (176) within the second candidates"),
+    (dict(top_p=0.99, temperature=0.3), 3000, "nucleus (536) past every candidate: full sort"),
+    (dict(top_k=400, top_p=0.95, temperature=0.3), 400, "top-k past the first: its own k"),
+    (dict(top_k=1000, top_p=0.999, temperature=1.5), 1000, "top-k past every candidate"),
+    (dict(top_k=300, temperature=1.5), 300, "top-k alone: its own k at once"),
+    (dict(temperature=0.9, min_p=0.001), None, "no top-k/top-p: the whole vocabulary"),
+])
+def test_a_large_vocabulary_takes_every_path_exactly(kw, widest, why, monkeypatch):
+    """3000 tokens, CANDIDATES (64, 512): each path of _draw_truncated (and the
+    whole-vocabulary draw) against the float64 reference; each case takes the path it
+    names (the widest topk the draw looked among is recorded)."""
+    monkeypatch.setattr(sampler, "CANDIDATES", (64, 512))
+    widths = []
+    real_topk = torch.Tensor.topk
+    monkeypatch.setattr(torch.Tensor, "topk", lambda self, k, *a, **kw: (
+        widths.append(k), real_topk(self, k, *a, **kw))[1])
+    logits = peaked(3000, seed=11, scale=1.0)
+    p = SamplingParams(**{"temperature": 1.0, **kw})
+    counts = draw_counts(logits, p)
+    assert max(widths, default=None) == widest, (why, widths)
+    monkeypatch.setattr(torch.Tensor, "topk", real_topk)
+    ok, msg = chi_square_fits(counts, reference(logits, p))
+    assert ok, (why, msg)
+
+
+CHOSEN = dict(temperature=0.7, top_k=15, top_p=0.8, min_p=0.25)   # keeps 5 of the 60
+"""A row where min-p, top-p and temperature each change what is kept."""
+
+
+@pytest.mark.parametrize("mutation,kw", [
+    ("top_p_before_top_k", dict(temperature=1.0, top_k=15, top_p=0.7, min_p=0.1)),  # 8 kept
+    ("top_p_too_wide", CHOSEN), ("no_min_p", CHOSEN), ("temperature_ignored", CHOSEN)])
+def test_the_distribution_check_fails_a_mutated_filter(mutation, kw, monkeypatch):
+    """The check above has teeth: draws from a sampler with one filter broken fail it."""
+    logits = peaked(60, seed=4, scale=1.0)
+    p = SamplingParams(**kw)
+    want = reference(logits, p)
+    if mutation == "top_p_before_top_k":        # the nucleus of the whole, then the top 15
+        wrong = reference(logits, replace(p, top_k=0))
+        in_top = torch.zeros(60, dtype=torch.bool).scatter_(0, logits.topk(15).indices, True)
+        wrong = torch.where(in_top, wrong, 0.0)
+        counts = torch.bincount(torch.multinomial(wrong.float(), DRAWS, replacement=True,
+                                                  generator=torch.Generator().manual_seed(0)),
+                                minlength=60)
+    else:
+        real = sampler._draw_truncated
+        if mutation == "top_p_too_wide":         # keeps tokens past the nucleus
+            def broken(logits, temp, u, min_p, top_k, top_p, candidates=None):
+                return real(logits, temp, u, min_p, top_k, [min(1.0, x + 0.12) for x in top_p],
+                            candidates)
+        elif mutation == "no_min_p":
+            def broken(logits, temp, u, min_p, top_k, top_p, candidates=None):
+                return real(logits, temp, u, None, top_k, top_p, candidates)
+        else:
+            def broken(logits, temp, u, min_p, top_k, top_p, candidates=None):
+                return real(logits, torch.ones_like(temp), u, min_p, top_k, top_p, candidates)
+        monkeypatch.setattr(sampler, "_draw_truncated", broken)
+        counts = draw_counts(logits, p)
+    ok, why = chi_square_fits(counts, want)
+    assert not ok, f"{mutation} passed the check ({why})"
+
+
+def test_greedy_and_sampled_rows_share_a_batch():
+    """Greedy rows take the argmax, sampled rows their draws, in one call; top_k=1 is greedy."""
+    logits = torch.stack([peaked(50, seed=i) for i in range(6)])
+    ps = [SamplingParams(temperature=0), SamplingParams(temperature=0.8),
+          SamplingParams(temperature=0.9, top_k=1), SamplingParams(temperature=0),
+          SamplingParams(temperature=1.0, top_p=0.5), SamplingParams(temperature=1e-6)]
+    ids = sample(logits, [Sequence("x", [1], p) for p in ps], [None] * 6,
+                 shared=torch.Generator().manual_seed(0)).token_ids.tolist()
+    best = logits.argmax(-1).tolist()
+    assert [ids[i] for i in (0, 2, 3, 5)] == [best[i] for i in (0, 2, 3, 5)]
+    assert reference(logits[4], ps[4])[ids[4]] > 0
+
+
+def test_a_seeded_row_depends_only_on_its_own_logits_and_seed():
+    """Row 0 (seeded) draws the same token whatever rows share its call: alone, among 31
+    unseeded rows of other filters, and placed last."""
+    logits = peaked(400, seed=5, scale=1.0)
+    p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1)
+    others = [SamplingParams(temperature=t, top_p=tp, top_k=k) for t, tp, k in
+              [(0.7, 0.9, 0), (1.0, 1.0, 0), (0.5, 0.95, 20), (0.0, 1.0, 0)] * 8][:31]
+    rows = torch.stack([peaked(400, seed=100 + i) for i in range(31)])
+
+    stream_alone, stream_batch, stream_last = [], [], []
+    ga, gb, gc = (torch.Generator().manual_seed(1) for _ in range(3))
+    for step in range(30):
+        stream_alone.append(sample(logits[None], [Sequence("x", [1], p)], [ga]).token_ids.item())
+        seqs = [Sequence("x", [1], q) for q in [p, *others]]
+        stream_batch.append(sample(torch.cat([logits[None], rows]), seqs, [gb] + [None] * 31,
+                                   shared=torch.Generator().manual_seed(step)).token_ids[0].item())
+        seqs = [Sequence("x", [1], q) for q in [*others, p]]
+        stream_last.append(sample(torch.cat([rows, logits[None]]), seqs, [None] * 31 + [gc],
+                                  shared=torch.Generator().manual_seed(step + 50)
+                                  ).token_ids[-1].item())
+    assert stream_alone == stream_batch == stream_last
+    assert len(set(stream_alone)) > 3                  # it does sample
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoints):
+    path, _ = tiny_checkpoints["qwen3"]
+    return Engine(model=str(path), device="cpu", block_size=16, num_kv_blocks=256,
+                  max_num_seqs=32, max_model_len=512)
+
+
+def test_a_seeded_request_alone_and_among_31_unseeded_gives_the_same_tokens(tiny):
+    x = random_prompts(1, 20, 20, 1000, seed=1)[0]
+    p = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=77, ignore_eos=True)
+    alone = tiny.generate([x], p)[0].token_ids
+    crowd = random_prompts(31, 5, 60, 1000, seed=2)
+    mixed = [SamplingParams(max_tokens=n, temperature=0.7, top_p=0.9, ignore_eos=True)
+             for n in range(10, 41)]
+    outs = tiny.generate([*crowd[:15], x, *crowd[15:]], [*mixed[:15], p, *mixed[15:]])
+    assert outs[15].token_ids == alone
+    assert tiny.generate([x], p)[0].token_ids == alone              # a second run
+    assert len(set(alone)) > 3
+
+
+def _run(engine, prompts, params):
+    outs = engine.generate(prompts, params)
+    return [(o.token_ids, o.text, o.finish_reason,
+             None if o.outputs[0].logprobs is None else
+             [{t: round(lp.logprob, 4) for t, lp in d.items()} for d in o.outputs[0].logprobs])
+            for o in outs]
+
+
+def test_async_scheduling_runs_sampled_penalised_and_stop_string_requests_ahead(
+        replaying_platform):
+    """Sampled with a seed, penalised (repetition, frequency, presence, min_tokens), stop
+    strings (straddling tokens, in the first token, kept with include_stop_str_in_output),
+    logprobs: with async scheduling on (the CPU stand-in for a graph) they run ahead, and give
+    the synchronous engine's tokens, text, finish reasons and logprobs."""
+    kw = dict(model="smollm2", device="cpu", num_kv_blocks=160, max_num_seqs=8,
+              cudagraph_capture_sizes=[1, 2, 4, 8])
+    ahead, sync = Engine(**kw, async_scheduling=True), Engine(**kw, async_scheduling=False)
+    texts = ["The capital of France is", "Once upon a time, in a small village,",
+             "List three prime numbers:", "def fibonacci(n):", "Hi", "The sea is",
+             "ha ha ha ha ha ha ha ha ha ha ha ha ha ha"]
+    prompts = [sync.tokenizer.encode(t) for t in texts]
+    greedy = sync.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    ha = greedy[6].token_ids
+    assert ha.count(ha[0]) >= 12                                # " ha" again and again
+    tok = sync.tokenizer
+    # A stop string across the boundary of output tokens 5 and 6, one inside the first token.
+    a, b = tok.decode(greedy[0].token_ids[4:5]), tok.decode(greedy[0].token_ids[5:6])
+    straddle = a[-2:] + b[:1] if len(a) >= 2 and b else a + b
+    first = tok.decode(greedy[1].token_ids[:1]).strip() or tok.decode(greedy[1].token_ids[:1])
+    params = [
+        SamplingParams(max_tokens=24, temperature=0, stop=[straddle]),
+        SamplingParams(max_tokens=24, temperature=0, stop=[first], include_stop_str_in_output=True),
+        SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=0.7, top_k=20, seed=12, ignore_eos=True,
+                       repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.4),
+        SamplingParams(max_tokens=24, temperature=0.9, seed=13, logprobs=3, min_tokens=20),
+        SamplingParams(max_tokens=24, temperature=0, logprobs=2, presence_penalty=1.0,
+                       logit_bias={tok.encode(" the")[0]: -100}, ignore_eos=True),
+        # Greedy repeats " ha" until the frequency penalty (which must count the token still
+        # in flight) outweighs it: a step late, the output differs.
+        SamplingParams(max_tokens=16, temperature=0, frequency_penalty=0.3, ignore_eos=True),
+    ]
+    want = _run(sync, prompts, params)
+    first_step = ahead.telemetry.num_steps
+    got = _run(ahead, prompts, params)
+    assert got == want
+    assert straddle in greedy[0].text and not want[0][1].endswith(straddle)
+    assert want[0][2] == "stop" and want[1][2] == "stop" and want[1][1].endswith(first)
+    assert want[6][0][0] == ha[0] and want[6][0] != ha[:16]
+    steps = ahead.telemetry.steps_since(first_step)
+    assert sum(s.scheduled_ahead for s in steps) >= 10 and not any(s.held_back for s in steps)
+    assert ahead.stats().kv_blocks_used == 0
+
+
+def test_a_grammar_holds_the_step_back_and_telemetry_says_so(replaying_platform):
+    pytest.importorskip("llguidance")
+    from workbench.core.sampling_params import StructuredOutputsParams
+    e = Engine(model="smollm2", device="cpu", num_kv_blocks=64, max_num_seqs=4,
+               cudagraph_capture_sizes=[1, 2, 4], async_scheduling=True)
+    p = SamplingParams(max_tokens=12, temperature=0,
+                       structured_outputs=StructuredOutputsParams(regex="[a-z]{3,8} yes"))
+    first_step = e.telemetry.num_steps
+    outs = e.generate(["Say something", "Hi"], [p, SamplingParams(max_tokens=12, temperature=0,
+                                                                  ignore_eos=True)])
+    steps = e.telemetry.steps_since(first_step)
+    held = [s.held_back for s in steps if s.held_back]
+    assert held and all(h == {outs[0].request_id: "grammar"} for h in held)
+    assert not any(s.scheduled_ahead for s in steps if outs[0].request_id in s.tokens_per_request)
