@@ -43,6 +43,13 @@ def test_bench_small_run_writes_json(tmp_path, smollm2_dir):
     assert report["results"]["workbench"]["tokens"] == report["workload"]["output_tokens"]
     assert report["ratios"]["vs_hf_static"] > 0
     assert "output tok/s" in r.stdout
+    # The sampled workloads beside greedy, on the same requests (issue 21).
+    sampled = report["results"]["workbench_sampled"]
+    assert set(sampled) == {"qwen3_defaults", "t0.7_top_p0.9", "greedy_stop_string",
+                            "greedy_logprobs5"}
+    assert all(s["tokens"] == report["workload"]["output_tokens"] for s in sampled.values())
+    assert set(report["ratios"]["sampled_vs_greedy"]) == set(sampled)
+    assert "workbench, t0.7_top_p0.9" in r.stdout
 
 
 def test_lab_serves_the_notebooks(tmp_path):

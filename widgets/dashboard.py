@@ -237,8 +237,14 @@ class Dashboard(w.VBox):
 
     # ---- header -----------------------------------------------------------------------------
     def _describe(self) -> None:
+        described = self.source.describe()
+        if isinstance(self.source, LocalSource):
+            p = self.knobs.sampling_params()
+            if not p.greedy:     # what the Send button's sampling costs against greedy
+                described[f"sampling at T {p.temperature:g}"] = self.source.sampling_cost(
+                    p, self.n.value)
         items = " · ".join(f'<span class="muted">{esc(k)}</span> <b>{esc(v)}</b>'
-                           for k, v in self.source.describe().items())
+                           for k, v in described.items())
         kind = ("remote server" if isinstance(self.source, RemoteSource) else
                 "replay (recorded trace, no model loaded)" if isinstance(self.source, ReplaySource)
                 else "engine")

@@ -116,6 +116,7 @@ class LocalSource:
         self._pending: set[str] = set()
         self._next_step = engine.telemetry.num_steps
         self._next_request = engine.telemetry.num_requests
+        self._cost_key, self._cost = None, ""
 
     @property
     def config(self):
@@ -127,6 +128,17 @@ class LocalSource:
 
     def describe(self) -> dict[str, str]:
         return describe_engine(self.engine.info())
+
+    def sampling_cost(self, params: SamplingParams, batch: int) -> str:
+        """What sampling with `params` costs a step of `batch` rows against greedy on this
+        engine's device, measured once per (temperature, top-p, top-k, batch)."""
+        key = (params.temperature, params.top_p, params.top_k, params.min_p, batch)
+        if self._cost_key != key:
+            c = self.engine.sampler_cost(params, batch)
+            self._cost_key, self._cost = key, (
+                f"{c['sampled_ms']:.1f} ms a step of {batch} (greedy {c['greedy_ms']:.1f}), "
+                "measured here")
+        return self._cost
 
     def submit(self, prompt: Any, params: SamplingParams) -> str:
         """Queue one request (bad input raises ValueError and queues nothing)."""

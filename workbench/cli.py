@@ -7,7 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-from .config import ATTENTION_BACKENDS, BLOCK_SIZES, DEVICES, DTYPES, GRAPH_MODES, EngineConfig
+from .config import (ATTENTION_BACKENDS, BLOCK_SIZES, DEVICES, DTYPES, GENERATION_CONFIGS,
+                     GRAPH_MODES, EngineConfig)
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -53,6 +54,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "default: decode where the device captures graphs, else eager")
     p.add_argument("--cudagraph-capture-sizes", type=_int_list, default=None,
                    help="decode batch sizes to capture, e.g. 1,2,4,8,16")
+    p.add_argument("--generation-config", default=d["generation_config"].default,
+                   choices=GENERATION_CONFIGS,
+                   help="auto: sampling defaults from the model's generation_config.json for "
+                        "fields a request leaves out (as vLLM); none: SamplingParams' own")
     p.add_argument("--attention-backend", default=d["attention_backend"].default,
                    choices=ATTENTION_BACKENDS,
                    help="auto (the device's fused kernels) or reference (plain torch)")
@@ -64,7 +69,7 @@ def _engine_kwargs(a) -> dict:
                 num_kv_blocks=a.num_kv_blocks, gpu_memory_utilization=a.gpu_memory_utilization,
                 enable_prefix_caching=not a.no_prefix_caching, graph_mode=a.graph_mode,
                 cudagraph_capture_sizes=a.cudagraph_capture_sizes,
-                attention_backend=a.attention_backend)
+                attention_backend=a.attention_backend, generation_config=a.generation_config)
 
 
 def _say_notices(engine) -> None:
@@ -125,12 +130,15 @@ def cmd_bench(a) -> int:
     if a.ignore_eos is not None:
         raise ValueError("--ignore-eos/--no-ignore-eos: only for a server (--url); the offline "
                          "benchmark always runs each request to its length")
-    from .bench.offline import format_table, run, save
+    from .bench.offline import SAMPLING_WORKLOADS, format_table, run, save
+    sampling = (tuple(SAMPLING_WORKLOADS) if a.sampling == "all"
+                else tuple(x for x in a.sampling.split(",") if x and x != "none"))
     peers = tuple(x for x in a.peers.split(",") if x and x != "none")
     report = run(model=a.model or "smollm2", num_requests=a.num_requests, in_range=_range(a.input_len),
                  out_range=_range(a.output_len), seed=a.seed, peers=peers,
                  static_batch=a.static_batch, engine_kwargs=_engine_kwargs(a),
-                 log=lambda s: print(s, file=sys.stderr))
+                 log=lambda s: print(s, file=sys.stderr),
+                 sampling=sampling)
     print(format_table(report))
     if a.output:
         save(report, a.output)
@@ -343,6 +351,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--peers", default="hf_static,hf_batch,b1",
                    help="comma list of hf_static, hf_batch, b1, or none")
     b.add_argument("--static-batch", type=int, default=16)
+    b.add_argument("--sampling", default="all",
+                   help="sampled workloads to run beside greedy on the same requests: all, "
+                        "none, or a comma list of bench.offline.SAMPLING_WORKLOADS' names "
+                        "(qwen3_defaults, t0.7_top_p0.9, greedy_stop_string, greedy_logprobs5)")
     b.add_argument("--output", default="bench.json", help="JSON report path ('' for none)")
     serving = b.add_argument_group("serving benchmark (with --url, in the manner of vllm bench serve)")
     serving.add_argument("--url", default=None,

@@ -14,6 +14,7 @@ GRAPH_MODES = ("eager", "decode", "full")
 """vLLM-Ascend's meanings (see executor/graphs.py)."""
 ATTENTION_BACKENDS = ("auto", "reference")
 PREEMPTION_MODES = ("newest", "oldest", "largest")
+GENERATION_CONFIGS = ("auto", "none")
 
 
 def field_checker(obj):
@@ -33,7 +34,14 @@ class EngineConfig:
     dtype: str = "auto"
     """'auto' (fp32 on CPU), 'float32', 'bfloat16' or 'float16'."""
     seed: int = 0
-    """Seeds random weights and requests that give no seed of their own."""
+    """Seeds random weights and the generator that requests without a seed of their own
+    draw from."""
+    generation_config: str = "auto"
+    """Where a request's sampling defaults come from, as in vLLM: 'auto' takes temperature,
+    top_p, top_k, min_p, repetition_penalty and max_new_tokens from the checkpoint's
+    generation_config.json for every field a request leaves out (Engine.default_sampling_params,
+    the server's requests); 'none' uses SamplingParams' own defaults. info().generation_defaults
+    says which are in force."""
 
     attention_backend: str = "auto"
     """'auto': the platform's fused kernels where it has them: paged attention (on CPU, a
@@ -71,8 +79,9 @@ class EngineConfig:
     async_scheduling: bool | None = None
     """Overlap the host's work with the device (vLLM's async scheduling): a decode step
     replayed as a graph is followed by the next one, launched from the sampled ids still
-    on the device, before the host hands out the first one's tokens. Applies to greedy
-    requests without stop strings; a request that ends by EOS costs one dropped row. None:
+    on the device, before the host hands out the first one's tokens. Applies to every
+    request but one with a grammar (sampled, seeded, penalised, with stop strings or
+    logprobs); a request that ends by EOS or a stop string costs one dropped row. None:
     on where the device runs behind the host (CUDA) and decode graphs are captured."""
     max_num_seqs: int = 64
     """Most requests running at once (the batch size)."""
@@ -109,6 +118,8 @@ class EngineConfig:
             bad("model", "must be a non-empty string")
         if self.device not in DEVICES:
             bad("device", f"must be one of {DEVICES}")
+        if self.generation_config not in GENERATION_CONFIGS:
+            bad("generation_config", f"must be one of {GENERATION_CONFIGS}")
         if self.dtype not in DTYPES:
             bad("dtype", f"must be one of {DTYPES}")
         if self.graph_mode is not None and self.graph_mode not in GRAPH_MODES:

@@ -59,8 +59,23 @@ def save_random_qwen3(path, layers: int, heads: int, kv_heads: int, head_dim: in
     Qwen3ForCausalLM(cfg).eval().save_pretrained(path)
 
 
-def run_engine(engine: Engine, wl: Workload, progress=None) -> dict:
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in wl.output_lens]
+SAMPLING_WORKLOADS = {
+    "qwen3_defaults": dict(temperature=0.6, top_k=20, top_p=0.95),
+    "t0.7_top_p0.9": dict(temperature=0.7, top_p=0.9),
+    "greedy_stop_string": dict(temperature=0, stop=["\u2603\u2603\u2603"]),
+    "greedy_logprobs5": dict(temperature=0, logprobs=5),
+}
+"""Real traffic beside the greedy workload, each the same requests: Qwen3's
+generation_config.json defaults (what vLLM serves a request that leaves them out), a chat
+UI's temperature 0.7 + top_p 0.9, greedy with a stop string that never matches (the text is
+checked every token), greedy with 5 logprobs."""
+
+
+def run_engine(engine: Engine, wl: Workload, progress=None, sampling: dict | None = None) -> dict:
+    """The workload through the engine, EOS ignored; `sampling`: SamplingParams fields
+    (default greedy)."""
+    kw = {"temperature": 0, **(sampling or {})}
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, **kw) for n in wl.output_lens]
     engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     engine.reset_prefix_cache()
     first_step = engine.telemetry.num_steps
@@ -82,9 +97,11 @@ def run_engine(engine: Engine, wl: Workload, progress=None) -> dict:
                 kv_peak_blocks=max((s.kv_blocks_used for s in steps), default=0))
 
 
-def run_engine_b1(engine: Engine, prompt: list[int], new_tokens: int) -> dict:
+def run_engine_b1(engine: Engine, prompt: list[int], new_tokens: int,
+                  sampling: dict | None = None) -> dict:
     """Batch-1 decode speed: tokens after the first over the time after the first."""
-    p = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    p = SamplingParams(max_tokens=new_tokens, ignore_eos=True,
+                       **{"temperature": 0, **(sampling or {})})
     engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     engine.reset_prefix_cache()
     out = engine.generate([prompt], p)[0]
@@ -259,8 +276,15 @@ def machine() -> dict:
 def run(model: str = "smollm2", num_requests: int = 64, in_range=(16, 256), out_range=(16, 256),
         seed: int = 0, peers=("hf_static", "hf_batch", "b1"), static_batch: int = 16,
         b1_prompt: int = 128, b1_new: int = 128, engine_kwargs: dict | None = None,
-        log=print) -> dict:
-    """Run everything asked for in `peers` and return the report (also printed via log)."""
+        log=print, sampling: tuple[str, ...] = ()) -> dict:
+    """Run everything asked for in `peers` and return the report (also printed via log).
+    `sampling`: names of SAMPLING_WORKLOADS to run beside greedy, on the same requests (and
+    at batch 1 where b1 is asked for); greedy then runs again after them, and each ratio is
+    against the mean of the two greedy runs, so drift of the machine cancels."""
+    unknown = [s for s in sampling if s not in SAMPLING_WORKLOADS]
+    if unknown:
+        raise ValueError(f"sampling: unknown workload {unknown[0]!r} (one of "
+                         f"{', '.join(SAMPLING_WORKLOADS)})")
     from tqdm.auto import tqdm
 
     engine = Engine(model=model, **(engine_kwargs or {}))
@@ -278,13 +302,25 @@ def run(model: str = "smollm2", num_requests: int = 64, in_range=(16, 256), out_
     if not num_requests:      # the batch-1 part alone (`workbench bench --num-requests 0`)
         peers = tuple(p for p in peers if p == "b1")
     else:
-        with tqdm(total=num_requests, desc="workbench engine", unit="req") as bar:
-            res["workbench"] = run_engine(engine, wl, progress=lambda d, n: bar.update(d - bar.n))
-        log(f"workbench: {res['workbench']}")
+        def throughput(name: str, sampling: dict | None = None) -> dict:
+            with tqdm(total=num_requests, desc=f"workbench {name}", unit="req") as bar:
+                out = run_engine(engine, wl, lambda d, n: bar.update(d - bar.n), sampling)
+            log(f"workbench {name}: {out}")
+            return out
+        res["workbench"] = throughput("greedy")
+        if sampling:
+            res["workbench_sampled"] = {s: throughput(s, SAMPLING_WORKLOADS[s]) for s in sampling}
+            res["workbench_greedy_again"] = throughput("greedy (again)")
     b1_prompt_ids = make_workload(1, (b1_prompt, b1_prompt), (1, 1), engine.info().vocab_size, seed + 1).prompts[0]
     if "b1" in peers:
         res["workbench_b1"] = run_engine_b1(engine, b1_prompt_ids, b1_new)
         log(f"workbench b1: {res['workbench_b1']}")
+        if sampling:
+            res["workbench_b1_sampled"] = {s: run_engine_b1(engine, b1_prompt_ids, b1_new,
+                                                            SAMPLING_WORKLOADS[s])
+                                           for s in sampling}
+            res["workbench_b1_again"] = run_engine_b1(engine, b1_prompt_ids, b1_new)
+            log(f"workbench b1 sampled: {res['workbench_b1_sampled']}")
     model_path = engine.info().model_path
     del engine
     if model_path is not None and any(p in peers for p in ("hf_static", "hf_batch", "b1")):
@@ -308,6 +344,14 @@ def run(model: str = "smollm2", num_requests: int = 64, in_range=(16, 256), out_
     if "hf_b1" in res and "workbench_b1" in res:
         ratios["b1_decode_vs_hf_generate"] = round(
             res["workbench_b1"]["decode_tok_s"] / res["hf_b1"]["decode_tok_s"], 2)
+    if "workbench_sampled" in res:
+        greedy = (ours + res["workbench_greedy_again"]["out_tok_s"]) / 2
+        ratios["sampled_vs_greedy"] = {s: round(r["out_tok_s"] / greedy, 2)
+                                       for s, r in res["workbench_sampled"].items()}
+    if "workbench_b1_sampled" in res:
+        tpot = (res["workbench_b1"]["tpot_ms"] + res["workbench_b1_again"]["tpot_ms"]) / 2
+        ratios["b1_tpot_vs_greedy"] = {s: round(r["tpot_ms"] / tpot, 2)
+                                       for s, r in res["workbench_b1_sampled"].items()}
     report["ratios"] = ratios
     return report
 
@@ -322,15 +366,22 @@ def format_table(report: dict) -> str:
     if "hf_generate_batch" in res:
         rows.append(("HF generate_batch", res["hf_generate_batch"]["out_tok_s"],
                      report["ratios"].get("vs_hf_generate_batch")))
+    for name, r in res.get("workbench_sampled", {}).items():
+        rows.append((f"workbench, {name}", r["out_tok_s"],
+                     f"{report['ratios']['sampled_vs_greedy'][name]} of greedy"))
     lines = []
     if rows:
         lines = [f"{'system':<34} {'output tok/s':>12} {'ours ÷ it':>10}", "-" * 58]
-        lines += [f"{name:<34} {tps:>12} {('' if r == '' else f'{r}x'):>10}" for name, tps, r in rows]
+        lines += [f"{name:<34} {tps:>12} {('' if r == '' else r if isinstance(r, str) else f'{r}x'):>10}"
+                  for name, tps, r in rows]
         lines.append("")
     if "workbench_b1" in res:
         lines.append(f"{'batch-1 decode':<34} {'tok/s':>12} {'TPOT ms':>10}")
         lines.append(f"{'workbench':<34} {res['workbench_b1']['decode_tok_s']:>12} "
                      f"{res['workbench_b1']['tpot_ms']:>10}")
+        for name, r in res.get("workbench_b1_sampled", {}).items():
+            lines.append(f"{'workbench, ' + name:<34} {r['decode_tok_s']:>12} {r['tpot_ms']:>10}"
+                         f"  ({report['ratios']['b1_tpot_vs_greedy'][name]}x greedy TPOT)")
         if "hf_b1" in res:
             lines.append(f"{'HF generate':<34} {res['hf_b1']['decode_tok_s']:>12} "
                          f"{res['hf_b1']['tpot_ms']:>10}")

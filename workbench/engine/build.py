@@ -17,6 +17,7 @@ from ..core.block_manager import BlockManager
 from ..core.scheduler import Scheduler
 from ..executor.kv_sizing import kv_bytes_per_block, kv_bytes_per_token, num_kv_blocks
 from ..executor.models import build_model, load_checkpoint
+from ..executor.models.loader import generation_defaults
 from ..executor.runner import ModelRunner
 from ..platforms import get_platform
 from ..telemetry import EngineInfo, MemoryStats, Telemetry
@@ -107,7 +108,9 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
         attention=backend.name, ops=model.ops.name,
         async_scheduling=run_ahead, vocab_size=hf_config.vocab_size,
         num_params=sum(p.numel() for p in model.parameters()),
-        num_layers=model.num_layers, **_model_shape(model, hf_config, dtype), config=config)
+        num_layers=model.num_layers, **_model_shape(model, hf_config, dtype), config=config,
+        generation_defaults=(generation_defaults(model_path)
+                             if config.generation_config == "auto" else {}))
     built = BuiltEngine(config, platform, backend, tokenizer, model, runner, block_manager,
                         scheduler, telemetry, max_model_len,
                         _eos_ids(hf_config, tokenizer, model_path), run_ahead, info)

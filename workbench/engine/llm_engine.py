@@ -106,6 +106,18 @@ class Engine:
         """What this engine is: model, device, dtype, KV pool, graph sizes, resolved knobs."""
         return self.core.info()
 
+    def default_sampling_params(self) -> SamplingParams:
+        """What a request without SamplingParams runs with (vLLM's
+        get_default_sampling_params): SamplingParams' defaults, overridden by the model's
+        generation_config.json where EngineConfig.generation_config is 'auto'
+        (info().generation_defaults)."""
+        return SamplingParams(**self.core.info().generation_defaults)
+
+    def sampler_cost(self, params: SamplingParams, batch: int = 8) -> dict:
+        """What sampling with `params` costs a step of `batch` rows on this device against
+        greedy, measured now ({'greedy_ms', 'sampled_ms'}; see EngineCore.sampler_cost)."""
+        return self.core.sampler_cost(params, batch)
+
     def stats(self) -> EngineStats:
         """Running and waiting requests, KV blocks in use, preemptions, prefix-cache hits."""
         return self.core.stats()
@@ -153,7 +165,7 @@ class Engine:
 
     def _make_request(self, prompt: Prompt, params: SamplingParams | None,
                       request_id: str | None) -> Request:
-        params = params if params is not None else SamplingParams()
+        params = params if params is not None else self.default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params: must be SamplingParams (got {type(params).__name__})")
         params.validate()

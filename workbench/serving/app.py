@@ -163,7 +163,7 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
         # OpenAI's defaults: 16 tokens for completions; chat fills the context.
         so, so_field = structured_outputs_from(body)
         params, which = sampling_params_from(body, 16 if kind == "completion" else None, so,
-                                             kind)
+                                             kind, engine.info().generation_defaults)
         explicit = body.get(which) is not None
         options = {"truncate_prompt_tokens": params.truncate_prompt_tokens,
                    "add_special_tokens": body_field(body, "add_special_tokens", (bool,),
@@ -214,7 +214,8 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
             raise bad_request(field, f"{field}: could not be tokenized") from None
         room = engine.max_model_len - len(ids)
         if not explicit:    # chat: fill the context; completions: 16, or what still fits
-            params.max_tokens = room if kind == "chat" else min(params.max_tokens, room)
+            cap = engine.info().generation_defaults.get("max_tokens")   # the model's own cap
+            params.max_tokens = min(room, cap or room if kind == "chat" else params.max_tokens)
         elif params.max_tokens > room:
             raise bad_request(which, f"{which}: the prompt has {len(ids)} tokens and {which} is "
                               f"{params.max_tokens}, but max_model_len is {engine.max_model_len}; "
@@ -393,7 +394,8 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
 
     def model_card() -> dict:
         return {"id": served, "object": "model", "created": int(engine_started), "owned_by": "workbench",
-                "root": engine.config.model, "max_model_len": engine.max_model_len}
+                "root": engine.config.model, "max_model_len": engine.max_model_len,
+                "generation_defaults": engine.info().generation_defaults}
 
     engine_started = time.time()
 

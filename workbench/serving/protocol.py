@@ -269,12 +269,19 @@ def logprobs_fields(body: dict, kind: str) -> tuple[int | None, int | None, bool
 
 def sampling_params_from(body: dict, default_max_tokens: int | None,
                          structured_outputs: StructuredOutputsParams | None = None,
-                         kind: str = "completion") -> tuple[SamplingParams, str]:
+                         kind: str = "completion",
+                         defaults: dict | None = None) -> tuple[SamplingParams, str]:
     """OpenAI request fields (and vLLM's sampling extras) -> SamplingParams. Returns the
     params and the name of the field that set max_tokens (for error messages).
     `default_max_tokens` None means "fill the context" and is resolved by the caller once
-    the prompt length is known. The fields themselves were checked by check_fields; value
-    checks are SamplingParams' (a 400 naming the field)."""
+    the prompt length is known. `defaults` (the engine's generation defaults, SamplingParams'
+    names) fill the fields the request leaves out, as vLLM does; their max_tokens caps the
+    default. The fields themselves were checked by check_fields; value checks are
+    SamplingParams' (a 400 naming the field)."""
+    defaults = defaults or {}
+    if defaults.get("max_tokens") is not None:
+        default_max_tokens = min(x for x in (default_max_tokens, defaults["max_tokens"])
+                                 if x is not None)
     logprobs, prompt_logprobs, echo = logprobs_fields(body, kind)
     which = "max_tokens"
     max_tokens = body.get("max_tokens")
@@ -315,10 +322,13 @@ def sampling_params_from(body: dict, default_max_tokens: int | None,
         "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
         "min_tokens", "include_stop_str_in_output", "skip_special_tokens")
         if body.get(name) is not None}
+    for name in ("repetition_penalty", "min_p"):
+        if name not in extras and name in defaults:
+            extras[name] = defaults[name]
     seed = num("seed", None)
     if isinstance(seed, int) and not -2**63 <= seed < 2**64:
         raise bad_request("seed", f"seed: must fit in 64 bits (got {seed!r})")
-    temperature = num("temperature", 1.0)
+    temperature = num("temperature", defaults.get("temperature", 1.0))
     if isinstance(temperature, (int, float)) and 0 < temperature < GREEDY_BELOW:
         temperature = 0.0   # as vLLM: a vanishing temperature is greedy (and cannot overflow)
 
@@ -326,8 +336,8 @@ def sampling_params_from(body: dict, default_max_tokens: int | None,
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=temperature,
-            top_p=num("top_p", 1.0),
-            top_k=num("top_k", 0),
+            top_p=num("top_p", defaults.get("top_p", 1.0)),
+            top_k=num("top_k", defaults.get("top_k", 0)),
             seed=seed,
             stop=stop,
             stop_token_ids=stop_ids,

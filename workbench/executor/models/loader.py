@@ -319,3 +319,24 @@ def load_checkpoint(model: str) -> LoadedCheckpoint:
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return LoadedCheckpoint(model, cfg, state, tokenizer, path)
+
+
+GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                     "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                     "max_new_tokens": "max_tokens"}
+"""generation_config.json's sampling fields -> SamplingParams' names (vLLM reads the same)."""
+
+
+def generation_defaults(model_path) -> dict:
+    """The sampling defaults a checkpoint's generation_config.json sets (SamplingParams'
+    names), {} where it has none or no file."""
+    import json
+    from pathlib import Path
+    if model_path is None or not (Path(model_path) / "generation_config.json").is_file():
+        return {}
+    try:
+        cfg = json.loads((Path(model_path) / "generation_config.json").read_text())
+    except ValueError:
+        return {}
+    return {ours: cfg[theirs] for theirs, ours in GENERATION_FIELDS.items()
+            if cfg.get(theirs) is not None}
