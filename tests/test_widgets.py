@@ -196,6 +196,10 @@ def test_knobs_validate_and_rebuild_the_dashboard_engine(comms):
     assert dash.num_rebuilds == 1 and knobs.builds == 1 and not old.is_running_in_background
     assert old.is_closed and old.core.runner.kv_cache is None      # freed at once, not by the gc
     assert "<b>32</b>" in dash.header.value and "Engine rebuilt" in knobs.status.value
+    # What the Send button's sampling costs against greedy, measured on this device.
+    t = knobs.sampling_params().temperature
+    assert re.search(rf"sampling at T {t:g}</span> <b>[0-9.]+ ms a step of \d+ \(greedy "
+                     r"[0-9.]+\), measured here</b>", dash.header.value), dash.header.value
     # The old engine's requests were aborted when it was replaced (or had finished).
     assert all(dash.streams.streams[r].status in ("abort", "length") for r in rids)
     assert all(dash.streams.streams[r].status == "length" for r in after)

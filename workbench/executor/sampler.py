@@ -127,6 +127,11 @@ def _index(rows: list[int], device) -> torch.Tensor:
     return to_device(torch.tensor(rows, dtype=torch.long), device)
 
 
+def _select(t: torch.Tensor, rows: list[int], idx: torch.Tensor) -> torch.Tensor:
+    """t's rows `rows` (their index tensor idx); t itself where that is every row."""
+    return t if len(rows) == t.shape[0] else t.index_select(0, idx)
+
+
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
     """A small host tensor on `device` without waiting for the device: pinned first, since an
     asynchronous copy from pageable memory may read it after it is freed (and a synchronous
@@ -236,11 +241,11 @@ def _draw_truncated(logits, temp, u, min_p, top_k: list[int], top_p: list[float]
     tails = [i for i in range(n) if has_p[i] and k_of[i] == vocab and width < vocab]
     if tails:
         idx = _index(tails, dev)
-        rest = ((logits.index_select(0, idx) - vals.index_select(0, idx)[:, :1])
-                / temp[idx][:, None]).exp_()
+        rest = ((_select(logits, tails, idx) - _select(vals, tails, idx)[:, :1])
+                / _select(temp, tails, idx)[:, None]).exp_()
         if min_p is not None:
-            rest.masked_fill_(rest < min_p[idx][:, None], 0.0)
-        mass.index_copy_(0, idx, rest.sum(-1))
+            rest.masked_fill_(rest < _select(min_p, tails, idx)[:, None], 0.0)
+        mass = rest.sum(-1) if len(tails) == n else mass.index_copy_(0, idx, rest.sum(-1))
     p_col = to_device(torch.tensor(top_p, dtype=torch.float32), dev)
     thr = torch.where(p_col < 1.0, p_col * mass, torch.full_like(mass, float("inf")))
     # Kept: the smallest prefix whose mass reaches thr (the top token always stays).
@@ -255,11 +260,12 @@ def _draw_truncated(logits, temp, u, min_p, top_k: list[int], top_p: list[float]
         redo = [i for i in redo if k_of[i] < vocab or short[i]]
     if redo:
         idx = _index(redo, dev)
-        ids.index_copy_(0, idx, _draw_truncated(
-            logits.index_select(0, idx), temp[idx], u[idx],
-            None if min_p is None else min_p[idx], [top_k[i] for i in redo],
+        again = _draw_truncated(
+            _select(logits, redo, idx), _select(temp, redo, idx), _select(u, redo, idx),
+            None if min_p is None else _select(min_p, redo, idx), [top_k[i] for i in redo],
             [top_p[i] for i in redo],
-            candidates=next((c for c in CANDIDATES if c > width), vocab)))
+            candidates=next((c for c in CANDIDATES if c > width), vocab))
+        ids = again if len(redo) == n else ids.index_copy_(0, idx, again)
     return ids
 
 
@@ -314,7 +320,8 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: torch.Ten
     dev = logits.device
     params = [s.params for s in seqs]
     col = lambda name: _column(params, name, dev, logits.dtype)[:, None]  # noqa: E731
-    sub = logits.index_select(0, rows)
+    every = len(seqs) == logits.shape[0]
+    sub = logits if every else logits.index_select(0, rows)     # (logits is a copy already)
     out = to_device(_padded([s.output_token_ids for s in seqs], -1), dev)
     if pending_ids is not None:
         out = torch.cat([out, pending_ids[:, None]], 1)
@@ -335,7 +342,8 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: torch.Ten
         real = out >= 0
         delta = -(col("frequency_penalty") + col("presence_penalty") * first) * real
         sub.scatter_add_(1, out.clamp(min=0), delta.to(sub.dtype))
-    logits.index_copy_(0, rows, sub)
+    if not every:
+        logits.index_copy_(0, rows, sub)
 
 
 def _first_occurrences(lists: list[list[int]], width: int) -> list[list[bool]]:
