@@ -25,7 +25,10 @@ of our figures beside the HF peers, measured in this same call, comes last.
 8. concurrency: W1's requests through a closed-loop client holding 1, 16, 64 or 256 in
    flight (4x that many requests, at most W1's 256): throughput and TTFT against concurrency.
 9. vllm: the workload of a published vLLM run (Qwen3-0.6B shape, 500 prompts of 512 random
-   ids, 128 new tokens, EOS ignored): requests/s.
+   ids, 128 new tokens, EOS ignored): requests/s, greedy (as vLLM's client sends) and with
+   Qwen3's generation defaults.
+10. sampled: W1 and batch 1 with real traffic's sampling (Qwen3's defaults, 0.7 + top_p 0.9,
+   a stop string, logprobs 5) beside greedy in one engine, as ratios.
 """
 from __future__ import annotations
 
@@ -44,7 +47,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from workbench import Engine, SamplingParams  # noqa: E402
-from workbench.bench.offline import Workload, run_engine, run_engine_b1, save_random_qwen3  # noqa: E402
+from workbench.bench.offline import (SAMPLING_WORKLOADS, Workload, run_engine,  # noqa: E402
+                                     run_engine_b1, save_random_qwen3)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 RESULTS: dict[str, dict] = {}
@@ -311,6 +315,36 @@ def w1(small: bool, mode: str) -> None:
     free_engine(e)
 
 
+def sampled(small: bool) -> None:
+    """Real traffic beside greedy (issue 21): W1 and batch 1 with each of
+    bench.offline.SAMPLING_WORKLOADS in one engine (decode graphs, async scheduling), each
+    ratio against the mean of a greedy run before them and one after (targets: >= 0.9x greedy
+    W1, batch-1 TPOT within 5 %)."""
+    model = "random:tiny" if small else "random:qwen3-0.6b"
+    n, lo, hi, new = w1_shape(small)
+    e = Engine(model=model, device=DEV, graph_mode="decode", max_num_seqs=256,
+               max_num_batched_tokens=8192, max_model_len=2048)
+    wl = Workload(anchor_workload(n, lo, hi, e.info().vocab_size), [new] * n)
+    prompt = [random.Random(2).randrange(10, e.info().vocab_size) for _ in range(128)]
+    b1_new = 32 if small else 256
+    w1_rows, b1_rows = {"greedy": run_engine(e, wl)}, {"greedy": run_engine_b1(e, prompt, b1_new)}
+    for name, kw in SAMPLING_WORKLOADS.items():
+        w1_rows[name] = run_engine(e, wl, sampling=kw)
+        b1_rows[name] = run_engine_b1(e, prompt, b1_new, kw)
+    w1_rows["greedy_again"] = run_engine(e, wl)
+    b1_rows["greedy_again"] = run_engine_b1(e, prompt, b1_new)
+    tok_s = (w1_rows["greedy"]["out_tok_s"] + w1_rows["greedy_again"]["out_tok_s"]) / 2
+    tpot = (b1_rows["greedy"]["tpot_ms"] + b1_rows["greedy_again"]["tpot_ms"]) / 2
+    steps = e.telemetry.snapshot()[0]
+    emit("sampled", model=model, requests=n, new=new,
+         steps_ahead=sum(s.scheduled_ahead for s in steps), steps=len(steps),
+         w1_tok_s={k: r["out_tok_s"] for k, r in w1_rows.items()},
+         w1_vs_greedy={k: round(r["out_tok_s"] / tok_s, 3) for k, r in w1_rows.items()},
+         b1_tpot_ms={k: r["tpot_ms"] for k, r in b1_rows.items()},
+         b1_tpot_vs_greedy={k: round(r["tpot_ms"] / tpot, 3) for k, r in b1_rows.items()})
+    free_engine(e)
+
+
 # ---- 5. ceilings ----------------------------------------------------------------------------
 def timed(fn, reps: int) -> float:
     """Median seconds of fn() over reps runs (device events on CUDA)."""
@@ -467,10 +501,14 @@ def vllm_workload(small: bool, max_num_seqs: int, budget: int) -> None:
     r = random.Random(5)
     prompts = [[r.randrange(10, e.info().vocab_size) for _ in range(length)] for _ in range(n)]
     res = run_engine(e, Workload(prompts, [new] * n))
+    # vLLM's benchmark client samples greedily, so its published figure compares with the
+    # greedy row; Qwen3's generation defaults are what a served request gets beside it.
+    qwen3 = run_engine(e, Workload(prompts, [new] * n), sampling=SAMPLING_WORKLOADS["qwen3_defaults"])
     emit(f"vllm_{max_num_seqs}_{budget}", model=model, requests=n, prompt_len=length, new=new,
          max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
          req_s=round(n / res["seconds"], 1),
-         total_tok_s=round(n * (length + new) / res["seconds"]), **res)
+         total_tok_s=round(n * (length + new) / res["seconds"]),
+         qwen3_defaults_req_s=round(n / qwen3["seconds"], 1), **res)
     free_engine(e)
 
 
@@ -532,8 +570,8 @@ def main() -> int:
     ap.add_argument("--anchor", default=None, help="gpu_anchor.py, for the HF peers")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--small", action="store_true")
-    ap.add_argument("--parts", default="ceilings,correctness,prefill,b1,w1,vllm,concurrency,"
-                                       "release,peers,w1full")
+    ap.add_argument("--parts", default="ceilings,correctness,prefill,b1,w1,sampled,vllm,"
+                                       "concurrency,release,peers,w1full")
     ap.add_argument("--anchor-parts", default="b1,static,cb",
                     help="gpu_anchor.py's parts (HF static batching alone takes ~2 minutes)")
     ap.add_argument("--vllm-configs", default="256:8192,512:16384",
@@ -547,7 +585,7 @@ def main() -> int:
          torch=torch.__version__, transformers=transformers.__version__, date=time.strftime("%F"))
     parts = a.parts.split(",")
     steps = [("ceilings", ceilings), ("correctness", correctness), ("prefill", prefill),
-             ("b1", batch1), ("w1", lambda small: w1(small, "decode"))]
+             ("b1", batch1), ("w1", lambda small: w1(small, "decode")), ("sampled", sampled)]
     steps += [("vllm", lambda small, c=c: vllm_workload(small, *map(int, c.split(":"))))
               for c in a.vllm_configs.split(",")]
     steps += [("concurrency", concurrency), ("release", release)]

@@ -20,6 +20,7 @@ import torch
 from conftest import random_prompts
 from triton_on_cpu import run_interpreted
 from workbench import Engine, SamplingParams
+from workbench.bench.offline import SAMPLING_WORKLOADS
 
 
 def test_triton_decode_kernel_matches_the_reference_in_the_interpreter():
@@ -242,9 +243,11 @@ def test_gpu_script_runs_every_part_at_toy_sizes_on_the_cpu(tmp_path):
     assert not [p for p in parts if p.endswith("_error")], {p: d for p, d in parts.items()
                                                             if p.endswith("_error")}
     for name in ("ceilings", "prefill", "b1_eager", "b1_decode", "b1_ratio", "w1_ours",
-                 "concurrency_1", "w1_ours_full"):
+                 "sampled", "concurrency_1", "w1_ours_full"):
         assert name in parts, (name, sorted(parts))
     for mode in ("eager", "decode", "full"):
         assert parts[f"correctness_fp32_{mode}"]["equal"], parts[f"correctness_fp32_{mode}"]
     for name in ("correctness_bf16_logits", "correctness_bf16_decode_b1", "release"):
         assert parts[name]["ok"], (name, parts[name])
+    assert set(parts["sampled"]["w1_vs_greedy"]) == {"greedy", *SAMPLING_WORKLOADS,
+                                                     "greedy_again"}
