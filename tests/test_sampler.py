@@ -143,6 +143,28 @@ def test_the_distribution_check_fails_a_mutated_filter(mutation, kw, monkeypatch
     assert not ok, f"{mutation} passed the check ({why})"
 
 
+@pytest.mark.parametrize("kw", [dict(top_p=0.9), dict(temperature=0.6, top_k=20, top_p=0.95),
+                                dict(top_k=50, min_p=0.05), dict(temperature=0.8)])
+def test_the_accelerator_path_reads_nothing_on_the_host(kw, monkeypatch):
+    """What runs where host reads are not free (a GPU or NPU): the same distributions, with
+    no value read back to the host mid-sample (any .tolist(), .item() or bool() of a tensor
+    raises here), so a sampled step can be launched ahead."""
+    monkeypatch.setattr(sampler, "host_reads_are_free", lambda device: False)
+    logits = peaked(3000, seed=11, scale=1.0)
+    p = SamplingParams(**{"temperature": 1.0, **kw})
+    rows = logits[None].expand(2000, -1).contiguous()
+    seqs = [Sequence("x", [1], p)] * 2000
+
+    def no_host(*a, **k):
+        raise AssertionError("the sampler read a device value on the host")
+    with monkeypatch.context() as m:
+        for name in ("tolist", "item", "__bool__"):
+            m.setattr(torch.Tensor, name, no_host)
+        ids = sample(rows, seqs, [None] * 2000, shared=torch.Generator().manual_seed(0)).token_ids
+    ok, msg = chi_square_fits(torch.bincount(ids, minlength=3000), reference(logits, p))
+    assert ok, msg
+
+
 def test_greedy_and_sampled_rows_share_a_batch():
     """Greedy rows take the argmax, sampled rows their draws, in one call; top_k=1 is greedy."""
     logits = torch.stack([peaked(50, seed=i) for i in range(6)])

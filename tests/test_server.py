@@ -819,3 +819,66 @@ def test_lm_eval_loglikelihood_scores_equal_hf(server, hf_smollm2, smollm2_token
         correct += max(range(len(ours)), key=ours.__getitem__) == s["target"]
     assert out["results"]["wb_mc"]["acc,none"] == correct / len(docs)
     wait_idle(server)
+
+
+def test_one_hostile_number_fails_only_its_own_request(server):
+    """Issue 27's case: eight ordinary completions (temperature 0.7, 64 tokens) are running
+    when requests with numbers that do not fit their field arrive (a 10**400 temperature, a
+    2**64 + 1 seed, a top_k past int64, a max_tokens past int64, an out-of-float32 penalty):
+    each of those gets a 400 naming its field, and the eight finish whole."""
+    ordinary = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 64,
+                "temperature": 0.7, "ignore_eos": True}
+    hostile = [("temperature", 10 ** 400), ("seed", 2 ** 64 + 1), ("top_k", 2 ** 70),
+               ("max_tokens", 2 ** 63), ("presence_penalty", 10 ** 40),
+               ("logit_bias", {"5": 10 ** 400})]
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server, headers=AUTH, timeout=300) as c:
+            normal = [asyncio.create_task(c.post("/v1/completions", json=ordinary))
+                      for _ in range(8)]
+            await asyncio.sleep(0.5)                 # the eight are decoding
+            # (json.dumps writes the huge ints as JSON integers, as a hostile client would)
+            bad = await asyncio.gather(*(c.post("/v1/completions", content=json.dumps(
+                {**ordinary, name: value}), headers={"content-type": "application/json"})
+                for name, value in hostile))
+            return await asyncio.gather(*normal), bad
+
+    normal, bad = asyncio.run(run())
+    for (name, _), r in zip(hostile, bad):
+        assert r.status_code == 400, (name, r.status_code, r.text[:300])
+        assert r.json()["error"]["param"] == name, (name, r.text[:300])
+    for r in normal:
+        assert r.status_code == 200, r.text[:300]
+        assert r.json()["usage"]["completion_tokens"] == 64
+    assert httpx.get(server + "/health", timeout=10).status_code == 200
+    wait_idle(server)
+
+
+@pytest.mark.parametrize("token", ["NaN", "Infinity", "-Infinity"])
+def test_json_nan_and_infinity_are_refused_naming_the_field(server, token):
+    body = '{"model": "%s", "prompt": "hi", "max_tokens": 2, "top_p": %s}' % (MODEL, token)
+    r = httpx.post(server + "/v1/completions", content=body, timeout=30,
+                   headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_p", r.text
+    assert token in r.json()["error"]["message"]
+    nested = '{"model": "%s", "messages": [{"role": "user", "content": "hi"}], ' \
+             '"logit_bias": {"5": %s}}' % (MODEL, token)
+    r = httpx.post(server + "/v1/chat/completions", content=nested, timeout=30,
+                   headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+
+
+def test_openapi_declares_both_request_bodies(server):
+    """/openapi.json (and /docs) from schema.py's models: each endpoint's body with its
+    fields, types and ranges; the same models decide which fields a request may send."""
+    from workbench.serving.protocol import REQUEST_FIELDS
+    doc = httpx.get(server + "/openapi.json", timeout=10).json()
+    for path, kind in (("/v1/completions", "completion"), ("/v1/chat/completions", "chat")):
+        body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert set(body["properties"]) == {n for n, (kinds, _, _) in REQUEST_FIELDS.items()
+                                           if kind in kinds}
+        assert body["required"] == (["messages"] if kind == "chat" else ["prompt"])
+    temp = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"][
+        "application/json"]["schema"]["properties"]["temperature"]
+    assert {"type": "number", "minimum": 0.0} in temp["anyOf"]
+    assert doc["info"]["version"] and httpx.get(server + "/docs", timeout=10).status_code == 200

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,6 +11,9 @@ from ..config import field_checker
 SAMPLING_EPS = 1e-5
 """Temperatures below this are treated as greedy (as vLLM does): dividing logits by a
 vanishing temperature overflows."""
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest number the sampler's float32 tensors hold: a float field beyond it (or an
+integer too large for any float) is refused, not converted into inf or an overflow."""
 MAX_LOGPROBS = 20
 """Most alternatives per position that logprobs / prompt_logprobs may ask for (OpenAI's cap)."""
 
@@ -136,34 +140,39 @@ class SamplingParams:
     def validate(self) -> None:
         bad = field_checker(self)
 
-        def is_int(v):
-            return isinstance(v, int) and not isinstance(v, bool)
+        def is_int(v):       # and fits the int64 the device holds it in
+            return isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**63
 
-        def is_num(v):
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
+        def is_num(v):       # a real number the device's float32 holds (no inf, no nan)
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                return False
+            try:
+                return math.isfinite(v) and abs(float(v)) <= FLOAT32_MAX
+            except OverflowError:       # an int beyond any float
+                return False
 
         if not is_int(self.n) or not 1 <= self.n <= 128:
             bad("n", "must be an integer in [1, 128]")
         if not is_int(self.max_tokens) or self.max_tokens < 0:
-            bad("max_tokens", "must be an integer >= 0")
+            bad("max_tokens", "must be a 64-bit integer >= 0")
         if self.max_tokens == 0 and self.prompt_logprobs is None:
             bad("max_tokens", "must be > 0 (0 is only for scoring a prompt with prompt_logprobs)")
         if self.max_tokens == 0 and self.n != 1:
             bad("n", "must be 1 when max_tokens is 0")
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             bad("min_tokens", "must be an integer in [0, max_tokens]")
-        if not is_num(self.temperature) or not self.temperature >= 0 or self.temperature == float("inf"):
+        if not is_num(self.temperature) or not self.temperature >= 0:
             bad("temperature", "must be a finite number >= 0")
         if not is_int(self.top_k) or self.top_k < -1:
-            bad("top_k", "must be an integer >= 0 (0 or -1 disables it)")
+            bad("top_k", "must be a 64-bit integer >= 0 (0 or -1 disables it)")
         if not is_num(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
-        if self.seed is not None and (not is_int(self.seed) or not -2**63 <= self.seed < 2**63):
+        if self.seed is not None and not is_int(self.seed):
             bad("seed", "must be a 64-bit integer or None")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be non-empty strings")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", "must be non-negative integers")
+            bad("stop_token_ids", "must be non-negative 64-bit integers")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be true or false")

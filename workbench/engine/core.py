@@ -254,7 +254,10 @@ class EngineCore:
                     with self._step_lock:
                         result = self._step()
                 except Exception:   # keep serving: fail the requests of the broken step only
-                    log.exception("engine step failed; aborting its requests")
+                    # (a failure one request causes ends that request alone, in the
+                    # pipeline; what reaches here is the step's own: the device, the model)
+                    log.exception("engine step failed; failing its requests: %s",
+                                  ", ".join(s.request_id for s in self.scheduler.running))
                     self.pipeline.in_flight = None
                     for seq in list(self.scheduler.running):
                         r = self.output.get(seq.request_id)

@@ -94,21 +94,19 @@ class OutputProcessor:
         for i, (r, tok) in enumerate(zip(reqs, token_ids)):
             if r.seq.is_finished:
                 continue
-            if r.seq.params.max_tokens == 0:    # prompt scoring only: no token
-                self.scheduler.finish(r.seq, "length")
-                self._end(r, now)
+            try:
+                out = self._process_one(r, i, tok, logprobs, now)
+            except Exception:   # its detokenizer, stop strings, grammar or logprobs
+                log.exception("%s: handing out its token failed; that request alone fails",
+                              r.seq.request_id)
+                if not r.seq.is_finished:
+                    self.end(r, "error", now)
                 finished.append(r.seq.request_id)
                 continue
-            if r.parent is not None and not r.parent.forked:
-                started = r.parent.fork(self.scheduler)
-                with self._lock:
-                    for c in started:
-                        self._requests[c.seq.request_id] = c
-            lp = None
-            if r.logprobs is not None:
-                lp = logprobs.row(i, r.seq.params.logprobs, self.decode_token)
-                r.logprobs.append(lp)
-            ev, delivered = self._append_token(r, tok, now, lp)
+            if out is None:
+                finished.append(r.seq.request_id)
+                continue
+            ev, delivered = out
             events.append(ev)
             if ev.finished:
                 finished.append(r.seq.request_id)
@@ -117,6 +115,25 @@ class OutputProcessor:
         for rid in broken:
             self.abort(rid, now)
         return events, finished
+
+    def _process_one(self, r: Request, i: int, tok: int, logprobs: LogprobsTensors | None,
+                     now: float) -> tuple[TokenEvent, bool] | None:
+        """One request's token of the step (row i): its event and whether its listener took
+        it; None when the request only scored its prompt (it ends without a token)."""
+        if r.seq.params.max_tokens == 0:    # prompt scoring only: no token
+            self.scheduler.finish(r.seq, "length")
+            self._end(r, now)
+            return None
+        if r.parent is not None and not r.parent.forked:
+            started = r.parent.fork(self.scheduler)
+            with self._lock:
+                for c in started:
+                    self._requests[c.seq.request_id] = c
+        lp = None
+        if r.logprobs is not None:
+            lp = logprobs.row(i, r.seq.params.logprobs, self.decode_token)
+            r.logprobs.append(lp)
+        return self._append_token(r, tok, now, lp)
 
     def _append_token(self, r: Request, tok: int, now: float,
                       logprobs: dict[int, Logprob] | None) -> tuple[TokenEvent, bool]:

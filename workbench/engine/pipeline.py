@@ -13,6 +13,7 @@ events are step N's; the step still in flight is handed out by the call after it
 from __future__ import annotations
 
 import time
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -26,6 +27,8 @@ from ..telemetry import FULL, StepEvent, Telemetry
 from .output_processor import OutputProcessor
 from .parallel_sampling import ParentRequest
 from .request import Request, TokenEvent
+
+log = logging.getLogger("workbench")
 
 
 @dataclass(slots=True)
@@ -150,7 +153,46 @@ class StepPipeline:
                               pending.host_logprobs, pending.graph, pending.t0, pending.ahead)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request],
-                pending_ids: torch.Tensor | None = None):
+                pending_ids: torch.Tensor | None = None) -> SamplerOutput:
+        """_sample_rows, with a failure kept to the request that caused it: when the batch
+        fails, each row is tried alone; the rows that fail alone end their requests with
+        'error' (logged with the cause), and the others are sampled again without them,
+        from the generators' states before the first try, so they get the tokens they would
+        have got had the failing request never come. A failure no single row causes (or
+        that every row causes) is the step's, and raises. Failed rows come back as token 0
+        (their requests have ended, so nothing hands them out)."""
+        gens = list({id(g): g for g in (self.generator, *(r.generator for r in reqs))
+                     if g is not None}.values())
+        states = [g.get_state() for g in gens]
+        try:
+            return self._sample_rows(logits, reqs, pending_ids)
+        except Exception:
+            if len(reqs) == 1:
+                raise
+            bad = []
+            for i, r in enumerate(reqs):
+                try:
+                    self._sample_rows(logits[i:i + 1], [r],
+                                      None if pending_ids is None else pending_ids[i:i + 1])
+                except Exception:
+                    log.exception("%s: sampling failed; that request alone fails", r.request_id)
+                    bad.append(i)
+            if not bad or len(bad) == len(reqs):
+                raise
+        for g, state in zip(gens, states):
+            g.set_state(state)
+        now = time.monotonic()
+        for i in bad:
+            if not reqs[i].seq.is_finished:
+                self.output.end(reqs[i], "error", now)
+        good = [i for i in range(len(reqs)) if i not in set(bad)]
+        idx = torch.tensor(good, device=logits.device)
+        out = self._sample_rows(logits.index_select(0, idx), [reqs[i] for i in good],
+                                None if pending_ids is None else pending_ids.index_select(0, idx))
+        return out.scattered(idx, len(reqs))
+
+    def _sample_rows(self, logits: torch.Tensor, reqs: list[Request],
+                     pending_ids: torch.Tensor | None = None) -> SamplerOutput:
         """Pick each row's token (and its logprobs, when asked) on the device; rows with a
         grammar are masked first, all in one bitmask (so, as in vLLM, their logprobs are the
         masked distribution's). pending_ids: see sampler.sample."""

@@ -48,6 +48,16 @@ class SamplerOutput:
     logprobs: "LogprobsTensors | None" = None
     """For every row when any row asked for logprobs, else None."""
 
+    def scattered(self, rows: torch.Tensor, n: int) -> "SamplerOutput":
+        """This output's rows placed at `rows` of an n-row output (the others: token 0,
+        logprob 0, rank 1)."""
+        def put(t: torch.Tensor, fill) -> torch.Tensor:
+            return torch.full((n, *t.shape[1:]), fill, dtype=t.dtype,
+                              device=t.device).index_copy_(0, rows, t)
+        lp = self.logprobs
+        return SamplerOutput(put(self.token_ids, 0), None if lp is None else LogprobsTensors(
+            put(lp.token_ids, 0), put(lp.logprobs, 0.0), put(lp.ranks, 1)))
+
 
 @dataclass(slots=True)
 class LogprobsTensors:
@@ -121,6 +131,12 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], generators: list[torch.Ge
                                        [generators[i] for i in random], shared))
     k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
     return SamplerOutput(ids, None if k is None else compute_logprobs(raw, ids, k))
+
+
+def host_reads_are_free(device: torch.device) -> bool:
+    """Whether the sampler may look at a value on the host mid-step: on the CPU it costs
+    nothing; on an accelerator it would wait for the device (and stall async scheduling)."""
+    return device.type == "cpu"
 
 
 def _index(rows: list[int], device) -> torch.Tensor:
@@ -220,7 +236,7 @@ def _draw_truncated(logits, temp, u, min_p, top_k: list[int], top_p: list[float]
     n, vocab = logits.shape
     dev = logits.device
     if candidates is None:
-        candidates = CANDIDATES[0] if dev.type == "cpu" else vocab
+        candidates = CANDIDATES[0] if host_reads_are_free(dev) else vocab
     k_of = [k if 0 < k < vocab else vocab for k in top_k]
     has_p = [p < 1.0 for p in top_p]
     # Every row inside its own top-k: its top max(top_k) is all it needs.

@@ -37,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine import Engine
 from ..core.sampling_params import SamplingParams
 from .metrics import EngineMetrics
+from .schema import REQUESTS
 from .protocol import (UNSET, APIError, bad_request, body_field, chat_logprobs, chat_messages,
                        check_fields, completion_logprobs, completion_prompt, from_value_error,
                        is_template_error, max_token_bytes, read_json, sampling_params_from,
@@ -87,6 +88,15 @@ class _Choice:
         """Characters returned so far (completions' text_offset)."""
 
 
+def request_body(kind: str) -> dict:
+    """An endpoint's body for the OpenAPI document, from schema.py's model (the handlers read
+    the JSON themselves, so FastAPI does not see the model in their signatures)."""
+    schema = REQUESTS[kind].model_json_schema()
+    schema["required"] = ["messages"] if kind == "chat" else ["prompt"]
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": schema}}}}
+
+
 def create_app(engine: Engine, model_name: str | None = None, api_key: str | None = None,
                allow_missing_model: bool = False) -> FastAPI:
     """The FastAPI app serving `engine` (started on app start-up, shut down on exit).
@@ -103,8 +113,9 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
             tokenizing.shutdown(wait=False, cancel_futures=True)
             engine.shutdown()
 
-    app = FastAPI(title="workbench", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    import workbench
+    app = FastAPI(title="workbench", version=workbench.__version__, lifespan=lifespan,
+                  redoc_url=None, openapi_url="/openapi.json", docs_url="/docs")
     app.state.engine, app.state.metrics = engine, metrics
 
     @app.exception_handler(APIError)
@@ -384,11 +395,11 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
             return EventSourceResponse(sse_events(req), headers=STREAM_HEADERS, sep="\n")
         return JSONResponse(await run_to_end(req, request))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body("completion"))
     async def completions(request: Request):
         return await handle("completion", request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body("chat"))
     async def chat_completions(request: Request):
         return await handle("chat", request)
 
@@ -412,7 +423,8 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
                            code="model_not_found")
         return model_card()
 
-    @app.api_route("/health", methods=["GET", "HEAD"])   # load balancers probe with HEAD
+    @app.head("/health", include_in_schema=False)       # load balancers probe with HEAD
+    @app.get("/health")
     async def health():
         # is_running_in_background stays True if the step thread died; ask the thread too.
         thread = getattr(engine, "_thread", None)

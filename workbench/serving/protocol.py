@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from .schema import SUPPORTED, UNSUPPORTED, request_fields
 from ..core.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_BODY_BYTES = 16 * 2**20
@@ -72,93 +73,14 @@ def body_field(body: dict, name: str, kinds: tuple[type, ...], what: str) -> Any
     return v
 
 
-# ---- the request fields: the one place that says which exist and how each is handled --------
-OURS, NO = "supported", "unsupported"
-BOTH, CHAT, COMPLETION = ("chat", "completion"), ("chat",), ("completion",)
+# ---- the request fields: declared once, in schema.py's models ------------------------------
+OURS, NO = SUPPORTED, UNSUPPORTED
 
-REQUEST_FIELDS: dict[str, tuple[tuple[str, ...], str, tuple]] = {
-    # name: (endpoints, status, values that ask for nothing). A field not listed here, or
-    # sent to an endpoint it does not belong to, is answered as OpenAI answers an unknown
-    # argument. A listed field that this server does not support is refused
-    # (unsupported_parameter) unless its value is null or one that asks for nothing.
-    # OpenAI's fields
-    "model": (BOTH, OURS, ()),
-    "messages": (CHAT, OURS, ()),
-    "prompt": (COMPLETION, OURS, ()),
-    "stream": (BOTH, OURS, ()),
-    "stream_options": (BOTH, OURS, ()),
-    "max_tokens": (BOTH, OURS, ()),
-    "max_completion_tokens": (CHAT, OURS, ()),
-    "temperature": (BOTH, OURS, ()),
-    "top_p": (BOTH, OURS, ()),
-    "seed": (BOTH, OURS, ()),
-    "stop": (BOTH, OURS, ()),
-    "response_format": (BOTH, OURS, ()),
-    "n": (BOTH, OURS, (1,)),
-    "best_of": (COMPLETION, NO, (1,)),
-    "logprobs": (BOTH, OURS, ()),
-    "top_logprobs": (CHAT, OURS, ()),
-    "echo": (COMPLETION, OURS, ()),
-    "presence_penalty": (BOTH, OURS, (0,)),
-    "frequency_penalty": (BOTH, OURS, (0,)),
-    "logit_bias": (BOTH, OURS, ({},)),
-    "suffix": (COMPLETION, NO, ("",)),
-    "user": (BOTH, NO, ()),
-    "tools": (CHAT, NO, ([],)),
-    "tool_choice": (CHAT, NO, ("none",)),
-    "parallel_tool_calls": (CHAT, NO, ()),
-    "functions": (CHAT, NO, ([],)),
-    "function_call": (CHAT, NO, ("none",)),
-    "modalities": (CHAT, NO, (["text"],)),
-    "audio": (CHAT, NO, ()),
-    "prediction": (CHAT, NO, ()),
-    "service_tier": (CHAT, NO, ("auto", "default")),
-    "web_search_options": (CHAT, NO, ()),
-    "reasoning_effort": (CHAT, NO, ()),
-    "verbosity": (CHAT, NO, ()),
-    "store": (CHAT, NO, (False,)),
-    "metadata": (CHAT, NO, ({},)),
-    "prompt_cache_key": (CHAT, NO, ()),
-    "safety_identifier": (CHAT, NO, ()),
-    # vLLM's extra fields
-    "top_k": (BOTH, OURS, ()),
-    "stop_token_ids": (BOTH, OURS, ()),
-    "ignore_eos": (BOTH, OURS, ()),
-    "structured_outputs": (BOTH, OURS, ()),
-    "guided_json": (BOTH, OURS, ()),          # vLLM's legacy names for structured_outputs
-    "guided_regex": (BOTH, OURS, ()),
-    "guided_choice": (BOTH, OURS, ()),
-    "guided_grammar": (BOTH, OURS, ()),
-    "add_special_tokens": (BOTH, OURS, ()),
-    "truncate_prompt_tokens": (BOTH, OURS, ()),
-    "add_generation_prompt": (CHAT, OURS, ()),
-    "continue_final_message": (CHAT, OURS, ()),
-    "chat_template": (CHAT, OURS, ()),
-    "chat_template_kwargs": (CHAT, OURS, ()),
-    "min_p": (BOTH, OURS, (0,)),
-    "repetition_penalty": (BOTH, OURS, (1,)),
-    "min_tokens": (BOTH, OURS, (0,)),
-    "prompt_logprobs": (BOTH, OURS, ()),
-    "include_stop_str_in_output": (BOTH, OURS, (False,)),
-    "skip_special_tokens": (BOTH, OURS, (True,)),
-    "use_beam_search": (BOTH, NO, (False,)),
-    "length_penalty": (BOTH, NO, (1,)),
-    "guided_decoding_backend": (BOTH, NO, ()),
-    "guided_whitespace_pattern": (BOTH, NO, ()),
-    "allowed_token_ids": (BOTH, NO, ()),
-    "bad_words": (BOTH, NO, ([],)),
-    "spaces_between_special_tokens": (BOTH, NO, (True,)),
-    "priority": (BOTH, NO, (0,)),
-    "request_id": (BOTH, NO, ()),
-    "logits_processors": (BOTH, NO, ()),
-    "return_tokens_as_token_ids": (BOTH, NO, (False,)),
-    "return_token_ids": (BOTH, NO, (False,)),
-    "cache_salt": (BOTH, NO, ()),
-    "kv_transfer_params": (BOTH, NO, ()),
-    "vllm_xargs": (BOTH, NO, ()),
-    "documents": (CHAT, NO, ()),
-    "mm_processor_kwargs": (CHAT, NO, ()),
-}
+REQUEST_FIELDS: dict[str, tuple[tuple[str, ...], str, tuple]] = request_fields()
+"""name -> (endpoints, status, values that ask for nothing), from schema.py. A field not
+listed here, or sent to an endpoint it does not belong to, is answered as OpenAI answers an
+unknown argument. A listed field that this server does not support is refused
+(unsupported_parameter) unless its value is null or one that asks for nothing."""
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
           "guided_grammar": "grammar"}
@@ -464,7 +386,7 @@ async def read_json(request: Request) -> dict:
         chunks.append(chunk)
     raw = b"".join(chunks)
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=NonStandardNumber)
     except json.JSONDecodeError as e:
         raise bad_request(None, f"body: not valid JSON (line {e.lineno}, column {e.colno})",
                    code="invalid_json") from None
@@ -478,12 +400,24 @@ async def read_json(request: Request) -> dict:
     return body
 
 
+class NonStandardNumber:
+    """What Python's JSON reader makes of the bare NaN, Infinity and -Infinity tokens that
+    standard JSON does not have: kept as this, so check_text can refuse it naming the field."""
+
+    def __init__(self, token: str):
+        self.token = token
+
+
 def check_text(body: dict) -> None:
-    """JSON may escape lone UTF-16 surrogates ("\\udfff"), which are not text: refuse them here,
-    naming the field, rather than fail later in the tokenizer or in a response."""
+    """JSON may escape lone UTF-16 surrogates ("\\udfff"), which are not text, and Python's
+    reader takes NaN and Infinity, which are not JSON: refuse both here, naming the field,
+    rather than fail later in the tokenizer, the sampler or a response."""
     stack = [(k, k, v) for k, v in body.items()]
     while stack:
         param, key, value = stack.pop()
+        if isinstance(value, NonStandardNumber):
+            raise bad_request(param, f"{param}: {value.token} is not a JSON number (JSON has no "
+                              "NaN or Infinity)", code="invalid_json")
         for text in ((key, value) if isinstance(value, str) else (key,)):
             bad = next((c for c in text if "\ud800" <= c <= "\udfff"), None)
             if bad is not None:

@@ -1,0 +1,137 @@
+"""The request bodies of /v1/completions and /v1/chat/completions, declared once as pydantic
+models (as vLLM declares them): the fields, their JSON types and ranges, whether this server
+does what each asks for, and which of its values ask for nothing. The app serves them as
+/openapi.json (and /docs), so schema-driven tools have something to read; protocol.py's
+REQUEST_FIELDS, which every request's fields are checked against, is derived from them.
+
+The handlers do not parse bodies through these models: they read the JSON themselves, so
+that each bad field gets OpenAI's error shape with a message that names it (see protocol.py).
+"""
+from __future__ import annotations
+
+from typing import Any, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SUPPORTED, UNSUPPORTED = "supported", "unsupported"
+
+
+def field(status: str = SUPPORTED, neutral: tuple = (), description: str = "", **range_) -> Any:
+    """An optional field. status: whether this server does what it asks for (an unsupported
+    field is refused unless its value is null or one of `neutral`, the values that ask for
+    nothing); range_: pydantic's ge/gt/le/lt for the schema."""
+    extra = {"x-workbench": status}
+    if neutral:
+        extra["x-asks-nothing"] = list(neutral)
+    return Field(None, description=description or None, json_schema_extra=extra, **range_)
+
+
+class _Common(BaseModel):
+    """Fields both endpoints take."""
+    model_config = ConfigDict(extra="forbid")
+    # OpenAI's
+    model: str | None = field(description="the served model's id")
+    stream: bool | None = field()
+    stream_options: dict[str, Any] | None = field(description="include_usage, "
+                                                  "continuous_usage_stats")
+    max_tokens: int | None = field(ge=0)
+    temperature: float | None = field(ge=0)
+    top_p: float | None = field(gt=0, le=1)
+    seed: int | None = field(ge=-2 ** 63, lt=2 ** 63)
+    stop: Union[str, list[str], None] = field()
+    response_format: dict[str, Any] | None = field(description="text, json_object or "
+                                                   "json_schema")
+    n: int | None = field(neutral=(1,), ge=1, le=128)
+    presence_penalty: float | None = field(neutral=(0,), ge=-2, le=2)
+    frequency_penalty: float | None = field(neutral=(0,), ge=-2, le=2)
+    logit_bias: dict[str, float] | None = field(neutral=({},),
+                                                description="token id -> bias in [-100, 100]")
+    user: str | None = field(UNSUPPORTED)
+    # vLLM's extras
+    top_k: int | None = field(ge=-1)
+    stop_token_ids: list[int] | None = field()
+    ignore_eos: bool | None = field()
+    structured_outputs: dict[str, Any] | None = field(description="one of json, regex, "
+                                                      "choice, grammar, json_object")
+    guided_json: Union[dict[str, Any], str, None] = field(description="vLLM's legacy name")
+    guided_regex: str | None = field()
+    guided_choice: list[str] | None = field()
+    guided_grammar: str | None = field()
+    add_special_tokens: bool | None = field()
+    truncate_prompt_tokens: int | None = field(ge=-1)
+    min_p: float | None = field(neutral=(0,), ge=0, le=1)
+    repetition_penalty: float | None = field(neutral=(1,), gt=0, le=100)
+    min_tokens: int | None = field(neutral=(0,), ge=0)
+    prompt_logprobs: int | None = field(ge=0, le=20)
+    include_stop_str_in_output: bool | None = field(neutral=(False,))
+    skip_special_tokens: bool | None = field(neutral=(True,))
+    use_beam_search: bool | None = field(UNSUPPORTED, (False,))
+    length_penalty: float | None = field(UNSUPPORTED, (1,))
+    guided_decoding_backend: str | None = field(UNSUPPORTED)
+    guided_whitespace_pattern: str | None = field(UNSUPPORTED)
+    allowed_token_ids: list[int] | None = field(UNSUPPORTED)
+    bad_words: list[str] | None = field(UNSUPPORTED, ([],))
+    spaces_between_special_tokens: bool | None = field(UNSUPPORTED, (True,))
+    priority: int | None = field(UNSUPPORTED, (0,))
+    request_id: str | None = field(UNSUPPORTED)
+    logits_processors: list[Any] | None = field(UNSUPPORTED)
+    return_tokens_as_token_ids: bool | None = field(UNSUPPORTED, (False,))
+    return_token_ids: bool | None = field(UNSUPPORTED, (False,))
+    cache_salt: str | None = field(UNSUPPORTED)
+    kv_transfer_params: dict[str, Any] | None = field(UNSUPPORTED)
+    vllm_xargs: dict[str, Any] | None = field(UNSUPPORTED)
+
+
+class CompletionRequest(_Common):
+    """POST /v1/completions."""
+    prompt: Union[str, list[int], None] = field(description="text, or token ids")
+    logprobs: int | None = field(ge=0, le=20, description="alternatives per token")
+    echo: bool | None = field()
+    best_of: int | None = field(UNSUPPORTED, (1,))
+    suffix: str | None = field(UNSUPPORTED, ("",))
+
+
+class ChatCompletionRequest(_Common):
+    """POST /v1/chat/completions."""
+    messages: list[dict[str, Any]] | None = field(description="the conversation")
+    max_completion_tokens: int | None = field(ge=0)
+    logprobs: bool | None = field()
+    top_logprobs: int | None = field(ge=0, le=20)
+    add_generation_prompt: bool | None = field()
+    continue_final_message: bool | None = field()
+    chat_template: str | None = field()
+    chat_template_kwargs: dict[str, Any] | None = field()
+    tools: list[Any] | None = field(UNSUPPORTED, ([],))
+    tool_choice: Union[str, dict[str, Any], None] = field(UNSUPPORTED, ("none",))
+    parallel_tool_calls: bool | None = field(UNSUPPORTED)
+    functions: list[Any] | None = field(UNSUPPORTED, ([],))
+    function_call: Union[str, dict[str, Any], None] = field(UNSUPPORTED, ("none",))
+    modalities: list[str] | None = field(UNSUPPORTED, (["text"],))
+    audio: dict[str, Any] | None = field(UNSUPPORTED)
+    prediction: dict[str, Any] | None = field(UNSUPPORTED)
+    service_tier: str | None = field(UNSUPPORTED, ("auto", "default"))
+    web_search_options: dict[str, Any] | None = field(UNSUPPORTED)
+    reasoning_effort: str | None = field(UNSUPPORTED)
+    verbosity: str | None = field(UNSUPPORTED)
+    store: bool | None = field(UNSUPPORTED, (False,))
+    metadata: dict[str, Any] | None = field(UNSUPPORTED, ({},))
+    prompt_cache_key: str | None = field(UNSUPPORTED)
+    safety_identifier: str | None = field(UNSUPPORTED)
+    documents: list[Any] | None = field(UNSUPPORTED)
+    mm_processor_kwargs: dict[str, Any] | None = field(UNSUPPORTED)
+
+
+REQUESTS = {"completion": CompletionRequest, "chat": ChatCompletionRequest}
+"""Each endpoint's body, by the name protocol.py gives the endpoint."""
+
+
+def request_fields() -> dict[str, tuple[tuple[str, ...], str, tuple]]:
+    """name -> (the endpoints that take it, SUPPORTED or UNSUPPORTED, the values that ask for
+    nothing), from the models (protocol.REQUEST_FIELDS)."""
+    out: dict[str, tuple[tuple[str, ...], str, tuple]] = {}
+    for kind in ("chat", "completion"):
+        for name, info in REQUESTS[kind].model_fields.items():
+            extra = info.json_schema_extra or {}
+            kinds = out[name][0] + (kind,) if name in out else (kind,)
+            out[name] = (kinds, extra["x-workbench"], tuple(extra.get("x-asks-nothing", ())))
+    return out
