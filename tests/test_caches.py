@@ -93,6 +93,29 @@ def kernel_cache(tmp_path_factory, smollm2_dir):
     return cache, result
 
 
+SHORT_LIVED = """
+from workbench import Engine, SamplingParams
+from workbench.platforms import cpu
+e = Engine(model="random:tiny", device="cpu", num_kv_blocks=16)
+print("BUILDING", cpu._build_thread is not None and cpu._build_thread.is_alive())
+print(e.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))[0].token_ids)
+"""
+
+
+def test_a_short_lived_process_leaves_a_built_kernel(tmp_path):
+    """A process that starts the background build and is done before it (a `workbench
+    generate`, a script) waits for the build at exit, so the kernel is there for the next
+    process, which loads it without building."""
+    cache = tmp_path / "cache"
+    out = finish(start(SHORT_LIVED, cache), 600)
+    assert "BUILDING True" in out and "finishing the CPU kernel build" in out, out[-2000:]
+    (build,) = (cache / "kernels").iterdir()
+    assert (build / "built").is_file()
+    out = finish(start("from workbench.platforms import cpu; print('BUILT', cpu.kernel_is_built())",
+                       cache), 120)
+    assert "BUILT True" in out
+
+
 def test_a_build_killed_with_kill9_does_not_block_the_next_start(kernel_cache):
     cache, result = kernel_cache
     (build,) = (cache / "kernels").iterdir()

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import os
 import platform
 import resource
+import sys
 import threading
 from pathlib import Path
 
@@ -108,14 +110,27 @@ _build_thread: threading.Thread | None = None
 
 def build_in_background() -> threading.Thread:
     """Start building the kernel in a daemon thread (once); engines made meanwhile decode with
-    `decode_when_built`."""
+    `decode_when_built`. A process that exits normally while the build runs waits for it
+    first (_finish_build), so a short-lived one (`workbench generate`, `bench`, a script)
+    leaves a built kernel behind instead of a half-built one the next process starts over."""
     global _build_thread
     with _build_lock:
         if _build_thread is None:
             _build_thread = threading.Thread(target=_build_at_low_priority, daemon=True,
                                              name="workbench-kernel-build")
             _build_thread.start()
+            atexit.register(_finish_build)
         return _build_thread
+
+
+def _finish_build() -> None:
+    """At a normal exit (atexit runs before daemon threads are stopped; a signal does not
+    wait), let a build this process started finish."""
+    t = _build_thread
+    if t is not None and t.is_alive():
+        print("workbench: finishing the CPU kernel build before exiting (once per machine and "
+              "torch version; it would start over next time)…", file=sys.stderr, flush=True)
+        t.join()
 
 
 def _build_at_low_priority() -> None:
