@@ -157,18 +157,21 @@ class StepPipeline:
         """_sample_rows, with a failure kept to the request that caused it: when the batch
         fails, each row is tried alone; the rows that fail alone end their requests with
         'error' (logged with the cause), and the others are sampled again without them,
-        from the generators' states before the first try, so they get the tokens they would
-        have got had the failing request never come. A failure no single row causes (or
-        that every row causes) is the step's, and raises. Failed rows come back as token 0
-        (their requests have ended, so nothing hands them out)."""
-        gens = list({id(g): g for g in (self.generator, *(r.generator for r in reqs))
-                     if g is not None}.values())
-        states = [g.get_state() for g in gens]
+        from the generators' states before the rows were tried, so they get the tokens they
+        would have got had the failing request never come. A step that does not fail pays
+        nothing for this. A failure no single row causes (or that every row causes) is the
+        step's, and raises. Failed rows come back as token 0 (their requests have ended, so
+        nothing hands them out)."""
         try:
             return self._sample_rows(logits, reqs, pending_ids)
         except Exception:
             if len(reqs) == 1:
                 raise
+            # (the sampler draws its random numbers after every parameter has become a
+            # tensor, so a row's bad parameter fails before any generator moved)
+            gens = list({id(g): g for g in (self.generator, *(r.generator for r in reqs))
+                         if g is not None}.values())
+            states = [g.get_state() for g in gens]
             bad = []
             for i, r in enumerate(reqs):
                 try:
@@ -177,10 +180,10 @@ class StepPipeline:
                 except Exception:
                     log.exception("%s: sampling failed; that request alone fails", r.request_id)
                     bad.append(i)
+            for g, state in zip(gens, states):
+                g.set_state(state)
             if not bad or len(bad) == len(reqs):
                 raise
-        for g, state in zip(gens, states):
-            g.set_state(state)
         now = time.monotonic()
         for i in bad:
             if not reqs[i].seq.is_finished:

@@ -189,9 +189,9 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams],
     tokens, the others from their whole (min-p filtered) distribution."""
     n, vocab = logits.shape
     dev = logits.device
-    u = _uniforms(params, generators, shared, dev)
     temp = _column(params, "temperature", dev)
     min_p = _column(params, "min_p", dev) if any(p.min_p > 0 for p in params) else None
+    u = _uniforms(params, generators, shared, dev)      # last: a bad parameter moves no generator
     trunc = [i for i, p in enumerate(params) if _truncates(p, vocab)]
     if len(trunc) == n:
         return _draw_truncated(logits, temp, u, min_p, [p.top_k for p in params],
