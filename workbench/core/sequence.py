@@ -43,6 +43,9 @@ class Sequence:
     """Chained hash of each full block in block_table that is registered in the prefix cache."""
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    """What stopped it, as vLLM reports it: the stop token id from stop_token_ids, or the
+    stop string matched; None for EOS, a length limit or an abort."""
     num_preemptions: int = 0
     arrival_index: int = 0
     """Order of arrival; FIFO and preemption policies compare it."""

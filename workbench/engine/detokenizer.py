@@ -25,8 +25,10 @@ class IncrementalDetokenizer:
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.emitted = 0                        # chars of self.text already handed out
 
-    def add(self, token_id: int) -> str | None:
-        """Add one token; returns the stop string if the text now contains one."""
+    def add(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Add one token; returns the stop string if the text now contains one (looked for
+        only when `check_stop`: vLLM looks for stop strings once min_tokens are out, and  as
+        it does, in the new text and the stop strings' length before it)."""
         if self.tokenizer is None:
             return None
         self.ids.append(token_id)
@@ -39,11 +41,13 @@ class IncrementalDetokenizer:
             self.text += full[len(prefix):]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
-            for s in self.stop:
-                at = self.text.find(s, search_from)
-                if at >= 0:
-                    self.text = self.text[:at + len(s) if self.include_stop_str else at]
-                    return s
+            if not check_stop:
+                return None
+            found = [(at, s) for s in self.stop if (at := self.text.find(s, search_from)) >= 0]
+            if found:
+                at, s = min(found)      # the earliest match, whichever stop string it is
+                self.text = self.text[:at + len(s) if self.include_stop_str else at]
+                return s
         return None
 
     def take(self, final: bool) -> str:

@@ -19,17 +19,19 @@ class InputProcessor:
     def __call__(self, prompt: Prompt, *, add_generation_prompt: bool = True,
                  continue_final_message: bool = False, chat_template: str | None = None,
                  chat_template_kwargs: dict | None = None, add_special_tokens: bool | None = None,
-                 truncate_prompt_tokens: int | None = None) -> list[int]:
+                 truncate_prompt_tokens: int | None = None, tools: list[dict] | None = None,
+                 check_length: bool = True) -> list[int]:
         """Text, chat messages (through the chat template) or token ids -> token ids.
 
         Chat messages are rendered by the tokenizer's chat template (or `chat_template`, a
         Jinja template text), with `add_generation_prompt` (open an assistant turn),
         `continue_final_message` (end on the last, assistant, message unclosed, so the model
-        continues it) and `chat_template_kwargs` (extra template variables), as in HF's
-        apply_chat_template. `add_special_tokens`: let the tokenizer add its special tokens
+        continues it) and `chat_template_kwargs` (extra template variables) and `tools` (function
+        tools, for a template that renders them), as in HF's apply_chat_template. `add_special_tokens`: let the tokenizer add its special tokens
         (BOS...) while encoding; by default yes for text, no for rendered chat (the template
         writes them). `truncate_prompt_tokens`: keep only the last k tokens (-1: as many as
-        max_model_len allows)."""
+        max_model_len allows). `check_length`: refuse
+        a prompt that leaves no room to generate (False: just count, as /tokenize does)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
@@ -37,7 +39,7 @@ class InputProcessor:
                 prompt, add_special_tokens=True if add_special_tokens is None else add_special_tokens)
         elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
             text = self._render_chat(list(prompt), add_generation_prompt, continue_final_message,
-                                     chat_template, chat_template_kwargs)
+                                     chat_template, chat_template_kwargs, tools)
             ids = self._need_tokenizer().encode(text, add_special_tokens=bool(add_special_tokens))
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
@@ -59,7 +61,7 @@ class InputProcessor:
             ids = ids[-keep:]
         if not ids:
             raise ValueError("prompt: must not be empty")
-        if len(ids) >= self.max_model_len:
+        if check_length and len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens, but max_model_len is "
                              f"{self.max_model_len} (prompt + at least one new token must fit)")
         return ids
@@ -72,7 +74,7 @@ class InputProcessor:
 
     def _render_chat(self, messages: list[dict], add_generation_prompt: bool,
                      continue_final_message: bool, chat_template: str | None,
-                     chat_template_kwargs: dict | None) -> str:
+                     chat_template_kwargs: dict | None, tools: list[dict] | None = None) -> str:
         tok = self._need_tokenizer()
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -100,7 +102,7 @@ class InputProcessor:
             return tok.apply_chat_template(messages, tokenize=False, chat_template=chat_template,
                                            add_generation_prompt=add_generation_prompt,
                                            continue_final_message=continue_final_message,
-                                           **kwargs)
+                                           tools=tools, **kwargs)
         except Exception as e:
             from jinja2 import TemplateError
             if chat_template is not None and isinstance(e, TemplateError):

@@ -41,6 +41,8 @@ class CompletionOutput:
     finish_reason: str | None
     logprobs: list[dict[int, Logprob]] | None = None
     """One dict per output token (with SamplingParams.logprobs)."""
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that ended it; None otherwise (vLLM's)."""
 
 
 @dataclass
@@ -63,7 +65,8 @@ class RequestOutput:
     def of(cls, r: Request) -> "RequestOutput":
         s = r.seq
         outs = [CompletionOutput(c.choice, c.detok.text, c.seq.output_token_ids,
-                                 c.seq.finish_reason, c.logprobs) for c in r.choices]
+                                 c.seq.finish_reason, c.logprobs, c.seq.stop_reason)
+                for c in r.choices]
         return cls(s.request_id, r.prompt, s.prompt_token_ids, s.output_token_ids, r.detok.text,
                    s.is_finished, s.finish_reason, r.metrics, outs, r.prompt_logprobs)
 
@@ -159,16 +162,24 @@ class Engine:
     def check_params(self, params: SamplingParams) -> None:
         """Raise the ValueError that add_request would raise for these params (a value out of
         range; a schema, regex or grammar the grammar engine refuses), queuing nothing."""
-        params.validate()
+        self._validate(params)
         if params.structured_outputs is not None:
             self.core.structured_output.compile(params.structured_outputs)
+
+    def _validate(self, params: SamplingParams) -> None:
+        """params.validate(), and its token ids within this model's vocabulary."""
+        params.validate()
+        vocab = self.core.vocab_size
+        bad = [t for t in params.logit_bias or () if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})")
 
     def _make_request(self, prompt: Prompt, params: SamplingParams | None,
                       request_id: str | None) -> Request:
         params = params if params is not None else self.default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params: must be SamplingParams (got {type(params).__name__})")
-        params.validate()
+        self._validate(params)
         ids = self.tokenize(prompt, truncate_prompt_tokens=params.truncate_prompt_tokens)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         return self.core.make_request(ids, prompt, params, rid)

@@ -148,10 +148,12 @@ class OutputProcessor:
         reason = None
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
             reason = "stop"
+            if tok in p.stop_token_ids:
+                seq.stop_reason = tok
             if p.include_stop_str_in_output:
                 r.detok.add(tok)
-        elif r.detok.add(tok) is not None:
-            reason = "stop"
+        elif (matched := r.detok.add(tok, seq.num_output_tokens >= p.min_tokens)) is not None:
+            reason, seq.stop_reason = "stop", matched
         elif r.grammar is not None and not r.grammar.consume_token(tok):
             log.error("%s: the grammar refused token %d: %s", seq.request_id, tok,
                       r.grammar.get_error())
@@ -164,7 +166,8 @@ class OutputProcessor:
             self.scheduler.finish(seq, reason)
         ev = TokenEvent(r.request_id, tok, r.detok.take(final=reason is not None),
                         seq.num_output_tokens, now, reason is not None, reason, logprobs,
-                        r.choice, r.prompt_logprobs if seq.num_output_tokens == 1 else None)
+                        r.choice, r.prompt_logprobs if seq.num_output_tokens == 1 else None,
+                        seq.stop_reason)
         all_ended = reason is not None and self._end(r, now, deliver=False)
         delivered = self._deliver(r, ev)
         if all_ended:

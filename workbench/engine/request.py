@@ -3,7 +3,6 @@ and where an unfinished one stands (RequestState)."""
 from __future__ import annotations
 
 import threading
-import zlib
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -38,6 +37,8 @@ class TokenEvent:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     """With SamplingParams.prompt_logprobs: on the request's first event (choice 0), one
     entry per prompt token (None for the first)."""
+    stop_reason: int | str | None = None
+    """On a final event: the stop token id or stop string that ended it (Sequence.stop_reason)."""
 
 
 @dataclass(eq=False)
@@ -87,7 +88,7 @@ def make_request(prompt_ids: list[int], prompt: Any, params: SamplingParams, req
     the first of n choices under a ParentRequest (the others start when its prompt is
     computed). A grammar (structured output) is compiled here, one matcher per choice: a bad
     one raises ValueError. A seeded request gets a generator of its own on `device` (choice
-    i > 0 from a seed derived from the request's and i); an unseeded one draws from the
+    i from the request's seed + i); an unseeded one draws from the
     engine's shared generator."""
     def choice(i: int, params: SamplingParams) -> Request:
         grammar = (structured_output.compile(params.structured_outputs)
@@ -96,8 +97,8 @@ def make_request(prompt_ids: list[int], prompt: Any, params: SamplingParams, req
                        max_len=max_model_len)
         gen = None
         if not params.greedy and params.seed is not None:
-            seed = zlib.crc32(f"{params.seed}:{i}".encode()) if i else params.seed
-            gen = torch.Generator(device=device).manual_seed(seed)
+            # Choice i draws from seed + i, as vLLM's n > 1 does (wrapped to 64 bits).
+            gen = torch.Generator(device=device).manual_seed((params.seed + i) % 2**64)
         metrics = RequestMetrics(request_id, seq.arrival_time, len(prompt_ids))
         detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.stop,
                                        params.skip_special_tokens,
