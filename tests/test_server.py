@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import re
 import shutil
@@ -48,11 +49,16 @@ def stop_process(proc, sig=signal.SIGTERM, timeout: float = 20.0) -> None:
     assert conftest.stop_tree(proc, timeout, sig) == [], "processes outlived the server's stop"
 
 
+LOGS: dict[str, Path] = {}
+"""Each module server's log, by its URL."""
+
+
 @pytest.fixture(scope="module")
 def server(smollm2_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
     proc, url = start_server(["--model", MODEL, "--api-key", KEY, "--num-kv-blocks", "512",
                               "--max-model-len", str(MAX_MODEL_LEN)], log_path)
+    LOGS[url] = log_path
     yield url
     stop_process(proc)
 
@@ -208,7 +214,15 @@ BAD = [
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", 5]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", [1, "x"]]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a"] * 1025}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["hi", "word " * (MAX_MODEL_LEN + 50)]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"49152": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"-1": 5}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "min_tokens": 5000},
+     400, "min_tokens"),
     ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
     ("/v1/completions", {"prompt": {"text": "hi"}}, 400, "prompt"),
     ("/v1/completions", {"prompt": "word " * (MAX_MODEL_LEN + 50)}, 400, "prompt"),
@@ -283,13 +297,14 @@ def test_bad_input_answers_openai_errors_and_server_keeps_serving(server):
 # ---- the field rule: nothing accepted and ignored ------------------------------------------
 HI = [{"role": "user", "content": "hi"}]
 # Every field issue 12 found ignored, with a value that asks for something.
+# (tools, tool_choice and parallel_tool_calls are served now: tests/test_tool_calling.py; user
+# and metadata ask for nothing that changes what is computed.)
 UNSUPPORTED = [
-    ("tool_choice", "auto"), ("parallel_tool_calls", False), ("function_call", "auto"),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("modalities", ["audio"]),
+    ("function_call", "auto"), ("functions", [{"name": "f"}]), ("modalities", ["audio"]),
     ("audio", {"voice": "alloy"}), ("prediction", {"type": "content", "content": "x"}),
     ("service_tier", "flex"), ("web_search_options", {}), ("reasoning_effort", "low"),
-    ("store", True), ("metadata", {"k": "v"}), ("use_beam_search", True), ("length_penalty", 0.5),
-    ("user", "u-1"), ("guided_decoding_backend", "xgrammar"),
+    ("store", True), ("use_beam_search", True), ("length_penalty", 0.5),
+    ("guided_decoding_backend", "xgrammar"),
 ]
 # Supported ones are parsed: a bad value is a 400 that names the field.
 PARSED = [
@@ -318,22 +333,74 @@ def test_no_field_is_accepted_and_ignored(server, name, value, kind):
     assert err["code"] == kind and err["message"].startswith(name), err
 
 
-def test_unknown_fields_and_a_missing_model_are_refused(server):
+UNKNOWN = [
+    ("/v1/chat/completions", {"messages": HI, "temprature": 0}, ["temprature"]),
+    ("/v1/completions", {"prompt": "hi", "messages": HI}, ["messages"]),
+    ("/v1/completions", {"prompt": "hi", "max_completion_tokens": 1}, ["max_completion_tokens"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "x_trace": "t1"}],
+                              "client_tag": {"a": 1}}, ["client_tag", "messages[0].x_trace"]),
+]
+
+
+def test_unknown_fields_are_ignored_warned_and_named(server):
+    """As vLLM: a field this server does not know gets 200, one warning line in the log and
+    its name in a response header; a field it knows but does not use and OpenAI's own reply
+    keys (user, metadata, store false, refusal/annotations/audio null) are simply accepted."""
     with httpx.Client(base_url=server, headers=AUTH, timeout=60) as c:
-        for path, body, bad in [
-                ("/v1/chat/completions", {"model": MODEL, "messages": HI, "temprature": 0}, "temprature"),
-                ("/v1/completions", {"model": MODEL, "prompt": "hi", "messages": HI}, "messages"),
-                ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_completion_tokens": 3},
-                 "max_completion_tokens")]:
-            err = assert_openai_error(c.post(path, json=body), 400, bad)
-            assert err["message"] == f"Unrecognized request argument supplied: {bad}"
+        for path, body, names in UNKNOWN:
+            body = {"model": MODEL, "max_tokens": 2, **body}
+            r = c.post(path, json=body)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-workbench-ignored-fields"] == ", ".join(names)
+            with c.stream("POST", path, json={**body, "stream": True}) as s:
+                assert s.status_code == 200 and s.headers["x-workbench-ignored-fields"] == ", ".join(names)
+                assert list(sse_data(s.iter_lines()))[-1] == "[DONE]"
+        # The ignored one really is ignored: max_completion_tokens does not set a completion's length.
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "Once", "max_tokens": 3,
+                                            "ignore_eos": True, "max_completion_tokens": 9})
+        assert r.json()["usage"]["completion_tokens"] == 3
+        log = LOGS[server].read_text()
+        assert "/v1/chat/completions: ignored fields this server does not know: client_tag, " \
+               "messages[0].x_trace" in log
         err = assert_openai_error(c.post("/v1/completions", json={"prompt": "hi"}), 400, "model")
         assert "--allow-missing-model" in err["message"]
-        # Asking for nothing is fine: nulls and neutral values of unsupported fields.
-        r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 1,
-                                                 "n": 1, "tools": [], "store": False, "user": None,
-                                                 "response_format": {"type": "text"}})
+        # Asking for nothing is fine: nulls and neutral values of unsupported fields, and the
+        # keys OpenAI's replies carry, sent back in the conversation.
+        replayed = [*HI, {"role": "assistant", "content": "Hello!", "refusal": None,
+                          "annotations": [], "audio": None, "function_call": None,
+                          "tool_calls": None}, {"role": "user", "content": "Again"}]
+        r = c.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": replayed, "max_tokens": 1, "n": 1, "tools": [],
+            "store": False, "user": "u-1", "metadata": {"k": "v"},
+            "response_format": {"type": "text"}})
         assert r.status_code == 200, r.text
+        assert "x-workbench-ignored-fields" not in r.headers
+
+
+def test_strict_fields_and_a_server_chat_template(smollm2_dir, tmp_path):
+    """--strict-fields gives back today's 400s for unknown fields (and message keys);
+    --chat-template FILE renders every chat request that sends no template of its own."""
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]")
+    proc, url = start_server(["--model", MODEL, "--max-model-len", "512", "--num-kv-blocks", "64",
+                              "--allow-missing-model", "--strict-fields",
+                              "--chat-template", str(template)], tmp_path / "server.log")
+    try:
+        with httpx.Client(base_url=url, timeout=60) as c:
+            for path, body, names in UNKNOWN:
+                err = assert_openai_error(c.post(path, json={"max_tokens": 2, **body}), 400,
+                                          names[0] if not names[0].startswith("messages") else "messages")
+                assert "Unrecognized request argument supplied" in err["message"] or \
+                    "not supported by this server" in err["message"]
+            r = c.post("/tokenize", json={"messages": HI})
+            text = c.post("/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
+            assert text == "[user] hi\n[assistant]"
+            r = c.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            tokens = c.post("/tokenize", json={"messages": HI}).json()["tokens"]
+            assert r.json()["usage"]["prompt_tokens"] == len(tokens)
+    finally:
+        stop_process(proc)
 
 
 def test_structured_output_over_http(server):
@@ -776,8 +843,10 @@ def test_completions_logprobs_echo_and_n(server, hf_smollm2, smollm2_tokenizer):
 def test_lm_eval_loglikelihood_scores_equal_hf(server, hf_smollm2, smollm2_tokenizer, smollm2_dir,
                                                tmp_path, monkeypatch):
     """lm-eval's local-completions loglikelihood path (echo + logprobs over /v1/completions)
-    runs a small multiple-choice task against the live server; every choice's loglikelihood
-    equals the one computed from HF's logits, and so does the accuracy."""
+    runs a small multiple-choice task and a loglikelihood_rolling (perplexity) task against
+    the live server, at batch size 1 and at its usual 8 (a list of token-id prompts per
+    request): every choice's loglikelihood equals the one computed from HF's logits, batch 8
+    gives batch 1's per-sample figures to 1e-4, and the accuracy follows."""
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager
     docs = [
@@ -786,24 +855,52 @@ def test_lm_eval_loglikelihood_scores_equal_hf(server, hf_smollm2, smollm2_token
         {"question": "The opposite of hot is", "choices": ["cold", "blue", "running"], "answer": 0},
         {"question": "Water freezes at zero degrees", "choices": ["Fahrenheit", "Celsius", "Kelvin"], "answer": 1},
     ]
-    data = tmp_path / "mc.jsonl"
-    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    texts = [{"text": "The quick brown fox jumps over the lazy dog. " * 3},
+             {"text": "In the beginning there was nothing, and then there was a small engine."},
+             {"text": "Paris is the capital of France; Rome is the capital of Italy."}]
+    for name, rows in (("mc", docs), ("ppl", texts)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in rows))
     (tmp_path / "wb_mc.yaml").write_text(
         "task: wb_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-        f"    test: {data}\ntest_split: test\noutput_type: multiple_choice\n"
+        f"    test: {tmp_path / 'mc.jsonl'}\ntest_split: test\noutput_type: multiple_choice\n"
         "doc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\n"
         "metric_list:\n  - metric: acc\n")
+    (tmp_path / "wb_ppl.yaml").write_text(
+        "task: wb_ppl\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {tmp_path / 'ppl.jsonl'}\ntest_split: test\noutput_type: loglikelihood_rolling\n"
+        "doc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+        "metric_list:\n  - metric: word_perplexity\n")
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
-    out = lm_eval.simple_evaluate(
-        model="local-completions",
-        model_args=(f"model={MODEL},base_url={server}/v1/completions,tokenizer={smollm2_dir},"
-                    "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1,"
-                    "max_retries=1,batch_size=1"),
-        tasks=["wb_mc"], task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True)
-    samples = out["samples"]["wb_mc"]
+
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    sent: list[int] = []                # prompts per request, as lm-eval builds them
+    payload = LocalCompletionsAPI._create_payload
+
+    def recording(self, messages, *a, **kw):
+        sent.append(len(messages) if isinstance(messages, list) and isinstance(messages[0], list) else 1)
+        return payload(self, messages, *a, **kw)
+    monkeypatch.setattr(LocalCompletionsAPI, "_create_payload", recording)
+
+    def run(batch_size: int, tokenizer: str):
+        return lm_eval.simple_evaluate(
+            model="local-completions",
+            model_args=(f"model={MODEL},base_url={server}/v1/completions,{tokenizer},"
+                        "tokenized_requests=True,num_concurrent=1,"
+                        f"max_retries=1,batch_size={batch_size},max_length={MAX_MODEL_LEN - 1}"),
+            tasks=["wb_mc", "wb_ppl"], task_manager=TaskManager(include_path=str(tmp_path)),
+            log_samples=True)
+
+    # Batch 1 with HF's tokenizer here; batch 8 with lm-eval's remote tokenizer, which reads
+    # this server's /tokenizer_info, /tokenize and /detokenize.
+    one = run(1, f"tokenizer={smollm2_dir},tokenizer_backend=huggingface")
+    assert set(sent) == {1}
+    sent.clear()
+    eight = run(8, f"tokenizer_backend=remote,auth_token={KEY}")
+    assert max(sent) == 8, sent
+    samples = one["samples"]["wb_mc"]
     assert len(samples) == len(docs)
     correct = 0
     for s in samples:
@@ -817,7 +914,18 @@ def test_lm_eval_loglikelihood_scores_equal_hf(server, hf_smollm2, smollm2_token
             assert abs(resp[0] - hf_ll) < 1e-3, (continuation, resp[0], hf_ll)
             ours.append(hf_ll)
         correct += max(range(len(ours)), key=ours.__getitem__) == s["target"]
-    assert out["results"]["wb_mc"]["acc,none"] == correct / len(docs)
+    assert one["results"]["wb_mc"]["acc,none"] == correct / len(docs)
+    for task in ("wb_mc", "wb_ppl"):
+        a = sorted(one["samples"][task], key=lambda s: s["doc_id"])
+        b = sorted(eight["samples"][task], key=lambda s: s["doc_id"])
+        assert len(a) == len(b) > 0
+        for sa, sb in zip(a, b):
+            for ra, rb in zip(sa["filtered_resps"], sb["filtered_resps"]):
+                ra, rb = (ra[0], rb[0]) if isinstance(ra, (list, tuple)) else (ra, rb)
+                assert abs(ra - rb) < 1e-4, (task, sa["doc_id"], ra, rb)
+    assert one["results"]["wb_mc"]["acc,none"] == eight["results"]["wb_mc"]["acc,none"]
+    ppl1 = one["results"]["wb_ppl"]["word_perplexity,none"]
+    assert math.isfinite(ppl1) and abs(ppl1 - eight["results"]["wb_ppl"]["word_perplexity,none"]) < 1e-3 * ppl1
     wait_idle(server)
 
 
@@ -882,3 +990,129 @@ def test_openapi_declares_both_request_bodies(server):
         "application/json"]["schema"]["properties"]["temperature"]
     assert {"type": "number", "minimum": 0.0} in temp["anyOf"]
     assert doc["info"]["version"] and httpx.get(server + "/docs", timeout=10).status_code == 200
+
+
+# ---- batched prompts, vLLM's answers, the tokenizer endpoints (issue 22) ---------------------
+def test_batched_prompts_answer_each_prompt_in_order(server):
+    """A list of texts or of token-id lists: one choice per prompt times n, index =
+    prompt * n + i, each equal to its prompt sent alone (greedy), with echo and logprobs;
+    streamed, every chunk names its index; usage counts every prompt."""
+    prompts = ["The capital of France is", "Once upon a time", "1, 2, 3,"]
+    body = {"model": MODEL, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "n": 2,
+            "logprobs": 1, "echo": True}
+    with httpx.Client(base_url=server, headers=AUTH, timeout=300) as c:
+        alone = [c.post("/v1/completions", json={**body, "prompt": p}).json() for p in prompts]
+        r = c.post("/v1/completions", json={**body, "prompt": prompts})
+        assert r.status_code == 200, r.text
+        chs = r.json()["choices"]
+        assert [x["index"] for x in chs] == list(range(6))
+        for p, a in enumerate(alone):
+            for i in range(2):
+                x = chs[p * 2 + i]
+                assert x["text"] == a["choices"][i]["text"] and x["text"].startswith(prompts[p])
+                assert x["logprobs"]["tokens"] == a["choices"][i]["logprobs"]["tokens"]
+                assert x["finish_reason"] == "length" and x["stop_reason"] is None
+        usage = r.json()["usage"]
+        assert usage["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+        assert usage["completion_tokens"] == 3 * 2 * 6
+        ids = [c.post("/tokenize", json={"prompt": p}).json()["tokens"] for p in prompts]
+        r = c.post("/v1/completions", json={**body, "prompt": ids, "echo": False, "logprobs": None})
+        assert [x["text"] for x in r.json()["choices"]] == [
+            a["choices"][i]["text"][len(prompts[p]):] for p, a in enumerate(alone) for i in range(2)]
+        with c.stream("POST", "/v1/completions", json={**body, "prompt": prompts, "stream": True,
+                                                       "stream_options": {"include_usage": True}}) as s:
+            events = [json.loads(d) for d in sse_data(s.iter_lines()) if d != "[DONE]"]
+        texts, finishes = {}, {}
+        for e in events[:-1]:
+            (x,) = e["choices"]
+            texts[x["index"]] = texts.get(x["index"], "") + x["text"]
+            if x["finish_reason"]:
+                finishes[x["index"]] = x["finish_reason"]
+        assert texts == {i: x["text"] for i, x in enumerate(chs)}
+        assert finishes == {i: "length" for i in range(6)}
+        assert events[-1]["usage"] == usage
+    wait_idle(server)
+
+
+def test_vllms_answers_where_ours_were_silent_or_wrong(server):
+    """Issue 22's list, each as vLLM answers it."""
+    with httpx.Client(base_url=server, headers=AUTH, timeout=300) as c:
+        def post(path, **body):
+            r = c.post(path, json={"model": MODEL, **body})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        # continuous_usage_stats: usage, so far, on every chunk.
+        with c.stream("POST", "/v1/chat/completions", json={
+                "model": MODEL, "messages": HI, "max_tokens": 5, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as s:
+            events = [json.loads(d) for d in sse_data(s.iter_lines()) if d != "[DONE]"]
+        assert all(e["usage"] is not None for e in events)
+        counts = [e["usage"]["completion_tokens"] for e in events]
+        assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 5
+        assert len({e["usage"]["prompt_tokens"] for e in events}) == 1
+        # A -inf logprob (top_logprobs past the tokens the grammar allows) is -9999.0, as
+        # vLLM sends it: valid JSON, streamed and not.
+        body = {"messages": HI, "structured_outputs": {"choice": ["yes", "no"]}, "logprobs": True,
+                "top_logprobs": 20, "max_tokens": 3, "temperature": 0}
+        out = post("/v1/chat/completions", **body)
+        tops = [t["logprob"] for x in out["choices"][0]["logprobs"]["content"] for t in x["top_logprobs"]]
+        assert -9999.0 in tops and min(tops) == -9999.0
+        with c.stream("POST", "/v1/chat/completions", json={"model": MODEL, **body, "stream": True}) as s:
+            assert any("-9999.0" in d for d in sse_data(s.iter_lines()))   # each parses below
+        # min_tokens without max_tokens (chat fills the context): honoured, not refused.
+        out = post("/v1/chat/completions", messages=HI, min_tokens=40, temperature=0)
+        assert out["usage"]["completion_tokens"] >= 40
+        # seed -1 is no seed: two such requests differ (20 tokens at temperature 1).
+        sampled = {"prompt": "Once upon a time", "max_tokens": 20, "temperature": 1.0,
+                   "ignore_eos": True}
+        texts = {post("/v1/completions", **sampled, seed=-1)["choices"][0]["text"] for _ in range(2)}
+        assert len(texts) == 2
+        # n > 1 with a seed: choice i draws from seed + i, as vLLM's does.
+        many = post("/v1/completions", **sampled, seed=100, n=3)["choices"]
+        for i in range(3):
+            assert many[i]["text"] == post("/v1/completions", **sampled, seed=100 + i)["choices"][0]["text"]
+        # stop_reason: the stop string or stop token id that ended a choice; null otherwise.
+        count = {"prompt": "Count: one, two, three, four, five, six", "max_tokens": 20,
+                 "temperature": 0}
+        x = post("/v1/completions", **count, stop=[","])["choices"][0]
+        assert (x["finish_reason"], x["stop_reason"], x["text"]) == ("stop", ",", "")
+        comma = c.post("/tokenize", json={"prompt": ",", "add_special_tokens": False}).json()["tokens"]
+        x = post("/v1/completions", **count, stop_token_ids=comma)["choices"][0]
+        assert (x["finish_reason"], x["stop_reason"]) == ("stop", comma[0])
+        x = post("/v1/chat/completions", messages=HI, max_tokens=3, ignore_eos=True)["choices"][0]
+        assert x["finish_reason"] == "length" and x["stop_reason"] is None
+        # Stop strings are looked for only once min_tokens are out.
+        x = post("/v1/completions", **count, stop=[","], min_tokens=6)["choices"][0]
+        assert x["finish_reason"] == "stop" and x["text"].count(",") >= 2
+        ids = c.post("/tokenize", json={"prompt": x["text"], "add_special_tokens": False}).json()
+        assert ids["count"] >= 5      # (the sixth token completed the stop string, cut off)
+    wait_idle(server)
+
+
+def test_tokenize_and_detokenize_round_trip(server, smollm2_tokenizer):
+    text = "héllo wörld, 你好世界 🌍🚀 — ok"
+    with httpx.Client(base_url=server, headers=AUTH, timeout=60) as c:
+        r = c.post("/tokenize", json={"model": MODEL, "prompt": text, "return_token_strs": True})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["tokens"] == smollm2_tokenizer.encode(text) and out["count"] == len(out["tokens"])
+        assert out["max_model_len"] == MAX_MODEL_LEN
+        assert out["token_strs"] == smollm2_tokenizer.convert_ids_to_tokens(out["tokens"])
+        assert c.post("/detokenize", json={"tokens": out["tokens"]}).json() == {"prompt": text}
+        # Chat messages through the template, as /v1/chat/completions renders them.
+        chat = c.post("/tokenize", json={"messages": HI}).json()
+        assert chat["token_strs"] is None
+        assert chat["tokens"] == smollm2_tokenizer.apply_chat_template(HI, add_generation_prompt=True,
+                                                                       tokenize=True, return_dict=False)
+        # Counting a text longer than max_model_len is what /tokenize is for.
+        long = c.post("/tokenize", json={"prompt": "word " * (MAX_MODEL_LEN + 10)}).json()
+        assert long["count"] > MAX_MODEL_LEN
+        for path, body, param in [("/tokenize", {}, "prompt"),
+                                  ("/tokenize", {"prompt": "a", "messages": HI}, "prompt"),
+                                  ("/tokenize", {"prompt": 5}, "prompt"),
+                                  ("/tokenize", {"model": "gpt-17", "prompt": "a"}, "model"),
+                                  ("/detokenize", {"tokens": [10**9]}, "tokens"),
+                                  ("/detokenize", {"tokens": "1 2"}, "tokens")]:
+            assert_openai_error(c.post(path, json=body), 404 if param == "model" else 400, param)
+        assert_openai_error(httpx.post(server + "/tokenize", json={"prompt": "a"}), 401)

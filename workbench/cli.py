@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from .config import (ATTENTION_BACKENDS, BLOCK_SIZES, DEVICES, DTYPES, GENERATION_CONFIGS,
-                     GRAPH_MODES, EngineConfig)
+                     GRAPH_MODES, TOOL_CALL_PARSERS, EngineConfig)
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -168,11 +168,25 @@ def cmd_serve(a) -> int:
     if api_key is None and a.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: serving on {a.host} without --api-key: anyone who can reach it can "
               "use it", file=sys.stderr)
+    chat_template = None
+    if a.chat_template is not None:     # a file, or the template's text itself (as vLLM)
+        path = os.path.expanduser(a.chat_template)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                chat_template = f.read()
+        elif any(c in a.chat_template for c in "{}"):
+            chat_template = a.chat_template
+        else:
+            print(f"error: --chat-template: {a.chat_template!r} is neither a file nor a Jinja "
+                  "template text", file=sys.stderr)
+            return 2
     limits = {k: v for k, v in (("header_timeout", a.header_timeout),
                                 ("limit_concurrency", a.limit_concurrency)) if v is not None}
     try:
         serve(engine, host=a.host, port=a.port, api_key=api_key, model_name=a.served_model_name,
-              log_level=a.log_level, allow_missing_model=a.allow_missing_model, **limits)
+              log_level=a.log_level, allow_missing_model=a.allow_missing_model,
+              strict_fields=a.strict_fields, chat_template=chat_template,
+              tool_call_parser=a.tool_call_parser, **limits)
     finally:
         engine.close()       # the KV pool, graphs and weights, freed before the process ends
     return 0
@@ -385,6 +399,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model id clients send and /v1/models lists (default: --model)")
     s.add_argument("--allow-missing-model", action="store_true",
                    help="a request without 'model' gets the served one (default: 400)")
+    s.add_argument("--strict-fields", action="store_true",
+                   help="refuse (400) request fields this server does not know (default: "
+                        "ignore them, with a warning in the log and a response header, as vLLM)")
+    s.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
+                   help="the Jinja chat template for chat requests that send none (default: "
+                        "the tokenizer's)")
+    s.add_argument("--tool-call-parser", default="hermes", choices=TOOL_CALL_PARSERS,
+                   help="how tool_choice auto reads the model's calls (hermes: <tool_call> "
+                        "JSON blocks, as Hermes, Qwen2.5/3 and SmolLM3 write them)")
     s.add_argument("--header-timeout", type=float, default=None, metavar="S",
                    help="close a connection that has not sent a whole request head in S "
                         "seconds (default 10)")

@@ -15,6 +15,8 @@ GRAPH_MODES = ("eager", "decode", "full")
 ATTENTION_BACKENDS = ("auto", "reference")
 PREEMPTION_MODES = ("newest", "oldest", "largest")
 GENERATION_CONFIGS = ("auto", "none")
+TOOL_CALL_PARSERS = ("hermes",)
+"""How `workbench serve` reads a model's tool calls under tool_choice auto (serving/tools.py)."""
 
 
 def field_checker(obj):

@@ -59,6 +59,9 @@ def from_value_error(e: Exception, rename: dict[str, str] | None = None) -> APIE
 
 # ---- parameter mapping ----------------------------------------------------------------------
 UNSET = object()
+UNTIL_FULL = 2**62
+"""max_tokens while a request that leaves it out waits for its prompt's length (prepare
+resolves it): large, so that checks against it (min_tokens) pass until then."""
 
 
 def body_field(body: dict, name: str, kinds: tuple[type, ...], what: str) -> Any:
@@ -91,20 +94,28 @@ def _asks_nothing(v: Any, neutral: tuple) -> bool:
     return v is None or any(v == n and isinstance(v, bool) == isinstance(n, bool) for n in neutral)
 
 
-def check_fields(kind: str, body: dict) -> None:
-    """Every field of the request is known for this endpoint, and none asks for something
-    this server does not do."""
+def check_fields(kind: str, body: dict, strict: bool = False) -> list[str]:
+    """No field asks for something this server does not do (a 400 naming it). A field this
+    endpoint does not know is taken out of `body` and its name returned, to be warned about,
+    as vLLM does (clients send fields of their own); with `strict`, it is refused instead."""
+    unknown = []
     for name, value in body.items():
         entry = REQUEST_FIELDS.get(name)
         if entry is None or kind not in entry[0]:
-            raise bad_request(name, f"Unrecognized request argument supplied: {name}")
+            if strict:
+                raise bad_request(name, f"Unrecognized request argument supplied: {name}")
+            unknown.append(name)
+            continue
         _, status, neutral = entry
         if status != OURS and not _asks_nothing(value, neutral):
             what = "not supported by this server"
-            if name in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"):
-                what += " (tool calling is not supported)"
+            if name in ("functions", "function_call"):
+                what += " (the legacy function calling: send tools and tool_choice)"
             shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
             raise bad_request(name, f"{name}: {what} (got {shown})", code="unsupported_parameter")
+    for name in unknown:
+        del body[name]
+    return unknown
 
 
 def structured_outputs_from(body: dict) -> tuple[StructuredOutputsParams | None, str | None]:
@@ -209,8 +220,8 @@ def sampling_params_from(body: dict, default_max_tokens: int | None,
     max_tokens = body.get("max_tokens")
     if body.get("max_completion_tokens") is not None:
         which, max_tokens = "max_completion_tokens", body["max_completion_tokens"]
-    if max_tokens is None:
-        max_tokens = default_max_tokens if default_max_tokens is not None else 1   # resolved later
+    if max_tokens is None:   # "fill the context": resolved once the prompt's length is known
+        max_tokens = default_max_tokens if default_max_tokens is not None else UNTIL_FULL
 
     stop = body.get("stop")
     if stop is None:
@@ -248,6 +259,8 @@ def sampling_params_from(body: dict, default_max_tokens: int | None,
         if name not in extras and name in defaults:
             extras[name] = defaults[name]
     seed = num("seed", None)
+    if seed == -1 and not isinstance(seed, float):
+        seed = None     # as vLLM: -1 asks for no seed
     if isinstance(seed, int) and not -2**63 <= seed < 2**64:
         raise bad_request("seed", f"seed: must fit in 64 bits (got {seed!r})")
     temperature = num("temperature", defaults.get("temperature", 1.0))
@@ -294,12 +307,17 @@ def is_template_error(e: Exception) -> bool:
 
 
 MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id"}
+REPLY_FIELDS = {"refusal", "annotations", "audio", "reasoning_content", "reasoning",
+                "function_call"}
+"""Keys OpenAI's (and vLLM's) own replies carry, which clients send back with the
+conversation: accepted and not read (audio and function_call only when null)."""
 
 
-def chat_messages(body: dict) -> list[dict]:
+def chat_messages(body: dict, ignored: list[str] | None = None) -> list[dict]:
     """OpenAI messages -> what chat templates read: text content, and assistant tool calls
     (their JSON arguments parsed, as templates expect a mapping) and tool results passed
-    through."""
+    through. A message key this server does not know is named in `ignored` (None: strict,
+    refused)."""
     msgs = body.get("messages")
     if msgs is None:
         raise bad_request("messages", "messages: required")
@@ -310,10 +328,16 @@ def chat_messages(body: dict) -> list[dict]:
         where = f"messages[{i}]"
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad_request("messages", f"{where}: must be an object with a string 'role'")
-        extra = sorted(set(m) - MESSAGE_FIELDS)
-        if extra:
+        for key in ("audio", "function_call"):
+            if m.get(key) is not None:
+                raise bad_request("messages", f"{where}.{key}: not supported by this server",
+                                  code="unsupported_parameter")
+        extra = sorted(set(m) - MESSAGE_FIELDS - REPLY_FIELDS)
+        if extra and ignored is None:
             raise bad_request("messages", f"{where}.{extra[0]}: not supported by this server",
-                       code="unsupported_parameter")
+                              code="unsupported_parameter")
+        if extra:
+            ignored.extend(f"{where}.{k}" for k in extra)
         content = m.get("content")
         if content is None:
             content = ""
@@ -359,19 +383,29 @@ def _tool_calls(calls: Any, where: str) -> list[dict]:
     return out
 
 
-def completion_prompt(body: dict) -> str | list[int]:
+MAX_PROMPTS = 1024
+"""Prompts one /v1/completions request may batch."""
+
+
+def completion_prompts(body: dict) -> list[str | list[int]]:
+    """`prompt` as OpenAI and vLLM take it: a text, token ids, or a list of either (a batch,
+    answered one choice per prompt, times n, in order)."""
     p = body.get("prompt")
     if p is None:
         raise bad_request("prompt", "prompt: required")
     if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
-        if len(p) != 1:
-            raise bad_request("prompt", f"prompt: only one prompt per request is supported (got {len(p)})")
-        p = p[0]
-    if isinstance(p, str):
-        return p
-    if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        return p
-    raise bad_request("prompt", "prompt: must be a string or a list of token ids")
+        if len(p) > MAX_PROMPTS:
+            raise bad_request("prompt", f"prompt: at most {MAX_PROMPTS} prompts per request "
+                              f"(got {len(p)})")
+        prompts = p
+    else:
+        prompts = [p]
+    for i, x in enumerate(prompts):
+        if not (isinstance(x, str) or isinstance(x, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in x)):
+            where = "prompt" if len(prompts) == 1 and prompts[0] is p else f"prompt[{i}]"
+            raise bad_request("prompt", f"{where}: must be a string or a list of token ids")
+    return prompts
 
 
 async def read_json(request: Request) -> dict:
@@ -430,6 +464,13 @@ def check_text(body: dict) -> None:
 
 
 # ---- logprobs in OpenAI's response shapes ---------------------------------------------------
+LOGPROB_FLOOR = -9999.0
+"""What a -inf logprob (a token the grammar or a bias rules out) is sent as: JSON has no
+infinity, and vLLM sends this."""
+
+
+def _lp(x: float) -> float:
+    return x if x > LOGPROB_FLOOR else LOGPROB_FLOOR
 def completion_logprobs(entries, token_text, offset: int = 0) -> tuple[dict, int]:
     """Completions' `logprobs` object for (token id, {id: Logprob} | None) entries: tokens,
     token_logprobs, top_logprobs (the token and its top alternatives, by text) and
@@ -444,10 +485,10 @@ def completion_logprobs(entries, token_text, offset: int = 0) -> tuple[dict, int
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)
             continue
-        out["token_logprobs"].append(lps[tid].logprob)
+        out["token_logprobs"].append(_lp(lps[tid].logprob))
         top: dict[str, float] = {}
         for t, lp in sorted(lps.items(), key=lambda kv: -kv[1].logprob):
-            top.setdefault(token_text(t), lp.logprob)
+            top.setdefault(token_text(t), _lp(lp.logprob))
         out["top_logprobs"].append(top)
     return out, offset
 
@@ -456,7 +497,7 @@ def chat_logprobs(entries, token_text, k: int) -> list[dict]:
     """Chat's `logprobs.content`: per token its text, logprob, UTF-8 bytes and the top k."""
     def item(t, lp):
         text = token_text(t)
-        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": _lp(lp.logprob), "bytes": list(text.encode())}
     content = []
     for tid, lps in entries:
         top = sorted(((t, lp) for t, lp in lps.items() if lp.rank is not None and lp.rank <= k),
@@ -467,6 +508,6 @@ def chat_logprobs(entries, token_text, k: int) -> list[dict]:
 
 def vllm_prompt_logprobs(plp) -> list[dict | None]:
     """vLLM's `prompt_logprobs` field: per prompt token {id: {logprob, rank, decoded_token}}."""
-    return [None if d is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+    return [None if d is None else {str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank,
                                              "decoded_token": lp.decoded_token}
                                     for t, lp in d.items()} for d in plp]

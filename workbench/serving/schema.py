@@ -46,7 +46,7 @@ class _Common(BaseModel):
     frequency_penalty: float | None = field(neutral=(0,), ge=-2, le=2)
     logit_bias: dict[str, float] | None = field(neutral=({},),
                                                 description="token id -> bias in [-100, 100]")
-    user: str | None = field(UNSUPPORTED)
+    user: str | None = field(description="the end user's id (accepted, not used)")
     # vLLM's extras
     top_k: int | None = field(ge=-1)
     stop_token_ids: list[int] | None = field()
@@ -84,7 +84,9 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     """POST /v1/completions."""
-    prompt: Union[str, list[int], None] = field(description="text, or token ids")
+    prompt: Union[str, list[int], list[str], list[list[int]], None] = field(
+        description="text, token ids, or a list of either (a batch: one choice per prompt, "
+                    "times n, choice index = prompt index * n + i)")
     logprobs: int | None = field(ge=0, le=20, description="alternatives per token")
     echo: bool | None = field()
     best_of: int | None = field(UNSUPPORTED, (1,))
@@ -101,9 +103,11 @@ class ChatCompletionRequest(_Common):
     continue_final_message: bool | None = field()
     chat_template: str | None = field()
     chat_template_kwargs: dict[str, Any] | None = field()
-    tools: list[Any] | None = field(UNSUPPORTED, ([],))
-    tool_choice: Union[str, dict[str, Any], None] = field(UNSUPPORTED, ("none",))
-    parallel_tool_calls: bool | None = field(UNSUPPORTED)
+    tools: list[dict[str, Any]] | None = field(description="functions the model may call "
+                                               "(at most 128)", max_length=128)
+    tool_choice: Union[str, dict[str, Any], None] = field(
+        description="none, auto, required, or {'type': 'function', 'function': {'name': ...}}")
+    parallel_tool_calls: bool | None = field()
     functions: list[Any] | None = field(UNSUPPORTED, ([],))
     function_call: Union[str, dict[str, Any], None] = field(UNSUPPORTED, ("none",))
     modalities: list[str] | None = field(UNSUPPORTED, (["text"],))
@@ -114,14 +118,38 @@ class ChatCompletionRequest(_Common):
     reasoning_effort: str | None = field(UNSUPPORTED)
     verbosity: str | None = field(UNSUPPORTED)
     store: bool | None = field(UNSUPPORTED, (False,))
-    metadata: dict[str, Any] | None = field(UNSUPPORTED, ({},))
+    metadata: dict[str, Any] | None = field(description="tags (accepted, not used)")
     prompt_cache_key: str | None = field(UNSUPPORTED)
     safety_identifier: str | None = field(UNSUPPORTED)
     documents: list[Any] | None = field(UNSUPPORTED)
     mm_processor_kwargs: dict[str, Any] | None = field(UNSUPPORTED)
 
 
-REQUESTS = {"completion": CompletionRequest, "chat": ChatCompletionRequest}
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): a text, or chat messages through the chat template."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = field()
+    prompt: str | None = field(description="a text (or give messages)")
+    messages: list[dict[str, Any]] | None = field(description="a conversation, rendered as "
+                                                  "/v1/chat/completions renders it")
+    add_special_tokens: bool | None = field()
+    add_generation_prompt: bool | None = field()
+    continue_final_message: bool | None = field()
+    chat_template: str | None = field()
+    chat_template_kwargs: dict[str, Any] | None = field()
+    tools: list[dict[str, Any]] | None = field(max_length=128)
+    return_token_strs: bool | None = field(description="each token's text too")
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's)."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = field()
+    tokens: list[int] | None = field(description="token ids (required)")
+
+
+REQUESTS = {"completion": CompletionRequest, "chat": ChatCompletionRequest,
+            "tokenize": TokenizeRequest, "detokenize": DetokenizeRequest}
 """Each endpoint's body, by the name protocol.py gives the endpoint."""
 
 
@@ -129,7 +157,7 @@ def request_fields() -> dict[str, tuple[tuple[str, ...], str, tuple]]:
     """name -> (the endpoints that take it, SUPPORTED or UNSUPPORTED, the values that ask for
     nothing), from the models (protocol.REQUEST_FIELDS)."""
     out: dict[str, tuple[tuple[str, ...], str, tuple]] = {}
-    for kind in ("chat", "completion"):
+    for kind in REQUESTS:
         for name, info in REQUESTS[kind].model_fields.items():
             extra = info.json_schema_extra or {}
             kinds = out[name][0] + (kind,) if name in out else (kind,)
