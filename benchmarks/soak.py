@@ -32,7 +32,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from workbench.serving.client import parse_prometheus, summarize_metrics  # noqa: E402
+from workbench.serving.prometheus import parse_prometheus, summarize_metrics  # noqa: E402
 
 WORDS = ("the engine schedules requests in steps and every step either prefills a chunk of a "
          "prompt or decodes one token for each running request while blocks of the cache are "

@@ -30,7 +30,7 @@ def run_step(s, out, token=7):
     """What the engine does after the model: advance, then append a token where sampled."""
     s.update_after_step(out)
     for x in out.scheduled:
-        if x.samples:
+        if x.will_sample:
             x.seq.token_ids.append(token)
 
 
@@ -56,10 +56,10 @@ def test_token_budget_chunks_long_prompt_and_mixes_with_decode():
     run_step(s, out)
     out = s.schedule(now=0)
     assert [x.num_new_tokens for x in out.scheduled] == [1, 63]
-    assert not out.scheduled[1].samples           # b's prompt is not done yet
+    assert not out.scheduled[1].will_sample           # b's prompt is not done yet
     run_step(s, out)
     out = s.schedule(now=0)
-    assert [x.num_new_tokens for x in out.scheduled] == [1, 24] and out.scheduled[1].samples
+    assert [x.num_new_tokens for x in out.scheduled] == [1, 24] and out.scheduled[1].will_sample
     assert a.num_computed_tokens == 12
 
 
@@ -125,7 +125,7 @@ def test_preempted_request_is_recomputed_with_its_output(prefix):
     # Recompute covers prompt + generated tokens; with prefix caching its full first block
     # (freed as cached at preemption) is reused.
     cached = 4 if prefix else 0
-    assert x.seq is victim and x.start == cached and x.samples
+    assert x.seq is victim and x.start == cached and x.will_sample
     assert x.num_new_tokens == victim.num_tokens - cached
     s.finish(victim, "length")
     assert bm.num_used_blocks == 0
@@ -170,7 +170,7 @@ def test_random_workload_accounting_balances():
         run_step(s, out)
         for x in out.scheduled:
             q = x.seq
-            if x.samples and q.num_output_tokens >= q.params.max_tokens:
+            if x.will_sample and q.num_output_tokens >= q.params.max_tokens:
                 s.finish(q, "length")
         if rng.random() < 0.05 and s.running:
             s.finish(rng.choice(s.running), "abort")

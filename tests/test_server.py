@@ -26,8 +26,8 @@ pytest.importorskip("sse_starlette")
 pytest.importorskip("prometheus_client")
 
 from workbench.bench.serving import bench_async  # noqa: E402
-from workbench.serving.client import (RemoteEngine, RemoteError, parse_prometheus,  # noqa: E402
-                                      sse_data, summarize_metrics)
+from workbench.serving.client import RemoteEngine, RemoteError, sse_data  # noqa: E402
+from workbench.serving.prometheus import parse_prometheus, summarize_metrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-test-0123456789"

@@ -77,6 +77,14 @@ def _say_notices(engine) -> None:
         print(f"note: {note}", file=sys.stderr, flush=True)
 
 
+def cmd_build_kernels(a) -> int:
+    from .platforms.cpu import ensure_kernel_built, kernel_key
+    from .cache import cache_root
+    ok = ensure_kernel_built(lambda s: print(s, file=sys.stderr))
+    print(f"{'built' if ok else 'unavailable'}: {cache_root() / 'kernels' / kernel_key()}")
+    return 0 if ok else 1
+
+
 def cmd_generate(a) -> int:
     from . import Engine, SamplingParams
     t = time.perf_counter()
@@ -342,6 +350,10 @@ def cmd_doctor(a) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="workbench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    k = sub.add_parser("build-kernels", help="build the CPU kernel now (else the first engine "
+                                             "builds it in the background)")
+    k.set_defaults(func=cmd_build_kernels)
 
     g = sub.add_parser("generate", help="stream a reply in the terminal")
     g.add_argument("prompt")

@@ -26,7 +26,7 @@ class ScheduledSeq:
     num_new_tokens: int
     start: int
     """Position of the first token fed (== num_computed_tokens before the step)."""
-    samples: bool = field(init=False)
+    will_sample: bool = field(init=False)
     """Whether this step reaches the end of the sequence's known tokens, so its last logits
     give the next token (a mid-prompt chunk does not)."""
     is_decode: bool = field(init=False)
@@ -34,14 +34,14 @@ class ScheduledSeq:
 
     def __post_init__(self) -> None:
         # Fixed at scheduling time: the sequence grows once the step has run.
-        self.samples = self.start + self.num_new_tokens == self.seq.num_tokens
-        self.is_decode = self.num_new_tokens == 1 and self.samples and self.seq.num_output_tokens > 0
+        self.will_sample = self.start + self.num_new_tokens == self.seq.num_tokens
+        self.is_decode = self.num_new_tokens == 1 and self.will_sample and self.seq.num_output_tokens > 0
 
     @classmethod
     def ahead(cls, seq: Sequence, start: int) -> "ScheduledSeq":
         """A decode scheduled before the token it feeds is known (async scheduling)."""
         s = cls(seq, 1, start)
-        s.samples = s.is_decode = True
+        s.will_sample = s.is_decode = True
         return s
 
 

@@ -230,7 +230,7 @@ class StepPipeline:
             phase=sched.phase, num_prefill_tokens=sched.num_prefill_tokens,
             num_decode_tokens=sched.num_decode_tokens, num_cached_tokens=sched.num_cached_tokens,
             tokens_per_request={s.seq.request_id: s.num_new_tokens for s in sched.scheduled},
-            kinds={s.seq.request_id: "decode" if s.is_decode else "prefill" if s.samples
+            kinds={s.seq.request_id: "decode" if s.is_decode else "prefill" if s.will_sample
                    else "chunk" for s in sched.scheduled},
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=bstats.used, kv_blocks_free=bstats.free, kv_blocks_cached=bstats.cached,

@@ -156,7 +156,7 @@ class ModelRunner:
             positions += range(s.start, s.start + n)
             slots += [slot(s.seq.block_table, p, bs) for p in range(s.start, s.start + n)]
             common.prefills.append(PrefillSpan(q_start, q_start + n, s.start, s.seq.block_table))
-            if s.samples:
+            if s.will_sample:
                 logits_rows.append(q_start + n - 1)
                 sampling.append(s)
             # Prompt logprobs: the logits at each fed position whose next token is a prompt

@@ -104,6 +104,23 @@ def kernel_is_built() -> bool:
     return (cache_root() / "kernels" / kernel_key() / "built").is_file()
 
 
+def ensure_kernel_built(log=None) -> bool:
+    """Build the kernel now, in this thread, if it is not built (or wait for the build another
+    process holds the lock for); `log` hears one line before and one after. What `workbench
+    build-kernels` and the benchmarks call, so that nothing is measured on the fallback.
+    Returns whether the kernel is available."""
+    import time
+    if _kernels is not None or kernel_is_built():
+        return load_cpu_kernels() is not None
+    t = time.perf_counter()
+    if log is not None:
+        log("building the CPU kernel (once per machine and torch version; about 25-40 s)…")
+    ok = load_cpu_kernels() is not None
+    if log is not None:
+        log(f"CPU kernel {'built' if ok else 'unavailable'} in {time.perf_counter() - t:.0f} s")
+    return ok
+
+
 _build_lock = threading.Lock()
 _build_thread: threading.Thread | None = None
 

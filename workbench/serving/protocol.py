@@ -1,23 +1,19 @@
-"""The OpenAI protocol as `workbench serve` reads it: request bodies to SamplingParams and
-prompts, and every refusal as an OpenAI-shaped error (`APIError`). No FastAPI app lives here;
-`app.py` wires these into handlers."""
+"""Requests in: the OpenAI protocol as `workbench serve` reads it. Bodies to SamplingParams
+and prompts, field by field, and every refusal as an OpenAI-shaped error (`APIError`) that
+names its field. Nothing of HTTP lives here (app.py is the transport), and nothing of the
+replies (responses.py)."""
 from __future__ import annotations
 
 import json
 import math
 from typing import Any
 
-from fastapi import Request
-from fastapi.responses import Response
-
 from .schema import SUPPORTED, UNSUPPORTED, request_fields
-from ..core.sampling_params import SamplingParams, StructuredOutputsParams
+from ..core.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 MAX_BODY_BYTES = 16 * 2**20
 """Request bodies larger than this are refused (413) before any parsing."""
 
-GREEDY_BELOW = 1e-5
-"""Temperatures in (0, GREEDY_BELOW) are served greedily, as vLLM does."""
 
 
 # ---- errors ---------------------------------------------------------------------------------
@@ -34,11 +30,6 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
-
-    def response(self) -> Response:
-        # ASCII-escaped JSON: a message quoting a client's text renders whatever it holds.
-        return Response(json.dumps(self.body()), status_code=self.status, headers=self.headers,
-                        media_type="application/json")
 
 
 def bad_request(param: str | None, message: str, code: str | None = None) -> APIError:
@@ -185,15 +176,15 @@ def logprobs_fields(body: dict, kind: str) -> tuple[int | None, int | None, bool
     echo = False
     if kind == "chat":
         flag = body_field(body, "logprobs", (bool,), "true or false")
-        top = body_field(body, "top_logprobs", (int,), "an integer in [0, 20]")
+        top = body_field(body, "top_logprobs", (int,), f"an integer in [0, {MAX_LOGPROBS}]")
         if top is not UNSET and flag is not True:
             raise bad_request("top_logprobs", "top_logprobs: needs logprobs set to true")
         logprobs = (0 if top is UNSET else top) if flag is True else None
     else:
-        logprobs = body_field(body, "logprobs", (int,), "an integer in [0, 20]")
+        logprobs = body_field(body, "logprobs", (int,), f"an integer in [0, {MAX_LOGPROBS}]")
         logprobs = None if logprobs is UNSET else logprobs
         echo = body_field(body, "echo", (bool,), "true or false") is True
-    prompt_logprobs = body_field(body, "prompt_logprobs", (int,), "an integer in [0, 20]")
+    prompt_logprobs = body_field(body, "prompt_logprobs", (int,), f"an integer in [0, {MAX_LOGPROBS}]")
     prompt_logprobs = None if prompt_logprobs is UNSET else prompt_logprobs
     if echo and logprobs is not None and prompt_logprobs is None:
         prompt_logprobs = logprobs
@@ -261,11 +252,9 @@ def sampling_params_from(body: dict, default_max_tokens: int | None,
     seed = num("seed", None)
     if seed == -1 and not isinstance(seed, float):
         seed = None     # as vLLM: -1 asks for no seed
-    if isinstance(seed, int) and not -2**63 <= seed < 2**64:
-        raise bad_request("seed", f"seed: must fit in 64 bits (got {seed!r})")
+    # (A temperature below SAMPLING_EPS is greedy, and a seed must fit 64 bits: both are
+    # SamplingParams' rules, checked there.)
     temperature = num("temperature", defaults.get("temperature", 1.0))
-    if isinstance(temperature, (int, float)) and 0 < temperature < GREEDY_BELOW:
-        temperature = 0.0   # as vLLM: a vanishing temperature is greedy (and cannot overflow)
 
     try:
         params = SamplingParams(
@@ -408,17 +397,9 @@ def completion_prompts(body: dict) -> list[str | list[int]]:
     return prompts
 
 
-async def read_json(request: Request) -> dict:
-    size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
-        raise APIError(413, f"body: larger than {MAX_BODY_BYTES} bytes", code="body_too_large")
-    chunks, total = [], 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > MAX_BODY_BYTES:
-            raise APIError(413, f"body: larger than {MAX_BODY_BYTES} bytes", code="body_too_large")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
+def parse_body(raw: bytes) -> dict:
+    """A request body's bytes -> its JSON object, every flaw a 400: not JSON, not UTF-8,
+    nested too deeply, not an object, or holding what is not text or not a JSON number."""
     try:
         body = json.loads(raw, parse_constant=NonStandardNumber)
     except json.JSONDecodeError as e:
@@ -461,53 +442,3 @@ def check_text(body: dict) -> None:
             stack.extend((param, k, v) for k, v in value.items())
         elif isinstance(value, list):
             stack.extend((param, "", v) for v in value)
-
-
-# ---- logprobs in OpenAI's response shapes ---------------------------------------------------
-LOGPROB_FLOOR = -9999.0
-"""What a -inf logprob (a token the grammar or a bias rules out) is sent as: JSON has no
-infinity, and vLLM sends this."""
-
-
-def _lp(x: float) -> float:
-    return x if x > LOGPROB_FLOOR else LOGPROB_FLOOR
-def completion_logprobs(entries, token_text, offset: int = 0) -> tuple[dict, int]:
-    """Completions' `logprobs` object for (token id, {id: Logprob} | None) entries: tokens,
-    token_logprobs, top_logprobs (the token and its top alternatives, by text) and
-    text_offset (counted from `offset`). Returns it and the offset after the last token."""
-    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for tid, lps in entries:
-        text = token_text(tid)
-        out["tokens"].append(text)
-        out["text_offset"].append(offset)
-        offset += len(text)
-        if lps is None:         # the first prompt token has no context
-            out["token_logprobs"].append(None)
-            out["top_logprobs"].append(None)
-            continue
-        out["token_logprobs"].append(_lp(lps[tid].logprob))
-        top: dict[str, float] = {}
-        for t, lp in sorted(lps.items(), key=lambda kv: -kv[1].logprob):
-            top.setdefault(token_text(t), _lp(lp.logprob))
-        out["top_logprobs"].append(top)
-    return out, offset
-
-
-def chat_logprobs(entries, token_text, k: int) -> list[dict]:
-    """Chat's `logprobs.content`: per token its text, logprob, UTF-8 bytes and the top k."""
-    def item(t, lp):
-        text = token_text(t)
-        return {"token": text, "logprob": _lp(lp.logprob), "bytes": list(text.encode())}
-    content = []
-    for tid, lps in entries:
-        top = sorted(((t, lp) for t, lp in lps.items() if lp.rank is not None and lp.rank <= k),
-                     key=lambda kv: kv[1].rank)
-        content.append({**item(tid, lps[tid]), "top_logprobs": [item(t, lp) for t, lp in top]})
-    return content
-
-
-def vllm_prompt_logprobs(plp) -> list[dict | None]:
-    """vLLM's `prompt_logprobs` field: per prompt token {id: {logprob, rank, decoded_token}}."""
-    return [None if d is None else {str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank,
-                                             "decoded_token": lp.decoded_token}
-                                    for t, lp in d.items()} for d in plp]
