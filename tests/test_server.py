@@ -436,7 +436,9 @@ def test_structured_output_over_http(server):
 
 def test_chat_template_controls_over_http(server, smollm2_tokenizer):
     """The prompt the server builds is the tokenizer's own apply_chat_template, with the
-    controls passed and tool calls (JSON arguments as a mapping) in the conversation."""
+    controls passed; tool calls and results in the conversation reach SmolLM2's template
+    (which has no tools) as the fallback's <tool_call> and <tool_response> turns."""
+    from workbench.serving.tools import fallback_messages
     tok = smollm2_tokenizer
     call = {"id": "call_1", "type": "function",
             "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
@@ -449,7 +451,8 @@ def test_chat_template_controls_over_http(server, smollm2_tokenizer):
     cases = [({"messages": partial, "add_generation_prompt": False, "continue_final_message": True},
               partial, dict(add_generation_prompt=False, continue_final_message=True)),
              ({"messages": HI, "add_generation_prompt": False}, HI, dict(add_generation_prompt=False)),
-             ({"messages": tools_chat}, as_template, dict(add_generation_prompt=True))]
+             ({"messages": tools_chat}, fallback_messages(as_template, []),
+              dict(add_generation_prompt=True))]
     counts = set()
     with httpx.Client(base_url=server, headers=AUTH, timeout=120) as c:
         for body, messages, kw in cases:
