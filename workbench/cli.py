@@ -78,10 +78,9 @@ def _say_notices(engine) -> None:
 
 
 def cmd_build_kernels(a) -> int:
-    from .platforms.cpu import ensure_kernel_built, kernel_key
-    from .cache import cache_root
+    from .platforms.cpu import ensure_kernel_built, kernel_dir
     ok = ensure_kernel_built(lambda s: print(s, file=sys.stderr))
-    print(f"{'built' if ok else 'unavailable'}: {cache_root() / 'kernels' / kernel_key()}")
+    print(f"{'built' if ok else 'unavailable'}: {kernel_dir()}")
     return 0 if ok else 1
 
 
@@ -139,6 +138,10 @@ def cmd_bench(a) -> int:
         raise ValueError("--ignore-eos/--no-ignore-eos: only for a server (--url); the offline "
                          "benchmark always runs each request to its length")
     from .bench.offline import SAMPLING_WORKLOADS, format_table, run, save
+    from .platforms import auto_device
+    if (auto_device() if a.device in (None, "auto") else a.device) == "cpu":
+        from .platforms.cpu import ensure_kernel_built    # measure the kernel, never the fallback
+        ensure_kernel_built(lambda s: print(s, file=sys.stderr))
     sampling = (tuple(SAMPLING_WORKLOADS) if a.sampling == "all"
                 else tuple(x for x in a.sampling.split(",") if x and x != "none"))
     peers = tuple(x for x in a.peers.split(",") if x and x != "none")

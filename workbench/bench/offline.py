@@ -287,11 +287,6 @@ def run(model: str = "smollm2", num_requests: int = 64, in_range=(16, 256), out_
                          f"{', '.join(SAMPLING_WORKLOADS)})")
     from tqdm.auto import tqdm
 
-    from ..platforms import auto_device
-    device = (engine_kwargs or {}).get("device") or "auto"
-    if (auto_device() if device == "auto" else device) == "cpu":
-        from ..platforms.cpu import ensure_kernel_built
-        ensure_kernel_built(log)      # measure the kernel, never the fallback of its first start
     engine = Engine(model=model, **(engine_kwargs or {}))
     wl = make_workload(num_requests, in_range, out_range, engine.info().vocab_size, seed)
     report = dict(machine=machine(), model=model,

@@ -56,6 +56,12 @@ def kernel_key() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def kernel_dir() -> Path:
+    """Where this machine's kernel (for `kernel_key()`) is built and cached."""
+    from ..cache import cache_root
+    return cache_root() / "kernels" / kernel_key()
+
+
 def _import_built(path: Path):
     import importlib.machinery
     import importlib.util
@@ -77,8 +83,8 @@ def load_cpu_kernels():
     under it."""
     global _kernels
     if _kernels is None:
-        from ..cache import cache_lock, cache_root
-        build = cache_root() / "kernels" / kernel_key()
+        from ..cache import cache_lock
+        build = kernel_dir()
         done = build / "built"        # written once the module loaded: a killed link leaves none
         try:
             with cache_lock(build / ".build.lock"):
@@ -100,8 +106,7 @@ def load_cpu_kernels():
 
 
 def kernel_is_built() -> bool:
-    from ..cache import cache_root
-    return (cache_root() / "kernels" / kernel_key() / "built").is_file()
+    return (kernel_dir() / "built").is_file()
 
 
 def ensure_kernel_built(log=None) -> bool:
