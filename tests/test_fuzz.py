@@ -31,7 +31,15 @@ HOSTILE = st.one_of(
     NUMBERS, st.none(), st.booleans(), st.text(max_size=12),
     st.sampled_from(["", "\udfff", "a\ud800b", "NaN", "Infinity", [], {}, [1, "x"], {"a": [1]},
                      [[[[[]]]]], {"role": "user"}, [{"role": "nobody", "content": 3}],
-                     "RAW:NaN", "RAW:Infinity", "RAW:-Infinity", "DEEP"]),
+                     "RAW:NaN", "RAW:Infinity", "RAW:-Infinity", "DEEP",
+                     # shaped like what the tool and batch fields take, broken inside
+                     [{"type": "function", "function": {"name": "f", "parameters": {
+                         "type": "object", "properties": {"x": {"type": "integer"}}}}}],
+                     [{"type": "function", "function": {"name": "f", "parameters": {
+                         "type": "object", "properties": {"x": {"type": "nonsense"}}}}}],
+                     [{"type": "function", "function": {"name": "\udfff"}}],
+                     {"type": "function", "function": {"name": "f"}}, "required", "auto",
+                     ["Hello", [1, 2]], [[1, 2], [10 ** 30]], ["a"] * 2000]),
     st.lists(st.integers(min_value=-2 ** 70, max_value=2 ** 70), max_size=4),
     st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))
 
@@ -43,11 +51,13 @@ FIELDS = {
                         "presence_penalty", "frequency_penalty", "repetition_penalty",
                         "min_tokens", "stream_options", "ignore_eos", "prompt_logprobs",
                         "truncate_prompt_tokens", "structured_outputs", "user", "an_unknown"],
+    "/tokenize": ["prompt", "messages", "tools", "add_special_tokens", "return_token_strs",
+                  "chat_template", "add_generation_prompt", "an_unknown"],
     "/v1/chat/completions": ["messages", "max_tokens", "max_completion_tokens", "temperature",
                              "top_p", "top_k", "n", "seed", "stop", "logprobs", "top_logprobs",
                              "logit_bias", "response_format", "min_tokens", "stream_options",
                              "chat_template_kwargs", "add_generation_prompt", "user",
-                             "an_unknown"],
+                             "tools", "tool_choice", "parallel_tool_calls", "an_unknown"],
 }
 
 
@@ -85,7 +95,8 @@ def _ordinary_alongside(url, headers, results):
 @pytest.mark.parametrize("endpoint", list(FIELDS))
 def test_hostile_bodies_get_4xx_and_the_server_serves_on(served, endpoint):
     url, headers, log = served
-    base = COMPLETION if endpoint == "/v1/completions" else CHAT
+    base = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT,
+            "/tokenize": {"prompt": "Hello"}}[endpoint]
     seen = {"4xx": 0, "2xx": 0}
     ordinary: list = []
     alongside = threading.Thread(target=_ordinary_alongside, args=(url, headers, ordinary))
