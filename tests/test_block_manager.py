@@ -58,10 +58,13 @@ def test_prefix_hit_shares_blocks_and_leaves_one_token_to_compute():
     bm = BlockManager(16, 4)
     a = held(bm, 10)
     assert len(computed(bm, range(10), a)) == 2      # tokens 0..7; the third block is partial
-    hit = bm.match_prefix(list(range(8)) + [99, 98])
+    hashes: list[int] = []
+    hit = bm.match_prefix(list(range(8)) + [99, 98], hashes)
     assert hit.num_queried == 2                      # two full prompt blocks looked up
-    assert hit.block_ids == a[:2] and len(hit.block_hashes) == 2
-    assert bm.blocks[a[0]].ref_count == 2
+    assert hit.block_ids == a[:2] and hit.block_hashes == hashes and len(hashes) == 2
+    assert bm.blocks[a[0]].ref_count == 1            # a lookup changes nothing ...
+    new = bm.allocate_slots(0, 10, computed=hit.block_ids)
+    assert len(new) == 1 and bm.blocks[a[0]].ref_count == 2    # ... the allocation commits it
     # A prompt that is entirely cached still computes its last block.
     assert len(bm.match_prefix(list(range(8))).block_ids) == 1
 
@@ -77,10 +80,29 @@ def test_cached_free_blocks_serve_hits_then_get_evicted_last():
     x = held(bm, 4)
     assert x[0] not in first
     hit = bm.match_prefix(list(range(8)) + [7])
-    assert hit.block_ids == first
-    assert bm.stats().cached == 0
-    bm.free(hit.block_ids), bm.free(x)
+    assert hit.block_ids == first and bm.stats().cached == 2     # looked up, still free
+    # Holding the two hit blocks leaves one free block: a request that needs two more is
+    # refused and changes nothing; one that needs one more gets it.
+    assert bm.allocate_slots(0, 16, computed=hit.block_ids) is None
+    assert bm.stats().cached == 2 and bm.num_free_blocks == 3
+    new = bm.allocate_slots(0, 12, computed=hit.block_ids)
+    assert len(new) == 1 and new[0] not in first and bm.stats().cached == 0
+    bm.free(hit.block_ids + new), bm.free(x)
     assert bm.num_used_blocks == 0
+
+
+def test_a_lookup_remembers_its_hashes(monkeypatch):
+    """A request that waits is looked up again each step: its blocks are hashed once."""
+    import workbench.core.block_manager as mod
+    bm = BlockManager(8, 4)
+    computed(bm, range(8), held(bm, 8))
+    calls = []
+    real = mod.chain_hash
+    monkeypatch.setattr(mod, "chain_hash", lambda p, t: calls.append(t) or real(p, t))
+    hashes: list[int] = []
+    for _ in range(3):
+        assert len(bm.match_prefix(list(range(12)), hashes).block_ids) == 2
+    assert len(calls) == 2
 
 
 def test_hash_collision_is_caught_by_token_check(monkeypatch):

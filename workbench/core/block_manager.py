@@ -27,7 +27,7 @@ from ..utils import cdiv
 
 @dataclass(slots=True)
 class PrefixHit:
-    """What `match_prefix` found: cached blocks, now referenced by the caller."""
+    """What `match_prefix` found: cached blocks, not yet held (allocate_slots takes them)."""
     block_ids: list[int]
     block_hashes: list[int]
     num_queried: int
@@ -145,9 +145,12 @@ class BlockManager:
         self.blocks[block_id].ref_count = 1
         return block_id
 
-    def match_prefix(self, token_ids: list[int]) -> PrefixHit:
-        """The cached blocks of the longest cached prefix of token_ids, each now referenced
-        once more (the caller holds them, and frees them with `free`).
+    def match_prefix(self, token_ids: list[int], hashes: list[int] | None = None) -> PrefixHit:
+        """The cached blocks of the longest cached prefix of token_ids. A lookup changes
+        nothing: `allocate_slots(..., computed=hit.block_ids)` takes the blocks when the
+        request is admitted (a request that stays waiting holds nothing). `hashes`, kept by
+        the caller, remembers the chained hash of each full block already hashed, so a
+        request looked up again (it waits for room) is not hashed again.
 
         At least one token is always left to compute, since the step that computes it
         produces the logits for the next token.
@@ -157,20 +160,16 @@ class BlockManager:
             return hit
         bs = self.block_size
         hit.num_queried = (len(token_ids) - 1) // bs
-        parent = None
+        hashes = [] if hashes is None else hashes
         for i in range(hit.num_queried):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            h = chain_hash(parent, tokens)
-            block_id = self._hash_to_block.get(h)
+            if i == len(hashes):
+                hashes.append(chain_hash(hashes[-1] if hashes else None, tokens))
+            block_id = self._hash_to_block.get(hashes[i])
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self._free_cached[block_id]
-            block.ref_count += 1
             hit.block_ids.append(block_id)
-            hit.block_hashes.append(h)
-            parent = h
+            hit.block_hashes.append(hashes[i])
         return hit
 
     def fork(self, block_ids: list[int]) -> list[int]:
@@ -187,14 +186,21 @@ class BlockManager:
         self.queries += queried
         self.hits += hit
 
-    def allocate_slots(self, num_held_blocks: int, num_tokens: int) -> list[int] | None:
-        """The new blocks a holder of num_held_blocks needs to hold num_tokens tokens (maybe
-        none); None, allocating nothing, when the pool is too full."""
-        need = self.blocks_needed(num_tokens) - num_held_blocks
-        if need <= 0:
-            return []
-        if need > self.num_free_blocks:
+    def allocate_slots(self, num_held_blocks: int, num_tokens: int,
+                       computed: list[int] = ()) -> list[int] | None:
+        """Commit in one call what a holder of num_held_blocks needs to hold num_tokens
+        tokens: the `computed` blocks of a prefix hit (held from now on, after the ones it
+        holds) and the new blocks past them, which it returns (maybe none). None, changing
+        nothing, when the pool is too full."""
+        need = max(self.blocks_needed(num_tokens) - num_held_blocks - len(computed), 0)
+        # A hit block that sits free in the cache is free no longer once it is held.
+        if need > self.num_free_blocks - sum(self.blocks[b].ref_count == 0 for b in computed):
             return None
+        for block_id in computed:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free_cached[block_id]
+            block.ref_count += 1
         return [self._take_free_block() for _ in range(need)]
 
     def cache_full_blocks(self, token_ids: list[int], block_table: list[int],

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
+from .block_manager import BlockManager, PrefixHit
 from ..config import EngineConfig
 from .sequence import Sequence, SequenceStatus
 
@@ -149,17 +149,16 @@ class Scheduler:
         if not out.preempted and self._may_admit(now, out):
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 seq = self.waiting[0]
-                queried = self._match_prefix(seq) if not seq.block_table else 0
-                n = seq.num_uncomputed_tokens
+                hit = self._match_prefix(seq) if not seq.block_table else None
+                n = seq.num_uncomputed_tokens - (len(hit.block_ids) * bm.block_size if hit else 0)
                 if n > budget:
                     if not chunked:
-                        self._release_prefix(seq)
                         break
                     n = budget
-                if not self._allocate(seq, n):
-                    self._release_prefix(seq)
+                if not self._allocate(seq, n, hit):
                     break
                 self.waiting.popleft()
+                queried = hit.num_queried if hit is not None else 0
                 bm.count_lookup(queried, seq.num_cached_tokens // bm.block_size)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
@@ -197,24 +196,26 @@ class Scheduler:
         return max(left, 0.0)
 
     # ---- the sequence's side of the block pool ---------------------------------------------
-    def _match_prefix(self, seq: Sequence) -> int:
-        """Start an unallocated sequence on the cached blocks of its longest cached prefix;
-        returns how many blocks were looked up."""
+    def _match_prefix(self, seq: Sequence) -> PrefixHit | None:
+        """The cached blocks of an unallocated sequence's longest cached prefix (a lookup:
+        nothing changes until _allocate commits it); None where it must compute them all."""
         if seq.params.prompt_logprobs is not None:
-            return 0    # prompt logprobs need the logits of every prompt position
-        hit = self.block_manager.match_prefix(seq.token_ids)
-        seq.block_table, seq.block_hashes = hit.block_ids, hit.block_hashes
-        seq.num_computed_tokens = seq.num_cached_tokens = (len(hit.block_ids)
-                                                           * self.block_manager.block_size)
-        return hit.num_queried
+            return None    # prompt logprobs need the logits of every prompt position
+        return self.block_manager.match_prefix(seq.token_ids, seq.prefix_hashes)
 
-    def _allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Grow seq's block table to hold num_computed_tokens + num_new_tokens; False (and
-        nothing allocated) if the pool is too full."""
-        new = self.block_manager.allocate_slots(len(seq.block_table),
-                                                seq.num_computed_tokens + num_new_tokens)
+    def _allocate(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Grow seq's block table to hold its computed tokens (with `hit`, a prefix hit it
+        starts on, computed too) + num_new_tokens; False, changing nothing, if the pool is
+        too full."""
+        cached = hit.block_ids if hit is not None else []
+        computed = seq.num_computed_tokens + len(cached) * self.block_manager.block_size
+        new = self.block_manager.allocate_slots(len(seq.block_table), computed + num_new_tokens,
+                                                cached)
         if new is None:
             return False
+        if hit is not None:
+            seq.block_table, seq.block_hashes = list(cached), list(hit.block_hashes)
+            seq.num_computed_tokens = seq.num_cached_tokens = computed
         seq.block_table.extend(new)
         return True
 
@@ -222,11 +223,6 @@ class Scheduler:
         self.block_manager.free(seq.block_table)
         seq.block_table, seq.block_hashes = [], []
         seq.num_computed_tokens = 0
-
-    def _release_prefix(self, seq: Sequence) -> None:
-        """Undo a prefix match for a request that stays waiting (it is redone next time)."""
-        self._free(seq)
-        seq.num_cached_tokens = 0
 
     def _pick_victim(self, candidates: list[Sequence], current: Sequence) -> Sequence:
         pool = candidates + [current]

@@ -41,6 +41,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     """Chained hash of each full block in block_table that is registered in the prefix cache."""
+    prefix_hashes: list[int] = field(default_factory=list)
+    """Chained hash of each full block of token_ids looked up so far (BlockManager.match_prefix
+    fills it): a request that waits for room is not hashed again at every step."""
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
