@@ -216,6 +216,28 @@ def test_npu_config_rules(qwen3_d128, monkeypatch):
     assert Engine(**kw, graph_mode="eager").config.block_size == 128
 
 
+def test_npu_refuses_graphs_under_launch_blocking(qwen3_d128, monkeypatch):
+    """ASCEND_LAUNCH_BLOCKING=1 makes every launch synchronous, which graph capture does not
+    work with (vLLM-Ascend refuses the pair too): refused at build, before any weights load,
+    naming graph_mode; the device's default counts, since it would capture; eager runs."""
+    fake_torch_npu.install(monkeypatch)
+    kw = dict(model=str(qwen3_d128), device="npu", **KW)
+    monkeypatch.setenv("ASCEND_LAUNCH_BLOCKING", "1")
+    for mode in ("decode", "full", None):
+        with pytest.raises(ValueError, match=r"graph_mode: .*ASCEND_LAUNCH_BLOCKING=1.*"
+                                             r"graph_mode='eager'"):
+            Engine(**kw, graph_mode=mode)
+    e = Engine(**kw, graph_mode="eager")
+    assert e.info().graph_mode == "eager" and not e.core.runner.graphs
+    assert len(e.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].token_ids) == 3
+    fake_torch_npu.install(monkeypatch, version="2.5.1.post1")    # no graphs: default is eager
+    assert Engine(**kw).info().graph_mode == "eager"
+    monkeypatch.setenv("ASCEND_LAUNCH_BLOCKING", "0")
+    fake_torch_npu.install(monkeypatch)
+    assert Engine(**kw, graph_mode="decode", cudagraph_capture_sizes=[1]).info().graph_mode \
+        == "decode"
+
+
 def test_npu_benchmark_script_runs_small(monkeypatch, capsys):
     """benchmarks/npu.py end to end at toy sizes, with the fake torch_npu and HF's reference
     on the CPU: every part runs, graphs give eager's tokens, logits are within bf16's error."""

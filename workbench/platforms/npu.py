@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import re
 from dataclasses import dataclass
 
@@ -175,6 +176,25 @@ class NpuPlatform(AcceleratorPlatform):
     @property
     def supports_graphs(self) -> bool:
         return self.report.graphs
+
+    def check_config(self, config) -> None:
+        """Refuse graph capture under ASCEND_LAUNCH_BLOCKING=1, at build rather than in the
+        middle of a capture: launch blocking (a debugging aid) runs every operator
+        synchronously, which graph capture does not work with; vLLM-Ascend refuses the same
+        pair (platform.py, PR #3574). graph_mode None counts where the device's choice would
+        be 'decode'."""
+        if os.environ.get("ASCEND_LAUNCH_BLOCKING", "0") != "1":
+            return
+        mode = config.graph_mode
+        if mode == "eager" or (mode is None and not self.supports_graphs):
+            return
+        asked = (f"{mode!r}" if mode is not None
+                 else "None (the device's choice, which is 'decode' here)")
+        raise ValueError(
+            f"graph_mode: {asked} captures NPU graphs, and ASCEND_LAUNCH_BLOCKING=1 in the "
+            "environment runs every launch synchronously, which graph capture does not work "
+            "with; use graph_mode='eager' to debug with launch blocking, or unset "
+            "ASCEND_LAUNCH_BLOCKING (or set it to 0) to capture graphs")
 
     def check_model(self, model) -> None:
         r = self.report
