@@ -25,7 +25,10 @@ hardware. It models:
   without one is refused (it would allocate outside the graph's pool);
 - auto_dispatch_capture: NPUGraph.update(cpu_update_input=...) replaces the host arguments
   of the ops it recorded, and on the releases that record no _npu_paged_attention it
-  updates nothing and says nothing.
+  updates nothing and says nothing;
+- the driver's stream budget: with `torch.npu.max_graphs` set, the capture after that many
+  fails as it begins, with `torch.npu.capture_error` (error 207008 by default; an HDK older
+  than 25.5.1 says 'Alloc sq cq fail' instead).
 """
 from __future__ import annotations
 
@@ -49,6 +52,12 @@ RELEASES = {
     "2.8.0.post2": dict(cann="8.5.0", workspace=True, records_pa=True),
     "2.9.0.post4": dict(cann="9.0.0", workspace=True, records_pa=True),
 }
+NO_STREAM_RESOURCE = ("capture_begin:NPUGraph.cpp NPU function error: "
+                      "c10_npu::acl::AclmdlRICaptureBegin(capture_stream_, capture_mode), error "
+                      "code is 207008\n[Error]: Stream resources are insufficient.")
+OLD_HDK_SQ_CQ = ("capture_begin:NPUGraph.cpp NPU function error: "
+                 "c10_npu::acl::AclmdlRICaptureBegin(capture_stream_, capture_mode)\n"
+                 "[Error]: Alloc sq cq fail.")
 SOCS = {223: "Ascend910B3", 253: "Ascend910_9392", 202: "Ascend310P3", 260: "Ascend950PR"}
 
 
@@ -197,6 +206,10 @@ class NpuRuntime(types.SimpleNamespace):
         """A replay has run to its end and the host has not synchronized since."""
         self.capture_kwargs: list[dict] = []
         self.syncs = 0
+        self.captured = 0
+        self.max_graphs: int | None = None
+        """Graphs the driver lets this process capture (None: no limit)."""
+        self.capture_error = NO_STREAM_RESOURCE
 
     # device, memory, streams
     def is_available(self):
@@ -258,6 +271,9 @@ class NpuRuntime(types.SimpleNamespace):
     def graph(self, g, pool=None, stream=None, auto_dispatch_capture=False):
         self.capture_kwargs.append(dict(auto_dispatch_capture=auto_dispatch_capture))
         self.synchronize()
+        if self.max_graphs is not None and self.captured >= self.max_graphs:
+            raise RuntimeError(self.capture_error)
+        self.captured += 1
         g.auto_dispatch_capture = auto_dispatch_capture
         g.capture_stream = stream or FakeStream(self, "capture")
         prev, self.current, self.capturing = self.current, g.capture_stream, g

@@ -238,6 +238,32 @@ def test_npu_refuses_graphs_under_launch_blocking(qwen3_d128, monkeypatch):
         == "decode"
 
 
+@pytest.mark.parametrize("mode,limit", [("decode", 3), ("full", 6)])
+def test_npu_capture_out_of_stream_resources_names_the_fix(qwen3_d128, monkeypatch, mode,
+                                                           limit):
+    """A capture the driver has no stream resources for (error 207008; 'Alloc sq cq fail' on
+    an HDK before 25.5.1) fails the build with what to change, the driver's error chained;
+    any other capture failure passes through as it was. With 'full' the budget runs out in
+    the piecewise captures, after the 4 decode graphs."""
+    fake = fake_torch_npu.install(monkeypatch)
+    fake.npu.max_graphs = limit
+    kw = dict(model=str(qwen3_d128), device="npu", **KW, graph_mode=mode,
+              cudagraph_capture_sizes=[1, 2, 4, 6])
+    with pytest.raises(RuntimeError, match=rf"after {limit} graphs with error 207008.*"
+                                           r"cudagraph_capture_sizes.*graph_mode='eager'") as e:
+        Engine(**kw)
+    assert "Stream resources are insufficient" in str(e.value.__cause__)
+    fake.npu.captured, fake.npu.capture_error = 0, fake_torch_npu.OLD_HDK_SQ_CQ
+    with pytest.raises(RuntimeError, match=r"Alloc sq cq fail.*HDK \(driver\) to 25\.5\.1 or "
+                                           r"later.*cudagraph_capture_sizes"):
+        Engine(**kw)
+    fake.npu.captured, fake.npu.capture_error = 0, "fake NPU: some other capture failure"
+    with pytest.raises(RuntimeError, match="^fake NPU: some other capture failure$"):
+        Engine(**kw)
+    fake.npu.captured, fake.npu.max_graphs = 0, None
+    assert Engine(**kw).info().graph_mode == mode
+
+
 def test_npu_benchmark_script_runs_small(monkeypatch, capsys):
     """benchmarks/npu.py end to end at toy sizes, with the fake torch_npu and HF's reference
     on the CPU: every part runs, graphs give eager's tokens, logits are within bf16's error."""

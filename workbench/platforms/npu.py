@@ -75,6 +75,36 @@ REFUSED_CHIPS = {
 }
 
 
+STREAM_RESOURCE_ERROR = re.compile(r"\b207008\b|stream resources are insufficient|"
+                                   r"insufficient_stream_resources", re.IGNORECASE)
+"""ACL_ERROR_RT_NO_STREAM_RESOURCE (207008), as a failed NPUGraph capture reports it."""
+OLD_HDK_CAPTURE_ERROR = "alloc sq cq fail"
+FEWER_GRAPHS = ("capture fewer graphs: a shorter cudagraph_capture_sizes (the decode batch "
+                "sizes), graph_mode='decode' rather than 'full' (piecewise capture takes "
+                "num_layers + 1 graphs per token bucket, and a smaller max_num_batched_tokens "
+                "means fewer buckets), or graph_mode='eager'")
+
+
+def capture_failure(error: Exception, captured: int) -> str | None:
+    """What a failed graph capture means when the driver ran out of what graphs take, with
+    the fix; None for any other failure. Facts as vLLM-Ascend has them (acl_graph.py, PR
+    #10555 at 182b75ea84ff): error 207008 / 'Stream resources are insufficient' is the HDK
+    (driver) running out of stream resources, which every captured graph uses some of (newer
+    HDK/CANN stacks allow many more graphs); 'Alloc sq cq fail' is the signature of an HDK
+    older than 25.5.1 failing to allocate a stream's submission/completion queues."""
+    text = str(error)
+    if OLD_HDK_CAPTURE_ERROR in text.lower():
+        return (f"NPU graph capture failed after {captured} graphs with 'Alloc sq cq fail': the "
+                "driver could not allocate a stream's submission/completion queues (sq/cq), "
+                "the failure of Ascend HDK releases before 25.5.1; update the HDK (driver) to "
+                f"25.5.1 or later with its matching CANN, or {FEWER_GRAPHS}")
+    if STREAM_RESOURCE_ERROR.search(text):
+        return (f"NPU graph capture failed after {captured} graphs with error 207008 (no stream "
+                "resource): the HDK driver has run out of the stream resources that captured "
+                f"graphs take; {FEWER_GRAPHS}; a newer HDK/CANN lets more graphs be captured")
+    return None
+
+
 def version_tuple(text: str | None) -> tuple[int, ...]:
     """'8.3.RC1' -> (8, 3); '9.0.0' -> (9, 0, 0); None or unparsable -> ()."""
     m = re.match(r"(\d+(?:\.\d+)*)", text or "")
@@ -161,6 +191,8 @@ class NpuPlatform(AcceleratorPlatform):
             raise ValueError(self.report.refusal)
         self._attention = None
         self._update_stream = None
+        self._captured = 0
+        """Graphs this platform has captured (the driver's stream budget is per process)."""
 
     @classmethod
     def is_available(cls) -> bool:
@@ -208,7 +240,8 @@ class NpuPlatform(AcceleratorPlatform):
     def capture_graph(self, fn, pool):
         """Capture `fn`; the decode attention it runs is recorded as updatable task groups
         (npu_attention.DecodeGraphTasks). Returns the tasks, which wrap the graph, when there
-        are any, else the plain NPUGraph (a piecewise piece)."""
+        are any, else the plain NPUGraph (a piecewise piece). A capture the driver cannot
+        give stream resources to fails with what to change (capture_failure)."""
         from .npu_attention import DecodeGraphTasks
         self.warm_up(fn)
         graph = self.api.NPUGraph()
@@ -218,10 +251,16 @@ class NpuPlatform(AcceleratorPlatform):
         try:
             with self.api.graph(graph, pool=pool):
                 out = fn()
+        except RuntimeError as e:
+            hint = capture_failure(e, self._captured)
+            if hint is None:
+                raise
+            raise RuntimeError(hint) from e
         finally:
             if self._attention is not None:
                 self._attention.graph_tasks = None
         self.api.synchronize()
+        self._captured += 1
         return (tasks if tasks.tasks else graph), out
 
     def replay_graph(self, graph, context_lens: torch.Tensor | None = None) -> None:
