@@ -61,6 +61,15 @@ OLD_HDK_SQ_CQ = ("capture_begin:NPUGraph.cpp NPU function error: "
 SOCS = {223: "Ascend910B3", 253: "Ascend910_9392", 202: "Ascend310P3", 260: "Ascend950PR"}
 
 
+def tnd_head_sizes(cann: str) -> tuple[int, ...]:
+    """The head sizes TND layout takes on this CANN: 64, 128 and 192 from 8.3.RC2 on (where
+    vLLM-Ascend's CI runs a head size 64 model through it), 128 alone before."""
+    major, minor, *rest = cann.upper().split(".")
+    line = (int(major), int(minor))
+    late = line > (8, 3) or (line == (8, 3) and rest[:1] not in ([], ["RC1"]))
+    return (64, 128, 192) if late else (128,)
+
+
 def _attend(q, keys, values, scale, causal=False):
     """q [n, H, D] over keys/values [L, kvH, D]; causal aligned to the end when asked."""
     n, L = q.shape[0], keys.shape[0]
@@ -470,7 +479,7 @@ class FakeTorchNpu(types.ModuleType):
         nb, bs, width = k.shape
         kvh = num_key_value_heads
         d = width // kvh
-        allowed = (64, 128, 192) if int(self.npu.cann.split(".")[0]) >= 9 else (128,)
+        allowed = tnd_head_sizes(self.npu.cann)
         if d not in allowed:
             raise RuntimeError(f"fake NPU: aclnnFusedInferAttentionScore error 561002: TND "
                                f"layout with head size {d}")

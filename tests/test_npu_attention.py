@@ -166,9 +166,17 @@ def test_npu_refuses_head_sizes_the_chip_does_not_take(tiny_checkpoints, tmp_pat
     make_tiny_checkpoint(tmp_path, "qwen3", head_dim=64)
     with pytest.raises(ValueError, match="head size 64 .*CANN 8.3.RC1"):
         Engine(model=str(tmp_path), device="npu", **KW)
-    fake_torch_npu.install(monkeypatch, version="2.9.0.post4")   # CANN 9.0.0: 64 as well
-    e = Engine(model=str(tmp_path), device="npu", **KW)
-    assert len(e.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].token_ids) == 3
+    # 64 as well from CANN 8.3.RC2 on, as vLLM-Ascend runs it (npu.HEAD_SIZE_64_FROM)
+    for release, cann in (("2.8.0", "8.3.RC2"), ("2.8.0.post2", None), ("2.9.0.post4", None)):
+        fake_torch_npu.install(monkeypatch, version=release, cann=cann)
+        e = Engine(model=str(tmp_path), device="npu", **KW)
+        assert len(e.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].token_ids) == 3
+        assert e.core.platform.report.head_sizes == (64, 128)
+    from workbench.platforms.npu import supported_head_sizes
+    for cann, sizes in (("8.2.RC1", (128,)), ("8.3.RC1", (128,)), ("8.3.RC1.alpha002", (128,)),
+                        ("8.3.RC2", (64, 128)), ("8.5.0", (64, 128)), ("9.0.T102", (64, 128)),
+                        ("9.1.0", (64, 128)), (None, (128,)), ("unknown", (128,))):
+        assert supported_head_sizes(cann) == sizes, cann
 
 
 @pytest.mark.parametrize("soc,chip", [(202, "310P"), (260, "950"), (100, "unknown")])

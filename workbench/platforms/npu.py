@@ -105,17 +105,32 @@ def capture_failure(error: Exception, captured: int) -> str | None:
     return None
 
 
-def version_tuple(text: str | None) -> tuple[int, ...]:
-    """'8.3.RC1' -> (8, 3); '9.0.0' -> (9, 0, 0); None or unparsable -> ()."""
-    m = re.match(r"(\d+(?:\.\d+)*)", text or "")
-    return tuple(int(x) for x in m.group(1).split(".")) if m else ()
+def cann_release(text: str | None) -> tuple[int, ...]:
+    """A CANN version in release order: '8.3.RC1' -> (8, 3, 0, 1), '8.3.RC2' -> (8, 3, 0, 2),
+    '8.5.0' -> (8, 5, 1, 0) (a line's release candidates come before its releases); a build
+    of neither form ('9.0.T102') counts as its line's first candidate; unparsable -> ()."""
+    m = re.match(r"(\d+)\.(\d+)(?:\.(RC)?(\d+))?", text or "", re.IGNORECASE)
+    if not m:
+        return ()
+    major, minor, rc, n = m.groups()
+    return (int(major), int(minor), 0 if rc or n is None else 1, int(n or 0))
+
+
+HEAD_SIZE_64_FROM = (8, 3, 0, 2)
+"""CANN 8.3.RC2. vLLM-Ascend runs all attention but FULL_DECODE_ONLY graphs' paged decode
+through npu_fused_infer_attention_score in TND layout since b4bf01ead169 (PR #4531, its
+Dockerfile then on CANN 8.3.rc2), with no head-size gate but 512 (attention/utils.py:178 at
+182b75ea84ff); its A2 CI ran Llama-3.2-1B (head size 64, eager, so every step on TND) on the
+cann:8.3.rc2-910b image from e11ff8e535b7 (tests/e2e/singlecard/test_ilama_lora.py,
+.github/workflows/_e2e_test.yaml:108), then on 8.5.x. It paired no earlier CANN with that
+path, so 64 stays unproven before 8.3.RC2."""
 
 
 def supported_head_sizes(cann: str | None) -> tuple[int, ...]:
     """Head sizes both attention ops take with block_size 128. The fused prefill in TND
-    layout takes 128 everywhere, and 64 (and 192) from the CANN 9 line on; paged attention
-    needs block_size x head_size <= 128 x 128, which rules out 192."""
-    return (64, 128) if version_tuple(cann)[:1] >= (9,) else (128,)
+    layout takes 128 everywhere, and 64 (and 192) from CANN 8.3.RC2 on (HEAD_SIZE_64_FROM);
+    paged attention needs block_size x head_size <= 128 x 128, which rules out 192."""
+    return (64, 128) if cann_release(cann) >= HEAD_SIZE_64_FROM else (128,)
 
 
 @dataclass
