@@ -25,7 +25,10 @@ hardware. It models:
   without one is refused (it would allocate outside the graph's pool);
 - auto_dispatch_capture: NPUGraph.update(cpu_update_input=...) replaces the host arguments
   of the ops it recorded, and on the releases that record no _npu_paged_attention it
-  updates nothing and says nothing.
+  updates nothing and says nothing;
+- the driver's stream budget: with `torch.npu.max_graphs` set, the capture after that many
+  fails as it begins, with `torch.npu.capture_error` (error 207008 by default; an HDK older
+  than 25.5.1 says 'Alloc sq cq fail' instead).
 """
 from __future__ import annotations
 
@@ -49,7 +52,22 @@ RELEASES = {
     "2.8.0.post2": dict(cann="8.5.0", workspace=True, records_pa=True),
     "2.9.0.post4": dict(cann="9.0.0", workspace=True, records_pa=True),
 }
+NO_STREAM_RESOURCE = ("capture_begin:NPUGraph.cpp NPU function error: "
+                      "c10_npu::acl::AclmdlRICaptureBegin(capture_stream_, capture_mode), error "
+                      "code is 207008\n[Error]: Stream resources are insufficient.")
+OLD_HDK_SQ_CQ = ("capture_begin:NPUGraph.cpp NPU function error: "
+                 "c10_npu::acl::AclmdlRICaptureBegin(capture_stream_, capture_mode)\n"
+                 "[Error]: Alloc sq cq fail.")
 SOCS = {223: "Ascend910B3", 253: "Ascend910_9392", 202: "Ascend310P3", 260: "Ascend950PR"}
+
+
+def tnd_head_sizes(cann: str) -> tuple[int, ...]:
+    """The head sizes TND layout takes on this CANN: 64, 128 and 192 from 8.3.RC2 on (where
+    vLLM-Ascend's CI runs a head size 64 model through it), 128 alone before."""
+    major, minor, *rest = cann.upper().split(".")
+    line = (int(major), int(minor))
+    late = line > (8, 3) or (line == (8, 3) and rest[:1] not in ([], ["RC1"]))
+    return (64, 128, 192) if late else (128,)
 
 
 def _attend(q, keys, values, scale, causal=False):
@@ -197,6 +215,10 @@ class NpuRuntime(types.SimpleNamespace):
         """A replay has run to its end and the host has not synchronized since."""
         self.capture_kwargs: list[dict] = []
         self.syncs = 0
+        self.captured = 0
+        self.max_graphs: int | None = None
+        """Graphs the driver lets this process capture (None: no limit)."""
+        self.capture_error = NO_STREAM_RESOURCE
 
     # device, memory, streams
     def is_available(self):
@@ -258,6 +280,9 @@ class NpuRuntime(types.SimpleNamespace):
     def graph(self, g, pool=None, stream=None, auto_dispatch_capture=False):
         self.capture_kwargs.append(dict(auto_dispatch_capture=auto_dispatch_capture))
         self.synchronize()
+        if self.max_graphs is not None and self.captured >= self.max_graphs:
+            raise RuntimeError(self.capture_error)
+        self.captured += 1
         g.auto_dispatch_capture = auto_dispatch_capture
         g.capture_stream = stream or FakeStream(self, "capture")
         prev, self.current, self.capturing = self.current, g.capture_stream, g
@@ -454,7 +479,7 @@ class FakeTorchNpu(types.ModuleType):
         nb, bs, width = k.shape
         kvh = num_key_value_heads
         d = width // kvh
-        allowed = (64, 128, 192) if int(self.npu.cann.split(".")[0]) >= 9 else (128,)
+        allowed = tnd_head_sizes(self.npu.cann)
         if d not in allowed:
             raise RuntimeError(f"fake NPU: aclnnFusedInferAttentionScore error 561002: TND "
                                f"layout with head size {d}")

@@ -166,9 +166,17 @@ def test_npu_refuses_head_sizes_the_chip_does_not_take(tiny_checkpoints, tmp_pat
     make_tiny_checkpoint(tmp_path, "qwen3", head_dim=64)
     with pytest.raises(ValueError, match="head size 64 .*CANN 8.3.RC1"):
         Engine(model=str(tmp_path), device="npu", **KW)
-    fake_torch_npu.install(monkeypatch, version="2.9.0.post4")   # CANN 9.0.0: 64 as well
-    e = Engine(model=str(tmp_path), device="npu", **KW)
-    assert len(e.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].token_ids) == 3
+    # 64 as well from CANN 8.3.RC2 on, as vLLM-Ascend runs it (npu.HEAD_SIZE_64_FROM)
+    for release, cann in (("2.8.0", "8.3.RC2"), ("2.8.0.post2", None), ("2.9.0.post4", None)):
+        fake_torch_npu.install(monkeypatch, version=release, cann=cann)
+        e = Engine(model=str(tmp_path), device="npu", **KW)
+        assert len(e.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].token_ids) == 3
+        assert e.core.platform.report.head_sizes == (64, 128)
+    from workbench.platforms.npu import supported_head_sizes
+    for cann, sizes in (("8.2.RC1", (128,)), ("8.3.RC1", (128,)), ("8.3.RC1.alpha002", (128,)),
+                        ("8.3.RC2", (64, 128)), ("8.5.0", (64, 128)), ("9.0.T102", (64, 128)),
+                        ("9.1.0", (64, 128)), (None, (128,)), ("unknown", (128,))):
+        assert supported_head_sizes(cann) == sizes, cann
 
 
 @pytest.mark.parametrize("soc,chip", [(202, "310P"), (260, "950"), (100, "unknown")])
@@ -214,6 +222,54 @@ def test_npu_config_rules(qwen3_d128, monkeypatch):
     with pytest.raises(ValueError, match="block_size: npu's attention pages KV in blocks of 128"):
         Engine(**kw, block_size=64)
     assert Engine(**kw, graph_mode="eager").config.block_size == 128
+
+
+def test_npu_refuses_graphs_under_launch_blocking(qwen3_d128, monkeypatch):
+    """ASCEND_LAUNCH_BLOCKING=1 makes every launch synchronous, which graph capture does not
+    work with (vLLM-Ascend refuses the pair too): refused at build, before any weights load,
+    naming graph_mode; the device's default counts, since it would capture; eager runs."""
+    fake_torch_npu.install(monkeypatch)
+    kw = dict(model=str(qwen3_d128), device="npu", **KW)
+    monkeypatch.setenv("ASCEND_LAUNCH_BLOCKING", "1")
+    for mode in ("decode", "full", None):
+        with pytest.raises(ValueError, match=r"graph_mode: .*ASCEND_LAUNCH_BLOCKING=1.*"
+                                             r"graph_mode='eager'"):
+            Engine(**kw, graph_mode=mode)
+    e = Engine(**kw, graph_mode="eager")
+    assert e.info().graph_mode == "eager" and not e.core.runner.graphs
+    assert len(e.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].token_ids) == 3
+    fake_torch_npu.install(monkeypatch, version="2.5.1.post1")    # no graphs: default is eager
+    assert Engine(**kw).info().graph_mode == "eager"
+    monkeypatch.setenv("ASCEND_LAUNCH_BLOCKING", "0")
+    fake_torch_npu.install(monkeypatch)
+    assert Engine(**kw, graph_mode="decode", cudagraph_capture_sizes=[1]).info().graph_mode \
+        == "decode"
+
+
+@pytest.mark.parametrize("mode,limit", [("decode", 3), ("full", 6)])
+def test_npu_capture_out_of_stream_resources_names_the_fix(qwen3_d128, monkeypatch, mode,
+                                                           limit):
+    """A capture the driver has no stream resources for (error 207008; 'Alloc sq cq fail' on
+    an HDK before 25.5.1) fails the build with what to change, the driver's error chained;
+    any other capture failure passes through as it was. With 'full' the budget runs out in
+    the piecewise captures, after the 4 decode graphs."""
+    fake = fake_torch_npu.install(monkeypatch)
+    fake.npu.max_graphs = limit
+    kw = dict(model=str(qwen3_d128), device="npu", **KW, graph_mode=mode,
+              cudagraph_capture_sizes=[1, 2, 4, 6])
+    with pytest.raises(RuntimeError, match=rf"after {limit} graphs with error 207008.*"
+                                           r"cudagraph_capture_sizes.*graph_mode='eager'") as e:
+        Engine(**kw)
+    assert "Stream resources are insufficient" in str(e.value.__cause__)
+    fake.npu.captured, fake.npu.capture_error = 0, fake_torch_npu.OLD_HDK_SQ_CQ
+    with pytest.raises(RuntimeError, match=r"Alloc sq cq fail.*HDK \(driver\) to 25\.5\.1 or "
+                                           r"later.*cudagraph_capture_sizes"):
+        Engine(**kw)
+    fake.npu.captured, fake.npu.capture_error = 0, "fake NPU: some other capture failure"
+    with pytest.raises(RuntimeError, match="^fake NPU: some other capture failure$"):
+        Engine(**kw)
+    fake.npu.captured, fake.npu.max_graphs = 0, None
+    assert Engine(**kw).info().graph_mode == mode
 
 
 def test_npu_benchmark_script_runs_small(monkeypatch, capsys):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import re
 from dataclasses import dataclass
 
@@ -74,17 +75,62 @@ REFUSED_CHIPS = {
 }
 
 
-def version_tuple(text: str | None) -> tuple[int, ...]:
-    """'8.3.RC1' -> (8, 3); '9.0.0' -> (9, 0, 0); None or unparsable -> ()."""
-    m = re.match(r"(\d+(?:\.\d+)*)", text or "")
-    return tuple(int(x) for x in m.group(1).split(".")) if m else ()
+STREAM_RESOURCE_ERROR = re.compile(r"\b207008\b|stream resources are insufficient|"
+                                   r"insufficient_stream_resources", re.IGNORECASE)
+"""ACL_ERROR_RT_NO_STREAM_RESOURCE (207008), as a failed NPUGraph capture reports it."""
+OLD_HDK_CAPTURE_ERROR = "alloc sq cq fail"
+FEWER_GRAPHS = ("capture fewer graphs: a shorter cudagraph_capture_sizes (the decode batch "
+                "sizes), graph_mode='decode' rather than 'full' (piecewise capture takes "
+                "num_layers + 1 graphs per token bucket, and a smaller max_num_batched_tokens "
+                "means fewer buckets), or graph_mode='eager'")
+
+
+def capture_failure(error: Exception, captured: int) -> str | None:
+    """What a failed graph capture means when the driver ran out of what graphs take, with
+    the fix; None for any other failure. Facts as vLLM-Ascend has them (acl_graph.py, PR
+    #10555 at 182b75ea84ff): error 207008 / 'Stream resources are insufficient' is the HDK
+    (driver) running out of stream resources, which every captured graph uses some of (newer
+    HDK/CANN stacks allow many more graphs); 'Alloc sq cq fail' is the signature of an HDK
+    older than 25.5.1 failing to allocate a stream's submission/completion queues."""
+    text = str(error)
+    if OLD_HDK_CAPTURE_ERROR in text.lower():
+        return (f"NPU graph capture failed after {captured} graphs with 'Alloc sq cq fail': the "
+                "driver could not allocate a stream's submission/completion queues (sq/cq), "
+                "the failure of Ascend HDK releases before 25.5.1; update the HDK (driver) to "
+                f"25.5.1 or later with its matching CANN, or {FEWER_GRAPHS}")
+    if STREAM_RESOURCE_ERROR.search(text):
+        return (f"NPU graph capture failed after {captured} graphs with error 207008 (no stream "
+                "resource): the HDK driver has run out of the stream resources that captured "
+                f"graphs take; {FEWER_GRAPHS}; a newer HDK/CANN lets more graphs be captured")
+    return None
+
+
+def cann_release(text: str | None) -> tuple[int, ...]:
+    """A CANN version in release order: '8.3.RC1' -> (8, 3, 0, 1), '8.3.RC2' -> (8, 3, 0, 2),
+    '8.5.0' -> (8, 5, 1, 0) (a line's release candidates come before its releases); a build
+    of neither form ('9.0.T102') counts as its line's first candidate; unparsable -> ()."""
+    m = re.match(r"(\d+)\.(\d+)(?:\.(RC)?(\d+))?", text or "", re.IGNORECASE)
+    if not m:
+        return ()
+    major, minor, rc, n = m.groups()
+    return (int(major), int(minor), 0 if rc or n is None else 1, int(n or 0))
+
+
+HEAD_SIZE_64_FROM = (8, 3, 0, 2)
+"""CANN 8.3.RC2. vLLM-Ascend runs all attention but FULL_DECODE_ONLY graphs' paged decode
+through npu_fused_infer_attention_score in TND layout since b4bf01ead169 (PR #4531, its
+Dockerfile then on CANN 8.3.rc2), with no head-size gate but 512 (attention/utils.py:178 at
+182b75ea84ff); its A2 CI ran Llama-3.2-1B (head size 64, eager, so every step on TND) on the
+cann:8.3.rc2-910b image from e11ff8e535b7 (tests/e2e/singlecard/test_ilama_lora.py,
+.github/workflows/_e2e_test.yaml:108), then on 8.5.x. It paired no earlier CANN with that
+path, so 64 stays unproven before 8.3.RC2."""
 
 
 def supported_head_sizes(cann: str | None) -> tuple[int, ...]:
     """Head sizes both attention ops take with block_size 128. The fused prefill in TND
-    layout takes 128 everywhere, and 64 (and 192) from the CANN 9 line on; paged attention
-    needs block_size x head_size <= 128 x 128, which rules out 192."""
-    return (64, 128) if version_tuple(cann)[:1] >= (9,) else (128,)
+    layout takes 128 everywhere, and 64 (and 192) from CANN 8.3.RC2 on (HEAD_SIZE_64_FROM);
+    paged attention needs block_size x head_size <= 128 x 128, which rules out 192."""
+    return (64, 128) if cann_release(cann) >= HEAD_SIZE_64_FROM else (128,)
 
 
 @dataclass
@@ -160,6 +206,8 @@ class NpuPlatform(AcceleratorPlatform):
             raise ValueError(self.report.refusal)
         self._attention = None
         self._update_stream = None
+        self._captured = 0
+        """Graphs this platform has captured (the driver's stream budget is per process)."""
 
     @classmethod
     def is_available(cls) -> bool:
@@ -176,6 +224,25 @@ class NpuPlatform(AcceleratorPlatform):
     def supports_graphs(self) -> bool:
         return self.report.graphs
 
+    def check_config(self, config) -> None:
+        """Refuse graph capture under ASCEND_LAUNCH_BLOCKING=1, at build rather than in the
+        middle of a capture: launch blocking (a debugging aid) runs every operator
+        synchronously, which graph capture does not work with; vLLM-Ascend refuses the same
+        pair (platform.py, PR #3574). graph_mode None counts where the device's choice would
+        be 'decode'."""
+        if os.environ.get("ASCEND_LAUNCH_BLOCKING", "0") != "1":
+            return
+        mode = config.graph_mode
+        if mode == "eager" or (mode is None and not self.supports_graphs):
+            return
+        asked = (f"{mode!r}" if mode is not None
+                 else "None (the device's choice, which is 'decode' here)")
+        raise ValueError(
+            f"graph_mode: {asked} captures NPU graphs, and ASCEND_LAUNCH_BLOCKING=1 in the "
+            "environment runs every launch synchronously, which graph capture does not work "
+            "with; use graph_mode='eager' to debug with launch blocking, or unset "
+            "ASCEND_LAUNCH_BLOCKING (or set it to 0) to capture graphs")
+
     def check_model(self, model) -> None:
         r = self.report
         if model.head_dim not in r.head_sizes:
@@ -188,7 +255,8 @@ class NpuPlatform(AcceleratorPlatform):
     def capture_graph(self, fn, pool):
         """Capture `fn`; the decode attention it runs is recorded as updatable task groups
         (npu_attention.DecodeGraphTasks). Returns the tasks, which wrap the graph, when there
-        are any, else the plain NPUGraph (a piecewise piece)."""
+        are any, else the plain NPUGraph (a piecewise piece). A capture the driver cannot
+        give stream resources to fails with what to change (capture_failure)."""
         from .npu_attention import DecodeGraphTasks
         self.warm_up(fn)
         graph = self.api.NPUGraph()
@@ -198,10 +266,16 @@ class NpuPlatform(AcceleratorPlatform):
         try:
             with self.api.graph(graph, pool=pool):
                 out = fn()
+        except RuntimeError as e:
+            hint = capture_failure(e, self._captured)
+            if hint is None:
+                raise
+            raise RuntimeError(hint) from e
         finally:
             if self._attention is not None:
                 self._attention.graph_tasks = None
         self.api.synchronize()
+        self._captured += 1
         return (tasks if tasks.tasks else graph), out
 
     def replay_graph(self, graph, context_lens: torch.Tensor | None = None) -> None:
