@@ -303,7 +303,7 @@ UNSUPPORTED = [
     ("function_call", "auto"), ("functions", [{"name": "f"}]), ("modalities", ["audio"]),
     ("audio", {"voice": "alloy"}), ("prediction", {"type": "content", "content": "x"}),
     ("service_tier", "flex"), ("web_search_options", {}), ("reasoning_effort", "low"),
-    ("store", True), ("use_beam_search", True), ("length_penalty", 0.5),
+    ("store", True), ("use_beam_search", True), ("length_penalty", 0.5), ("echo", True),
     ("guided_decoding_backend", "xgrammar"),
 ]
 # Supported ones are parsed: a bad value is a 400 that names the field.

@@ -99,6 +99,8 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = field(ge=0)
     logprobs: bool | None = field()
     top_logprobs: int | None = field(ge=0, le=20)
+    echo: bool | None = field(UNSUPPORTED, (False,), description="vLLM's: the last message "
+                              "before the reply (not done here)")
     add_generation_prompt: bool | None = field()
     continue_final_message: bool | None = field()
     chat_template: str | None = field()
