@@ -333,6 +333,17 @@ def test_no_field_is_accepted_and_ignored(server, name, value, kind):
     assert err["code"] == kind and err["message"].startswith(name), err
 
 
+def test_one_name_is_judged_by_the_endpoint_it_is_sent_to():
+    """`echo` is completions' own field (the prompt before the text) and a refused one on chat
+    (vLLM's echo of the last message): the table is per endpoint, not per name."""
+    from workbench.serving.protocol import APIError, check_fields
+    assert check_fields("completion", {"prompt": "x", "echo": True}) == []
+    assert check_fields("chat", {"messages": HI, "echo": False}) == []
+    with pytest.raises(APIError) as e:
+        check_fields("chat", {"messages": HI, "echo": True})
+    assert e.value.param == "echo" and e.value.code == "unsupported_parameter"
+
+
 UNKNOWN = [
     ("/v1/chat/completions", {"messages": HI, "temprature": 0}, ["temprature"]),
     ("/v1/completions", {"prompt": "hi", "messages": HI}, ["messages"]),
@@ -986,8 +997,7 @@ def test_openapi_declares_both_request_bodies(server):
     doc = httpx.get(server + "/openapi.json", timeout=10).json()
     for path, kind in (("/v1/completions", "completion"), ("/v1/chat/completions", "chat")):
         body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
-        assert set(body["properties"]) == {n for n, (kinds, _, _) in REQUEST_FIELDS.items()
-                                           if kind in kinds}
+        assert set(body["properties"]) == set(REQUEST_FIELDS[kind])
         assert body["required"] == (["messages"] if kind == "chat" else ["prompt"])
     temp = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"][
         "application/json"]["schema"]["properties"]["temperature"]

@@ -70,9 +70,9 @@ def body_field(body: dict, name: str, kinds: tuple[type, ...], what: str) -> Any
 # ---- the request fields: declared once, in schema.py's models ------------------------------
 OURS, NO = SUPPORTED, UNSUPPORTED
 
-REQUEST_FIELDS: dict[str, tuple[tuple[str, ...], str, tuple]] = request_fields()
-"""name -> (endpoints, status, values that ask for nothing), from schema.py. A field not
-listed here, or sent to an endpoint it does not belong to, is answered as OpenAI answers an
+REQUEST_FIELDS: dict[str, dict[str, tuple[str, tuple]]] = request_fields()
+"""endpoint -> name -> (status, values that ask for nothing), from schema.py. A field not
+listed for the endpoint it is sent to is answered as OpenAI answers an
 unknown argument. A listed field that this server does not support is refused
 (unsupported_parameter) unless its value is null or one that asks for nothing."""
 
@@ -91,13 +91,13 @@ def check_fields(kind: str, body: dict, strict: bool = False) -> list[str]:
     as vLLM does (clients send fields of their own); with `strict`, it is refused instead."""
     unknown = []
     for name, value in body.items():
-        entry = REQUEST_FIELDS.get(name)
-        if entry is None or kind not in entry[0]:
+        entry = REQUEST_FIELDS[kind].get(name)
+        if entry is None:
             if strict:
                 raise bad_request(name, f"Unrecognized request argument supplied: {name}")
             unknown.append(name)
             continue
-        _, status, neutral = entry
+        status, neutral = entry
         if status != OURS and not _asks_nothing(value, neutral):
             what = "not supported by this server"
             if name in ("functions", "function_call"):

@@ -155,13 +155,11 @@ REQUESTS = {"completion": CompletionRequest, "chat": ChatCompletionRequest,
 """Each endpoint's body, by the name protocol.py gives the endpoint."""
 
 
-def request_fields() -> dict[str, tuple[tuple[str, ...], str, tuple]]:
-    """name -> (the endpoints that take it, SUPPORTED or UNSUPPORTED, the values that ask for
-    nothing), from the models (protocol.REQUEST_FIELDS)."""
-    out: dict[str, tuple[tuple[str, ...], str, tuple]] = {}
-    for kind in REQUESTS:
-        for name, info in REQUESTS[kind].model_fields.items():
-            extra = info.json_schema_extra or {}
-            kinds = out[name][0] + (kind,) if name in out else (kind,)
-            out[name] = (kinds, extra["x-workbench"], tuple(extra.get("x-asks-nothing", ())))
-    return out
+def request_fields() -> dict[str, dict[str, tuple[str, tuple]]]:
+    """endpoint -> field name -> (SUPPORTED or UNSUPPORTED, the values that ask for nothing),
+    from the models (protocol.REQUEST_FIELDS). Per endpoint: one name may be supported on
+    one and refused on another (`echo`)."""
+    return {kind: {name: ((info.json_schema_extra or {})["x-workbench"],
+                          tuple((info.json_schema_extra or {}).get("x-asks-nothing", ())))
+                   for name, info in model.model_fields.items()}
+            for kind, model in REQUESTS.items()}
