@@ -342,12 +342,17 @@ def cmd_lab(a) -> int:
 
 
 def cmd_doctor(a) -> int:
-    """A dry run: what the device offers and what the engine would do there; exit 1 where
-    the combination is known not to work."""
-    from .platforms.npu import import_torch_npu, probe
-    report = probe(import_torch_npu())
+    """What the device offers and what the engine would do there, then one tiny op of each
+    kind (platforms/npu_doctor.py); exit 1 where the chip is refused or an op failed."""
+    from .platforms.npu_doctor import doctor
+    report, checks = doctor()
     print("\n".join(report.lines()))
-    return 1 if report.refusal else 0
+    if report.refusal:
+        return 1
+    print("ops            one tiny call of each kind the engine makes (bf16, head size 128)")
+    for c in checks:
+        print("\n".join(c.lines()))
+    return 0 if all(c.ran for c in checks) else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -459,7 +464,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_dashboard)
 
     doc = sub.add_parser("doctor", help="check a device without loading a model: versions, "
-                                        "chip, head sizes, how decode graphs are updated")
+                                        "chip, head sizes, how graphs are updated, and one "
+                                        "tiny op of each kind (ran / failed, with the fix)")
     doc.add_argument("--device", required=True, choices=["npu"],
                      help="the device to check (only npu so far)")
     doc.set_defaults(func=cmd_doctor)
