@@ -54,6 +54,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "default: decode where the device captures graphs, else eager")
     p.add_argument("--cudagraph-capture-sizes", type=_int_list, default=None,
                    help="decode batch sizes to capture, e.g. 1,2,4,8,16")
+    p.add_argument("--pa-shape-list", type=_int_list, default=None,
+                   help="NPU: decode batch sizes captured whole with _npu_paged_attention "
+                        "(vLLM-Ascend's pa_shape_list; default none: decode runs piecewise)")
     p.add_argument("--generation-config", default=d["generation_config"].default,
                    choices=GENERATION_CONFIGS,
                    help="auto: sampling defaults from the model's generation_config.json for "
@@ -68,7 +71,7 @@ def _engine_kwargs(a) -> dict:
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                 num_kv_blocks=a.num_kv_blocks, gpu_memory_utilization=a.gpu_memory_utilization,
                 enable_prefix_caching=not a.no_prefix_caching, graph_mode=a.graph_mode,
-                cudagraph_capture_sizes=a.cudagraph_capture_sizes,
+                cudagraph_capture_sizes=a.cudagraph_capture_sizes, pa_shape_list=a.pa_shape_list,
                 attention_backend=a.attention_backend, generation_config=a.generation_config)
 
 
