@@ -68,6 +68,8 @@ def test_npu_pa_shape_list_opts_batch_sizes_into_paged_decode_graphs(qwen3_d128,
     assert fake.calls["paged"] > 0
     with pytest.raises(ValueError, match="pa_shape_list: 7 exceeds max_num_seqs"):
         Engine(model=str(qwen3_d128), device="npu", **KW, pa_shape_list=[7])
+    with pytest.raises(ValueError, match="pa_shape_list: .*graph_mode='eager' captures none"):
+        Engine(model=str(qwen3_d128), device="npu", **KW, pa_shape_list=[2], graph_mode="eager")
 
 
 def test_npu_decode_graphs_capture_at_the_maximum_and_requery_the_workspace(

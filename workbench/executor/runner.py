@@ -98,7 +98,8 @@ class ModelRunner:
                                      "runs eager (StepEvent.graph stays False)"]
         decode_sizes = self.platform.decode_graph_sizes(config, asked) if decode else []
         if decode_sizes is None:
-            decode_sizes = config.cudagraph_capture_sizes or default_capture_sizes(config.max_num_seqs)
+            decode_sizes = (config.cudagraph_capture_sizes
+                            or default_capture_sizes(config.max_num_seqs))
         piecewise = (default_piecewise_sizes(config.max_num_batched_tokens)
                      if asked == "full" else [])
         total = len(decode_sizes) + len(piecewise) * (self.model.num_layers + 1)

@@ -255,7 +255,12 @@ class NpuPlatform(AcceleratorPlatform):
         middle of a capture: launch blocking (a debugging aid) runs every operator
         synchronously, which graph capture does not work with; vLLM-Ascend refuses the same
         pair (platform.py, PR #3574). graph_mode None counts where the device's choice
-        (default_graph_mode) would capture."""
+        (default_graph_mode) would capture. Also refuses pa_shape_list with graph_mode
+        'eager', which would capture none of the graphs it names."""
+        if config.pa_shape_list is not None and config.graph_mode == "eager":
+            raise ValueError("pa_shape_list: names batch sizes for whole-step decode graphs, "
+                             "and graph_mode='eager' captures none; leave graph_mode unset "
+                             f"(the NPU's {self.default_graph_mode!r}) or ask for 'decode'")
         if os.environ.get("ASCEND_LAUNCH_BLOCKING", "0") != "1":
             return
         mode = config.graph_mode

@@ -15,7 +15,8 @@ Per step, for every layer:
   aligned to the end of each request's KV, which is what a chunk after a cached prefix
   needs, and no mask at all for a query of one token) and the 2048 x 2048 mask that mode
   expects. This is how vLLM-Ascend runs eager and piecewise steps (attention_v1.py
-  forward_fused_infer_attention since b4bf01ead169, PR #4531); it issues one call over the
+  forward_fused_infer_attention since b4bf01ead169, PR #4531; at 182b75ea84ff a decode-only
+  batch passes query ends 1, 2, ..., n, as `_fused` gets them here); it issues one call over the
   whole batch, this backend one for the decodes and one for the chunks, because the step's
   metadata keeps their tables apart;
 - only inside a whole-step decode graph (graph_mode 'decode', or a pa_shape_list size):
