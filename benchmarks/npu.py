@@ -178,8 +178,9 @@ def table() -> None:
         return v
     rows = [("chip", g("doctor", "device_name")),
             ("torch_npu / CANN", f"{g('doctor', 'torch_npu')} / {g('doctor', 'cann')}"),
-            ("doctor ops ran", ", ".join(f"{c['name']}: {'ran' if c['ran'] else 'FAILED'}"
-                                         for c in g("doctor", "ops") or []))]
+            ("doctor ops", ", ".join(
+                f"{c['name']}: {'ran' if c['ran'] else 'skipped' if c['skipped'] else 'FAILED'}"
+                for c in g("doctor", "ops") or []))]
     for mode in ("eager", "full", "decode"):
         rows.append((f"batch-1 TPOT ms, {mode}", g("b1", mode, "tpot_ms")))
     rows += [("W1 output tok/s, decode graphs", g("w1", "out_tok_s")),

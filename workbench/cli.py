@@ -355,7 +355,7 @@ def cmd_doctor(a) -> int:
     print("ops            one tiny call of each kind the engine makes (bf16, head size 128)")
     for c in checks:
         print("\n".join(c.lines()))
-    return 0 if all(c.ran for c in checks) else 1
+    return 0 if all(c.ok for c in checks) else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
