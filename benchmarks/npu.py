@@ -4,21 +4,27 @@
     python benchmarks/npu.py [--out DIR] [--parts doctor,correctness,b1,w1,w1full]
     python benchmarks/npu.py --small      # the same steps at toy sizes (minutes, not an hour)
 
-Each part is time-guarded and prints one JSON line (also appended to DIR/npu.jsonl); a table
-comes last.
+What to send back: every line this prints that starts with `{` (also appended to
+DIR/npu.jsonl). Each part prints exactly one, `{"part": ..., "ok": ..., ...}`, whether it
+passed, failed its own checks (`failed` names them) or raised (`error`, `traceback`, and
+whatever it had measured before), so one run gives the whole picture; a table comes last.
+The doctor's line always comes first, even when --parts leaves it out.
 
-0. doctor: what NpuPlatform found (torch_npu, CANN, chip, head sizes, how decode graphs get
-   their lengths), as `workbench doctor --device npu` prints it.
+0. doctor: what NpuPlatform found (torch_npu, CANN, chip, head sizes, how graphs get their
+   lengths) and one tiny op of each kind, ran or failed with the fix, as `workbench doctor
+   --device npu` prints them.
 1. correctness, against the torch reference on the same device: a random Qwen3 checkpoint
    with head size 128 (safetensors, loaded like any local checkpoint) and HF transformers
    on the NPU. Our engine runs bf16 (the fused ops take no fp32), so: first-step logits of
-   each graph mode against HF fp32, beside HF bf16's own error; greedy tokens of 'decode'
-   and 'full' equal to our eager ones (same ops, same dtype: any difference is the graph
+   each graph mode against HF fp32, beside HF bf16's own error; greedy tokens of 'full'
+   (the NPU's default: piecewise, fused attention eager) and 'decode' (paged-attention
+   decode graphs, opt-in) equal to our eager ones (same dtype: any difference is the graph
    path, e.g. a replay that kept its capture-time lengths); greedy tokens beside HF bf16's.
-2. batch-1 decode: `random:qwen3-0.6b` in bf16, time per output token, eager vs decode graphs.
+2. batch-1 decode: `random:qwen3-0.6b` in bf16, time per output token, eager vs the default
+   ('full') vs decode graphs.
 3. W1: 256 requests, prompts uniform in [100, 1024] tokens (random.Random(0), as
    benchmarks/gpu.py draws them), 512 new tokens each, EOS ignored: output tokens/s with
-   graph_mode 'decode', then 'full'.
+   graph_mode 'decode' (part w1), then 'full', the default (part w1full).
 """
 from __future__ import annotations
 
@@ -53,25 +59,39 @@ def emit(part: str, **kw) -> None:
 
 
 def guarded(part: str, fn, *a) -> None:
-    t = time.perf_counter()
+    """Run one part into a dict of its own and print it as one JSON line: ok when it ran
+    and its checks (the keys it lists in `checks`) all hold; what it measured before an
+    exception is kept, with the error and the traceback's end."""
+    t, out = time.perf_counter(), {}
     try:
-        fn(*a)
+        fn(out, *a)
+        failed = [k for k in out.pop("checks", []) if not _holds(out, k)]
+        ok = not failed
     except Exception as e:
-        emit(part + "_error", error=f"{type(e).__name__}: {e}"[:800])
-        traceback.print_exc(limit=6)
-    print(f"# {part}: {time.perf_counter() - t:.1f} s", flush=True)
+        out.pop("checks", None)
+        out["error"] = f"{type(e).__name__}: {e}"[:800]
+        out["traceback"] = traceback.format_exc(limit=6)[-2000:]
+        ok, failed = False, []
+    out["seconds"] = round(time.perf_counter() - t, 1)
+    emit(part, **{"ok": ok, **({"failed": failed} if failed else {}),
+                  **{k: v for k, v in out.items() if k != "ok"}})
 
 
-def doctor() -> None:
-    from workbench.platforms.npu import import_torch_npu, probe
-    r = probe(import_torch_npu())
-    emit("doctor", torch=torch.__version__, torch_npu=r.torch_npu, cann=r.cann,
-         soc_version=r.soc_version, device_name=r.device_name, chip=r.chip,
-         head_sizes=list(r.head_sizes), graphs=r.graphs, graph_update=r.graph_update,
-         refusal=r.refusal)
+def _holds(out: dict, key: str) -> bool:
+    """'a.b' looks up out['a']['b']."""
+    for name in key.split("."):
+        out = out.get(name) if isinstance(out, dict) else None
+    return bool(out)
 
 
-def correctness(small: bool) -> None:
+def doctor(out: dict) -> None:
+    from workbench.platforms.npu_doctor import as_json, doctor as run
+    report, checks = run()
+    out.update(as_json(report, checks))
+    out["checks"] = ["ok"]
+
+
+def correctness(out: dict, small: bool) -> None:
     from transformers import Qwen3ForCausalLM
     tmp = Path(tempfile.mkdtemp(prefix="wb-qwen3-d128-"))
     save_random_qwen3(tmp, layers=2 if small else 4, heads=4, kv_heads=2, head_dim=128)
@@ -88,17 +108,17 @@ def correctness(small: bool) -> None:
         hf_tokens = []
         for p in prompts:
             ids = torch.tensor([p], device=REF_DEVICE)
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+            gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                               min_new_tokens=new, do_sample=False, pad_token_id=0)
-            hf_tokens.append(out[0, len(p):].tolist())
+            hf_tokens.append(gen[0, len(p):].tolist())
     del hf
 
     def rel(x):
         return round(float((x.to(ref.device) - ref).norm() / ref.norm()), 5)
 
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
-    eager_tokens = None
-    for mode in ("eager", "decode", "full"):
+    eager_tokens, out["modes"], out["checks"] = None, {}, []
+    for mode in ("eager", "full", "decode"):
         e = Engine(model=str(tmp), device="npu", dtype="bfloat16", graph_mode=mode,
                    max_num_seqs=8, num_kv_blocks=64, max_num_batched_tokens=512 if small else 2048,
                    cudagraph_capture_sizes=[1, 2] if small else [1, 2, 4, 8])
@@ -106,59 +126,70 @@ def correctness(small: bool) -> None:
         eager_tokens = eager_tokens or got
         steps = e.telemetry.snapshot()[0]
         ours = e.core.prompt_logits(prompts[0])
-        emit(f"correctness_{mode}", logits_rel_err=rel(ours), hf_bf16_rel_err=rel(hf16),
-             logits_ok=rel(ours) <= max(2 * rel(hf16), 2e-2),
-             argmax_equal=int(ours.argmax()) == int(ref.argmax()),
-             tokens_equal_eager=got == eager_tokens,
-             prompts_equal_hf_bf16=sum(g == w for g, w in zip(got, hf_tokens)), of=len(prompts),
-             graph_mode_run=e.info().graph_mode, graph_steps=sum(s.graph for s in steps),
-             piecewise_steps=sum(s.graph_kind == "PIECEWISE" for s in steps), notices=e.notices)
+        out["modes"][mode] = dict(
+            logits_rel_err=rel(ours), hf_bf16_rel_err=rel(hf16),
+            logits_ok=rel(ours) <= max(2 * rel(hf16), 2e-2),
+            argmax_equal=int(ours.argmax()) == int(ref.argmax()),
+            tokens_equal_eager=got == eager_tokens,
+            prompts_equal_hf_bf16=sum(g == w for g, w in zip(got, hf_tokens)), of=len(prompts),
+            graph_mode_run=e.info().graph_mode, graph_steps=sum(s.graph for s in steps),
+            full_steps=sum(s.graph_kind == "FULL" for s in steps),
+            piecewise_steps=sum(s.graph_kind == "PIECEWISE" for s in steps), notices=e.notices)
+        out["checks"] += [f"modes.{mode}.logits_ok", f"modes.{mode}.tokens_equal_eager"]
         e.shutdown()
 
 
-def batch1(model: str, new: int) -> None:
-    rows = {}
-    for mode in ("eager", "decode"):
+def batch1(out: dict, model: str, new: int) -> None:
+    for mode in ("eager", "full", "decode"):
         e = Engine(model=model, device="npu", graph_mode=mode, max_num_seqs=8,
                    max_model_len=2048, num_kv_blocks=64)
         prompt = [random.Random(2).randrange(10, e.info().vocab_size) for _ in range(128)]
-        rows[mode] = run_engine_b1(e, prompt, new)
-        emit(f"b1_{mode}", model=model, graph_mode_run=e.info().graph_mode, **rows[mode])
+        out[mode] = dict(graph_mode_run=e.info().graph_mode, **run_engine_b1(e, prompt, new))
         e.shutdown()
-    emit("b1_ratio", eager_over_decode=round(rows["eager"]["tpot_ms"] / rows["decode"]["tpot_ms"], 2))
+    out["model"] = model
+    tpot = {m: out[m]["tpot_ms"] for m in ("eager", "full", "decode")}
+    out["eager_over_full"] = round(tpot["eager"] / tpot["full"], 2)
+    out["eager_over_decode"] = round(tpot["eager"] / tpot["decode"], 2)
 
 
-def w1(model: str, small: bool, mode: str) -> None:
+def w1(out: dict, model: str, small: bool, mode: str) -> None:
     n, lo, hi, new = (8, 100, 200, 8) if small else (256, 100, 1024, 512)
     t = time.perf_counter()
     e = Engine(model=model, device="npu", graph_mode=mode, max_num_seqs=8 if small else 256,
                max_num_batched_tokens=8192, max_model_len=2048,
                num_kv_blocks=64 if small else None)   # else sized from the NPU's memory
-    build_s = time.perf_counter() - t
+    out.update(model=model, graph_mode=mode, requests=n, prompt_len=[lo, hi], new=new,
+               build_s=round(time.perf_counter() - t, 1), kv_blocks=e.info().num_kv_blocks)
     r = random.Random(0)
     prompts = [[r.randrange(10, e.info().vocab_size) for _ in range(r.randint(lo, hi))] for _ in range(n)]
     res = run_engine(e, Workload(prompts, [new] * n))
     steps = e.telemetry.snapshot()[0]
-    emit(f"w1_{mode}", model=model, requests=n, prompt_len=[lo, hi], new=new,
-         build_s=round(build_s, 1), kv_blocks=e.info().num_kv_blocks,
-         graph_steps=sum(s.graph for s in steps),
-         piecewise_steps=sum(s.graph_kind == "PIECEWISE" for s in steps), **res)
+    out.update(graph_steps=sum(s.graph for s in steps),
+               full_steps=sum(s.graph_kind == "FULL" for s in steps),
+               piecewise_steps=sum(s.graph_kind == "PIECEWISE" for s in steps), **res)
     e.shutdown()
 
 
 def table() -> None:
-    g = lambda part, key: RESULTS.get(part, {}).get(key)   # noqa: E731
-    rows = [("chip", g("doctor", "device_name")), ("torch_npu / CANN",
-             f"{g('doctor', 'torch_npu')} / {g('doctor', 'cann')}"),
-            ("batch-1 TPOT ms, eager", g("b1_eager", "tpot_ms")),
-            ("batch-1 TPOT ms, decode graphs", g("b1_decode", "tpot_ms")),
-            ("  eager / graphs", g("b1_ratio", "eager_over_decode")),
-            ("W1 output tok/s, decode graphs", g("w1_decode", "out_tok_s")),
-            ("W1 output tok/s, full", g("w1_full", "out_tok_s"))]
-    for mode in ("eager", "decode", "full"):
+    def g(part, *keys):
+        v = RESULTS.get(part, {})
+        for k in keys:
+            v = v.get(k) if isinstance(v, dict) else None
+        return v
+    rows = [("chip", g("doctor", "device_name")),
+            ("torch_npu / CANN", f"{g('doctor', 'torch_npu')} / {g('doctor', 'cann')}"),
+            ("doctor ops", ", ".join(
+                f"{c['name']}: {'ran' if c['ran'] else 'skipped' if c['skipped'] else 'FAILED'}"
+                for c in g("doctor", "ops") or []))]
+    for mode in ("eager", "full", "decode"):
+        rows.append((f"batch-1 TPOT ms, {mode}", g("b1", mode, "tpot_ms")))
+    rows += [("W1 output tok/s, decode graphs", g("w1", "out_tok_s")),
+             ("W1 output tok/s, full (default)", g("w1full", "out_tok_s"))]
+    for mode in ("eager", "full", "decode"):
         rows.append((f"correctness {mode}: logits ok / tokens = eager",
-                     f"{g(f'correctness_{mode}', 'logits_ok')} / "
-                     f"{g(f'correctness_{mode}', 'tokens_equal_eager')}"))
+                     f"{g('correctness', 'modes', mode, 'logits_ok')} / "
+                     f"{g('correctness', 'modes', mode, 'tokens_equal_eager')}"))
+    rows.append(("parts ok", ", ".join(f"{p}: {r.get('ok')}" for p, r in RESULTS.items())))
     print("\n" + "\n".join(f"{k:<48} {v}" for k, v in rows))
 
 
@@ -181,8 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.small:
         model = tempfile.mkdtemp(prefix="wb-qwen3-d128-small-")
         save_random_qwen3(Path(model), layers=2, heads=4, kv_heads=2, head_dim=128)
-    if "doctor" in parts:
-        guarded("doctor", doctor)
+    guarded("doctor", doctor)            # first, whatever --parts says
     if "correctness" in parts:
         guarded("correctness", correctness, a.small)
     if "b1" in parts:
@@ -192,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     if "w1full" in parts:
         guarded("w1full", w1, model, a.small, "full")
     table()
-    return 0
+    print(f"# send back the {len(RESULTS)} JSON lines above"
+          + (f" (or {OUT / 'npu.jsonl'})" if OUT else ""), flush=True)
+    return 0 if all(r.get("ok") for r in RESULTS.values()) else 1
 
 
 if __name__ == "__main__":

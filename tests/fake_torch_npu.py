@@ -26,6 +26,17 @@ hardware. It models:
 - auto_dispatch_capture: NPUGraph.update(cpu_update_input=...) replaces the host arguments
   of the ops it recorded, and on the releases that record no _npu_paged_attention it
   updates nothing and says nothing;
+- what the ops refuse (OP_DTYPES and the `_check_*` methods): dtypes per op as their docs
+  state them, and the ranges the ATB/aclnn docs leave to the caller (slots inside the pool,
+  block ids in [0, num_blocks), KV lengths within a row's table, cumulative TND ends); fp32
+  passes only where a test installs the fake with fp32=True, to compare tokens exactly;
+- that capture runs nothing: an in-place op (KV write, paged attention) is checked and
+  recorded, not executed, so the capture-time lengths vLLM-Ascend uses (6144, past any table
+  here) are only ever read if a replay runs without its update; a blocking copy of host data
+  into a tensor while capturing fails with error 107030's text (vLLM-Ascend#6002);
+- a task update must match its captured task: the same op, the same scalars, the captured
+  tensors at their addresses and shapes, context lengths of the captured shape; only the
+  lengths and the workspace (re-queried per step, as vLLM-Ascend does) change;
 - the driver's stream budget: with `torch.npu.max_graphs` set, the capture after that many
   fails as it begins, with `torch.npu.capture_error` (error 207008 by default; an HDK older
   than 25.5.1 says 'Alloc sq cq fail' instead).
@@ -59,6 +70,30 @@ OLD_HDK_SQ_CQ = ("capture_begin:NPUGraph.cpp NPU function error: "
                  "c10_npu::acl::AclmdlRICaptureBegin(capture_stream_, capture_mode)\n"
                  "[Error]: Alloc sq cq fail.")
 SOCS = {223: "Ascend910B3", 253: "Ascend910_9392", 202: "Ascend310P3", 260: "Ascend950PR"}
+HALF = (torch.float16, torch.bfloat16)
+OP_DTYPES = {
+    # ATB ReshapeAndCacheOperation / PagedAttentionOperation (hiascend ascendtbapi, CANN 8.2.RC1,
+    # ascendtb_01_0206): query, key/value and caches float16/bf16 (int8 only when quantised);
+    # block tables int32 on the device, context lengths int32 on the host.
+    "_npu_reshape_and_cache": HALF,
+    "_npu_paged_attention": HALF,
+    # op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_fused_infer_attention_score.md:
+    # query float16/bfloat16, key/value those (or int8/int4 quantised), contiguous;
+    # atten_mask bool/int8/uint8; block_table int32, two-dimensional.
+    "npu_fused_infer_attention_score": HALF,
+    # op-plugin (beta)torch_npu-npu_swiglu.md, torch_npu-npu_add_rms_norm.md: float32,
+    # float16 or bfloat16; swiglu's input must be contiguous; add_rms_norm's gamma has x1's
+    # dtype.
+    "npu_swiglu": (torch.float32, *HALF),
+    "npu_add_rms_norm": (torch.float32, *HALF),
+}
+RMS_NORM_PAIRS = {(torch.float16, torch.float32), (torch.bfloat16, torch.float32),
+                  (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
+                  (torch.float32, torch.float32)}
+"""(x, gamma) dtypes npu_rms_norm takes on Atlas A2/A3 ((beta)torch_npu-npu_rms_norm.md)."""
+H2D_DURING_CAPTURE = ("fake NPU: synchronous host-to-device copy while capturing a graph: "
+                      "error 107030 on hardware (vLLM-Ascend#6002, aclgraph capture); copy "
+                      "into static buffers before capture, or non_blocking from pinned memory")
 
 
 def tnd_head_sizes(cann: str) -> tuple[int, ...]:
@@ -87,6 +122,21 @@ def pa_workspace_bytes(context_lens: torch.Tensor) -> int:
     hundred do not (so a workspace sized at capture-time lengths of 1 is too small later)."""
     lens = context_lens.tolist()
     return len(lens) * max(4096 if min(lens) <= 16 else 0, 8 * min(max(lens), 6144))
+
+
+def _table_row(table, i, length, bs, num_blocks, op) -> torch.Tensor:
+    """The block ids row i reads for `length` tokens, refused where the op would read past
+    its row or outside the pool (the ATB doc: block ids in [0, num_blocks); the caller
+    guarantees them, so hardware would read another request's KV or fault)."""
+    need = math.ceil(length / bs)
+    if not 0 <= length or need > table.shape[1]:
+        raise RuntimeError(f"fake NPU: {op}: KV length {length} of row {i} needs {need} blocks, "
+                           f"its table has {table.shape[1]}")
+    blocks = table[i, :need].long()
+    if need and not (0 <= int(blocks.min()) and int(blocks.max()) < num_blocks):
+        raise RuntimeError(f"fake NPU: {op}: block id outside [0, {num_blocks}) in row {i}: "
+                           f"{blocks.tolist()}")
+    return blocks
 
 
 class FakeStream:
@@ -187,14 +237,33 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         rt = self.rt
+        if rt.capturing is not None and not rt.in_op and _blocking_h2d(rt, func, args, kwargs):
+            raise RuntimeError(H2D_DURING_CAPTURE)
+        out = func(*args, **kwargs)
         if rt.capturing is not None and not rt.in_op:
             if func is torch.ops.aten._local_scalar_dense.default:
                 raise RuntimeError("fake NPU: host read of a device value during graph capture "
                                    "(error 107030 on hardware)")
+            if func is torch.ops.aten.lift_fresh.default:      # torch.tensor(<host data>)
+                rt.host_made.add(out.untyped_storage().data_ptr())
             rt.capturing.entries.append(Entry("aten", func, args, kwargs, out))
         return out
+
+
+def _blocking_h2d(rt, func, args, kwargs) -> bool:
+    """Whether this op, run while capturing, is a blocking copy of host data to the device.
+    Here the device is the CPU, so host data is recognised by where it came from: a tensor
+    made from Python values during this capture (torch.tensor(...), aten.lift_fresh), copied
+    with non_blocking False into another tensor (copy_) or to the device (.to(device=...))."""
+    if func is torch.ops.aten.copy_.default:
+        src, blocking = args[1], not (args[2] if len(args) > 2 else kwargs.get("non_blocking"))
+    elif func is torch.ops.aten._to_copy.default and "device" in kwargs:
+        src, blocking = args[0], not kwargs.get("non_blocking")
+    else:
+        return False
+    return blocking and isinstance(src, torch.Tensor) and \
+        src.untyped_storage().data_ptr() in rt.host_made
 
 
 class NpuRuntime(types.SimpleNamespace):
@@ -219,6 +288,8 @@ class NpuRuntime(types.SimpleNamespace):
         self.max_graphs: int | None = None
         """Graphs the driver lets this process capture (None: no limit)."""
         self.capture_error = NO_STREAM_RESOURCE
+        self.host_made: set[int] = set()
+        """Storages of tensors made from host values during the current capture."""
 
     # device, memory, streams
     def is_available(self):
@@ -286,11 +357,13 @@ class NpuRuntime(types.SimpleNamespace):
         g.auto_dispatch_capture = auto_dispatch_capture
         g.capture_stream = stream or FakeStream(self, "capture")
         prev, self.current, self.capturing = self.current, g.capture_stream, g
+        self.host_made = set()
         try:
             with _Recorder(self):
                 yield
         finally:
             self.current, self.capturing = prev, None
+            self.host_made = set()
 
     def graph_task_group_begin(self, stream):
         assert self.capturing is not None and stream is self.capturing.capture_stream
@@ -366,11 +439,27 @@ class FakeTorchNpu(types.ModuleType):
         self.release = release
         self.npu = NpuRuntime(cann or release["cann"], soc)
         self.calls = Counter()
+        self.fp32 = False
+        """Let the ATB and FIA ops take float32 too (install(fp32=True)); their docs do not."""
         if release["workspace"]:
             self._npu_paged_attention_get_workspace = self._get_workspace
 
-    # calling convention: capture, update, or run now
-    def _call(self, name, impl, args, kwargs):
+    def allowed(self, op) -> tuple:
+        """The dtypes `op` takes: its docs' (OP_DTYPES), plus float32 for the ATB and FIA ops
+        when a test installed the fake with fp32=True (exact token comparisons)."""
+        return OP_DTYPES[op] + ((torch.float32,) if self.fp32 else ())
+
+    def _dtype(self, op, **tensors) -> None:
+        allowed = self.allowed(op)
+        for name, t in tensors.items():
+            if t.dtype not in allowed:
+                raise TypeError(f"fake NPU: {op} takes {name} in "
+                                f"{'/'.join(str(d)[6:] for d in allowed)}, got {t.dtype}")
+
+    # calling convention: checked by the caller; then captured, updated, or run now
+    def _call(self, name, impl, args, kwargs, inplace=False):
+        """inplace: the op writes tensors it was given and returns nothing; captured, it is
+        recorded without running (a capture launches nothing on hardware)."""
         rt = self.npu
         if rt.updating is not None:
             return self._update(name, args, kwargs)
@@ -384,25 +473,39 @@ class FakeTorchNpu(types.ModuleType):
             e.record = g.auto_dispatch_capture and (
                 name != "_npu_paged_attention" or self.release["records_pa"])
             g.entries.append(e)
-            with rt.op_scope():
-                e.set_out(impl(*args, **kwargs))
+            if not inplace:
+                with rt.op_scope():
+                    e.set_out(impl(*args, **kwargs))
             return e.out
         with rt.op_scope():
             return impl(*args, **kwargs)
 
     def _update(self, name, args, kwargs):
+        """Re-issue a captured task with new arguments: only context_lens (same shape) and
+        the workspace may change; everything else is the captured task's."""
         rt, e = self.npu, self.npu.updating
         if name != e.name or args:
             raise RuntimeError(f"fake NPU: task update re-issues {name}, captured {e.name}")
+        if set(kwargs) != set(e.kwargs):
+            raise RuntimeError(f"fake NPU: task update passes {sorted(kwargs)}, the captured "
+                               f"task {sorted(e.kwargs)}")
         for key, value in e.kwargs.items():
-            if key == "context_lens":
+            new = kwargs[key]
+            if key == "workspace":
+                continue          # re-queried per step; its size is checked when the task runs
+            if key == "context_lens" or not isinstance(value, torch.Tensor):
+                if key == "context_lens" and new.shape != value.shape:
+                    raise RuntimeError(f"fake NPU: task update's context_lens has shape "
+                                       f"{tuple(new.shape)}, the captured task "
+                                       f"{tuple(value.shape)}: a task keeps its shapes")
+                if key != "context_lens" and new != value:
+                    raise RuntimeError(f"fake NPU: task update changes {key} ({value!r} -> "
+                                       f"{new!r}): a task keeps its captured parameters")
                 continue
-            new = kwargs.get(key)
-            if isinstance(value, torch.Tensor) and (
-                    not isinstance(new, torch.Tensor) or new.data_ptr() != value.data_ptr()
-                    or new.shape != value.shape):
-                raise RuntimeError(f"fake NPU: task update moved {key}: a graph's tensors "
-                                   "keep their captured addresses")
+            if not isinstance(new, torch.Tensor) or new.data_ptr() != value.data_ptr() \
+                    or new.shape != value.shape:
+                raise RuntimeError(f"fake NPU: task update moved or reshaped {key}: a graph's "
+                                   "tensors keep their captured addresses and shapes")
         if kwargs.get("workspace") is None:
             raise RuntimeError("fake NPU: _npu_paged_attention updated without a workspace: "
                                "it would allocate one on the update stream at every step")
@@ -411,30 +514,56 @@ class FakeTorchNpu(types.ModuleType):
 
     # ---- ops -----------------------------------------------------------------------------
     def _npu_reshape_and_cache(self, key, value, key_cache, value_cache, slot_indices):
-        return self._call("_npu_reshape_and_cache", self._reshape_and_cache, (),
+        op = "_npu_reshape_and_cache"
+        self._dtype(op, key=key, value=value, key_cache=key_cache, value_cache=value_cache)
+        if len({key.dtype, value.dtype, key_cache.dtype, value_cache.dtype}) > 1:
+            raise TypeError(f"fake NPU: {op}: key, value and caches must share a dtype")
+        if slot_indices.dtype != torch.int32 or slot_indices.shape != key.shape[:1]:
+            raise TypeError(f"fake NPU: {op}: slot_indices must be int32 [{key.shape[0]}], got "
+                            f"{slot_indices.dtype} {tuple(slot_indices.shape)}")
+        assert key.is_contiguous() and value.is_contiguous()
+        assert key.shape[1:] == key_cache.shape[2:] == value.shape[1:]
+        return self._call(op, self._reshape_and_cache, (),
                           dict(key=key, value=value, key_cache=key_cache,
-                               value_cache=value_cache, slot_indices=slot_indices))
+                               value_cache=value_cache, slot_indices=slot_indices), inplace=True)
 
     def _reshape_and_cache(self, key, value, key_cache, value_cache, slot_indices):
-        assert slot_indices.dtype == torch.int32 and key.is_contiguous()
         nb, bs, kvh, d = key_cache.shape
-        key_cache.view(nb * bs, kvh, d)[slot_indices.long()] = key
-        value_cache.view(nb * bs, kvh, d)[slot_indices.long()] = value
+        slots = slot_indices.long()
+        if len(slots) and not (0 <= int(slots.min()) and int(slots.max()) < nb * bs):
+            raise RuntimeError(f"fake NPU: _npu_reshape_and_cache slot outside the pool "
+                               f"[0, {nb * bs}): {slots.tolist()}")
+        key_cache.view(nb * bs, kvh, d)[slots] = key
+        value_cache.view(nb * bs, kvh, d)[slots] = value
         self.calls["cache"] += 1
 
     def _npu_paged_attention(self, query, key_cache, value_cache, num_kv_heads, num_heads,
                              scale_value, block_table, context_lens, out, **kw):
+        op = "_npu_paged_attention"
         if set(kw) - {"workspace"} or (kw and not self.release["workspace"]):
             raise TypeError(f"_npu_paged_attention() got unexpected keyword(s) {sorted(kw)} "
                             f"(torch_npu {self.__version__})")
         if kw.get("workspace") is None and (self.npu.capturing is not None):
             raise RuntimeError("fake NPU: _npu_paged_attention captured without a workspace: "
                                "each update would allocate one outside the graph's pool")
-        return self._call("_npu_paged_attention", self._paged_attention, (),
+        self._dtype(op, query=query, key_cache=key_cache, value_cache=value_cache)
+        if len({query.dtype, key_cache.dtype, value_cache.dtype, out.dtype}) > 1:
+            raise TypeError(f"fake NPU: {op}: query, caches and out must share a dtype")
+        b = query.shape[0]
+        if block_table.dtype != torch.int32 or block_table.dim() != 2 \
+                or block_table.shape[0] != b:
+            raise TypeError(f"fake NPU: {op}: block_table must be int32 [{b}, max_blocks], got "
+                            f"{block_table.dtype} {tuple(block_table.shape)}")
+        if context_lens.dtype != torch.int32 or context_lens.device.type != "cpu" \
+                or context_lens.shape != (b,):
+            raise TypeError(f"fake NPU: {op}: context_lens must be a host int32 [{b}], got "
+                            f"{context_lens.dtype} {tuple(context_lens.shape)}")
+        assert out.shape == query.shape
+        return self._call(op, self._paged_attention, (),
                           dict(query=query, key_cache=key_cache, value_cache=value_cache,
                                num_kv_heads=num_kv_heads, num_heads=num_heads,
                                scale_value=scale_value, block_table=block_table,
-                               context_lens=context_lens, out=out, **kw))
+                               context_lens=context_lens, out=out, **kw), inplace=True)
 
     def _get_workspace(self, query, key_cache, value_cache, num_kv_heads, num_heads,
                        scale_value, block_table, context_lens, out):
@@ -446,18 +575,18 @@ class FakeTorchNpu(types.ModuleType):
         if self.npu.soc == 260:
             raise RuntimeError("fake NPU: _npu_paged_attention is not available on Ascend950")
         nb, bs, kvh, d = key_cache.shape
-        assert block_table.dtype == torch.int32 and context_lens.dtype == torch.int32
-        assert context_lens.device.type == "cpu", "context_lens is a host tensor"
         if bs % 16 or bs * d > 128 * 128 or d > 256:
             raise RuntimeError(f"fake NPU: paged attention refuses block_size {bs} x head "
                                f"size {d}")
         assert (num_kv_heads, num_heads) == (kvh, query.shape[1])
-        assert len(context_lens) == query.shape[0] == out.shape[0]
         if workspace is not None and workspace.numel() < pa_workspace_bytes(context_lens):
             raise RuntimeError("fake NPU: paged-attention workspace too small for these "
                                "lengths (it would overrun on hardware)")
         for i, length in enumerate(context_lens.tolist()):
-            blocks = block_table[i, :math.ceil(length / bs)].long()
+            blocks = _table_row(block_table, i, length, bs, nb, "_npu_paged_attention")
+            if length == 0:
+                out[i] = 0
+                continue
             keys = key_cache[blocks].reshape(-1, kvh, d)[:length]
             values = value_cache[blocks].reshape(-1, kvh, d)[:length]
             out[i] = _attend(query[i:i + 1], keys, values, scale_value)[0]
@@ -469,13 +598,30 @@ class FakeTorchNpu(types.ModuleType):
     def _fia(self, q, k, v, *, atten_mask, actual_seq_lengths, actual_seq_lengths_kv,
              block_table, num_heads, scale, input_layout, num_key_value_heads, sparse_mode,
              block_size):
+        op = "npu_fused_infer_attention_score"
         if self.npu.soc in range(200, 206):
             raise RuntimeError("fake NPU: npu_fused_infer_attention_score is not supported on "
                                "Ascend310P")
         assert input_layout == "TND" and sparse_mode == 3
-        assert atten_mask.shape == (2048, 2048) and atten_mask.dtype == torch.bool
-        assert all(isinstance(x, int) for x in actual_seq_lengths + actual_seq_lengths_kv)
-        assert actual_seq_lengths[-1] == q.shape[0] and block_table.dtype == torch.int32
+        self._dtype(op, query=q, key=k, value=v)
+        if k.dtype != q.dtype or v.dtype != q.dtype:
+            raise TypeError(f"fake NPU: {op}: key/value {k.dtype} with query {q.dtype}")
+        if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+            raise RuntimeError(f"fake NPU: {op} takes no non-contiguous query/key/value")
+        assert atten_mask.shape == (2048, 2048)
+        if atten_mask.dtype not in (torch.bool, torch.int8, torch.uint8):
+            raise TypeError(f"fake NPU: {op}: atten_mask bool/int8/uint8, got {atten_mask.dtype}")
+        ends, kv_lens = actual_seq_lengths, actual_seq_lengths_kv
+        assert all(isinstance(x, int) for x in ends + kv_lens)
+        if not 0 < len(ends) == len(kv_lens) <= 4096 or ends[-1] != q.shape[0] or any(
+                b < a for a, b in zip([0] + ends, ends)):
+            raise RuntimeError(f"fake NPU: {op}: TND actual_seq_lengths must be <= 4096 "
+                               f"non-decreasing cumulative ends reaching T={q.shape[0]}, with "
+                               f"one KV length each (got {ends}, {kv_lens})")
+        if block_table.dtype != torch.int32 or block_table.dim() != 2 \
+                or block_table.shape[0] != len(ends):
+            raise TypeError(f"fake NPU: {op}: block_table must be int32 [{len(ends)}, "
+                            f"max_blocks], got {block_table.dtype} {tuple(block_table.shape)}")
         nb, bs, width = k.shape
         kvh = num_key_value_heads
         d = width // kvh
@@ -485,8 +631,11 @@ class FakeTorchNpu(types.ModuleType):
                                f"layout with head size {d}")
         assert bs == block_size and num_heads == q.shape[1]
         out, start = torch.empty_like(q), 0
-        for i, (end, length) in enumerate(zip(actual_seq_lengths, actual_seq_lengths_kv)):
-            blocks = block_table[i, :math.ceil(length / bs)].long()
+        for i, (end, length) in enumerate(zip(ends, kv_lens)):
+            if end - start > length:
+                raise RuntimeError(f"fake NPU: {op}: request {i} has {end - start} query tokens "
+                                   f"and {length} KV tokens")
+            blocks = _table_row(block_table, i, length, bs, nb, op)
             keys = k[blocks].reshape(-1, kvh, d)[:length]
             values = v[blocks].reshape(-1, kvh, d)[:length]
             out[start:end] = _attend(q[start:end], keys, values, scale, causal=True)
@@ -499,6 +648,9 @@ class FakeTorchNpu(types.ModuleType):
 
     def _rms_norm(self, x, gamma, epsilon=1e-6, count=True):
         assert gamma.shape == x.shape[-1:]
+        if count and (x.dtype, gamma.dtype) not in RMS_NORM_PAIRS:
+            raise TypeError(f"fake NPU: npu_rms_norm takes no x {x.dtype} with gamma "
+                            f"{gamma.dtype} on Atlas A2/A3")
         xf = x.float()
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + epsilon)
         self.calls["rms_norm"] += count
@@ -509,6 +661,10 @@ class FakeTorchNpu(types.ModuleType):
                           dict(epsilon=epsilon))
 
     def _add_rms_norm(self, x1, x2, gamma, epsilon=1e-6):
+        self._dtype("npu_add_rms_norm", x1=x1)
+        if x2.dtype != x1.dtype or gamma.dtype != x1.dtype:
+            raise TypeError(f"fake NPU: npu_add_rms_norm needs x1, x2 and gamma of one dtype, "
+                            f"got {x1.dtype}, {x2.dtype}, {gamma.dtype}")
         s = x1 + x2
         y, rstd = self._rms_norm(s, gamma, epsilon, count=False)
         self.calls["add_rms_norm"] += 1
@@ -518,6 +674,9 @@ class FakeTorchNpu(types.ModuleType):
         return self._call("npu_swiglu", self._swiglu, (x,), dict(dim=dim))
 
     def _swiglu(self, x, dim=-1):
+        self._dtype("npu_swiglu", input=x)
+        if not x.is_contiguous():
+            raise RuntimeError("fake NPU: npu_swiglu takes no non-contiguous input")
         a, b = x.chunk(2, dim=dim)
         self.calls["swiglu"] += 1
         return F.silu(a) * b
@@ -526,11 +685,12 @@ class FakeTorchNpu(types.ModuleType):
 def install(monkeypatch, version="2.8.0", soc=223, cann=None, fp32=True) -> FakeTorchNpu:
     """Make `import torch_npu` and `torch.npu` the fake for one test, and let the real
     NpuPlatform allocate on the CPU; with fp32, in fp32 (so tokens compare exactly with the
-    CPU reference path; the fake ops do not check the dtype), else in bf16 with the real
-    backend's dtype rule."""
+    CPU reference path; the ATB and FIA ops then take float32, which their docs do not),
+    else in bf16 with the real backend's dtype rule and the ops' own."""
     from workbench.platforms.npu import NpuPlatform
     from workbench.platforms.npu_attention import NpuAttention
     fake = FakeTorchNpu(version, soc, cann)
+    fake.fp32 = fp32
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
     monkeypatch.setattr(torch, "npu", fake.npu, raising=False)
     monkeypatch.setattr(NpuPlatform, "device", property(lambda self: torch.device("cpu")))

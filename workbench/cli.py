@@ -54,6 +54,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "default: decode where the device captures graphs, else eager")
     p.add_argument("--cudagraph-capture-sizes", type=_int_list, default=None,
                    help="decode batch sizes to capture, e.g. 1,2,4,8,16")
+    p.add_argument("--pa-shape-list", type=_int_list, default=None,
+                   help="NPU: decode batch sizes captured whole with _npu_paged_attention "
+                        "(vLLM-Ascend's pa_shape_list; default none: decode runs piecewise)")
     p.add_argument("--generation-config", default=d["generation_config"].default,
                    choices=GENERATION_CONFIGS,
                    help="auto: sampling defaults from the model's generation_config.json for "
@@ -68,7 +71,7 @@ def _engine_kwargs(a) -> dict:
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                 num_kv_blocks=a.num_kv_blocks, gpu_memory_utilization=a.gpu_memory_utilization,
                 enable_prefix_caching=not a.no_prefix_caching, graph_mode=a.graph_mode,
-                cudagraph_capture_sizes=a.cudagraph_capture_sizes,
+                cudagraph_capture_sizes=a.cudagraph_capture_sizes, pa_shape_list=a.pa_shape_list,
                 attention_backend=a.attention_backend, generation_config=a.generation_config)
 
 
@@ -342,12 +345,17 @@ def cmd_lab(a) -> int:
 
 
 def cmd_doctor(a) -> int:
-    """A dry run: what the device offers and what the engine would do there; exit 1 where
-    the combination is known not to work."""
-    from .platforms.npu import import_torch_npu, probe
-    report = probe(import_torch_npu())
+    """What the device offers and what the engine would do there, then one tiny op of each
+    kind (platforms/npu_doctor.py); exit 1 where the chip is refused or an op failed."""
+    from .platforms.npu_doctor import doctor
+    report, checks = doctor()
     print("\n".join(report.lines()))
-    return 1 if report.refusal else 0
+    if report.refusal:
+        return 1
+    print("ops            one tiny call of each kind the engine makes (bf16, head size 128)")
+    for c in checks:
+        print("\n".join(c.lines()))
+    return 0 if all(c.ok for c in checks) else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -459,7 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_dashboard)
 
     doc = sub.add_parser("doctor", help="check a device without loading a model: versions, "
-                                        "chip, head sizes, how decode graphs are updated")
+                                        "chip, head sizes, how graphs are updated, and one "
+                                        "tiny op of each kind (ran / failed, with the fix)")
     doc.add_argument("--device", required=True, choices=["npu"],
                      help="the device to check (only npu so far)")
     doc.set_defaults(func=cmd_doctor)

@@ -70,12 +70,19 @@ class EngineConfig:
     graph_mode: str | None = None
     """'eager', 'decode' (capture decode steps; vLLM-Ascend's FULL_DECODE_ONLY) or 'full'
     (also prefill and mixed steps, piecewise around attention; see graphs.py). None: the
-    device's choice, made by ModelRunner.capture_graphs: 'decode' where whole decode steps
-    can be captured (a graph-capable device with its fused paged attention), else 'eager'
-    (the CPU). A mode asked for by name that cannot run as asked runs eager (or piecewise
-    only) and says so in Engine.notices."""
+    platform's choice (Platform.default_graph_mode), made by ModelRunner.capture_graphs:
+    on CUDA 'decode' where whole decode steps can be captured (its fused paged attention),
+    else 'eager'; on the NPU 'full', which there runs every step piecewise, decode included
+    (vLLM-Ascend's default, see pa_shape_list); on the CPU 'eager'. A mode asked for by name
+    that cannot run as asked runs eager (or piecewise only) and says so in Engine.notices."""
     cudagraph_capture_sizes: list[int] | None = None
     """Decode batch sizes to capture; None: 1, 2, 4, 8, then every 16 up to max_num_seqs."""
+    pa_shape_list: list[int] | None = None
+    """NPU only: the decode batch sizes captured as whole-step graphs with
+    _npu_paged_attention (vLLM-Ascend's additional_config `pa_shape_list`, empty there by
+    default); every other step runs piecewise or eager with the fused infer-attention op.
+    None: none under graph_mode 'full' (the NPU's default), cudagraph_capture_sizes (or its
+    default) when graph_mode 'decode' is asked for by name. Other devices ignore it."""
 
     # Scheduler
     async_scheduling: bool | None = None
@@ -128,6 +135,8 @@ class EngineConfig:
             bad("graph_mode", f"must be one of {GRAPH_MODES}")
         if self.cudagraph_capture_sizes is not None and isinstance(self.max_num_seqs, int):
             validate_capture_sizes(self.cudagraph_capture_sizes, self.max_num_seqs)
+        if self.pa_shape_list is not None and isinstance(self.max_num_seqs, int):
+            validate_capture_sizes(self.pa_shape_list, self.max_num_seqs, "pa_shape_list")
         if self.async_scheduling not in (None, True, False):
             bad("async_scheduling", "must be True, False or None")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -170,10 +179,11 @@ class EngineConfig:
         return asdict(self)
 
 
-def validate_capture_sizes(sizes: list[int], max_num_seqs: int) -> list[int]:
+def validate_capture_sizes(sizes: list[int], max_num_seqs: int,
+                           name: str = "cudagraph_capture_sizes") -> list[int]:
     if not sizes or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes):
-        raise ValueError(f"cudagraph_capture_sizes: must be positive integers (got {sizes!r})")
+        raise ValueError(f"{name}: must be positive integers (got {sizes!r})")
     if max(sizes) > max_num_seqs:
-        raise ValueError(f"cudagraph_capture_sizes: {max(sizes)} exceeds max_num_seqs "
+        raise ValueError(f"{name}: {max(sizes)} exceeds max_num_seqs "
                          f"({max_num_seqs}); a batch that large never runs")
     return sorted(set(sizes))

@@ -81,8 +81,10 @@ class ModelRunner:
         buckets captured, and notices saying what runs differently from what was asked."""
         decode = self.can_capture_decode
         asked = config.graph_mode
-        if asked is None:     # the device's choice: decode graphs where they can be captured
-            asked = "decode" if self.platform.supports_graphs and decode else "eager"
+        if asked is None:     # the platform's choice (Platform.default_graph_mode)
+            asked = self.platform.default_graph_mode if self.platform.supports_graphs else "eager"
+            if asked == "decode" and not decode:
+                asked = "eager"
         if asked == "eager":
             return "eager", [], [], []
         why = None
@@ -94,8 +96,10 @@ class ModelRunner:
         if why is not None:
             return "eager", [], [], [f"graph_mode={asked!r} asked for, but {why}: every step "
                                      "runs eager (StepEvent.graph stays False)"]
-        decode_sizes = ((config.cudagraph_capture_sizes
-                         or default_capture_sizes(config.max_num_seqs)) if decode else [])
+        decode_sizes = self.platform.decode_graph_sizes(config, asked) if decode else []
+        if decode_sizes is None:
+            decode_sizes = (config.cudagraph_capture_sizes
+                            or default_capture_sizes(config.max_num_seqs))
         piecewise = (default_piecewise_sizes(config.max_num_batched_tokens)
                      if asked == "full" else [])
         total = len(decode_sizes) + len(piecewise) * (self.model.num_layers + 1)

@@ -8,6 +8,11 @@ class Platform:
     default_dtype = torch.float32
     supports_graphs = False
     """Whether this platform can capture and replay step graphs (graph_mode 'decode'/'full')."""
+    default_graph_mode = "decode"
+    """What graph_mode None means on this platform where it can capture graphs at all
+    (supports_graphs; else 'eager'): whole decode steps as graphs, prefill eager, falling
+    back to 'eager' where the attention cannot be captured whole (ModelRunner.capture_graphs).
+    The NPU's is 'full' (NpuPlatform.default_graph_mode)."""
     runs_async = False
     """Whether device work runs behind the host (queued launches), so that async
     scheduling can overlap the two; the CPU computes each op as it is called."""
@@ -64,6 +69,11 @@ class Platform:
         """Replay a captured graph. context_lens: this step's host-side lengths, for attention
         ops that read them from host memory (which a graph would otherwise keep as captured)."""
         graph.replay()
+
+    def decode_graph_sizes(self, config, mode: str) -> list[int] | None:
+        """The decode batch sizes to capture as whole-step graphs under graph_mode `mode`;
+        None: the runner's default (cudagraph_capture_sizes, or 1, 2, 4, 8, then every 16)."""
+        return None
 
     def kernel_timer(self):
         """A function timing device work as a decode step runs it (fn -> µs per call), for

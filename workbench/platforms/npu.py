@@ -11,7 +11,14 @@ At construction the platform probes what it runs on (`probe`, printed by `workbe
 take there, and whether decode graphs can be captured. It refuses the chips this backend
 cannot serve (310P, 950) with a message, rather than failing at the first step.
 
-Decode graphs (graph_mode 'decode') follow vLLM-Ascend's FULL_DECODE_ONLY: the graph is
+The default graph mode is 'full' (`default_graph_mode`), which on the NPU is vLLM-Ascend's
+default PIECEWISE: every step, decode included, replays captured pieces with attention run
+eager between them through npu_fused_infer_attention_score (TND), so no host-side length is
+baked into any graph. Whole-step decode graphs with `_npu_paged_attention` are opt-in, as in
+vLLM-Ascend (FULL_DECODE_ONLY, only for the batch sizes in its `pa_shape_list`, empty by
+default): graph_mode 'decode', or EngineConfig.pa_shape_list (`decode_graph_sizes`).
+
+Those decode graphs follow vLLM-Ascend's FULL_DECODE_ONLY: the graph is
 captured plainly (no auto_dispatch_capture: several torch_npu releases record no
 `_npu_paged_attention` that way, and NPUGraph.update then updates nothing and says nothing),
 each layer's paged attention is captured as a task group behind an ExternalEvent with an
@@ -181,9 +188,13 @@ def probe(torch_npu) -> NpuReport:
         update = (f"none: this torch_npu lacks {', '.join(missing)} (the workspace API arrived "
                   "with the 7.2.0 release line: 2.6.0.post3, 2.7.1, 2.8.0); graph modes run eager")
     else:
-        update = ("task groups (graph_task_group_begin/end behind an ExternalEvent per layer, "
-                  "explicit workspace sized for 6144-token contexts); each step synchronizes, "
-                  "replays, then re-issues each task with its lengths on an update stream "
+        update = ("default graph mode 'full': piecewise, attention (decode included) eager "
+                  "through npu_fused_infer_attention_score between the pieces; opt-in "
+                  "whole-step decode graphs (graph_mode 'decode' or pa_shape_list) capture "
+                  "_npu_paged_attention as task groups (graph_task_group_begin/end behind an "
+                  "ExternalEvent per layer) with lengths and workspace at 6144 tokens; each "
+                  "step synchronizes, replays, then re-issues each task with its lengths and "
+                  "a workspace queried for them on an update stream "
                   "(graph_task_update_begin/end) and records its event. Not "
                   "auto_dispatch_capture: 2.5.1.post1, 2.7.1, 2.8.0 and 2.8.0.post1 record no "
                   "_npu_paged_attention that way, and NPUGraph.update then silently keeps the "
@@ -197,6 +208,13 @@ def probe(torch_npu) -> NpuReport:
 class NpuPlatform(AcceleratorPlatform):
     name = "npu"
     graph_class = "NPUGraph"
+    default_graph_mode = "full"
+    """vLLM-Ascend's default (PIECEWISE): captured pieces with attention eager between them,
+    decode steps included, so its fused infer-attention op takes each step's lengths as
+    plain host lists and nothing needs a task update. vLLM-Ascend keeps _npu_paged_attention
+    for FULL_DECODE_ONLY graphs at the batch sizes of pa_shape_list, a tuning knob empty by
+    default (docs/source/faqs.md, attention/utils.py using_paged_attention at 182b75ea84ff);
+    here that is graph_mode 'decode' or EngineConfig.pa_shape_list."""
 
     def __init__(self):
         self.torch_npu = import_torch_npu()
@@ -224,19 +242,32 @@ class NpuPlatform(AcceleratorPlatform):
     def supports_graphs(self) -> bool:
         return self.report.graphs
 
+    def decode_graph_sizes(self, config, mode: str) -> list[int] | None:
+        """The batch sizes captured whole with _npu_paged_attention: pa_shape_list where it is
+        set; else none under 'full' (every decode step then replays piecewise) and the
+        runner's cudagraph_capture_sizes when 'decode' is asked for by name."""
+        if config.pa_shape_list is not None:
+            return sorted(set(config.pa_shape_list))
+        return [] if mode == "full" else None
+
     def check_config(self, config) -> None:
         """Refuse graph capture under ASCEND_LAUNCH_BLOCKING=1, at build rather than in the
         middle of a capture: launch blocking (a debugging aid) runs every operator
         synchronously, which graph capture does not work with; vLLM-Ascend refuses the same
-        pair (platform.py, PR #3574). graph_mode None counts where the device's choice would
-        be 'decode'."""
+        pair (platform.py, PR #3574). graph_mode None counts where the device's choice
+        (default_graph_mode) would capture. Also refuses pa_shape_list with graph_mode
+        'eager', which would capture none of the graphs it names."""
+        if config.pa_shape_list is not None and config.graph_mode == "eager":
+            raise ValueError("pa_shape_list: names batch sizes for whole-step decode graphs, "
+                             "and graph_mode='eager' captures none; leave graph_mode unset "
+                             f"(the NPU's {self.default_graph_mode!r}) or ask for 'decode'")
         if os.environ.get("ASCEND_LAUNCH_BLOCKING", "0") != "1":
             return
         mode = config.graph_mode
         if mode == "eager" or (mode is None and not self.supports_graphs):
             return
         asked = (f"{mode!r}" if mode is not None
-                 else "None (the device's choice, which is 'decode' here)")
+                 else f"None (the device's choice, which is {self.default_graph_mode!r} here)")
         raise ValueError(
             f"graph_mode: {asked} captures NPU graphs, and ASCEND_LAUNCH_BLOCKING=1 in the "
             "environment runs every launch synchronously, which graph capture does not work "

@@ -10,12 +10,18 @@ Pool layout (what the ATB ops read): per layer, K and V each
 Per step, for every layer:
 - KV write: `_npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices)`, int32
   slots (block * block_size + offset);
-- decode: `_npu_paged_attention(...)` over the decodes' block tables (int32 on the device)
-  and context lengths (int32 on the host, as the op wants);
-- prefill chunks: `npu_fused_infer_attention_score` in TND layout with the chunks' block
-  tables, cumulative query ends and per-request KV lengths, sparse_mode=3 (causal aligned
-  to the end of each request's KV, which is what a chunk after a cached prefix needs) and
-  the 2048 x 2048 mask that mode expects.
+- decodes and prefill chunks alike: `npu_fused_infer_attention_score` in TND layout with the
+  block tables, cumulative query ends and per-request KV lengths, sparse_mode=3 (causal
+  aligned to the end of each request's KV, which is what a chunk after a cached prefix
+  needs, and no mask at all for a query of one token) and the 2048 x 2048 mask that mode
+  expects. This is how vLLM-Ascend runs eager and piecewise steps (attention_v1.py
+  forward_fused_infer_attention since b4bf01ead169, PR #4531; at 182b75ea84ff a decode-only
+  batch passes query ends 1, 2, ..., n, as `_fused` gets them here); it issues one call over the
+  whole batch, this backend one for the decodes and one for the chunks, because the step's
+  metadata keeps their tables apart;
+- only inside a whole-step decode graph (graph_mode 'decode', or a pa_shape_list size):
+  `_npu_paged_attention(...)` over the decodes' block tables (int32 on the device) and
+  context lengths (int32 on the host, as the op wants), as a task group (below).
 FIA's paged prefill wants block_size 128 (vLLM-Ascend's choice): NpuAttention's
 `supported_block_sizes`, which `check_config` enforces.
 
@@ -35,9 +41,11 @@ BLOCK_SIZE = 128
 MASK_SIZE = 2048
 SEQ_LEN_WITH_MAX_PA_WORKSPACE = 6144
 """Context length at which _npu_paged_attention_get_workspace returns the largest workspace
-(vLLM-Ascend's constant, PR #5833). The workspace a step needs depends on its lengths, so one
-sized for the capture-time lengths of 1 can be too small later, and asking again at each
-update allocates on the update stream; each graph gets this one at capture instead."""
+(vLLM-Ascend's constant, PR #5833). vLLM-Ascend captures its paged-attention graphs with every
+row at this length (model_runner_v1.py's dummy run while capturing) and the workspace queried
+for it, so the captured task is laid out for the longest case, not for capture-time lengths
+of 1; its update then asks for the workspace again with the step's lengths (attention/utils.py
+and attention_v1.py update_graph_params since PRs #6041/#6231). DecodeGraphTasks does both."""
 
 
 @dataclass(slots=True)
@@ -57,41 +65,54 @@ class DecodeGraphTasks:
 
     Capture (NpuAttention, while `graph_tasks` is set): per layer, an ExternalEvent is
     waited on and reset on the capture stream, then the op is issued between
-    graph_task_group_begin and graph_task_group_end with a workspace sized for the longest
-    lengths. Replay (NpuPlatform.replay_graph): after replay(), on an update stream, each
-    task is re-issued between graph_task_update_begin and graph_task_update_end with the
-    step's lengths and its event recorded, which lets the captured attention run."""
+    graph_task_group_begin and graph_task_group_end with every length at
+    SEQ_LEN_WITH_MAX_PA_WORKSPACE and the workspace queried for those. Replay
+    (NpuPlatform.replay_graph): after replay(), on an update stream, the workspace is queried
+    for the step's lengths, then each task is re-issued between graph_task_update_begin and
+    graph_task_update_end with those lengths and that workspace and its event recorded,
+    which lets the captured attention run."""
 
     def __init__(self, graph):
         self.graph = graph
         self.tasks: list[PagedAttentionTask] = []
         self.workspace: torch.Tensor | None = None
+        """The capture-time workspace (for the longest lengths): what an update falls back
+        to where this torch_npu cannot size one for the step."""
+        self.step_workspace: torch.Tensor | None = None
+        """The last update's workspace, held until the next update: the replayed kernels
+        read it after update() has returned."""
 
     def capture(self, ops, args: dict, context_lens: torch.Tensor) -> None:
         npu = ops.npu
         stream = npu.current_stream()
+        longest = torch.full_like(context_lens, SEQ_LEN_WITH_MAX_PA_WORKSPACE)
         if self.workspace is None:    # one per graph: its layers run one after another
-            longest = torch.full_like(context_lens, SEQ_LEN_WITH_MAX_PA_WORKSPACE)
             self.workspace = ops._npu_paged_attention_get_workspace(**args, context_lens=longest)
         event = npu.ExternalEvent()
         event.wait(stream)
         event.reset(stream)
         npu.graph_task_group_begin(stream)
-        ops._npu_paged_attention(**args, context_lens=context_lens, workspace=self.workspace)
+        ops._npu_paged_attention(**args, context_lens=longest, workspace=self.workspace)
         self.tasks.append(PagedAttentionTask(event, npu.graph_task_group_end(stream), args))
 
     def update(self, ops, stream, context_lens: torch.Tensor) -> None:
-        """Hand every task this step's host-side lengths (int32, one per graph row)."""
+        """Hand every task this step's host-side lengths (int32, one per graph row) and a
+        workspace sized for them (one query for all layers: same shapes, same lengths)."""
         rows = self.tasks[0].args["query"].shape[0]
         if context_lens.dtype != torch.int32 or context_lens.shape != (rows,):
             raise ValueError(f"context_lens: need int32 [{rows}] for this graph "
                              f"(got {context_lens.dtype} {tuple(context_lens.shape)})")
         npu = ops.npu
+        query = getattr(ops, "_npu_paged_attention_get_workspace", None)
         with npu.stream(stream):
+            workspace = self.workspace
+            if query is not None:
+                workspace = query(**self.tasks[0].args, context_lens=context_lens)
+            self.step_workspace = workspace
             for task in self.tasks:
                 npu.graph_task_update_begin(stream, task.handle)
                 ops._npu_paged_attention(**task.args, context_lens=context_lens,
-                                         workspace=self.workspace)
+                                         workspace=workspace)
                 npu.graph_task_update_end(stream)
                 task.event.record(stream)
 
@@ -117,9 +138,10 @@ class NpuAttention(AttentionBackend):
     """FIA's paged prefill pages in blocks of 128 (vLLM-Ascend's choice)."""
     default_block_size = BLOCK_SIZE
     supports_decode_graphs = True
-    """Decode steps can be captured (graph_runner.DecodeGraphs): the KV write and paged
-    attention read static buffers, and the host-side context lengths reach each replay
-    through task updates (DecodeGraphTasks, NpuPlatform.replay_graph)."""
+    """Decode steps can be captured whole (graph_runner.DecodeGraphs; opt-in on the NPU, see
+    NpuPlatform.default_graph_mode): the KV write and paged attention read static buffers,
+    and the host-side context lengths reach each replay through task updates
+    (DecodeGraphTasks, NpuPlatform.replay_graph)."""
     index_dtype = torch.int32
     lens_on_host = True
 
@@ -165,22 +187,29 @@ class NpuAttention(AttentionBackend):
         heads, kv_heads = q.shape[1], k_cache.shape[2]
         out = torch.empty_like(q)
         nd = meta.num_decode
-        if nd:
+        if nd and self.graph_tasks is not None:       # a whole-step decode graph
             args = dict(query=q[:nd].contiguous(), key_cache=k_cache, value_cache=v_cache,
                         num_kv_heads=kv_heads, num_heads=heads, scale_value=scale,
                         block_table=meta.decode_block_tables, out=out[:nd])
-            if self.graph_tasks is not None:
-                self.graph_tasks.capture(ops, args, meta.decode_lens)
-            else:
-                ops._npu_paged_attention(**args, context_lens=meta.decode_lens)
+            self.graph_tasks.capture(ops, args, meta.decode_lens)
+        elif nd:
+            out[:nd] = self._fused(q[:nd], k_cache, v_cache, list(range(1, nd + 1)),
+                                   meta.decode_lens.tolist(), meta.decode_block_tables, scale)
         if meta.q_ends is not None:
-            num_blocks, block_size, _, d = k_cache.shape
-            o, _ = ops.npu_fused_infer_attention_score(
-                q[nd:].contiguous(), k_cache.view(num_blocks, block_size, kv_heads * d),
-                v_cache.view(num_blocks, block_size, kv_heads * d),
-                atten_mask=self.causal_mask(q.device), actual_seq_lengths=meta.q_ends,
-                actual_seq_lengths_kv=meta.kv_lens, block_table=meta.prefill_block_tables,
-                num_heads=heads, scale=scale, input_layout="TND",
-                num_key_value_heads=kv_heads, sparse_mode=3, block_size=block_size)
-            out[nd:] = o
+            out[nd:] = self._fused(q[nd:], k_cache, v_cache, meta.q_ends, meta.kv_lens,
+                                   meta.prefill_block_tables, scale)
         return out
+
+    def _fused(self, q, k_cache, v_cache, q_ends: list[int], kv_lens: list[int], tables,
+               scale: float) -> torch.Tensor:
+        """npu_fused_infer_attention_score over the pool, TND: q [T, heads, D] for requests
+        ending at the cumulative q_ends, each over its kv_lens tokens through its table row."""
+        num_blocks, block_size, kv_heads, d = k_cache.shape
+        o, _ = self.ops.npu_fused_infer_attention_score(
+            q.contiguous(), k_cache.view(num_blocks, block_size, kv_heads * d),
+            v_cache.view(num_blocks, block_size, kv_heads * d),
+            atten_mask=self.causal_mask(q.device), actual_seq_lengths=q_ends,
+            actual_seq_lengths_kv=kv_lens, block_table=tables, num_heads=q.shape[1],
+            scale=scale, input_layout="TND", num_key_value_heads=kv_heads, sparse_mode=3,
+            block_size=block_size)
+        return o

@@ -1,0 +1,149 @@
+"""The NPU's graph modes as vLLM-Ascend runs them, and `workbench doctor --device npu`'s op
+checks, on the real NpuPlatform over the fake torch_npu (fake_torch_npu.py).
+
+- The default ('full', NpuPlatform.default_graph_mode) is vLLM-Ascend's PIECEWISE: every
+  step, decode included, replays captured pieces with the fused infer-attention op run eager
+  between them; no _npu_paged_attention runs at all.
+- Whole-step decode graphs with _npu_paged_attention are opt-in (graph_mode 'decode', or
+  pa_shape_list), captured with every length and the workspace at 6144 tokens
+  (SEQ_LEN_WITH_MAX_PA_WORKSPACE), the workspace queried again at each update.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fake_torch_npu
+from conftest import make_tiny_checkpoint, random_prompts
+from workbench import Engine, SamplingParams
+from workbench.platforms.npu_attention import SEQ_LEN_WITH_MAX_PA_WORKSPACE
+
+KW = dict(num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=160)
+
+
+@pytest.fixture(scope="module")
+def qwen3_d128(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_d128_modes")
+    make_tiny_checkpoint(path, "qwen3", head_dim=128)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3_d128):
+    prompts = random_prompts(4, 5, 200, 1000, seed=7)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (12, 4, 9, 6)]
+    ref = Engine(model=str(qwen3_d128), **KW, device="cpu", attention_backend="reference",
+                 block_size=128)
+    return prompts, params, [o.token_ids for o in ref.generate(prompts, params)]
+
+
+def test_npu_default_is_piecewise_with_fused_attention(qwen3_d128, reference, monkeypatch):
+    fake = fake_torch_npu.install(monkeypatch)
+    prompts, params, want = reference
+    e = Engine(model=str(qwen3_d128), device="npu", **KW)
+    info = e.info()
+    assert info.graph_mode == "full" and info.capture_sizes == () and info.piecewise_sizes
+    assert e.core.runner.graphs is None and not e.notices and not info.async_scheduling
+    assert [o.token_ids for o in e.generate(prompts, params)] == want
+    steps = e.telemetry.snapshot()[0]
+    decodes = [s for s in steps if s.phase == "decode"]
+    assert decodes and all(s.graph_kind == "PIECEWISE" for s in decodes)
+    assert not any(s.graph_kind == "FULL" for s in steps)
+    assert "paged" not in fake.calls and fake.calls["fia"]
+
+
+def test_npu_pa_shape_list_opts_batch_sizes_into_paged_decode_graphs(qwen3_d128, reference,
+                                                                      monkeypatch):
+    """Under the default mode, only the listed batch sizes replay whole-step graphs (FULL);
+    every other decode step replays piecewise, as vLLM-Ascend's pa_shape_list switches."""
+    fake = fake_torch_npu.install(monkeypatch)
+    prompts, params, want = reference
+    e = Engine(model=str(qwen3_d128), device="npu", **KW, pa_shape_list=[2])
+    assert e.info().graph_mode == "full" and e.info().capture_sizes == (2,)
+    assert [o.token_ids for o in e.generate(prompts, params)] == want
+    steps = [s for s in e.telemetry.snapshot()[0] if s.phase == "decode"]
+    full = [s for s in steps if s.graph_kind == "FULL"]
+    assert full and all(s.graph_size == 2 and s.num_decode_tokens <= 2 for s in full)
+    assert all(s.graph_kind == "PIECEWISE" for s in steps if s.num_decode_tokens > 2)
+    assert fake.calls["paged"] > 0
+    with pytest.raises(ValueError, match="pa_shape_list: 7 exceeds max_num_seqs"):
+        Engine(model=str(qwen3_d128), device="npu", **KW, pa_shape_list=[7])
+    with pytest.raises(ValueError, match="pa_shape_list: .*graph_mode='eager' captures none"):
+        Engine(model=str(qwen3_d128), device="npu", **KW, pa_shape_list=[2], graph_mode="eager")
+
+
+def test_npu_decode_graphs_capture_at_the_maximum_and_requery_the_workspace(
+        qwen3_d128, reference, monkeypatch):
+    """vLLM-Ascend's FULL_DECODE_ONLY capture: every row's length and the workspace at 6144
+    (model_runner_v1.py, SEQ_LEN_WITH_MAX_PA_WORKSPACE); its update queries the workspace
+    for the step's lengths (update_graph_params since #6041/#6231)."""
+    fake = fake_torch_npu.install(monkeypatch)
+    prompts, params, want = reference
+    e = Engine(model=str(qwen3_d128), device="npu", **KW, graph_mode="decode",
+               cudagraph_capture_sizes=[1, 2, 4])
+    graphs = e.core.runner.graphs.graphs
+    for size, g in graphs.items():
+        longest = torch.full((size,), SEQ_LEN_WITH_MAX_PA_WORKSPACE, dtype=torch.int32)
+        for task in g.tasks:
+            assert torch.equal(task.handle.kwargs["context_lens"], longest)
+        assert g.workspace.numel() == fake_torch_npu.pa_workspace_bytes(longest)
+    assert [o.token_ids for o in e.generate(prompts, params)] == want
+    g = graphs[4]
+    used = g.tasks[0].handle.kwargs
+    assert used["workspace"] is g.step_workspace and used["workspace"] is not g.workspace
+    assert g.step_workspace.numel() == fake_torch_npu.pa_workspace_bytes(used["context_lens"])
+
+
+def test_npu_default_counts_as_capturing_under_launch_blocking(qwen3_d128, monkeypatch):
+    fake_torch_npu.install(monkeypatch)
+    monkeypatch.setenv("ASCEND_LAUNCH_BLOCKING", "1")
+    with pytest.raises(ValueError, match=r"the device's choice, which is 'full' here"):
+        Engine(model=str(qwen3_d128), device="npu", **KW)
+
+
+def test_doctor_runs_one_op_of_each_kind(monkeypatch, capsys):
+    from workbench.cli import main
+    fake = fake_torch_npu.install(monkeypatch, fp32=False)
+    assert main(["doctor", "--device", "npu"]) == 0
+    out = capsys.readouterr().out
+    for name in ("cache write", "paged decode", "FIA prefill", "graph"):
+        assert f"  {name:<14} ran" in out, out
+    assert fake.calls["cache"] == 1 and fake.calls["paged"] == 2 and fake.calls["fia"] == 1
+    assert fake.npu.syncs and not fake.npu.pending
+    # a torch_npu without the graph task API: the graph check is skipped, not failed (the
+    # engine runs eager there and says so)
+    fake_torch_npu.install(monkeypatch, version="2.5.1.post1", fp32=False)
+    assert main(["doctor", "--device", "npu"]) == 0
+    out = capsys.readouterr().out
+    assert "  graph          skipped: " in out and "  paged decode   ran" in out
+
+
+@pytest.mark.parametrize("op,error,check,fix", [
+    ("_npu_paged_attention", OSError("libatb.so: cannot open shared object file"),
+     "paged decode", "nnal/atb/set_env.sh"),
+    ("npu_fused_infer_attention_score", RuntimeError("aclnnFusedInferAttentionScore failed"),
+     "FIA prefill", "ascend-toolkit/set_env.sh"),
+])
+def test_doctor_names_the_failed_op_and_the_fix(monkeypatch, capsys, op, error, check, fix):
+    from workbench.cli import main
+    fake = fake_torch_npu.install(monkeypatch, fp32=False)
+
+    def fail(*a, **kw):
+        raise error
+    monkeypatch.setattr(fake, op, fail)
+    assert main(["doctor", "--device", "npu"]) == 1
+    out = capsys.readouterr().out
+    line = next(i for i, text in enumerate(out.splitlines()) if text.startswith(f"  {check}"))
+    failed, fixed = out.splitlines()[line:line + 2]
+    assert "FAILED" in failed and str(error) in failed and fix in fixed, out
+    assert "  cache write    ran" in out
+
+
+def test_doctor_explains_a_capture_the_driver_refuses(monkeypatch, capsys):
+    from workbench.cli import main
+    fake = fake_torch_npu.install(monkeypatch, fp32=False)
+    fake.npu.max_graphs = 0
+    assert main(["doctor", "--device", "npu"]) == 1
+    out = capsys.readouterr().out
+    assert "  graph          FAILED" in out and "error 207008" in out and "HDK" in out
+    assert "  FIA prefill    ran" in out
