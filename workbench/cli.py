@@ -355,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     k = sub.add_parser("build-kernels", help="build the CPU kernel now (else the first engine "
-                                             "builds it in the background)")
+                                             "builds it in a detached process)")
     k.set_defaults(func=cmd_build_kernels)
 
     g = sub.add_parser("generate", help="stream a reply in the terminal")

@@ -2,7 +2,7 @@
 to eight aten ops, a batch-1 GEMV that streams the weights faster than MKL's, and batch-1
 decode through every layer in one call. At batch 1 a step reads all the weights (540 MB for
 SmolLM2-135M) and the rest was dispatch; see docs/benchmarks.md. Until the kernel module is
-built (the first start on a machine builds it in the background), and for anything but
+built (the first start on a machine builds it in a detached process), and for anything but
 fp32, they are the torch reference's."""
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ class CpuOps(TorchOps):
 def write_kv_when_built(k_cache, v_cache, k, v, slot_mapping):
     """attention.write_kv's signature: the C++ write once the kernel is built, plain torch
     (index_copy_ into the head-major pool, as write_kv does) until then."""
-    kern = cpu._kernels
+    kern = cpu.kernels()
     if kern:
         return kern.write_kv(k_cache, v_cache, k, v, slot_mapping)
     kv_heads, d = k.shape[1], k.shape[2]
