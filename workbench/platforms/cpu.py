@@ -18,7 +18,8 @@ from .attention import TorchAttention
 from .base import Platform
 
 log = logging.getLogger("workbench")
-_CSRC = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "cpu_ops.cpp")]
+_CSRC = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "cpu_ops.cpp",
+                                                             "cpu_quant.cpp")]
 _kernels = None
 # -ffast-math lets gcc vectorise expf (libmvec); the kernel never sees inf or NaN inputs.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
@@ -235,6 +236,7 @@ def decode_when_built(q, k_cache, v_cache, block_tables, context_lens, scale):
 
 class CpuPlatform(Platform):
     name = "cpu"
+    packed_weights = True
 
     @classmethod
     def is_available(cls) -> bool:
@@ -255,9 +257,9 @@ class CpuPlatform(Platform):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     def model_ops(self, dtype):
-        if dtype != torch.float32:
+        if dtype not in (torch.float32, torch.bfloat16):
             return super().model_ops(dtype)
-        from .cpu_ops import CpuOps
+        from .cpu_ops import CpuOps                 # fp32's fused ops; packed weights in both
         return CpuOps()
 
     def attention_backend(self, dtype, choice: str = "auto"):
