@@ -37,7 +37,7 @@ static void check(const torch::Tensor& w, int64_t fmt, int64_t K, const char* wh
               fmt, " at K = ", K);
 }
 
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -58,6 +58,34 @@ static inline float half_at(const uint8_t* p) {
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 static void dequant_row(const uint8_t* row, int64_t fmt, int64_t K, float* out) {
+#ifdef __AVX512F__
+  if (fmt == kQ4_1) {                    // d * q, then + m: two roundings, as the reference
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const uint8_t* blk = row + b * 20;
+      const __m512 d = _mm512_set1_ps(half_at(blk)), m = _mm512_set1_ps(half_at(blk + 2));
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low)));
+      const __m512 hi = _mm512_cvtepi32_ps(
+          _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low)));
+      _mm512_storeu_ps(out + b * 32, _mm512_add_ps(_mm512_mul_ps(d, lo), m));
+      _mm512_storeu_ps(out + b * 32 + 16, _mm512_add_ps(_mm512_mul_ps(d, hi), m));
+    }
+    return;
+  }
+  if (fmt == kQ8_0) {
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const uint8_t* blk = row + b * 34;
+      const __m512 d = _mm512_set1_ps(half_at(blk));
+      for (int h = 0; h < 2; ++h) {
+        const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 + 16 * h))));
+        _mm512_storeu_ps(out + b * 32 + 16 * h, _mm512_mul_ps(d, q));
+      }
+    }
+    return;
+  }
+#endif
   if (fmt == kQ4_1) {
     for (int64_t b = 0; b < K / 32; ++b) {
       const uint8_t* blk = row + b * 20;
@@ -208,6 +236,72 @@ torch::Tensor qgemv(torch::Tensor x, torch::Tensor w, int64_t fmt) {
   });
   return y;
 }
+// A few rows of x (batch decode, a short chunk) against one packed row at a time: each
+// block is dequantized into two registers once and multiplied with every x row, so the
+// weights are read once a step, as at batch 1. MT x rows a pass (MT sums in registers).
+template <int MT>
+static inline void small_rows(const uint8_t* wr, int64_t fmt, const float* x, int64_t ldx,
+                              int64_t K, float* y, int64_t ldy) {
+  __m512 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  const __m128i low = _mm_set1_epi8(0x0F);
+  float scale = 1.f;
+  if (fmt == kInt8) std::memcpy(&scale, wr, 4);
+  const int64_t step = fmt == kInt8 ? 16 : 32;
+  for (int64_t k = 0; k < K; k += step) {
+    __m512 w0, w1 = _mm512_setzero_ps();
+    __mmask16 tail = 0xFFFF;
+    if (fmt == kQ4_1) {
+      const uint8_t* blk = wr + k / 32 * 20;
+      const __m512 d = _mm512_set1_ps(half_at(blk)), mn = _mm512_set1_ps(half_at(blk + 2));
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+      w0 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low))), mn);
+      w1 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                  _mm_and_si128(_mm_srli_epi16(q, 4), low))), mn);
+    } else if (fmt == kQ8_0) {
+      const uint8_t* blk = wr + k / 32 * 34;
+      const __m512 d = _mm512_set1_ps(half_at(blk));
+      w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)))));
+      w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)))));
+    } else {
+      if (K - k < 16) tail = static_cast<__mmask16>((1u << (K - k)) - 1);
+      w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(tail, wr + 4 + k)));
+    }
+    for (int m = 0; m < MT; ++m) {
+      const float* xm = x + m * ldx + k;
+      if (step == 32) {
+        acc[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xm), acc[m]);
+        acc[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xm + 16), acc[m]);
+      } else {
+        acc[m] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(tail, xm), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m) y[m * ldy] = scale * _mm512_reduce_add_ps(acc[m]);
+}
+
+static constexpr int64_t kSmallRows = 16;
+// x rows up to which batched qlinear stays on the packed rows (small_rows); above it the
+// GEMM on dequantized slices is faster.
+
+static torch::Tensor qlinear_small(const torch::Tensor& x, const torch::Tensor& w, int64_t fmt) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), rb = w.size(1);
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 8, [&](int64_t b, int64_t e) {
+    for (int64_t n = b; n < e; ++n) {
+      int64_t m = 0;
+      for (; m + 8 <= M; m += 8) small_rows<8>(wp + n * rb, fmt, xp + m * K, K, K, yp + m * N + n, N);
+      for (; m + 4 <= M; m += 4) small_rows<4>(wp + n * rb, fmt, xp + m * K, K, K, yp + m * N + n, N);
+      for (; m < M; ++m) small_rows<1>(wp + n * rb, fmt, xp + m * K, K, K, yp + m * N + n, N);
+    }
+  });
+  return y;
+}
 #endif
 
 // x [M, K] (fp32 or bf16) @ packed weight^T -> [M, N] in x's dtype. One fp32 row takes
@@ -217,10 +311,11 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, int64_t fmt) {
                                x.scalar_type() == torch::kBFloat16), "qlinear: fp32 or bf16 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   check(w, fmt, K, "qlinear");
+  x = x.contiguous();
 #ifdef __AVX512F__
   if (M == 1 && x.scalar_type() == torch::kFloat32) return qgemv(x, w, fmt);
+  if (M <= kSmallRows && x.scalar_type() == torch::kFloat32) return qlinear_small(x, w, fmt);
 #endif
-  x = x.contiguous();
   auto out = torch::empty({M, N}, x.options());
   const int64_t chunk = std::min<int64_t>(N, std::max<int64_t>(64, (int64_t{1} << 18) / K));
   auto buf = torch::empty({chunk, K}, torch::kFloat32);
