@@ -64,6 +64,7 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
                          f"CPU's kernels; {platform.name} takes them unquantized (None)")
 
     ckpt = load_checkpoint(config.model, config.quantization)
+    ckpt_gguf = str(ckpt.gguf_path) if ckpt.gguf_path else None
     hf_config, tokenizer, model_path = ckpt.hf_config, ckpt.tokenizer, ckpt.path
     model_limit = getattr(hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN)
     if config.max_model_len is not None and config.max_model_len > model_limit:
@@ -113,7 +114,7 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
         attention=backend.name, ops=model.ops.name,
         async_scheduling=run_ahead, vocab_size=hf_config.vocab_size,
         num_params=num_params(model), quantization=config.quantization,
-        weight_formats=weight_formats(model),
+        weight_formats=weight_formats(model), gguf_path=ckpt_gguf,
         num_layers=model.num_layers, **_model_shape(model, hf_config, dtype), config=config,
         generation_defaults=(generation_defaults(model_path)
                              if config.generation_config == "auto" else {}))

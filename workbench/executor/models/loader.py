@@ -55,6 +55,7 @@ class LoadedCheckpoint:
     state_dict: dict[str, torch.Tensor] | None   # None: initialise randomly
     tokenizer: object | None        # transformers tokenizer, or None for random weights
     path: Path | None               # the checkpoint directory, when there is one
+    gguf_path: Path | None = None   # the GGUF file it was converted from (smollm2)
 
 
 def file_digest(path: Path) -> str:
@@ -337,7 +338,8 @@ def load_checkpoint(model: str, quantization: str | None = None) -> LoadedCheckp
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return LoadedCheckpoint(model, cfg, state, tokenizer, path)
+    return LoadedCheckpoint(model, cfg, state, tokenizer, path,
+                            smollm2_gguf_path() if model == "smollm2" else None)
 
 
 GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
