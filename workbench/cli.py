@@ -40,9 +40,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=DEVICES,
                    help="auto tries npu, then cuda, then cpu")
     p.add_argument("--dtype", default="auto", choices=DTYPES)
-    p.add_argument("--quantization", default=d["quantization"].default, choices=QUANTIZATIONS,
-                   help="low-bit weights on the CPU: gguf (the GGUF's own Q4_1/Q8_0 blocks) "
-                        "or int8 (any checkpoint, per output row); default: unquantized")
+    p.add_argument("--quantization", default=d["quantization"].default,
+                   choices=(*QUANTIZATIONS, "none"),
+                   help="low-bit weights on the CPU: gguf (the GGUF's own Q4_1/Q8_0 blocks), "
+                        "int8 (any checkpoint, per output row) or none; auto (default): the "
+                        "checkpoint's own format where the device runs it (gguf for smollm2 "
+                        "on the CPU)")
     p.add_argument("--block-size", type=int, default=d["block_size"].default, choices=BLOCK_SIZES,
                    help="tokens per KV block; default: the device's choice")
     p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"].default)
@@ -67,7 +70,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_kwargs(a) -> dict:
-    return dict(device=a.device, dtype=a.dtype, quantization=a.quantization,
+    return dict(device=a.device, dtype=a.dtype,
+                quantization=None if a.quantization == "none" else a.quantization,
                 block_size=a.block_size,
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                 num_kv_blocks=a.num_kv_blocks, gpu_memory_utilization=a.gpu_memory_utilization,

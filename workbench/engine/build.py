@@ -57,6 +57,11 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
     backend = platform.attention_backend(dtype, config.attention_backend)
     if config.block_size is None:
         config = replace(config, block_size=backend.default_block_size)
+    if config.quantization == "auto":     # the checkpoint's own format, where it runs here
+        own = "gguf" if config.model == "smollm2" else None
+        config = replace(config, quantization=own if platform.packed_weights
+                         and dtype == torch.float32 and config.attention_backend == "auto"
+                         else None)
     platform.check_config(config)
     backend.check_config(config, platform.name)
     if config.quantization is not None and not platform.packed_weights:

@@ -315,6 +315,8 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, int64_t fmt) {
 #ifdef __AVX512F__
   if (M == 1 && x.scalar_type() == torch::kFloat32) return qgemv(x, w, fmt);
   if (M <= kSmallRows && x.scalar_type() == torch::kFloat32) return qlinear_small(x, w, fmt);
+  if (M <= kSmallRows)        // bf16 rows: the same streaming kernels, on the rows in fp32
+    return qlinear(x.to(torch::kFloat32), w, fmt).to(x.scalar_type());
 #endif
   auto out = torch::empty({M, N}, x.options());
   const int64_t chunk = std::min<int64_t>(N, std::max<int64_t>(64, (int64_t{1} << 18) / K));
