@@ -114,19 +114,26 @@ def greedy(engine, n=24):
 
 
 @pytest.fixture(scope="module")
-def fp32_tokens(smollm2_dir):
-    e = Engine(model="smollm2", device="cpu", num_kv_blocks=96)
+def fp32_run(smollm2_dir):
+    """The unquantized engine's greedy tokens and lm-eval accuracy on the local task."""
+    from workbench.bench.lm_eval_local import accuracy
+    e = Engine(model="smollm2", device="cpu", num_kv_blocks=96, quantization=None)
     try:
-        return greedy(e)
+        assert e.info().weight_formats == ("float32",)
+        return greedy(e), accuracy(e)
     finally:
         e.shutdown()
 
 
-def test_gguf_weights_end_to_end(smollm2_dir, kernels, fp32_tokens):
-    """The engine on the file's own blocks: 98 MB of weights, not 538; greedy tokens equal
-    the same format's torch reference and the fp32 engine's (the fp32 checkpoint is these
-    blocks dequantized); batch 1 goes through decode_layers on packed rows."""
-    e = Engine(model="smollm2", device="cpu", num_kv_blocks=96, quantization="gguf")
+def test_gguf_weights_end_to_end(smollm2_dir, kernels, fp32_run):
+    """The engine on the file's own blocks (the CPU default for smollm2): 97 MB of weights,
+    not 538; greedy tokens equal the same format's torch reference and the fp32 engine's
+    (the fp32 checkpoint is these blocks dequantized), and so does lm-eval's accuracy on the
+    local task; batch 1 goes through decode_layers on packed rows."""
+    pytest.importorskip("lm_eval")
+    from workbench.bench.lm_eval_local import accuracy
+    fp32_tokens, fp32_acc = fp32_run
+    e = Engine(model="smollm2", device="cpu", num_kv_blocks=96)
     ref = Engine(model="smollm2", device="cpu", num_kv_blocks=96, quantization="gguf",
                  attention_backend="reference")
     try:
@@ -139,6 +146,8 @@ def test_gguf_weights_end_to_end(smollm2_dir, kernels, fp32_tokens):
         one = e.generate([PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0,
                                                        ignore_eos=True))[0].token_ids
         assert one == fp32_tokens[0]               # batch 1 (decode_layers) too
+        acc = accuracy(e)
+        assert acc == fp32_acc and acc["n"] == 40 and acc["acc"] > 0.5, (acc, fp32_acc)
     finally:
         e.shutdown()
         ref.shutdown()

@@ -4,7 +4,8 @@ file where llama-cpp-python is installed (an optional peer, never a test depende
 
 Per format: the weights' bytes, batch-1 decode (TPOT, 128-token prompt, 128 new tokens),
 the 128-token prefill, the offline throughput workload where asked, and quality against
-fp32: the log-probability fp32's greedy continuation of each check prompt gets under the
+fp32 (lm-eval's accuracy on a small local multiple-choice task where lm-eval is
+installed, bench/lm_eval_local.py, and) the log-probability fp32's greedy continuation of each check prompt gets under the
 format (teacher-forced, so one early difference does not change every later token), as mean
 and max |difference| per token, and how many of those tokens the format's own argmax
 agrees with. Ratios are against fp32 (and llama.cpp) measured in the same run, since only
@@ -112,6 +113,11 @@ def run(formats=("fp32", "gguf", "int8"), model: str = "smollm2", b1_prompt: int
                     conts = _continuations(engine)
                     reference = _scored(engine, prompts, conts)
                 r["quality_vs_fp32"] = quality(engine, reference, prompts, conts)
+                try:
+                    from .lm_eval_local import accuracy
+                    r["lm_eval_local_mc"] = accuracy(engine)
+                except ImportError:
+                    pass                      # lm-eval is optional (the dev extra has it)
             if workload is not None:
                 r["throughput"] = run_engine(engine, workload)
             res[name] = r
@@ -142,7 +148,7 @@ def run(formats=("fp32", "gguf", "int8"), model: str = "smollm2", b1_prompt: int
 def format_table(report: dict) -> str:
     res, ratios = report["results"], report["ratios"]
     lines = [f"{'weights':<16} {'MB':>7} {'TPOT ms':>8} {'prefill ms':>10} {'tok/s':>8} "
-             f"{'|Δlogprob| mean/max':>20} {'argmax':>8}", "-" * 84]
+             f"{'|Δlogprob| mean/max':>20} {'argmax':>8} {'lm-eval acc':>11}", "-" * 96]
     for name, r in res.items():
         if name not in FORMATS:
             continue
@@ -151,7 +157,8 @@ def format_table(report: dict) -> str:
         tps = r.get("throughput", {}).get("out_tok_s", "")
         lines.append(f"{name + ' ' + '+'.join(r['weight_formats']):<16} {r['weight_mb']:>7} "
                      f"{r['b1']['tpot_ms']:>8} {r['prefill_ms']:>10} {tps:>8} {qs:>20} "
-                     f"{q.get('argmax_agree', ''):>8}")
+                     f"{q.get('argmax_agree', ''):>8} "
+                     f"{r.get('lm_eval_local_mc', {}).get('acc', ''):>11}")
     if "llama_cpp_gguf" in res:
         r = res["llama_cpp_gguf"]
         lines.append(f"{'llama.cpp GGUF':<16} {'':>7} {r['tpot_ms']:>8} {r['prefill_ms']:>10}")
