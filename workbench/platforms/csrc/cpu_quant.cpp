@@ -85,6 +85,17 @@ static void dequant_row(const uint8_t* row, int64_t fmt, int64_t K, float* out) 
     }
     return;
   }
+  {                                      // int8: s * q, sixteen at a time, a masked tail
+    float s;
+    std::memcpy(&s, row, 4);
+    const __m512 sv = _mm512_set1_ps(s);
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 m = K - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (K - k)) - 1);
+      const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, row + 4 + k)));
+      _mm512_mask_storeu_ps(out + k, m, _mm512_mul_ps(sv, q));
+    }
+    return;
+  }
 #endif
   if (fmt == kQ4_1) {
     for (int64_t b = 0; b < K / 32; ++b) {
