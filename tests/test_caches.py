@@ -65,31 +65,45 @@ t = time.perf_counter()
 engine = Engine(model=model, device="cpu", num_kv_blocks=64)
 during = [o.token_ids for o in engine.generate(prompts, params)]
 first_s = time.perf_counter() - t
-building = cpu._kernels is None and cpu._build_thread.is_alive()
-cpu._build_thread.join(600)
+building = cpu._kernels is None and cpu._builder.poll() is None
+assert cpu.wait_for_kernel(600)
 after = [o.token_ids for o in engine.generate(prompts, params)]
 ref = Engine(model=model, device="cpu", num_kv_blocks=64, attention_backend="reference")
 expected = [o.token_ids for o in ref.generate(prompts, params)]
 print("RESULT", json.dumps(dict(first_s=first_s, building=building, built=bool(cpu._kernels),
+                                builder=cpu._builder.pid,
                                 during=during == expected, after=after == expected)))
 """
 
 
 @pytest.fixture(scope="module")
 def kernel_cache(tmp_path_factory, smollm2_dir):
-    """A cache whose kernel build was killed with kill -9 half-way; then a start that must
-    not wait for the dead build's lock, and serves while it builds the kernel again."""
+    """A cache whose kernel builds were killed with kill -9 half-way, twice: once a build
+    running in the process that asked for it, once the detached builder an engine starts;
+    then a start that must not wait for the dead builds' lock, and serves while it builds
+    the kernel again."""
     cache = tmp_path_factory.mktemp("cache")
     first = start(KERNEL, cache)
-    kill9_when(first, lambda: any((cache / "kernels").glob("*/build.ninja")), 120,
-               "the kernel build start")
+    ninja = lambda: any((cache / "kernels").glob("*/build.ninja"))   # noqa: E731
+    kill9_when(first, ninja, 120, "the kernel build start")
+    for f in (cache / "kernels").glob("*/build.ninja"):
+        f.unlink()
+    out = finish(start(SHORT_LIVED, cache), 600)
+    builder = int(out.split("BUILDER ", 1)[1].split()[0])
+    deadline = time.monotonic() + 120
+    while not ninja() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(builder, signal.SIGKILL)          # the builder's session: its compiler too
+    wait_gone(builder, 10)
+    assert not any((cache / "kernels").glob("*/built"))
     second = subprocess.Popen([sys.executable, "-c", FIRST_START, str(smollm2_dir)],
                               env={**os.environ, "WORKBENCH_CACHE": str(cache),
                                    "PYTHONPATH": str(ROOT)}, cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
     out = finish(second, 600)
     result = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
-    print(f"first start after a killed build: {result}")
+    wait_gone(result["builder"], 60)
+    print(f"first start after two killed builds: {result}")
     return cache, result
 
 
@@ -97,20 +111,37 @@ SHORT_LIVED = """
 from workbench import Engine, SamplingParams
 from workbench.platforms import cpu
 e = Engine(model="random:tiny", device="cpu", num_kv_blocks=16)
-print("BUILDING", cpu._build_thread is not None and cpu._build_thread.is_alive())
+print("BUILDER", cpu._builder.pid, flush=True)
 print(e.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))[0].token_ids)
 """
 
 
+def wait_gone(pid: int, timeout: float) -> None:
+    import psutil
+    try:
+        psutil.Process(pid).wait(timeout)
+    except psutil.NoSuchProcess:
+        pass
+    except psutil.TimeoutExpired:
+        os.killpg(pid, signal.SIGKILL)
+        pytest.fail(f"the detached kernel build {pid} ran past {timeout} s")
+
+
 def test_a_short_lived_process_leaves_a_built_kernel(tmp_path):
-    """A process that starts the background build and is done before it (a `workbench
-    generate`, a script) waits for the build at exit, so the kernel is there for the next
-    process, which loads it without building: `workbench build-kernels` finds it built."""
+    """A process that starts the build and exits at once (a `workbench generate`, a script)
+    does not wait for it and does not kill it: the build runs in a detached process of its
+    own, which finishes and exits by itself; the next process loads the module without
+    building (`workbench build-kernels` finds it built)."""
+    import psutil
     cache = tmp_path / "cache"
     out = finish(start(SHORT_LIVED, cache), 600)
-    assert "BUILDING True" in out and "finishing the CPU kernel build" in out, out[-2000:]
+    pid = int(out.split("BUILDER ", 1)[1].split()[0])
     (build,) = (cache / "kernels").iterdir()
-    assert (build / "built").is_file()
+    assert psutil.pid_exists(pid) and not (build / "built").is_file(), \
+        "the first process waited for the build instead of leaving it to the builder"
+    wait_gone(pid, 600)
+    assert (build / "built").is_file(), (build / "build.log").read_text()[-2000:]
+    assert not (build / "built.tmp").exists()
     out = finish(start("from workbench.cli import main; raise SystemExit(main(['build-kernels']))", cache), 120)
     assert f"built: {build}" in out and "building the CPU kernel" not in out, out[-2000:]
 

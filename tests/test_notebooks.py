@@ -83,7 +83,8 @@ def test_prefill_decode_step_by_step(tmp_path):
         "answer1": "8 * 2 * (info.num_layer_params + info.hidden_size * info.vocab_size) "
                    "/ info.weight_bytes", "answer2": "5", "answer3": "1"})
     assert text.count("right:") == 3 and "not quite" not in text
-    assert plotly_figures(outputs) == 5       # batch scaling, roofline, block table, KV, preemption
+    assert plotly_figures(outputs) == 6       # batch scaling, roofline, formats, block table, KV, preemption
+    assert re.search(r"gguf  \(q4_1\+q8_0\):  +\d+ MB of weights", text)
     m = re.search(r"balance ([\d.]+) FLOP/byte", text)
     assert m and float(m.group(1)) > 0
     assert "same tokens: True" in text                                 # cache vs recompute

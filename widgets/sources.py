@@ -95,7 +95,9 @@ def describe_engine(i: EngineInfo) -> dict[str, str]:
     """What an engine runs, in a few words per item, for a header (a live engine's, or a
     recorded trace's)."""
     c = i.config
-    return {"model": c.model, "device": i.device, "dtype": i.dtype, "attention": i.attention,
+    weights = "+".join(getattr(i, "weight_formats", ()) or ()) or i.dtype
+    return {"model": c.model, "device": i.device, "dtype": i.dtype, "weights": weights,
+            "attention": i.attention,
             "block size": str(c.block_size), "KV blocks": str(i.num_kv_blocks),
             "max_num_seqs": str(c.max_num_seqs),
             "max_num_batched_tokens": str(c.max_num_batched_tokens),

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from .config import (ATTENTION_BACKENDS, BLOCK_SIZES, DEVICES, DTYPES, GENERATION_CONFIGS,
-                     GRAPH_MODES, TOOL_CALL_PARSERS, EngineConfig)
+                     GRAPH_MODES, QUANTIZATIONS, TOOL_CALL_PARSERS, EngineConfig)
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -40,6 +40,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=DEVICES,
                    help="auto tries npu, then cuda, then cpu")
     p.add_argument("--dtype", default="auto", choices=DTYPES)
+    p.add_argument("--quantization", default=d["quantization"].default,
+                   choices=(*QUANTIZATIONS, "none"),
+                   help="low-bit weights on the CPU: gguf (the GGUF's own Q4_1/Q8_0 blocks), "
+                        "int8 (any checkpoint, per output row) or none; auto (default): the "
+                        "checkpoint's own format where the device runs it (gguf for smollm2 "
+                        "on the CPU)")
     p.add_argument("--block-size", type=int, default=d["block_size"].default, choices=BLOCK_SIZES,
                    help="tokens per KV block; default: the device's choice")
     p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"].default)
@@ -67,7 +73,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_kwargs(a) -> dict:
-    return dict(device=a.device, dtype=a.dtype, block_size=a.block_size,
+    return dict(device=a.device, dtype=a.dtype,
+                quantization=None if a.quantization == "none" else a.quantization,
+                block_size=a.block_size,
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                 num_kv_blocks=a.num_kv_blocks, gpu_memory_utilization=a.gpu_memory_utilization,
                 enable_prefix_caching=not a.no_prefix_caching, graph_mode=a.graph_mode,
@@ -140,11 +148,25 @@ def cmd_bench(a) -> int:
     if a.ignore_eos is not None:
         raise ValueError("--ignore-eos/--no-ignore-eos: only for a server (--url); the offline "
                          "benchmark always runs each request to its length")
-    from .bench.offline import SAMPLING_WORKLOADS, format_table, run, save
+    from .bench.offline import SAMPLING_WORKLOADS, format_table, make_workload, run, save
     from .platforms import auto_device
     if (auto_device() if a.device in (None, "auto") else a.device) == "cpu":
         from .platforms.cpu import ensure_kernel_built    # measure the kernel, never the fallback
         ensure_kernel_built(lambda s: print(s, file=sys.stderr))
+    if a.formats:
+        from .bench import formats
+        kw = {k: v for k, v in _engine_kwargs(a).items() if k not in ("dtype", "quantization",
+                                                                       "device")}
+        wl = (make_workload(a.num_requests, _range(a.input_len), _range(a.output_len), 49152,
+                            a.seed) if a.num_requests else None)
+        report = formats.run(tuple(x for x in a.formats.split(",") if x), a.model or "smollm2",
+                             workload=wl, engine_kwargs=kw,
+                             log=lambda s: print(s, file=sys.stderr))
+        print(formats.format_table(report))
+        if a.output:
+            save(report, a.output)
+            print(f"wrote {a.output}", file=sys.stderr)
+        return 0
     sampling = (tuple(SAMPLING_WORKLOADS) if a.sampling == "all"
                 else tuple(x for x in a.sampling.split(",") if x and x != "none"))
     peers = tuple(x for x in a.peers.split(",") if x and x != "none")
@@ -363,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     k = sub.add_parser("build-kernels", help="build the CPU kernel now (else the first engine "
-                                             "builds it in the background)")
+                                             "builds it in a detached process)")
     k.set_defaults(func=cmd_build_kernels)
 
     g = sub.add_parser("generate", help="stream a reply in the terminal")
@@ -392,6 +414,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampled workloads to run beside greedy on the same requests: all, "
                         "none, or a comma list of bench.offline.SAMPLING_WORKLOADS' names "
                         "(qwen3_defaults, t0.7_top_p0.9, greedy_stop_string, greedy_logprobs5)")
+    b.add_argument("--formats", default=None,
+                   help="compare weight formats on the CPU instead (comma list of fp32, gguf, "
+                        "int8, bf16): weight bytes, batch-1 TPOT, prefill, quality against "
+                        "fp32, the --num-requests workload, and llama.cpp on the same GGUF "
+                        "where llama-cpp-python is installed")
     b.add_argument("--output", default="bench.json", help="JSON report path ('' for none)")
     serving = b.add_argument_group("serving benchmark (with --url, in the manner of vllm bench serve)")
     serving.add_argument("--url", default=None,

@@ -13,6 +13,8 @@ BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
 GRAPH_MODES = ("eager", "decode", "full")
 """vLLM-Ascend's meanings (see executor/graphs.py)."""
 ATTENTION_BACKENDS = ("auto", "reference")
+QUANTIZATIONS = ("auto", "gguf", "int8")
+"""Low-bit weight storage (platforms/quant.py), on the CPU; None for none."""
 PREEMPTION_MODES = ("newest", "oldest", "largest")
 GENERATION_CONFIGS = ("auto", "none")
 TOOL_CALL_PARSERS = ("hermes",)
@@ -35,6 +37,14 @@ class EngineConfig:
     """'auto' (npu, then cuda, then cpu), 'cpu', 'cuda' or 'npu'."""
     dtype: str = "auto"
     """'auto' (fp32 on CPU), 'float32', 'bfloat16' or 'float16'."""
+    quantization: str | None = "auto"
+    """How the weights are stored (vLLM's knob): 'gguf', a GGUF model's own low-bit blocks
+    as the file holds them (the embedded smollm2: Q4_1 layers and a Q8_0 embedding, 97 MB
+    against 538 MB in fp32, and the same numbers: the fp32 checkpoint is their
+    dequantization); 'int8', any checkpoint's linear weights and embedding quantized at
+    load, one scale per output row; None, in `dtype`. 'auto': the checkpoint's own format
+    where the device runs it, as vLLM reads a GGUF's ('gguf' for smollm2 on the CPU in
+    fp32), else None. CPU only: its kernels stream the packed rows."""
     seed: int = 0
     """Seeds random weights and the generator that requests without a seed of their own
     draw from."""
@@ -131,6 +141,8 @@ class EngineConfig:
             bad("generation_config", f"must be one of {GENERATION_CONFIGS}")
         if self.dtype not in DTYPES:
             bad("dtype", f"must be one of {DTYPES}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            bad("quantization", f"must be one of {QUANTIZATIONS} or None (unquantized)")
         if self.graph_mode is not None and self.graph_mode not in GRAPH_MODES:
             bad("graph_mode", f"must be one of {GRAPH_MODES}")
         if self.cudagraph_capture_sizes is not None and isinstance(self.max_num_seqs, int):

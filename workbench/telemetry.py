@@ -212,6 +212,14 @@ class EngineInfo:
     """K and V of every layer for one token."""
     config: Any
     """The EngineConfig as run (block_size and graph_mode resolved for the device)."""
+    quantization: str | None = None
+    """How the weights are stored: None (in `dtype`), 'gguf' or 'int8' (EngineConfig)."""
+    gguf_path: str | None = None
+    """The GGUF file the weights come from, where they come from one (the embedded smollm2):
+    what a peer such as llama.cpp runs for the same weights."""
+    weight_formats: tuple[str, ...] = ()
+    """The formats the weights are held in, e.g. ('float32', 'q4_1', 'q8_0'): what the
+    dashboard header and `workbench info` name."""
     generation_defaults: dict = field(default_factory=dict)
     """The sampling defaults in force for fields a request leaves out (SamplingParams' names:
     the checkpoint's generation_config.json with generation_config='auto'; {}: SamplingParams'

@@ -20,6 +20,7 @@ from ..executor.models import build_model, load_checkpoint
 from ..executor.models.loader import generation_defaults
 from ..executor.runner import ModelRunner
 from ..platforms import get_platform
+from ..platforms.quant import packed_weights
 from ..telemetry import EngineInfo, MemoryStats, Telemetry
 
 log = logging.getLogger("workbench")
@@ -56,10 +57,19 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
     backend = platform.attention_backend(dtype, config.attention_backend)
     if config.block_size is None:
         config = replace(config, block_size=backend.default_block_size)
+    if config.quantization == "auto":     # the checkpoint's own format, where it runs here
+        own = "gguf" if config.model == "smollm2" else None
+        config = replace(config, quantization=own if platform.packed_weights
+                         and dtype == torch.float32 and config.attention_backend == "auto"
+                         else None)
     platform.check_config(config)
     backend.check_config(config, platform.name)
+    if config.quantization is not None and not platform.packed_weights:
+        raise ValueError(f"quantization: low-bit weights ({config.quantization!r}) run on the "
+                         f"CPU's kernels; {platform.name} takes them unquantized (None)")
 
-    ckpt = load_checkpoint(config.model)
+    ckpt = load_checkpoint(config.model, config.quantization)
+    ckpt_gguf = str(ckpt.gguf_path) if ckpt.gguf_path else None
     hf_config, tokenizer, model_path = ckpt.hf_config, ckpt.tokenizer, ckpt.path
     model_limit = getattr(hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN)
     if config.max_model_len is not None and config.max_model_len > model_limit:
@@ -70,7 +80,8 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
     platform.empty_cache()       # what dropped engines left cached counts as free
     platform.reset_peak_memory()
     ops = platform.model_ops(dtype) if config.attention_backend == "auto" else None
-    model = build_model(ckpt, dtype, platform.device, max_model_len, config.seed, ops)
+    model = build_model(ckpt, dtype, platform.device, max_model_len, config.seed, ops,
+                        config.quantization)
     del ckpt
     platform.check_model(model)
     model.ops.prepare(model, platform)
@@ -83,7 +94,7 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
     scheduler = Scheduler(config, block_manager, max_model_len)
     runner = ModelRunner(model, num_blocks, bs, platform, backend)
     telemetry = Telemetry(config.max_step_events, config.max_request_records)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = weight_bytes(model)
     telemetry.memory = MemoryStats(weights, runner.kv_cache_bytes, platform.peak_memory_bytes(),
                                    kv_bytes_per_block(model, bs, dtype), num_blocks)
     graph_mode, capture_sizes, piecewise_sizes, notices = runner.capture_graphs(config,
@@ -107,7 +118,8 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
         piecewise_sizes=tuple(piecewise_sizes),
         attention=backend.name, ops=model.ops.name,
         async_scheduling=run_ahead, vocab_size=hf_config.vocab_size,
-        num_params=sum(p.numel() for p in model.parameters()),
+        num_params=num_params(model), quantization=config.quantization,
+        weight_formats=weight_formats(model), gguf_path=ckpt_gguf,
         num_layers=model.num_layers, **_model_shape(model, hf_config, dtype), config=config,
         generation_defaults=(generation_defaults(model_path)
                              if config.generation_config == "auto" else {}))
@@ -143,16 +155,39 @@ def _fit_max_model_len(config: EngineConfig, max_model_len: int, pool_tokens: in
     return limit
 
 
+def num_params(module) -> int:
+    """Weights of a module, packed ones (platforms/quant.py) counted as the matrices they are."""
+    return sum(p.numel() for p in module.parameters()) + \
+        sum(w.numel() for w in packed_weights(module))
+
+
+def weight_formats(model) -> tuple[str, ...]:
+    """The formats of the matrices a forward reads (the norms aside), largest share first."""
+    share: dict[str, int] = {}
+    for w in packed_weights(model):
+        share[w.format] = share.get(w.format, 0) + w.numel()
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            key = str(p.dtype).replace("torch.", "")
+            share[key] = share.get(key, 0) + p.numel()
+    return tuple(sorted(share, key=share.get, reverse=True))
+
+
+def weight_bytes(module) -> int:
+    """The bytes a module's weights take, packed ones as packed."""
+    return sum(p.numel() * p.element_size() for p in module.parameters()) + \
+        sum(w.nbytes for w in packed_weights(module))
+
+
 def _model_shape(model, hf_config, dtype: torch.dtype) -> dict:
-    """The shape figures EngineInfo carries (what FLOP and byte counts of a step need)."""
-    layers = sum(p.numel() for p in model.layers.parameters())
-    head = (model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight).numel()
-    elem = next(model.parameters()).element_size()
-    return dict(num_layer_params=layers, hidden_size=hf_config.hidden_size,
+    """The shape figures EngineInfo carries (what FLOP and byte counts of a step need): the
+    bytes a decode step reads are the layers' and the LM head's, as stored."""
+    head = model.embed_tokens if model.lm_head is None else model.lm_head
+    return dict(num_layer_params=num_params(model.layers), hidden_size=hf_config.hidden_size,
                 intermediate_size=hf_config.intermediate_size,
                 num_attention_heads=hf_config.num_attention_heads,
                 num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-                weight_bytes=(layers + head) * elem,
+                weight_bytes=weight_bytes(model.layers) + weight_bytes(head),
                 kv_bytes_per_token=kv_bytes_per_token(model, dtype))
 
 

@@ -98,6 +98,9 @@ class Platform:
         from .attention import TorchAttention
         return (TorchAttention,)
 
+    packed_weights = False
+    """Whether this device's ops take low-bit weights (EngineConfig.quantization)."""
+
     def check_config(self, config) -> None:
         """Refuse knob values this device cannot run (ValueError naming the knob); the
         attention backend checks its own (AttentionBackend.check_config)."""

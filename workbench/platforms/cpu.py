@@ -1,13 +1,14 @@
 from __future__ import annotations
 
-import atexit
 import hashlib
 import logging
 import os
 import platform
 import resource
+import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -17,7 +18,8 @@ from .attention import TorchAttention
 from .base import Platform
 
 log = logging.getLogger("workbench")
-_CSRC = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "cpu_ops.cpp")]
+_CSRC = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "cpu_ops.cpp",
+                                                             "cpu_quant.cpp")]
 _kernels = None
 # -ffast-math lets gcc vectorise expf (libmvec); the kernel never sees inf or NaN inputs.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
@@ -97,7 +99,9 @@ def load_cpu_kernels():
                     from torch.utils.cpp_extension import load
                     _kernels = load(name=_NAME, sources=[str(p) for p in _CSRC], extra_cflags=_CFLAGS,
                                     build_directory=str(build), verbose=False)
-                    done.write_text(f"{_NAME}.so\n")
+                    tmp = build / "built.tmp"            # the marker appears whole or not at all
+                    tmp.write_text(f"{_NAME}.so\n")
+                    os.replace(tmp, done)
         except Exception as e:   # no compiler / ninja: the plain-torch path still works
             log.warning("CPU attention kernel unavailable (%s); using the plain-torch path",
                         str(e).splitlines()[0] if str(e) else type(e).__name__)
@@ -126,53 +130,98 @@ def ensure_kernel_built(log=None) -> bool:
     return ok
 
 
+BUILD_TIMEOUT_S = 1800
+"""A detached build that has not finished in this long kills itself and its compiler (a hung
+toolchain must not outlive everyone)."""
 _build_lock = threading.Lock()
-_build_thread: threading.Thread | None = None
+_builder: subprocess.Popen | None = None
+"""The build process this process started, if any."""
+_built_marker: Path | None = None
+_next_check = 0.0
 
 
-def build_in_background() -> threading.Thread:
-    """Start building the kernel in a daemon thread (once); engines made meanwhile decode with
-    `decode_when_built`. A process that exits normally while the build runs waits for it
-    first (_finish_build), so a short-lived one (`workbench generate`, `bench`, a script)
-    leaves a built kernel behind instead of a half-built one the next process starts over."""
-    global _build_thread
+def build_in_background() -> subprocess.Popen:
+    """Start building the kernel in a process of its own (once per process), detached: in a
+    session of its own, at nice 10, with its output in the build folder's `build.log`. It
+    finishes whatever this process does (a `workbench generate` that is done in 2 s, a test,
+    a Ctrl-C), so a short-lived process leaves a built kernel behind instead of a half-built
+    one that the next process starts over. The build itself takes the existing lock
+    (`load_cpu_kernels`), so concurrent starts build once. Engines made meanwhile decode with
+    `decode_when_built`, which picks the module up once the build's marker appears."""
+    global _builder, _built_marker
     with _build_lock:
-        if _build_thread is None:
-            _build_thread = threading.Thread(target=_build_at_low_priority, daemon=True,
-                                             name="workbench-kernel-build")
-            _build_thread.start()
-            atexit.register(_finish_build)
-        return _build_thread
+        if _builder is None:
+            build = kernel_dir()
+            build.mkdir(parents=True, exist_ok=True)
+            _built_marker = build / "built"
+            root = str(Path(__file__).resolve().parents[2])     # where `workbench` imports from
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+                [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+            with open(build / "build.log", "ab") as out:
+                _builder = subprocess.Popen(
+                    [sys.executable, "-c", "from workbench.platforms.cpu import _build_main; "
+                     "_build_main()"], env=env, cwd=root,
+                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                    start_new_session=True, preexec_fn=_low_priority)
+        return _builder
 
 
-def _finish_build() -> None:
-    """At a normal exit (atexit runs before daemon threads are stopped; a signal does not
-    wait), let a build this process started finish."""
-    t = _build_thread
-    if t is not None and t.is_alive():
-        print("workbench: finishing the CPU kernel build before exiting (once per machine and "
-              "torch version; it would start over next time)…", file=sys.stderr, flush=True)
-        t.join()
-
-
-def _build_at_low_priority() -> None:
-    """The background build, at nice 10: on Linux a nice value belongs to the thread and is
-    inherited by the compiler it starts, so the first requests (decoding in plain torch
-    meanwhile) keep the cores and the build takes what is left."""
+def _low_priority() -> None:
     import contextlib
-    import os
     with contextlib.suppress(OSError, AttributeError):
         os.nice(10)
-    load_cpu_kernels()
+
+
+def kernels():
+    """The loaded module, or None; while a build this process started runs elsewhere, look
+    for its marker (at most every half second, a stat) and load the module once it is
+    there. What the `*_when_built` fallbacks call on every use."""
+    global _next_check
+    if _kernels is None and _built_marker is not None:
+        now = time.monotonic()
+        if now >= _next_check:
+            _next_check = now + 0.5
+            if _builder is not None:
+                _builder.poll()                              # reap it once it has exited
+            if _built_marker.is_file():
+                load_cpu_kernels()
+    return _kernels or None
+
+
+def wait_for_kernel(timeout: float) -> bool:
+    """Block until the kernel is loaded (a build this process started included); whether it
+    is. For tests and scripts that want the kernel's speed, not the fallback's."""
+    global _next_check
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        _next_check = 0.0
+        if kernels() is not None:
+            return True
+        if _builder is not None and _builder.poll() is not None and not kernel_is_built():
+            return False                                     # the build failed: see build.log
+        time.sleep(0.2)
+    return kernels() is not None
+
+
+def _build_main() -> None:
+    """The detached build's process (build_in_background), bounded by BUILD_TIMEOUT_S
+    (then it kills its own session: the compiler and ninja with it)."""
+    import signal
+    signal.signal(signal.SIGALRM, lambda *_: os.killpg(0, signal.SIGKILL))
+    signal.alarm(BUILD_TIMEOUT_S)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    ok = load_cpu_kernels() is not None
+    print(f"workbench CPU kernel {'built' if ok else 'unavailable'}: {kernel_dir()}", flush=True)
+    raise SystemExit(0 if ok else 1)
 
 
 def decode_when_built(q, k_cache, v_cache, block_tables, context_lens, scale):
     """The kernel's signature, for an engine built while the kernel was still compiling: plain
     torch (one request at a time) until the build is done, the C++ kernel from then on. This
     is what lets the first start on a machine serve at once instead of after 25-40 s."""
-    if _kernels:
-        return _kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
-                                               scale)
+    k = kernels()
+    if k:
+        return k.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
     import torch.nn.functional as F
     kv_heads, _, bs, d = k_cache.shape
     out = torch.empty_like(q)
@@ -187,6 +236,7 @@ def decode_when_built(q, k_cache, v_cache, block_tables, context_lens, scale):
 
 class CpuPlatform(Platform):
     name = "cpu"
+    packed_weights = True
 
     @classmethod
     def is_available(cls) -> bool:
@@ -207,9 +257,9 @@ class CpuPlatform(Platform):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     def model_ops(self, dtype):
-        if dtype != torch.float32:
+        if dtype not in (torch.float32, torch.bfloat16):
             return super().model_ops(dtype)
-        from .cpu_ops import CpuOps
+        from .cpu_ops import CpuOps                 # fp32's fused ops; packed weights in both
         return CpuOps()
 
     def attention_backend(self, dtype, choice: str = "auto"):

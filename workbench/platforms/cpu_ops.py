@@ -2,7 +2,7 @@
 to eight aten ops, a batch-1 GEMV that streams the weights faster than MKL's, and batch-1
 decode through every layer in one call. At batch 1 a step reads all the weights (540 MB for
 SmolLM2-135M) and the rest was dispatch; see docs/benchmarks.md. Until the kernel module is
-built (the first start on a machine builds it in the background), and for anything but
+built (the first start on a machine builds it in a detached process), and for anything but
 fp32, they are the torch reference's."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 from . import cpu
 from .ops import TorchOps
+from .quant import PackedWeight
 
 
 class CpuOps(TorchOps):
@@ -17,10 +18,22 @@ class CpuOps(TorchOps):
 
     def linear(self, x, weight, bias=None):
         k = cpu._kernels
+        if isinstance(weight, PackedWeight):
+            if not (k and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16)):
+                return super().linear(x, weight, bias)
+            y = k.qlinear(x, weight.data, weight.code)
+            return y if bias is None else y.add_(bias)
         if k and x.shape[0] == 1 and x.dim() == 2 and x.dtype == torch.float32 \
                 and hasattr(k, "gemv"):
             return k.gemv(x, weight, bias)
         return torch.nn.functional.linear(x, weight, bias)
+
+    def embedding(self, ids, weight, dtype):
+        k = cpu._kernels
+        if k and isinstance(weight, PackedWeight) and dtype in (torch.float32, torch.bfloat16):
+            return k.qembedding(ids, weight.data, weight.code, weight.shape[1],
+                                dtype == torch.bfloat16)
+        return super().embedding(ids, weight, dtype)
 
     _layers = None
     _weights: list | None = None
@@ -40,7 +53,8 @@ class CpuOps(TorchOps):
         if self._weights is None:
             return None
         attn = model.layers[0].self_attn
-        return k.decode_layers(x, self._weights, [c[0] for c in kv_caches],
+        weights, formats = self._weights
+        return k.decode_layers(x, weights, formats, [c[0] for c in kv_caches],
                                [c[1] for c in kv_caches], cos, sin,
                                meta.decode_block_tables, meta.decode_lens, meta.slot_mapping,
                                attn.num_heads, attn.num_kv_heads,
@@ -77,7 +91,7 @@ class CpuOps(TorchOps):
 def write_kv_when_built(k_cache, v_cache, k, v, slot_mapping):
     """attention.write_kv's signature: the C++ write once the kernel is built, plain torch
     (index_copy_ into the head-major pool, as write_kv does) until then."""
-    kern = cpu._kernels
+    kern = cpu.kernels()
     if kern:
         return kern.write_kv(k_cache, v_cache, k, v, slot_mapping)
     kv_heads, d = k.shape[1], k.shape[2]
@@ -85,9 +99,10 @@ def write_kv_when_built(k_cache, v_cache, k, v, slot_mapping):
     v_cache.view(kv_heads, -1, d).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
-def _fusable_weights(model) -> list | None:
-    """Six weights a layer for decode_layers, or None where a layer has what it does not
-    compute (biases, q/k norms, norms with different eps)."""
+def _fusable_weights(model) -> tuple[list, list] | None:
+    """Six weights a layer for decode_layers and each one's format (0: fp32, else the packed
+    format's code), or None where a layer has what it does not compute (biases, q/k norms,
+    norms with different eps)."""
     out = []
     eps = model.layers[0].input_layernorm.eps
     for layer in model.layers:
@@ -99,4 +114,5 @@ def _fusable_weights(model) -> list | None:
             return None
         out += [norms[0].weight, a.qkv_proj.weight, a.o_proj.weight, norms[1].weight,
                 m.gate_up_proj.weight, m.down_proj.weight]
-    return [w.detach() for w in out]
+    return ([w.data if isinstance(w, PackedWeight) else w.detach() for w in out],
+            [w.code if isinstance(w, PackedWeight) else 0 for w in out])

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .quant import PackedWeight
+
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE. x: [T, heads, D]; cos/sin_signed: [T, 1, D].
@@ -35,7 +37,18 @@ class TorchOps:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight^T (+ bias); a PackedWeight is dequantized first (the reference: the
+        kernels that stream packed rows are tested against it)."""
+        if isinstance(weight, PackedWeight):
+            weight = weight.dequantize(x.dtype)
         return F.linear(x, weight, bias)
+
+    def embedding(self, ids: torch.Tensor, weight: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of the embedding table, in the model's dtype."""
+        if isinstance(weight, PackedWeight):
+            return weight.rows(ids, dtype)
+        return F.embedding(ids, weight)
 
     def decode_layers(self, model, x, cos, sin, kv_caches, meta):
         """Every layer of a step at once, where a platform has that fused: (the last layer's

@@ -8,10 +8,12 @@ from .loader import LoadedCheckpoint, load_checkpoint, model_digest
 
 
 def build_model(ckpt: LoadedCheckpoint, dtype: torch.dtype, device: torch.device,
-                max_positions: int, seed: int = 0, ops=None) -> LlamaForCausalLM:
+                max_positions: int, seed: int = 0, ops=None,
+                quantization: str | None = None) -> LlamaForCausalLM:
     """Instantiate the decoder for ckpt's config and fill it with ckpt's (or seeded) weights.
     `ops`: the fusable ops it runs (a platform's fused kernels); None keeps the torch
-    reference."""
+    reference. quantization='int8': the weights quantized once loaded ('gguf' ones come
+    packed in the checkpoint's state already)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(ckpt.hf_config, max_positions)
     model = model.to_empty(device="cpu")
@@ -22,6 +24,8 @@ def build_model(ckpt: LoadedCheckpoint, dtype: torch.dtype, device: torch.device
         model.init_random(seed)
     else:
         model.load_hf_state_dict(ckpt.state_dict)
+    if quantization == "int8":
+        model.quantize_int8()
     if ops is not None:
         model.ops = ops
     return model.to(device=device, dtype=dtype).eval()

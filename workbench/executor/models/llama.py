@@ -16,6 +16,7 @@ from torch import nn
 
 from ...platforms.attention import AttentionMetadata
 from ...platforms.ops import TorchOps
+from ...platforms.quant import PackedWeight, quantize_int8, set_weight
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -180,7 +181,8 @@ class LlamaForCausalLM(nn.Module):
         """Token embeddings [T, hidden] and the RoPE rows cos, sin [T, 1, D] of the positions."""
         cos = self.rope_cos.index_select(0, positions).unsqueeze(1)
         sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
-        return self.embed_tokens(input_ids), cos, sin
+        return self.ops.embedding(input_ids, self.embed_tokens.weight, self.norm.weight.dtype), \
+            cos, sin
 
     def compute_logits(self, x: torch.Tensor, residual: torch.Tensor,
                        logits_indices: torch.Tensor) -> torch.Tensor:
@@ -201,6 +203,8 @@ class LlamaForCausalLM(nn.Module):
         fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
         unused = []
+        packed: dict[str, dict[int, PackedWeight]] = {}
+        """Fused weight -> its shards kept packed (their rows are concatenated at the end)."""
         for name, tensor in state.items():
             key = name.removeprefix("model.")
             if "rotary_emb" in key:
@@ -212,6 +216,10 @@ class LlamaForCausalLM(nn.Module):
                 p = params.get(key)
                 if p is None:
                     unused.append(name)
+                    continue
+                if isinstance(tensor, PackedWeight):
+                    packed.setdefault(key, {})[shard] = tensor
+                    done.add(f"{key}#{shard}")
                     continue
                 if target == "qkv_proj":
                     attn = self.layers[int(parts[1])].self_attn
@@ -228,8 +236,13 @@ class LlamaForCausalLM(nn.Module):
                     continue   # a tied checkpoint that stores the head anyway
                 unused.append(name)
                 continue
-            p.copy_(tensor)
+            if isinstance(tensor, PackedWeight):
+                packed[key] = {0: tensor}
+            else:
+                p.copy_(tensor)
             done.add(key)
+        for key, shards in packed.items():
+            self._set_packed(key, [shards[i] for i in sorted(shards)])
         missing = []
         for key, p in params.items():
             if key.endswith(("qkv_proj.weight", "qkv_proj.bias")):
@@ -243,6 +256,30 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"model: checkpoint does not match the architecture; "
                              f"missing {missing[:5]}{'…' if len(missing) > 5 else ''}, "
                              f"unexpected {unused[:5]}{'…' if len(unused) > 5 else ''}")
+
+    def _set_packed(self, key: str, shards: list[PackedWeight]) -> None:
+        """Put packed shards (q, k, v or gate, up: same format and row length) in as the
+        fused weight `key`; shards of mixed formats are dequantized into the Parameter."""
+        module = self.get_submodule(key.removesuffix(".weight"))
+        fmts = {(w.format, w.shape[1]) for w in shards}
+        if len(fmts) > 1:
+            module.weight.copy_(torch.cat([w.dequantize() for w in shards]))
+            return
+        rows = sum(w.shape[0] for w in shards)
+        if rows != module.weight.shape[0] or shards[0].shape[1] != module.weight.shape[1]:
+            raise ValueError(f"model: checkpoint does not match the architecture; {key} is "
+                             f"{list(module.weight.shape)}, the file's is "
+                             f"[{rows}, {shards[0].shape[1]}]")
+        set_weight(module, shards[0] if len(shards) == 1 else PackedWeight(
+            torch.cat([w.data for w in shards]), shards[0].format, (rows, shards[0].shape[1])))
+
+    def quantize_int8(self) -> None:
+        """quantization='int8': every linear layer's weight, the embedding and the LM head
+        (one table when tied) as `int8` PackedWeights, one scale per output row."""
+        for module in [*self.modules()]:
+            if isinstance(module, (nn.Linear, nn.Embedding)) and \
+                    not isinstance(module.__dict__.get("weight"), PackedWeight):
+                set_weight(module, quantize_int8(module.weight))
 
     @torch.no_grad()
     def init_random(self, seed: int, std: float = 0.02) -> None:

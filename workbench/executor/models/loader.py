@@ -55,6 +55,7 @@ class LoadedCheckpoint:
     state_dict: dict[str, torch.Tensor] | None   # None: initialise randomly
     tokenizer: object | None        # transformers tokenizer, or None for random weights
     path: Path | None               # the checkpoint directory, when there is one
+    gguf_path: Path | None = None   # the GGUF file it was converted from (smollm2)
 
 
 def file_digest(path: Path) -> str:
@@ -207,11 +208,15 @@ def read_gguf(path: Path) -> tuple[dict, dict]:
     return meta, tensors
 
 
-def gguf_llama_checkpoint(path: Path):
-    """(HF LlamaConfig, HF state dict in fp32) from a llama-architecture GGUF: dequantized
-    with gguf's numpy kernels, Q and K rows put back in HF's rotary order (llama.cpp's
-    converter interleaves them), names mapped to HF's, `lm_head` left out when tied."""
+def gguf_llama_checkpoint(path: Path, packed: bool = False):
+    """(HF LlamaConfig, HF state dict) from a llama-architecture GGUF: in fp32, dequantized
+    with gguf's numpy kernels, or with `packed`, the Q4_1 and Q8_0 tensors kept as they are
+    (platforms/quant.PackedWeight; other types dequantized). Q and K rows put back in HF's
+    rotary order (llama.cpp's converter interleaves them: rows move, packed or not), names
+    mapped to HF's, `lm_head` left out when tied."""
     from gguf import GGMLQuantizationType, dequantize
+
+    from ...platforms.quant import GGML_TYPES, PackedWeight
     from transformers import LlamaConfig
     meta, tensors = read_gguf(path)
     arch = meta.get("general.architecture")
@@ -236,18 +241,23 @@ def gguf_llama_checkpoint(path: Path):
     config.architectures = ["LlamaForCausalLM"]
     state = {}
     for i, (name, (kind, shape, raw)) in enumerate(tensors.items()):
-        w = torch.from_numpy(dequantize(raw, GGMLQuantizationType(kind)).reshape(shape).copy())
+        keep = packed and kind in GGML_TYPES and len(shape) == 2
+        if keep:
+            w = PackedWeight(torch.from_numpy(raw.copy()), GGML_TYPES[kind], tuple(shape))
+        else:
+            w = torch.from_numpy(dequantize(raw, GGMLQuantizationType(kind)).reshape(shape).copy())
         base, _, suffix = name.rpartition(".")
         parts = base.split(".")
         if parts[0] == "blk":
             hf = f"model.layers.{parts[1]}.{GGUF_TO_HF[parts[2]]}"
             n = {"attn_q": heads, "attn_k": kv_heads}.get(parts[2])
             if n and suffix == "weight":
-                w = w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).transpose(1, 2) \
-                    .reshape(w.shape)
+                rows = torch.arange(shape[0]).reshape(n, shape[0] // n // 2, 2).transpose(1, 2) \
+                    .reshape(-1)
+                w = w.select_rows(rows) if keep else w[rows]
         else:
             hf = GGUF_TO_HF[base]
-        state[f"{hf}.{suffix}"] = w.float().contiguous()
+        state[f"{hf}.{suffix}"] = w if keep else w.float().contiguous()
         log.debug("dequantized %s", name, extra={"progress": ("converting the model", i + 1,
                                                               len(tensors))})
     return config, state
@@ -300,8 +310,15 @@ def random_config(shape: str):
     return AutoConfig.for_model(spec.pop("model_type"), **spec)
 
 
-def load_checkpoint(model: str) -> LoadedCheckpoint:
+def load_checkpoint(model: str, quantization: str | None = None) -> LoadedCheckpoint:
+    """The config, weights and tokenizer of `model`. quantization='gguf': the weights as the
+    model's GGUF file holds them (the embedded smollm2: Q4_1 layers, a Q8_0 embedding),
+    read from that file; config and tokenizer from the converted checkpoint beside it."""
     from transformers import AutoConfig
+    if quantization == "gguf" and model != "smollm2":
+        raise ValueError(f"quantization: 'gguf' keeps a GGUF file's own weights, and model "
+                         f"{model!r} is not read from one (the embedded 'smollm2' is); use "
+                         "'int8' to quantize any checkpoint at load")
     if model.startswith("random:"):
         return LoadedCheckpoint(model, random_config(model.split(":", 1)[1]), None, None, None)
     path = resolve_checkpoint_dir(model)
@@ -312,13 +329,17 @@ def load_checkpoint(model: str) -> LoadedCheckpoint:
         raise FileNotFoundError(f"model {model!r}: no *.safetensors files in {path}")
     from safetensors.torch import load_file
     state: dict[str, torch.Tensor] = {}
+    if quantization == "gguf":
+        state = gguf_llama_checkpoint(smollm2_gguf_path(), packed=True)[1]
+        files = []
     for f in files:
         state.update(load_file(str(f)))
     tokenizer = None
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return LoadedCheckpoint(model, cfg, state, tokenizer, path)
+    return LoadedCheckpoint(model, cfg, state, tokenizer, path,
+                            smollm2_gguf_path() if model == "smollm2" else None)
 
 
 GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",

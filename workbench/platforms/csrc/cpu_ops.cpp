@@ -211,7 +211,11 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      torch::Tensor block_tables, torch::Tensor context_lens,
                                      double scale);
 
-static torch::Tensor linear1(const torch::Tensor& x, const torch::Tensor& w) {
+torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, int64_t fmt);   // cpu_quant.cpp
+
+// fmt 0: an fp32 weight; else a packed one (cpu_quant.cpp's formats).
+static torch::Tensor linear1(const torch::Tensor& x, const torch::Tensor& w, int64_t fmt) {
+  if (fmt != 0) return qlinear(x, w, fmt);
 #ifdef __AVX512F__
   return gemv(x, w, c10::nullopt);
 #else
@@ -220,10 +224,11 @@ static torch::Tensor linear1(const torch::Tensor& x, const torch::Tensor& w) {
 }
 
 // x: layer 0's input [1, hidden]; weights: per layer input norm, qkv, o, post-attention
-// norm, gate_up, down; k_caches / v_caches: per layer [kvH, num_blocks, block_size, D];
+// norm, gate_up, down, and formats: each weight's (0: fp32, else packed); k_caches / v_caches: per layer [kvH, num_blocks, block_size, D];
 // cos / sin: [1, 1, D]; block_tables, context_lens, slot_mapping: the step's (one row).
 // Returns (the last layer's MLP output, the residual stream before it), as the layers do.
 std::vector<torch::Tensor> decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
+                                         std::vector<int64_t> formats,
                                          std::vector<torch::Tensor> k_caches,
                                          std::vector<torch::Tensor> v_caches, torch::Tensor cos,
                                          torch::Tensor sin, torch::Tensor block_tables,
@@ -232,11 +237,13 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor x, std::vector<torch::Ten
                                          double scale) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(x.size(0) == 1 && static_cast<int64_t>(weights.size()) == 6 * L &&
+              formats.size() == weights.size() &&
               static_cast<int64_t>(v_caches.size()) == L, "decode_layers: one row, six weights a layer");
   const int64_t D = k_caches[0].size(-1);
   torch::Tensor residual;
   for (int64_t l = 0; l < L; ++l) {
     const torch::Tensor* w = weights.data() + 6 * l;
+    const int64_t* f = formats.data() + 6 * l;
     torch::Tensor h;
     if (l == 0) {
       residual = x;
@@ -246,15 +253,15 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor x, std::vector<torch::Ten
       h = hr[0];
       residual = hr[1];
     }
-    auto qkv = linear1(h, w[1]).view({1, num_heads + 2 * num_kv_heads, D});
+    auto qkv = linear1(h, w[1], f[1]).view({1, num_heads + 2 * num_kv_heads, D});
     auto qk = rope(qkv.narrow(1, 0, num_heads + num_kv_heads), cos, sin);
     auto v = qkv.narrow(1, num_heads + num_kv_heads, num_kv_heads);
     write_kv(k_caches[l], v_caches[l], qk.narrow(1, num_heads, num_kv_heads), v, slot_mapping);
     auto o = paged_decode_attention(qk.narrow(1, 0, num_heads), k_caches[l], v_caches[l],
                                     block_tables, context_lens, scale);
-    auto hr = add_rms_norm(linear1(o.view({1, num_heads * D}), w[2]), residual, w[3], eps);
+    auto hr = add_rms_norm(linear1(o.view({1, num_heads * D}), w[2], f[2]), residual, w[3], eps);
     residual = hr[1];
-    x = linear1(silu_and_mul(linear1(hr[0], w[4])), w[5]);
+    x = linear1(silu_and_mul(linear1(hr[0], w[4], f[4])), w[5], f[5]);
   }
   return {x, residual};
 }
