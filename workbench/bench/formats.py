@@ -17,8 +17,9 @@ import time
 from ..core.sampling_params import SamplingParams
 from ..engine import Engine
 
-FORMATS = {"fp32": dict(dtype="float32"), "gguf": dict(dtype="float32", quantization="gguf"),
-           "int8": dict(dtype="float32", quantization="int8"), "bf16": dict(dtype="bfloat16")}
+FORMATS = {"fp32": dict(dtype="float32", quantization=None), "gguf": dict(dtype="float32", quantization="gguf"),
+           "int8": dict(dtype="float32", quantization="int8"),
+           "bf16": dict(dtype="bfloat16", quantization=None)}
 """Name -> the engine knobs that give it."""
 CHECK_PROMPTS = ["The capital of France is", "def fibonacci(n):\n",
                  "Write a haiku about the sea.", "In 1905, Albert Einstein published",
