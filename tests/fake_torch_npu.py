@@ -379,7 +379,8 @@ class HostCopies:
     GARBAGE = 0x3A3A3A3A
 
     def __init__(self):
-        self.queued: list[tuple[torch.Tensor, weakref.ref]] = []
+        self.queued: list[tuple] = []
+        """(destination, weak reference to the source's base, the source's geometry)."""
         self._pinned: set[int] = set()
         self.counts = Counter()
         """Non-blocking copies seen, by source: 'pinned', 'unpinned'."""
@@ -400,16 +401,19 @@ class HostCopies:
             copy_now(dst, src)
         else:
             self.counts["unpinned"] += 1
-            self.queued.append((dst, weakref.ref(src)))
+            # Freed means its memory is: a view (a slice of a live buffer) may die first.
+            base = src if src._base is None else src._base
+            self.queued.append((dst, weakref.ref(base), src.shape, src.stride(),
+                                src.storage_offset()))
 
     def flush(self) -> None:
         queued, self.queued = self.queued, []
-        for dst, ref in queued:
-            src = ref()
-            if src is None:
+        for dst, ref, shape, stride, offset in queued:
+            base = ref()
+            if base is None:
                 dst.fill_(float("nan") if dst.is_floating_point() else self.GARBAGE)
             else:
-                _ORIGINAL["copy_"](dst, src)
+                _ORIGINAL["copy_"](dst, base.as_strided(shape, stride, offset))
 
 
 _ORIGINAL = {"copy_": torch.Tensor.copy_, "to": torch.Tensor.to}
