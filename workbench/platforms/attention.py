@@ -181,7 +181,11 @@ class TorchAttention(AttentionBackend):
         nd = common.num_decode
         meta = TorchMetadata(self, common.slot_mapping, nd)
         if nd:
-            self.build_decode(meta, common.block_table[:nd], common.seq_lens[:nd])
+            tables = common.block_table[:nd]
+            if common.seq_lens_cpu is not None:
+                # The gather path reads every column: not the prefill chunks' wider ones.
+                tables = tables[:, :cdiv(int(common.seq_lens_cpu[:nd].max()), self.block_size)]
+            self.build_decode(meta, tables, common.seq_lens[:nd])
         if common.num_reqs == nd:
             return meta
         meta.prefills = common.prefill_bounds()
