@@ -134,7 +134,7 @@ def test_staging_copies_once_and_waits_before_refilling():
     a, b = st.fill([3, 2])
     a[:] = [1, 2, 3]
     b[:] = [4, 5]
-    (da, db), (ha, hb) = st.commit()
+    (da, db), (ha, _) = st.commit()
     assert da.tolist() == [1, 2, 3] and db.tolist() == [4, 5] and len(p.events) == 1
     assert da.data_ptr() != ha.data_ptr() and db.data_ptr() % 16 == 0   # 16-byte aligned
     # The next step fills the other buffer: nothing to wait for yet; step 1's host views
