@@ -39,7 +39,13 @@ hardware. It models:
   lengths and the workspace (re-queried per step, as vLLM-Ascend does) change;
 - the driver's stream budget: with `torch.npu.max_graphs` set, the capture after that many
   fails as it begins, with `torch.npu.capture_error` (error 207008 by default; an HDK older
-  than 25.5.1 says 'Alloc sq cq fail' instead).
+  than 25.5.1 says 'Alloc sq cq fail' instead);
+- asynchronous copies (HostCopies): pinned host memory (`Tensor.pin_memory()`), and a
+  `non_blocking=True` copy from an unpinned source that reads its source only later, when
+  the host synchronizes or at the next torch_npu op or replay: a temporary overwritten
+  meanwhile is read as it is then, one freed meanwhile as garbage, as the copy engine would
+  on hardware (torch_npu queues the raw pageable pointer). A copy from pinned memory reads
+  it at the call. `torch.npu.Event` waits for the copies too.
 """
 from __future__ import annotations
 
@@ -47,6 +53,7 @@ import importlib.machinery
 import math
 import sys
 import types
+import weakref
 from collections import Counter
 from contextlib import contextmanager
 
@@ -290,6 +297,7 @@ class NpuRuntime(types.SimpleNamespace):
         self.capture_error = NO_STREAM_RESOURCE
         self.host_made: set[int] = set()
         """Storages of tensors made from host values during the current capture."""
+        self.host_copies = HostCopies()
 
     # device, memory, streams
     def is_available(self):
@@ -305,6 +313,7 @@ class NpuRuntime(types.SimpleNamespace):
         return SOCS.get(self.soc, f"Ascend-{self.soc}")
 
     def synchronize(self, device=None):
+        self.host_copies.flush()
         if self.pending:
             raise RuntimeError("fake NPU hangs: a replayed graph waits on an ExternalEvent that "
                                "is never recorded (a task group was not updated)")
@@ -395,8 +404,12 @@ class NpuRuntime(types.SimpleNamespace):
         assert self.updating is not None and self.update_issued, "an empty task update"
         self.updating = None
 
+    def Event(self, enable_timing=False):
+        return CopyEvent(self)
+
     def advance(self):
         """Run pending replays as far as their events allow."""
+        self.host_copies.flush()
         for g in list(self.pending):
             while g.cursor < len(g.entries):
                 e = g.entries[g.cursor]
@@ -426,6 +439,102 @@ class NpuRuntime(types.SimpleNamespace):
             yield
         finally:
             self.in_op = prev
+
+
+class HostCopies:
+    """The copy engine, for copies with non_blocking=True (on this fake every tensor is a
+    CPU tensor, so host and device memory look alike: direction does not matter, pinning
+    does). From a pinned source the copy happens at the call. From an unpinned one it is
+    queued with a weak reference to its source and done at `flush` (the runtime flushes
+    when the host synchronizes, before each torch_npu op and each replay): it then reads
+    the source as it is by then, or, if the source was freed, writes garbage (GARBAGE, or
+    NaN in a float destination). Until then the destination keeps what it held."""
+    GARBAGE = 0x3A3A3A3A
+
+    def __init__(self):
+        self.queued: list[tuple] = []
+        """(destination, weak reference to the source's base, the source's geometry)."""
+        self._pinned: set[int] = set()
+        self.counts = Counter()
+        """Non-blocking copies seen, by source: 'pinned', 'unpinned'."""
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        p = t.clone()
+        ptr = p.untyped_storage().data_ptr()
+        self._pinned.add(ptr)
+        weakref.finalize(p, self._pinned.discard, ptr)
+        return p
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in self._pinned
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, copy_now) -> None:
+        if self.is_pinned(src):
+            self.counts["pinned"] += 1
+            copy_now(dst, src)
+        else:
+            self.counts["unpinned"] += 1
+            # Freed means its memory is: a view (a slice of a live buffer) may die first.
+            base = src if src._base is None else src._base
+            self.queued.append((dst, weakref.ref(base), src.shape, src.stride(),
+                                src.storage_offset()))
+
+    def flush(self) -> None:
+        queued, self.queued = self.queued, []
+        for dst, ref, shape, stride, offset in queued:
+            base = ref()
+            if base is None:
+                dst.fill_(float("nan") if dst.is_floating_point() else self.GARBAGE)
+            else:
+                _ORIGINAL["copy_"](dst, base.as_strided(shape, stride, offset))
+
+
+_ORIGINAL = {"copy_": torch.Tensor.copy_, "to": torch.Tensor.to}
+
+
+class CopyEvent:
+    """torch.npu.Event: synchronize() waits for the copies queued before it."""
+
+    def __init__(self, rt):
+        self.rt = rt
+
+    def record(self, stream=None):
+        pass
+
+    def query(self):
+        return not self.rt.host_copies.queued
+
+    def synchronize(self):
+        self.rt.host_copies.flush()
+
+
+def _patch_copies(monkeypatch, copies: HostCopies) -> None:
+    """Tensor.pin_memory/is_pinned, and copy_ and to with non_blocking=True, through
+    `copies` (other calls go straight to torch)."""
+    copy_, to = _ORIGINAL["copy_"], _ORIGINAL["to"]
+
+    def patched_copy(self, src, non_blocking=False):
+        if not non_blocking:
+            return copy_(self, src)
+        copies.copy(self, src, copy_)
+        return self
+
+    def patched_to(self, *args, **kwargs):
+        flags = [a for a in args if isinstance(a, bool)]
+        if not kwargs.get("non_blocking", flags[0] if flags else False):
+            return to(self, *args, **kwargs)
+        moved = to(self, *args, **{**kwargs, "non_blocking": False})
+        if copies.is_pinned(self):
+            copies.counts["pinned"] += 1
+            return moved
+        out = torch.empty_like(moved)          # the destination, filled when the copy runs
+        copies.copy(out, self, copy_)
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, device=None: copies.pin(self))
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, device=None: copies.is_pinned(self))
+    monkeypatch.setattr(torch.Tensor, "copy_", patched_copy)
+    monkeypatch.setattr(torch.Tensor, "to", patched_to)
 
 
 class FakeTorchNpu(types.ModuleType):
@@ -461,6 +570,7 @@ class FakeTorchNpu(types.ModuleType):
         """inplace: the op writes tensors it was given and returns nothing; captured, it is
         recorded without running (a capture launches nothing on hardware)."""
         rt = self.npu
+        rt.host_copies.flush()               # an op reads what was copied for it
         if rt.updating is not None:
             return self._update(name, args, kwargs)
         if rt.capturing is not None and not rt.in_op:
@@ -694,6 +804,7 @@ def install(monkeypatch, version="2.8.0", soc=223, cann=None, fp32=True) -> Fake
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
     monkeypatch.setattr(torch, "npu", fake.npu, raising=False)
     monkeypatch.setattr(NpuPlatform, "device", property(lambda self: torch.device("cpu")))
+    _patch_copies(monkeypatch, fake.npu.host_copies)
     if fp32:
         monkeypatch.setattr(NpuPlatform, "default_dtype", torch.float32)
         monkeypatch.setattr(NpuAttention, "supported_dtypes",

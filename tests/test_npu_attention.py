@@ -70,6 +70,11 @@ def test_npu_backend_tokens_equal_the_reference(qwen3_d128, reference_tokens, mo
     # eager decode runs the fused infer-attention op, as vLLM-Ascend's does: paged attention
     # only inside whole-step decode graphs
     assert set(fake.calls) == {"cache", "fia", "rms_norm", "add_rms_norm", "swiglu"}
+    # Every step's inputs went through the pinned staging: one copy a step, none from
+    # pageable memory (which the fake reads late, as the copy engine would).
+    copies = fake.npu.host_copies.counts
+    assert copies["unpinned"] == 0 and copies["pinned"] >= len(steps)
+    assert npu.core.runner.staging.copies
     with pytest.raises(ValueError, match="block_size"):
         Engine(model=str(qwen3_d128), device="npu", **KW, block_size=16)
 
@@ -105,6 +110,28 @@ def test_npu_decode_graphs_hand_every_replay_its_lengths(qwen3_d128, reference_t
     piecewise = [s for s in steps if s.graph_kind == "PIECEWISE"]
     assert bool(piecewise) == (mode == "full")
     assert all(s.num_prefill_tokens for s in piecewise)
+    assert fake.npu.host_copies.counts["unpinned"] == 0
+
+
+def test_the_fake_catches_staging_from_pageable_memory(qwen3_d128, reference_tokens,
+                                                       monkeypatch):
+    """The proof that the staging's pinning matters, and that the fake would see it go: with
+    NpuPlatform.pinned made a no-op, the step's one copy comes from pageable memory, which
+    the fake (like torch_npu) reads only when the host next synchronizes or an NPU op runs;
+    the embedding and the metadata's int32 conversions have by then read the device buffer
+    as the step before left it: the tokens go wrong, or a stale block id is out of range."""
+    from workbench.platforms.npu import NpuPlatform
+    fake = fake_torch_npu.install(monkeypatch)
+    monkeypatch.setattr(NpuPlatform, "pinned", lambda self, t: t)
+    npu = Engine(model=str(qwen3_d128), device="npu", **KW, graph_mode="eager")
+    prompts = random_prompts(3, 5, 100, 1000, seed=5)
+    params = _params(8, 8, 8)
+    try:
+        got = [o.token_ids for o in npu.generate(prompts, params)]
+    except (IndexError, RuntimeError):      # a stale block id, out of range
+        got = None
+    assert fake.npu.host_copies.counts["unpinned"] > 0
+    assert got != reference_tokens(prompts, params)
 
 
 def test_npu_graph_update_order_does_not_rest_on_the_sampler(qwen3_d128, monkeypatch):

@@ -12,6 +12,7 @@ from triton_on_cpu import run_interpreted
 KERNEL = textwrap.dedent('''
     import json, torch
     import torch.nn.functional as F
+    from workbench.platforms.attention import CommonAttentionMetadata
     from workbench.platforms.triton_attention import (paged_prefill_attention, plan_prefill,
                                                       prefill_block_q)
     torch.manual_seed(0)
@@ -41,8 +42,14 @@ KERNEL = textwrap.dedent('''
             qs += n
         assert used <= NB
         ref = torch.cat(refs)
-        plan = plan_prefill([n for _, n in chunks], [s + n for s, n in chunks], tables,
-                            prefill_block_q(H, kvH), "cpu")
+        # The step's metadata as the runner builds it (here with no decodes)
+        qsl = torch.tensor([0] + [n for _, n in chunks]).cumsum(0)
+        lens = torch.tensor([s + n for s, n in chunks])
+        width = max(map(len, tables))
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        common = CommonAttentionMetadata(qsl, lens, table, torch.zeros(T, dtype=torch.long), 0,
+                                         query_start_loc_cpu=qsl, seq_lens_cpu=lens)
+        plan = plan_prefill(common, prefill_block_q(H, kvH))
         out = torch.full((T, H, D), float("nan"), dtype=dt)   # every element must be written
         paged_prefill_attention(q, kc, vc, plan, D ** -0.5, out=out)
         res.append([str(dt), bool(out.isnan().any()), float((out.float() - ref).norm() / ref.norm())])

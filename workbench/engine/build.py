@@ -92,7 +92,10 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
     max_model_len = _fit_max_model_len(config, max_model_len, block_manager.num_usable_blocks * bs)
 
     scheduler = Scheduler(config, block_manager, max_model_len)
-    runner = ModelRunner(model, num_blocks, bs, platform, backend)
+    runner = ModelRunner(model, num_blocks, bs, platform, backend,
+                         max_num_tokens=config.max_num_batched_tokens,
+                         max_num_seqs=config.max_num_seqs,
+                         max_model_len=max_model_len)
     telemetry = Telemetry(config.max_step_events, config.max_request_records)
     weights = weight_bytes(model)
     telemetry.memory = MemoryStats(weights, runner.kv_cache_bytes, platform.peak_memory_bytes(),

@@ -22,7 +22,8 @@ import torch
 from ..core.scheduler import Scheduler, SchedulerOutput
 from ..core.structured_output import StructuredOutputManager
 from ..executor.runner import ModelRunner
-from ..executor.sampler import LogprobsTensors, SamplerOutput, apply_token_bitmask, sample
+from ..executor.sampler import (LogprobsTensors, SamplerOutput, apply_token_bitmask, sample,
+                               to_device)
 from ..telemetry import FULL, StepEvent, Telemetry
 from .output_processor import OutputProcessor
 from .parallel_sampling import ParentRequest
@@ -141,7 +142,7 @@ class StepPipeline:
                 rows, nsched = nxt
                 ids = pending.token_ids
                 if rows != list(range(len(rows))) or len(rows) != ids.shape[0]:
-                    ids = ids.index_select(0, torch.tensor(rows).to(ids.device, non_blocking=True))
+                    ids = ids.index_select(0, to_device(torch.tensor(rows), ids.device))
                 # No larger than the step before it, so a captured size holds it.
                 logits, sampling, graph, _ = self.runner.execute(nsched, input_ids=ids)
                 reqs = self.output.requests_of(sampling)

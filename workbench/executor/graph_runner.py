@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from ..core.block_manager import NULL_BLOCK
-from ..platforms.attention import AttentionMetadata, CommonAttentionMetadata, block_table_array
+from ..platforms.attention import AttentionMetadata, CommonAttentionMetadata
 from .graphs import padded_size
 
 
@@ -55,13 +55,17 @@ class DecodeGraphs:
         being copied into `lens`."""
         self.lens = torch.ones(n, dtype=index, device="cpu" if self.host_lens else dev)
         self.rows = torch.arange(n, dtype=torch.long, device=dev)
+        self.query_start_loc = torch.arange(n + 1, dtype=index, device=dev)
+        """One token a row: what a decode step's query_start_loc always is."""
         self.graphs: dict[int, object] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
     def _forward(self, size: int) -> torch.Tensor:
         # Built inside the capture: whatever the backend derives reads the static buffers.
+        lens = self.lens[:size]
         meta = self.backend.build(CommonAttentionMetadata(
-            self.slots[:size], size, self.tables[:size], self.lens[:size]))
+            self.query_start_loc[:size + 1], lens, self.tables[:size], self.slots[:size], size,
+            seq_lens_cpu=lens if self.host_lens else None))
         return self.model(self.input_ids[:size], self.positions[:size], self.layer_caches, meta,
                           self.rows[:size])
 
@@ -80,34 +84,32 @@ class DecodeGraphs:
         return padded_size(batch, self.sizes)
 
     @torch.inference_mode()
-    def run(self, input_ids: list[int] | torch.Tensor, positions: list[int], slots: list[int],
-            tables: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, int]:
-        """Replay for one decode batch; returns its logits [b, vocab] and the size replayed.
-        input_ids may already be on the device (async scheduling: the previous step's
-        sampled ids), and are then copied there without a round trip through the host."""
-        b = len(positions)
-        size = self.size_for(b)
-        assert size is not None, "batch larger than every captured size"
-        pad = size - b
-        lens = torch.tensor(lens + [1] * pad, dtype=self.lens.dtype)
+    def run(self, step, b: int, input_ids: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, int]:
+        """Replay for one decode batch of b requests; returns its logits [b, vocab] and the
+        size replayed. step: the runner's StepInputs, padded to a captured size (padding rows
+        as the module says), already on the device: its arrays are copied into the static
+        buffers there. input_ids: the step's ids on the device (async scheduling: the
+        previous step's sampled ids), copied without a round trip through the host."""
+        common = step.common
+        size = common.num_reqs
+        assert size in self.graphs, "a decode step padded to a captured size"
+        self.positions[:size].copy_(step.positions)
+        self.slots[:size].copy_(common.slot_mapping)
         # Only the table columns this batch uses are copied: the kernels read no entry past
         # a row's context length, and a padding row's length is 1 (the null block).
-        width = max(map(len, tables))
-        table = block_table_array(tables, width, NULL_BLOCK, rows=size)
-        host = dict(
-            positions=torch.tensor(positions + [0] * pad, dtype=torch.long),
-            slots=torch.tensor(slots + [NULL_BLOCK * self.block_size] * pad, dtype=torch.long))
-        if isinstance(input_ids, torch.Tensor):
+        self.tables[:size, :common.block_table.shape[1]].copy_(common.block_table)
+        if input_ids is not None:
             self.input_ids[:b].copy_(input_ids)
             self.input_ids[b:size].zero_()
         else:
-            host["input_ids"] = torch.tensor(input_ids + [0] * pad, dtype=torch.long)
-        if not self.host_lens:
-            host["lens"] = lens
-        for name, t in host.items():
-            getattr(self, name)[:size].copy_(t, non_blocking=True)
-        self.tables[:size, :width].copy_(table, non_blocking=True)
-        self.platform.replay_graph(self.graphs[size], lens if self.host_lens else None)
+            self.input_ids[:size].copy_(step.input_ids)
+        lens = None
+        if self.host_lens:
+            lens = common.seq_lens_cpu.to(self.lens.dtype)
+        else:
+            self.lens[:size].copy_(common.seq_lens)
+        self.platform.replay_graph(self.graphs[size], lens)
         return self.outputs[size][:b], size
 
 

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .graphs import default_capture_sizes, default_piecewise_sizes
+from .staging import StagingBuffers
 from ..utils import cdiv
-from ..platforms.attention import (CommonAttentionMetadata, PrefillSpan, block_table_array,
-                                   slot)
+from ..platforms.attention import CommonAttentionMetadata
 from ..core.block_manager import NULL_BLOCK
 from ..core.scheduler import ScheduledSeq, SchedulerOutput
 from ..telemetry import FULL, PIECEWISE
@@ -17,8 +19,26 @@ from ..telemetry import FULL, PIECEWISE
 log = logging.getLogger("workbench")
 
 
+@dataclass(slots=True)
+class StepInputs:
+    """One step as the model reads it: views of the staging buffers (executor/staging.py),
+    valid until the step after next is prepared."""
+    input_ids: torch.Tensor | None
+    """[num_tokens]; None when the step's ids are already on the device (async scheduling)."""
+    positions: torch.Tensor
+    logits_indices: torch.Tensor
+    """The rows whose logits are computed: the sampling rows, then the prompt-logprob rows."""
+    common: CommonAttentionMetadata
+    sampling: list[ScheduledSeq]
+    """In logits order: the scheduled sequences that sample."""
+    prompt_spans: list[tuple[ScheduledSeq, int, int]]
+    """(scheduled seq, first position, count) of the prompt-logprob rows."""
+
+
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, platform, backend):
+    def __init__(self, model, num_blocks: int, block_size: int, platform, backend,
+                 max_num_tokens: int = 2048, max_num_seqs: int = 256,
+                 max_model_len: int = 4096):
         self.model = model
         self.platform = platform
         self.device = platform.device
@@ -38,6 +58,11 @@ class ModelRunner:
         self.piecewise = None
         """PiecewiseGraphs, once captured (graph_mode 'full')."""
         self._graph_pool = None
+        max_blocks = cdiv(max_model_len, block_size)
+        self.staging = StagingBuffers(
+            platform, 4 * max_num_tokens + max_num_seqs * (max_blocks + 3) + 16)
+        """Where every step's inputs are written on the host and copied to the device from,
+        sized for the largest step the scheduler makes (it grows for a larger one)."""
 
     def release(self) -> None:
         """Drop the KV pool, the captured graphs (and their memory pool) and the model."""
@@ -125,74 +150,93 @@ class ModelRunner:
         """The whole pool, the null block included."""
         return self.kv_cache.numel() * self.kv_cache.element_size()
 
-    def prepare(self, out: SchedulerOutput):
-        """Flatten the step: decodes first, then prefill chunks. Returns model inputs, the
-        backend's attention metadata and, in logits order, the scheduled sequences that
-        sample, and the prompt-logprob spans."""
+    def prepare(self, out: SchedulerOutput, pad_to: int | None = None,
+                ids_on_device: bool = False) -> StepInputs:
+        """Flatten the step, decodes first, then prefill chunks, into the staging buffers
+        and copy them to the device once. pad_to: rows to pad a pure decode step to (a
+        decode graph's size), each a token 0 at position 0 whose K/V goes to the null block.
+        ids_on_device: the caller has the ids (async scheduling); they are not read from the
+        sequences, where they are not yet.
+
+        Slots are computed per block, vectorised: a token at position p of request r goes
+        to table[r, p // block_size] * block_size + p % block_size."""
         bs = self.block_size
         decodes = [s for s in out.scheduled if s.is_decode]
         prefills = [s for s in out.scheduled if not s.is_decode]
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        reqs = decodes + prefills
+        n, nd = len(reqs), len(decodes)
+        rows = n if pad_to is None else pad_to
+        counts = np.ones(rows, dtype=np.int64)
+        counts[nd:n] = [s.num_new_tokens for s in prefills]
+        num_tokens = int(counts.sum())
+        sampling: list[ScheduledSeq] = list(decodes)
         logits_rows: list[int] = []
-        sampling: list[ScheduledSeq] = []
         prompt_rows: list[int] = []
         prompt_spans: list[tuple[ScheduledSeq, int, int]] = []
-
-        for s in decodes:
-            p = s.start
-            input_ids.append(s.seq.token_ids[p])
-            positions.append(p)
-            slots.append(slot(s.seq.block_table, p, bs))
-            logits_rows.append(len(logits_rows))
-            sampling.append(s)
-        common = CommonAttentionMetadata(None, len(decodes))
-        if decodes:
-            tables = [s.seq.block_table for s in decodes]
-            common.decode_block_tables = block_table_array(tables, max(map(len, tables)),
-                                                           NULL_BLOCK)
-            common.decode_lens = torch.tensor([s.start + 1 for s in decodes])
-
+        q_start = nd
         for s in prefills:
-            q_start, n = len(input_ids), s.num_new_tokens
-            input_ids += s.seq.token_ids[s.start:s.start + n]
-            positions += range(s.start, s.start + n)
-            slots += [slot(s.seq.block_table, p, bs) for p in range(s.start, s.start + n)]
-            common.prefills.append(PrefillSpan(q_start, q_start + n, s.start, s.seq.block_table))
+            k = s.num_new_tokens
             if s.will_sample:
-                logits_rows.append(q_start + n - 1)
+                logits_rows.append(q_start + k - 1)
                 sampling.append(s)
             # Prompt logprobs: the logits at each fed position whose next token is a prompt
             # token, in rows after the sampling rows.
             last = s.seq.num_prompt_tokens - 1
             if s.seq.params.prompt_logprobs is not None and s.start < last:
-                count = min(s.start + n, last) - s.start
+                count = min(s.start + k, last) - s.start
                 prompt_spans.append((s, s.start, count))
                 prompt_rows += range(q_start, q_start + count)
+            q_start += k
+        tables = [s.seq.block_table for s in reqs]
+        width = max(1, max(map(len, tables), default=1))
+        num_logits = nd + len(logits_rows) + len(prompt_rows)
+        ids, pos, slots, logits, qsl, lens, table = self.staging.fill(
+            [num_tokens, num_tokens, num_tokens, num_logits, rows + 1, rows, rows * width])
 
-        to = self.backend.to_device
-        common.slot_mapping = to(torch.tensor(slots, dtype=torch.long))
-        meta = self.backend.build(common)
-        inputs = (to(torch.tensor(input_ids, dtype=torch.long)),
-                  to(torch.tensor(positions, dtype=torch.long)),
-                  to(torch.tensor(logits_rows + prompt_rows, dtype=torch.long)))
-        return inputs, meta, sampling, prompt_spans
+        qsl[0] = 0
+        np.cumsum(counts, out=qsl[1:])
+        starts = np.zeros(rows, dtype=np.int64)
+        starts[:n] = [s.start for s in reqs]
+        np.add(starts, counts, out=lens)
+        table = table.reshape(rows, width)
+        table.fill(NULL_BLOCK)
+        for i, t in enumerate(tables):
+            table[i, :len(t)] = t
+        if num_tokens == rows:                       # one token a row: a pure decode step
+            row = np.arange(rows)
+            pos[:] = starts
+        else:
+            row = np.repeat(np.arange(rows), counts)
+            np.add(np.arange(num_tokens) - qsl[row], starts[row], out=pos)
+        np.add(table[row, pos // bs] * bs, pos % bs, out=slots)
+        if not ids_on_device:
+            ids[:nd] = [s.seq.token_ids[s.start] for s in decodes]
+            for s, a in zip(prefills, qsl[nd:n].tolist()):
+                ids[a:a + s.num_new_tokens] = s.seq.token_ids[s.start:s.start + s.num_new_tokens]
+            ids[qsl[n]:] = 0
+        logits[:nd] = np.arange(nd)
+        logits[nd:] = logits_rows + prompt_rows
+
+        (d_ids, d_pos, d_slots, d_logits, d_qsl, d_lens, d_table), host = self.staging.commit()
+        common = CommonAttentionMetadata(
+            query_start_loc=d_qsl, seq_lens=d_lens, block_table=d_table.view(rows, width),
+            slot_mapping=d_slots, num_decode=nd if pad_to is None else rows,
+            query_start_loc_cpu=host[4], seq_lens_cpu=host[5])
+        return StepInputs(None if ids_on_device else d_ids, d_pos, d_logits, common, sampling,
+                          prompt_spans)
 
     def _replay_decode(self, out: SchedulerOutput, input_ids: torch.Tensor | None = None):
         """A pure decode step on a captured graph, or None to run it eager. input_ids: the
         step's ids already on the device (async scheduling), else read from the sequences."""
         g = self.graphs
-        if g is None or not out.scheduled or not all(s.is_decode for s in out.scheduled) \
-                or g.size_for(len(out.scheduled)) is None:
+        if g is None or not out.scheduled or not all(s.is_decode for s in out.scheduled):
             return None
-        bs = self.block_size
-        seqs = [(s.seq, s.start) for s in out.scheduled]
-        ids = [q.token_ids[p] for q, p in seqs] if input_ids is None else input_ids
-        logits, size = g.run(ids, [p for _, p in seqs],
-                             [slot(q.block_table, p, bs) for q, p in seqs],
-                             [q.block_table for q, _ in seqs], [p + 1 for _, p in seqs])
-        return logits, list(out.scheduled), (FULL, size), []
+        size = g.size_for(len(out.scheduled))
+        if size is None:
+            return None
+        step = self.prepare(out, pad_to=size, ids_on_device=input_ids is not None)
+        logits, size = g.run(step, len(out.scheduled), input_ids)
+        return logits, step.sampling, (FULL, size), []
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, input_ids: torch.Tensor | None = None
@@ -207,7 +251,10 @@ class ModelRunner:
         if replayed is not None:
             return replayed
         assert input_ids is None, "device-side ids need a decode graph (async scheduling)"
-        (input_ids, positions, logits_indices), meta, sampling, spans = self.prepare(out)
+        step = self.prepare(out)
+        meta = self.backend.build(step.common)
+        input_ids, positions, logits_indices = step.input_ids, step.positions, step.logits_indices
+        sampling, spans = step.sampling, step.prompt_spans
         pw = self.piecewise
         if pw is not None and pw.size_for(input_ids.shape[0]) is not None:
             logits, size = pw.run(input_ids, positions, meta, logits_indices)

@@ -383,7 +383,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
     word w allows token 32 * w + j), one row per constrained logits row in `rows`. It is copied
     once and unpacked on the logits' device: one small copy and a few batched ops per step."""
     n, vocab = logits.shape
-    bits = bitmask.to(logits.device, non_blocking=True)
+    bits = to_device(bitmask, logits.device)
     shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
     allowed = ((bits.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
     if rows != list(range(n)):

@@ -16,10 +16,13 @@ decode kernel, platforms/cpu.py), `TritonAttention` (platforms/triton_attention.
 `NpuAttention` (torch_npu's fused ops, platforms/npu_attention.py).
 
 The runner flattens a step into one token stream: decode tokens first (one per decoding
-request), then each prefill chunk, and describes it in a `CommonAttentionMetadata`: where each
-token's K/V goes, the decodes' block tables and lengths, and the prefill chunks. Block tables
-are padded with the block pool's null block (`core.block_manager.NULL_BLOCK`): it is never
-handed out, so padding rows of a replayed decode graph write their K/V there.
+request), then each prefill chunk, and describes it in a `CommonAttentionMetadata` of
+tensors (vLLM v1's shape: `query_start_loc`, `seq_lens`, one block table, `slot_mapping`),
+built once per step, already on the device. A backend's `build` only converts what it reads
+(dtype, layout, a slice of the table) and derives its own extras on the device: it makes no
+host-to-device copy of its own (executor/staging.py says why). Block tables are padded with
+the block pool's null block (`core.block_manager.NULL_BLOCK`): it is never handed out, so
+padding rows of a replayed decode graph write their K/V there.
 
 Reference KV layout, per layer and for K and V alike: `[num_kv_heads, num_blocks,
 block_size, head_dim]` (head-major). One head's block is a contiguous `block_size * head_dim`
@@ -30,7 +33,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -39,33 +41,47 @@ from ..utils import cdiv
 
 
 @dataclass(slots=True)
-class PrefillSpan:
-    """One prefill chunk: query tokens [q_start, q_end) of the step at positions
-    [start, start + q_end - q_start) of its request."""
-    q_start: int
-    q_end: int
-    start: int
-    block_table: list[int]
+class CommonAttentionMetadata:
+    """A step's attention inputs in vLLM v1's shape, built once per step by the runner (or
+    read from a decode graph's static buffers) and handed to `AttentionBackend.build`, whose
+    only work is to convert dtype, device and layout. Rows are requests, decodes first (one
+    token each), then prefill chunks. Every tensor is int64 (what the CPU kernels read);
+    a backend that wants int32 converts on the device.
+
+    The tensors are views of the runner's staging buffers (executor/staging.py): valid for
+    this step, overwritten two steps later. A backend keeps nothing of them past its step
+    but what it copied."""
+    query_start_loc: torch.Tensor
+    """[num_reqs + 1]: where each request's tokens start in the step's token stream (the
+    last entry is num_tokens)."""
+    seq_lens: torch.Tensor
+    """[num_reqs]: each request's context length once this step's tokens are in (cached
+    prefix + its new tokens)."""
+    block_table: torch.Tensor
+    """[num_reqs, width] block ids, width the step's longest table, each row padded with
+    the pool's null block (core.block_manager.NULL_BLOCK: never handed out, so what a
+    padding entry points at belongs to no one)."""
+    slot_mapping: torch.Tensor
+    """[num_tokens] pool slot (block * block_size + offset) each token's K/V goes to."""
+    num_decode: int
+    """The first num_decode requests are decodes, one token each."""
+    query_start_loc_cpu: torch.Tensor | None = None
+    """query_start_loc on the host, for a backend that needs the chunk bounds as numbers
+    (loops, op arguments); None inside a captured decode graph."""
+    seq_lens_cpu: torch.Tensor | None = None
+    """seq_lens on the host (torch_npu's paged attention reads them there); None inside a
+    captured decode graph whose backend reads lengths on the device."""
 
     @property
-    def ctx_len(self) -> int:
-        """Cached prefix plus the chunk: the keys its last query sees."""
-        return self.start + self.q_end - self.q_start
+    def num_reqs(self) -> int:
+        return self.seq_lens.shape[0]
 
-
-@dataclass(slots=True)
-class CommonAttentionMetadata:
-    """A step's attention inputs, as the runner (or a decode graph's static buffers) gives
-    them to `AttentionBackend.build`."""
-    slot_mapping: torch.Tensor
-    """[num_tokens] int64 pool slot (block * block_size + offset) each token's K/V goes to."""
-    num_decode: int
-    """The first num_decode tokens are decodes, one per request."""
-    decode_block_tables: torch.Tensor | None = None
-    """[num_decode, width] block ids, padded with the null block."""
-    decode_lens: torch.Tensor | None = None
-    """[num_decode] context length of each decode, the new token included."""
-    prefills: list[PrefillSpan] = field(default_factory=list)
+    def prefill_bounds(self) -> list[tuple[int, int, int]]:
+        """Per prefill chunk, from the host tensors: (q_start, q_end) in the prefill tokens
+        (the step's tokens after the decodes), and its context length."""
+        nd = self.num_decode
+        qsl = (self.query_start_loc_cpu[nd:] - nd).tolist()
+        return list(zip(qsl[:-1], qsl[1:], self.seq_lens_cpu[nd:].tolist()))
 
 
 @dataclass(slots=True)
@@ -78,7 +94,9 @@ class AttentionMetadata:
 
 @dataclass(slots=True)
 class TorchMetadata(AttentionMetadata):
-    prefills: list[PrefillSpan]
+    prefills: list[tuple[int, int, int]] = field(default_factory=list)
+    """Per prefill chunk: (q_start, q_end) in the prefill tokens, and its context length
+    (CommonAttentionMetadata.prefill_bounds)."""
     decode_rows: torch.Tensor | None = None
     """[kv_heads * num_decode * width] pool rows of the decodes' contexts, head-major."""
     decode_bias: torch.Tensor | None = None
@@ -143,9 +161,6 @@ class AttentionBackend:
                              f"{' or '.join(map(str, self.supported_block_sizes))} tokens "
                              f"(got {config.block_size})")
 
-    def to_device(self, t: torch.Tensor, dtype=None) -> torch.Tensor:
-        return t.to(self.device, dtype=dtype, non_blocking=True)
-
     def build(self, common: CommonAttentionMetadata) -> AttentionMetadata:
         """This step's metadata (once per step; every layer reuses it)."""
         raise NotImplementedError
@@ -163,30 +178,41 @@ class TorchAttention(AttentionBackend):
     name = "reference"
 
     def build(self, common: CommonAttentionMetadata) -> TorchMetadata:
-        meta = TorchMetadata(self, common.slot_mapping, common.num_decode, common.prefills)
-        if common.num_decode:
-            self.build_decode(meta, common.decode_block_tables, common.decode_lens)
-        for span in common.prefills:
-            ctx = span.ctx_len
-            if span.start == 0:
+        nd = common.num_decode
+        meta = TorchMetadata(self, common.slot_mapping, nd)
+        if nd:
+            tables = common.block_table[:nd]
+            if common.seq_lens_cpu is not None:
+                # The gather path reads every column: not the prefill chunks' wider ones.
+                tables = tables[:, :cdiv(int(common.seq_lens_cpu[:nd].max()), self.block_size)]
+            self.build_decode(meta, tables, common.seq_lens[:nd])
+        if common.num_reqs == nd:
+            return meta
+        meta.prefills = common.prefill_bounds()
+        dev = common.block_table.device
+        for i, (q_start, q_end, ctx) in enumerate(meta.prefills):
+            start = ctx - (q_end - q_start)
+            if start == 0:
                 meta.prefill_context.append(None)
                 continue
-            blocks = torch.tensor(span.block_table[:cdiv(ctx, self.block_size)], dtype=torch.long)
-            q_pos = torch.arange(span.start, ctx)
-            mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
-            meta.prefill_context.append((self.to_device(self.pool_rows(blocks)), self.to_device(mask)))
+            blocks = common.block_table[nd + i, :cdiv(ctx, self.block_size)]
+            q_pos = torch.arange(start, ctx, device=dev)
+            mask = torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None]
+            meta.prefill_context.append((self.pool_rows(blocks), mask))
         return meta
 
     def build_decode(self, meta: TorchMetadata, tables: torch.Tensor, lens: torch.Tensor) -> None:
-        """The gather path's decode inputs: pool rows, a padding bias, two scratch buffers."""
+        """The gather path's decode inputs, made on the tables' device: pool rows, a padding
+        bias, two scratch buffers."""
         kv_heads, bs = self.kv_heads, self.block_size
-        pad = torch.arange(tables.shape[1] * bs)[None, :] >= lens[:, None]
-        bias = torch.zeros(pad.shape, dtype=self.dtype).masked_fill_(pad, float("-inf"))
-        meta.decode_bias = self.to_device(bias.unsqueeze(1).repeat(kv_heads, 1, 1))
+        pad = torch.arange(tables.shape[1] * bs, device=lens.device)[None, :] >= lens[:, None]
+        bias = torch.zeros(pad.shape, dtype=self.dtype, device=lens.device)
+        bias.masked_fill_(pad, float("-inf"))
+        meta.decode_bias = bias.unsqueeze(1).repeat(kv_heads, 1, 1)
         rows = self.pool_rows(tables)
         meta.decode_scratch = tuple(torch.empty(len(rows), bs * self.head_dim, dtype=self.dtype,
                                                 device=self.device) for _ in range(2))
-        meta.decode_rows = self.to_device(rows)
+        meta.decode_rows = rows
 
     def pool_rows(self, block_ids: torch.Tensor) -> torch.Tensor:
         """Row ids, head-major, of the given blocks in a [kv_heads * num_blocks, ...] view."""
@@ -208,29 +234,11 @@ class TorchAttention(AttentionBackend):
 
     def prefill(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale: float) -> list:
         """One output per chunk (q, k, v: the prefill tokens only)."""
-        first = meta.num_decode
         out = []
-        for span, context in zip(meta.prefills, meta.prefill_context):
-            s, e = span.q_start - first, span.q_end - first
-            out.append(prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, span.start,
-                                         context, scale))
+        for (s, e, ctx), context in zip(meta.prefills, meta.prefill_context):
+            out.append(prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache,
+                                         ctx - (e - s), context, scale))
         return out
-
-
-def slot(block_table: list[int], pos: int, block_size: int) -> int:
-    """The pool slot (block * block_size + offset) holding the K/V of position pos."""
-    return block_table[pos // block_size] * block_size + pos % block_size
-
-
-def block_table_array(tables: list[list[int]], width: int, fill: int,
-                      rows: int | None = None) -> torch.Tensor:
-    """Block tables as one int64 CPU tensor [rows, width], each padded with `fill` (rows past
-    len(tables) are all fill). Filled through numpy row slices: at batch 256 that is about
-    4x faster than torch.tensor on padded nested lists, and this runs every decode step."""
-    out = np.full((len(tables) if rows is None else rows, width), fill, dtype=np.int64)
-    for i, t in enumerate(tables):
-        out[i, :len(t)] = t
-    return torch.from_numpy(out)
 
 
 def pool_rows(block_ids: torch.Tensor, kv_heads: int, num_blocks: int) -> torch.Tensor:

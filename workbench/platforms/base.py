@@ -16,6 +16,9 @@ class Platform:
     runs_async = False
     """Whether device work runs behind the host (queued launches), so that async
     scheduling can overlap the two; the CPU computes each op as it is called."""
+    has_device_memory = False
+    """Whether the device has memory of its own that a step's inputs are copied into. The
+    CPU has not: the runner's host buffers are the step's inputs (executor/staging.py)."""
 
     @classmethod
     def is_available(cls) -> bool:
@@ -45,7 +48,15 @@ class Platform:
 
     def host_buffer(self, n: int, dtype) -> torch.Tensor:
         """A host tensor that device-to-host copies can fill without blocking the host."""
-        return torch.empty(n, dtype=dtype)
+        return self.pinned(torch.empty(n, dtype=dtype))
+
+    def pinned(self, t: torch.Tensor) -> torch.Tensor:
+        """t in page-locked host memory, where the platform has it (else t). A non-blocking
+        copy between host and device runs when the copy engine gets to it: from pageable
+        memory torch_npu queues the raw host pointer, so a source freed or refilled before
+        then is read as garbage. Only a pinned source is safe to copy without waiting, and
+        only while nobody writes it before the copy is done (executor/staging.py)."""
+        return t
 
     def record_event(self):
         """A marker after the work queued so far; `.synchronize()` waits for it."""
@@ -138,8 +149,10 @@ class AcceleratorPlatform(Platform):
     def device_name(self) -> str:
         return str(self.api.get_device_name(self.device))
 
-    def host_buffer(self, n: int, dtype) -> torch.Tensor:
-        return torch.empty(n, dtype=dtype, pin_memory=True)
+    has_device_memory = True
+
+    def pinned(self, t: torch.Tensor) -> torch.Tensor:
+        return t.pin_memory()
 
     def record_event(self):
         event = self.api.Event()

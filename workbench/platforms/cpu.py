@@ -293,8 +293,16 @@ class CpuAttention(TorchAttention):
         self.kernel = kernel
         """paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)."""
 
+    def build(self, common):
+        """The reference's, but the kernel reads the decodes' rows of the step's table in
+        place (int64, contiguous, as it wants them), each only up to its length."""
+        meta = super().build(common)
+        if common.num_decode:
+            meta.decode_block_tables = common.block_table[:common.num_decode]
+        return meta
+
     def build_decode(self, meta, tables, lens) -> None:
-        meta.decode_block_tables, meta.decode_lens = tables, lens
+        meta.decode_lens = lens
 
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
         from .cpu_ops import write_kv_when_built      # one C++ call for K and V

@@ -34,8 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import (AttentionBackend, AttentionMetadata, CommonAttentionMetadata,
-                        block_table_array)
+from .attention import AttentionBackend, AttentionMetadata, CommonAttentionMetadata
 
 BLOCK_SIZE = 128
 MASK_SIZE = 2048
@@ -160,18 +159,19 @@ class NpuAttention(AttentionBackend):
         return (num_layers, 2, num_blocks, block_size, kv_heads, head_dim)
 
     def build(self, common: CommonAttentionMetadata) -> NpuMetadata:
-        """int32 slots and tables on the device, decode lengths on the host."""
-        meta = NpuMetadata(self, common.slot_mapping.to(torch.int32), common.num_decode)
-        if common.num_decode:
-            meta.decode_block_tables = self.to_device(common.decode_block_tables, torch.int32)
-            meta.decode_lens = common.decode_lens.to(torch.int32)
-        if common.prefills:
-            p = common.prefills
-            meta.prefill_block_tables = self.to_device(block_table_array(
-                [s.block_table for s in p], max(len(s.block_table) for s in p), 0), torch.int32)
-            first = p[0].q_start
-            meta.q_ends = [s.q_end - first for s in p]
-            meta.kv_lens = [s.ctx_len for s in p]
+        """int32 slots and tables, converted on the device (the step's tensors are there
+        already: no copy of our own, see executor/staging.py); decode lengths int32 on the
+        host, and the chunks' bounds as lists, as the ops take them."""
+        nd = common.num_decode
+        meta = NpuMetadata(self, common.slot_mapping.to(torch.int32), nd)
+        if nd:
+            meta.decode_block_tables = common.block_table[:nd].to(torch.int32)
+            meta.decode_lens = common.seq_lens_cpu[:nd].to(torch.int32)
+        if common.num_reqs > nd:
+            meta.prefill_block_tables = common.block_table[nd:].to(torch.int32)
+            bounds = common.prefill_bounds()
+            meta.q_ends = [e for _, e, _ in bounds]
+            meta.kv_lens = [ctx for _, _, ctx in bounds]
         return meta
 
     def causal_mask(self, device) -> torch.Tensor:

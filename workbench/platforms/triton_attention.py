@@ -33,8 +33,8 @@ the CPU test suite checks it against the plain-torch reference.
 Prefill: the chunks' query tokens are cut into tiles of BLOCK_Q tokens (a tile never spans
 two chunks); one program per (tile, KV head) loads the tile's BLOCK_Q x G query rows as one
 [BLOCK_M, D] matrix and walks the context up to its last query's position, masking the
-causal diagonal. The tile map is built on the host (`plan_prefill`), where the chunk lengths
-are known anyway, so the kernel does no searching.
+causal diagonal. The tile map is built before the launch (`plan_prefill`, a few small device ops from the
+step's query_start_loc), so the kernel does no searching.
 
 Pool layout per layer: [num_kv_heads, num_blocks, block_size, head_dim] (head-major), as in
 the reference (`workbench/platforms/attention.py`). `TritonAttention` is the backend that
@@ -45,12 +45,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from ..utils import cdiv
 from .attention import AttentionBackend, AttentionMetadata, CommonAttentionMetadata
 
 
@@ -337,7 +335,9 @@ def prefill_block_q(num_heads: int, kv_heads: int) -> int:
 class PrefillPlan:
     """One step's prefill chunks, as the prefill kernel reads them (all on the device)."""
     block_tables: torch.Tensor
-    """[chunks, max_blocks] int32 block ids of each chunk's request."""
+    """[chunks, width] int32 block ids of each chunk's request (the step's table from the
+    first chunk's row on, as a fresh tensor: a view would start wherever the decodes' rows
+    end, and Triton compiles a kernel variant per pointer alignment)."""
     ctx_lens: torch.Tensor
     """[chunks] int32: cached prefix + the chunk's tokens."""
     q_starts: torch.Tensor
@@ -349,33 +349,24 @@ class PrefillPlan:
     block_q: int
 
 
-def plan_prefill(q_lens: list[int], ctx_lens: list[int], tables: list[list[int]],
-                 block_q: int, device) -> PrefillPlan:
-    """The tile map and tables for `paged_prefill_attention`, built from host lists with
-    numpy and moved to the device in one copy."""
-    n = len(q_lens)
-    qn = np.asarray(q_lens, dtype=np.int64)
-    tiles = cdiv(qn, block_q)
-    tile_seq = np.repeat(np.arange(n), tiles)
-    first = np.cumsum(tiles) - tiles                  # each chunk's first tile
-    tile_q = (np.arange(int(tiles.sum())) - np.repeat(first, tiles)) * block_q
-    width = max(map(len, tables))
-    # One int32 buffer, one copy to the device. Each part starts on a 16-byte boundary:
-    # Triton compiles a kernel variant per pointer alignment, and unaligned parts would
-    # make the first steps of a run compile several.
-    sizes = [n * width, n, n + 1, len(tile_seq), len(tile_seq)]
-    starts = np.cumsum([0] + [cdiv(k, 4) * 4 for k in sizes])
-    flat = np.zeros(int(starts[-1]), dtype=np.int32)
-    tab = flat[:n * width].reshape(n, width)
-    for i, t in enumerate(tables):
-        tab[i, :len(t)] = t
-    flat[starts[1]:starts[1] + n] = ctx_lens
-    flat[starts[2] + 1:starts[2] + n + 1] = np.cumsum(qn)
-    flat[starts[3]:starts[3] + len(tile_seq)] = tile_seq
-    flat[starts[4]:starts[4] + len(tile_seq)] = tile_q
-    dev = torch.from_numpy(flat).to(device, non_blocking=True)
-    parts = [dev[a:a + k] for a, k in zip(starts[:-1].tolist(), sizes)]
-    return PrefillPlan(parts[0].view(n, width), *parts[1:], block_q)
+def plan_prefill(common: CommonAttentionMetadata, block_q: int) -> PrefillPlan:
+    """The tile map for `paged_prefill_attention`, from the step's metadata: derived on the
+    device from query_start_loc (the tile count alone comes from the host copy, so that
+    repeat_interleave needs no sync), with no host-to-device copy of its own."""
+    nd = common.num_decode
+    qsl_cpu = common.query_start_loc_cpu[nd:]
+    total = int(((qsl_cpu[1:] - qsl_cpu[:-1] + block_q - 1) // block_q).sum())
+    q_starts = common.query_start_loc[nd:] - nd
+    n = q_starts.shape[0] - 1
+    dev = q_starts.device
+    tiles = (q_starts[1:] - q_starts[:-1] + block_q - 1) // block_q
+    tile_seq = torch.repeat_interleave(torch.arange(n, device=dev), tiles, output_size=total)
+    first = torch.cumsum(tiles, 0) - tiles                # each chunk's first tile
+    tile_q = (torch.arange(total, device=dev)
+              - torch.repeat_interleave(first, tiles, output_size=total)) * block_q
+    i32 = torch.int32
+    return PrefillPlan(common.block_table[nd:].to(i32), common.seq_lens[nd:].to(i32),
+                       q_starts.to(i32), tile_seq.to(i32), tile_q.to(i32), block_q)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -422,16 +413,16 @@ class TritonAttention(AttentionBackend):
     supports_decode_graphs = True
 
     def build(self, common: CommonAttentionMetadata) -> TritonMetadata:
-        meta = TritonMetadata(self, common.slot_mapping, common.num_decode)
-        if common.num_decode:
-            meta.decode_block_tables = self.to_device(common.decode_block_tables, torch.long)
-            meta.decode_lens = self.to_device(common.decode_lens, torch.long)
-        if common.prefills:
-            p = common.prefills
-            meta.prefill_plan = plan_prefill(
-                [s.q_end - s.q_start for s in p], [s.ctx_len for s in p],
-                [s.block_table for s in p], prefill_block_q(self.num_heads, self.kv_heads),
-                self.device)
+        """Views of the step's tensors (already on the device, int64, which the kernels
+        take) and, with prefill chunks, their tile map."""
+        nd = common.num_decode
+        meta = TritonMetadata(self, common.slot_mapping, nd)
+        if nd:
+            meta.decode_block_tables = common.block_table[:nd]
+            meta.decode_lens = common.seq_lens[:nd]
+        if common.num_reqs > nd:
+            meta.prefill_plan = plan_prefill(common, prefill_block_q(self.num_heads,
+                                                                     self.kv_heads))
         return meta
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float):
