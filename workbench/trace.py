@@ -248,7 +248,8 @@ def _make(cls, d: dict):
 def _info(d: dict) -> EngineInfo:
     info = _make(EngineInfo, {**d, "config": _make(EngineConfig, d["config"])})
     return replace(info, capture_sizes=tuple(info.capture_sizes),
-                   piecewise_sizes=tuple(info.piecewise_sizes))
+                   piecewise_sizes=tuple(info.piecewise_sizes),
+                   weight_formats=tuple(info.weight_formats))
 
 
 def _calibration(d: dict) -> Calibration:
@@ -265,14 +266,14 @@ def portable_model_name(model: str) -> str:
 
 
 def portable_info(info: EngineInfo) -> EngineInfo:
-    """`info` with no path of the recording machine in it."""
+    """`info` with no path of the recording machine in it (model_path and gguf_path None)."""
     name = portable_model_name(info.model)
     config = info.config
     if isinstance(config, EngineConfig):
         config = replace(config, model=portable_model_name(config.model))
-    if (name, config, info.model_path) == (info.model, info.config, None):
+    if (name, config, info.model_path, info.gguf_path) == (info.model, info.config, None, None):
         return info
-    return replace(info, model=name, model_path=None, config=config)
+    return replace(info, model=name, model_path=None, gguf_path=None, config=config)
 
 
 def _token(d: dict) -> TokenEvent:

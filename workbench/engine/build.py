@@ -57,18 +57,20 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
     backend = platform.attention_backend(dtype, config.attention_backend)
     if config.block_size is None:
         config = replace(config, block_size=backend.default_block_size)
-    if config.quantization == "auto":     # the checkpoint's own format, where it runs here
+    # 'auto' stays 'auto' in the config (a rebuild with another model, an A/B arm or a
+    # replay resolves it again); what it resolved to is info().quantization.
+    quantization = config.quantization
+    if quantization == "auto":          # the checkpoint's own format, where it runs here
         own = "gguf" if config.model == "smollm2" else None
-        config = replace(config, quantization=own if platform.packed_weights
-                         and dtype == torch.float32 and config.attention_backend == "auto"
-                         else None)
+        quantization = own if (platform.packed_weights and dtype == torch.float32
+                               and config.attention_backend == "auto") else None
     platform.check_config(config)
     backend.check_config(config, platform.name)
-    if config.quantization is not None and not platform.packed_weights:
-        raise ValueError(f"quantization: low-bit weights ({config.quantization!r}) run on the "
+    if quantization is not None and not platform.packed_weights:
+        raise ValueError(f"quantization: low-bit weights ({quantization!r}) run on the "
                          f"CPU's kernels; {platform.name} takes them unquantized (None)")
 
-    ckpt = load_checkpoint(config.model, config.quantization)
+    ckpt = load_checkpoint(config.model, quantization)
     ckpt_gguf = str(ckpt.gguf_path) if ckpt.gguf_path else None
     hf_config, tokenizer, model_path = ckpt.hf_config, ckpt.tokenizer, ckpt.path
     model_limit = getattr(hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN)
@@ -81,7 +83,7 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
     platform.reset_peak_memory()
     ops = platform.model_ops(dtype) if config.attention_backend == "auto" else None
     model = build_model(ckpt, dtype, platform.device, max_model_len, config.seed, ops,
-                        config.quantization)
+                        quantization)
     del ckpt
     platform.check_model(model)
     model.ops.prepare(model, platform)
@@ -121,7 +123,7 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
         piecewise_sizes=tuple(piecewise_sizes),
         attention=backend.name, ops=model.ops.name,
         async_scheduling=run_ahead, vocab_size=hf_config.vocab_size,
-        num_params=num_params(model), quantization=config.quantization,
+        num_params=num_params(model), quantization=quantization,
         weight_formats=weight_formats(model), gguf_path=ckpt_gguf,
         num_layers=model.num_layers, **_model_shape(model, hf_config, dtype), config=config,
         generation_defaults=(generation_defaults(model_path)
