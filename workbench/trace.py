@@ -246,7 +246,10 @@ def _make(cls, d: dict):
 
 
 def _info(d: dict) -> EngineInfo:
-    info = _make(EngineInfo, {**d, "config": _make(EngineConfig, d["config"])})
+    # A trace recorded before EngineConfig.quantization existed ran unquantized weights: its
+    # config says so, rather than taking today's default ('auto': the GGUF's blocks on a CPU).
+    config = _make(EngineConfig, {"quantization": None, **d["config"]})
+    info = _make(EngineInfo, {**d, "config": config})
     return replace(info, capture_sizes=tuple(info.capture_sizes),
                    piecewise_sizes=tuple(info.piecewise_sizes),
                    weight_formats=tuple(info.weight_formats))
