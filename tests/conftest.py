@@ -34,6 +34,19 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernel_built():
+    """The CPU kernel of the default cache is built before any test runs. Otherwise the first
+    engine of the session (in this process, or in a server a test starts) spawns the detached
+    build (platforms.cpu.build_in_background), which by design outlives whoever started it:
+    a server stopped mid-build leaves the builder and its compiler in the server's process
+    tree, and which test met that first depended on the order the tests ran in (a file run
+    alone on a fresh machine failed its teardown). Tests of the build itself use caches of
+    their own (WORKBENCH_CACHE)."""
+    from workbench.platforms import cpu
+    cpu.ensure_kernel_built()
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir():
     from workbench.executor.models.loader import smollm2_checkpoint_dir
