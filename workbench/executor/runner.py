@@ -13,7 +13,7 @@ from .staging import StagingBuffers
 from ..utils import cdiv
 from ..platforms.attention import CommonAttentionMetadata
 from ..core.block_manager import NULL_BLOCK
-from ..core.scheduler import ScheduledRequest, SchedulerOutput
+from ..core.scheduler import SchedulerOutput
 from ..telemetry import FULL, PIECEWISE
 
 log = logging.getLogger("workbench")
