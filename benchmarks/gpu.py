@@ -3,8 +3,10 @@
     python benchmarks/gpu.py --anchor path/to/gpu_anchor.py [--out DIR]
     python benchmarks/gpu.py --small          # the same steps at toy sizes, any device (CPU too)
 
-Each part is time-guarded and prints one JSON line (also appended to DIR/gpu.jsonl); a table
-of our figures beside the HF peers, measured in this same call, comes last.
+Each part is guarded and prints its JSON lines as it measures (also appended to
+DIR/gpu.jsonl); a part that raises adds `<part>_error` and the call goes on. A table of our
+figures beside the HF peers, measured in this same call, comes last. The harness (lines,
+guards, timer, workloads) is workbench/bench/device_run.py, shared with benchmarks/npu.py.
 
 1. correctness: a random Qwen3 checkpoint (saved as safetensors, loaded like any local
    checkpoint). Greedy tokens of our engine in fp32, eager, with decode graphs and with
@@ -35,52 +37,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from workbench import Engine, SamplingParams  # noqa: E402
+from workbench.bench.device_run import (DeviceRun, anchor_workload, b1_prompt,  # noqa: E402
+                                        random_prompts, rel_err, w1_shape, within_bf16_error)
 from workbench.bench.offline import (SAMPLING_WORKLOADS, Workload, run_engine,  # noqa: E402
                                      run_engine_b1, save_random_qwen3)
+from workbench.telemetry import percentile  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-RESULTS: dict[str, dict] = {}
-OUT: Path | None = None
+RUN = DeviceRun("gpu", DEV)
 
 
 def ceiling(key: str):
-    return RESULTS.get("ceilings", {}).get(key)
-
-
-def emit(part: str, **kw) -> None:
-    RESULTS[part] = kw
-    line = json.dumps({"part": part, **kw})
-    print(line, flush=True)
-    if OUT is not None:
-        with open(OUT / "gpu.jsonl", "a") as f:
-            f.write(line + "\n")
-
-
-def guarded(part: str, fn, *a, **k) -> None:
-    t = time.perf_counter()
-    try:
-        fn(*a, **k)
-    except Exception as e:
-        emit(part + "_error", error=f"{type(e).__name__}: {e}"[:800])
-        traceback.print_exc(limit=6)
-    print(f"# {part}: {time.perf_counter() - t:.1f} s", flush=True)
-
-
-def sync() -> None:
-    if DEV == "cuda":
-        torch.cuda.synchronize()
+    return RUN.get("ceilings", key)
 
 
 def free_engine(e: Engine) -> None:
@@ -93,8 +71,7 @@ def correctness(small: bool) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="wb-qwen3-"))
     save_random_qwen3(tmp, layers=2 if small else 4, heads=8, kv_heads=4, head_dim=64)
     hf = Qwen3ForCausalLM.from_pretrained(tmp, dtype=torch.float32).to(DEV).eval()
-    r = random.Random(1)
-    prompts = [[r.randrange(10, 4096) for _ in range(r.randint(20, 200))] for _ in range(6)]
+    prompts = anchor_workload(6, 20, 200, 4096, seed=1)
     prompts.append(prompts[5][:70] + [11, 12, 13])          # a prefix-cache hit, mid-block
     new = 24
     want = []
@@ -113,12 +90,12 @@ def correctness(small: bool) -> None:
         got = [o.token_ids for o in e.generate(prompts[:6], params)]
         got += [o.token_ids for o in e.generate(prompts[6:], params)]   # hits prompt 5's cache
         steps = e.telemetry.snapshot()[0]
-        emit(f"correctness_fp32_{mode}", equal=got == want,
-             prompts_equal=sum(g == w for g, w in zip(got, want)), of=len(prompts),
-             graph_mode_run=e.info().graph_mode, graph_steps=sum(s.graph for s in steps),
-             piecewise_steps=sum(s.graph_kind == "PIECEWISE" for s in steps),
-             ahead_steps=sum(s.scheduled_ahead for s in steps),
-             cached_tokens=sum(s.num_cached_tokens for s in steps), notices=e.notices)
+        RUN.emit(f"correctness_fp32_{mode}", equal=got == want,
+                 prompts_equal=sum(g == w for g, w in zip(got, want)), of=len(prompts),
+                 graph_mode_run=e.info().graph_mode, graph_steps=sum(s.graph for s in steps),
+                 piecewise_steps=sum(s.graph_kind == "PIECEWISE" for s in steps),
+                 ahead_steps=sum(s.scheduled_ahead for s in steps),
+                 cached_tokens=sum(s.num_cached_tokens for s in steps), notices=e.notices)
         free_engine(e)
     # bf16: first-step logits of a prompt, against HF fp32, beside HF bf16's own error.
     p = prompts[0]
@@ -128,11 +105,10 @@ def correctness(small: bool) -> None:
     e = Engine(model=str(tmp), device=DEV, dtype="bfloat16", graph_mode="eager", max_num_seqs=8,
                num_kv_blocks=256)
     ours = e.core.prompt_logits(p)
-
-    def rel(x):
-        return float((x - ref).norm() / ref.norm())
-    emit("correctness_bf16_logits", ours_rel_err=round(rel(ours), 5), hf_bf16_rel_err=round(rel(hf16), 5),
-         ok=rel(ours) <= max(2 * rel(hf16), 2e-2), argmax_equal=int(ours.argmax()) == int(ref.argmax()))
+    err, hf_err = rel_err(ours, ref), rel_err(hf16, ref)
+    RUN.emit("correctness_bf16_logits", ours_rel_err=round(err, 5),
+             hf_bf16_rel_err=round(hf_err, 5), ok=within_bf16_error(err, hf_err),
+             argmax_equal=int(ours.argmax()) == int(ref.argmax()))
     free_engine(e)
     # bf16 batch-1 decode, replayed from decode graphs: the path of the batch-1 work (the
     # GEMV as tuned at start with the norms and SiLU-and-mul fused into it, split-context
@@ -157,10 +133,11 @@ def correctness(small: bool) -> None:
             ours_err = max(ours_err, abs(lp.logprob - float(lp32[row, tok])))
             hf16_err = max(hf16_err, abs(float(lp16[row, tok]) - float(lp32[row, tok])))
     greedy = [int(lp32[len(p) - 1 + i].argmax()) for i in range(len(out.token_ids))]
-    emit("correctness_bf16_decode_b1", ours_max_abs_err=round(ours_err, 4),
-         hf_bf16_max_abs_err=round(hf16_err, 4), ok=ours_err <= max(2 * hf16_err, 0.05),
-         tokens_equal_fp32_argmax=sum(a == b for a, b in zip(out.token_ids, greedy)),
-         of=len(greedy), gemv_chosen={str(t["shape"]): t["chosen"] for t in gemv or []})
+    RUN.emit("correctness_bf16_decode_b1", ours_max_abs_err=round(ours_err, 4),
+             hf_bf16_max_abs_err=round(hf16_err, 4),
+             ok=within_bf16_error(ours_err, hf16_err, 0.05),
+             tokens_equal_fp32_argmax=sum(a == b for a, b in zip(out.token_ids, greedy)),
+             of=len(greedy), gemv_chosen={str(t["shape"]): t["chosen"] for t in gemv or []})
 
 
 # ---- 2. batch-1 decode ----------------------------------------------------------------------
@@ -200,19 +177,20 @@ def graph_replay_kernels(e: Engine, size: int) -> dict | None:
     from torch.profiler import ProfilerActivity, profile
     graph = graphs.graphs[size]
     graph.replay()
-    sync()
+    RUN.sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
-        sync()
+        RUN.sync()
     return kernel_summary(prof, 10)
 
 
 def graph_replay_ms(e: Engine, size: int) -> float | None:
-    """Device time of one replay of the decode graph for `size` requests (no host work)."""
+    """One replay of the decode graph for `size` requests, launched and waited for, best of
+    50 (the roofline's measurement): no host work of the engine's."""
     graphs = e.core.runner.graphs                  # a device-time diagnostic: the core itself
     if DEV != "cuda" or graphs is None or size not in graphs.graphs:
         return None
-    return round(timed(graphs.graphs[size].replay, 50) * 1e3, 3)
+    return round(RUN.timed(graphs.graphs[size].replay, 50) * 1e3, 3)
 
 
 def gemv_tuning(e: Engine) -> list[dict] | None:
@@ -248,7 +226,7 @@ def batch1(small: bool) -> None:
         finally:
             if TritonOps is not None:
                 TritonOps.tune_gemv = True
-        prompt = [random.Random(2).randrange(10, e.info().vocab_size) for _ in range(128)]
+        prompt = b1_prompt(e.info().vocab_size)
         r = run_engine_b1(e, prompt, new)
         rows[mode] = r
         kernels = None
@@ -261,30 +239,19 @@ def batch1(small: bool) -> None:
             replay_kernels = graph_replay_kernels(e, 1)
         except Exception as ex:                               # a diagnostic, never fatal
             replay_kernels = f"{type(ex).__name__}: {ex}"[:200]
-        emit(f"b1_{mode}", model=model, graph_mode_run=e.info().graph_mode, ops=e.info().ops,
-             eager_decode_step=kernels, graph_replay_ms=graph_replay_ms(e, 1),
-             graph_replay_kernels=replay_kernels,
-             gemv=gemv_tuning(e) if mode == "decode" else None, **r)
+        RUN.emit(f"b1_{mode}", model=model, graph_mode_run=e.info().graph_mode, ops=e.info().ops,
+                 eager_decode_step=kernels, graph_replay_ms=graph_replay_ms(e, 1),
+                 graph_replay_kernels=replay_kernels,
+                 gemv=gemv_tuning(e) if mode == "decode" else None, **r)
         free_engine(e)
     ratio = dict(eager_over_decode=round(rows["eager"]["tpot_ms"] / rows["decode"]["tpot_ms"], 2))
     if "decode_cublas" in rows:
         ratio["cublas_over_gemv"] = round(rows["decode_cublas"]["tpot_ms"]
                                           / rows["decode"]["tpot_ms"], 3)
-    emit("b1_ratio", **ratio)
+    RUN.emit("b1_ratio", **ratio)
 
 
 # ---- 3. W1 ----------------------------------------------------------------------------------
-def anchor_workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    """Exactly gpu_anchor.py's draw: per request a length, then its token ids."""
-    r = random.Random(seed)
-    return [[r.randrange(10, vocab) for _ in range(r.randint(lo, hi))] for _ in range(n)]
-
-
-def w1_shape(small: bool) -> tuple[int, int, int, int]:
-    """(requests, shortest prompt, longest prompt, new tokens)."""
-    return (16, 100, 200, 16) if small else (256, 100, 1024, 512)
-
-
 def w1(small: bool, mode: str) -> None:
     model = "random:tiny" if small else "random:qwen3-0.6b"
     n, lo, hi, new = w1_shape(small)
@@ -305,13 +272,13 @@ def w1(small: bool, mode: str) -> None:
     if bw and peak:
         bound = ((kv + (new - 1) * mn["weight_bytes"]) / (bw * 1e12)
                  + 2 * mn["layer_params"] * sum(map(len, prompts)) / (peak * 1e12))
-    emit("w1_ours" + ("" if mode == "decode" else f"_{mode}"), model=model, graph_mode=mode,
-         requests=n, prompt_len=[lo, hi], new=new, build_s=round(build_s, 1),
-         kv_blocks=e.info().num_kv_blocks, graph_steps=sum(s.graph for s in steps),
-         piecewise_steps=sum(s.graph_kind == "PIECEWISE" for s in steps),
-         decode_steps=sum(s.phase == "decode" for s in steps),
-         bound_tok_s=round(n * new / bound) if bound else None,
-         fraction_of_bound=round(bound / r["seconds"], 3) if bound else None, **r)
+    RUN.emit("w1_ours" + ("" if mode == "decode" else f"_{mode}"), model=model, graph_mode=mode,
+             requests=n, prompt_len=[lo, hi], new=new, build_s=round(build_s, 1),
+             kv_blocks=e.info().num_kv_blocks, graph_steps=sum(s.graph for s in steps),
+             piecewise_steps=sum(s.graph_kind == "PIECEWISE" for s in steps),
+             decode_steps=sum(s.phase == "decode" for s in steps),
+             bound_tok_s=round(n * new / bound) if bound else None,
+             fraction_of_bound=round(bound / r["seconds"], 3) if bound else None, **r)
     free_engine(e)
 
 
@@ -325,7 +292,7 @@ def sampled(small: bool) -> None:
     e = Engine(model=model, device=DEV, graph_mode="decode", max_num_seqs=256,
                max_num_batched_tokens=8192, max_model_len=2048)
     wl = Workload(anchor_workload(n, lo, hi, e.info().vocab_size), [new] * n)
-    prompt = [random.Random(2).randrange(10, e.info().vocab_size) for _ in range(128)]
+    prompt = b1_prompt(e.info().vocab_size)
     b1_new = 32 if small else 256
     w1_rows, b1_rows = {"greedy": run_engine(e, wl)}, {"greedy": run_engine_b1(e, prompt, b1_new)}
     for name, kw in SAMPLING_WORKLOADS.items():
@@ -336,45 +303,27 @@ def sampled(small: bool) -> None:
     tok_s = (w1_rows["greedy"]["out_tok_s"] + w1_rows["greedy_again"]["out_tok_s"]) / 2
     tpot = (b1_rows["greedy"]["tpot_ms"] + b1_rows["greedy_again"]["tpot_ms"]) / 2
     steps = e.telemetry.snapshot()[0]
-    emit("sampled", model=model, requests=n, new=new,
-         steps_ahead=sum(s.scheduled_ahead for s in steps), steps=len(steps),
-         w1_tok_s={k: r["out_tok_s"] for k, r in w1_rows.items()},
-         w1_vs_greedy={k: round(r["out_tok_s"] / tok_s, 3) for k, r in w1_rows.items()},
-         b1_tpot_ms={k: r["tpot_ms"] for k, r in b1_rows.items()},
-         b1_tpot_vs_greedy={k: round(r["tpot_ms"] / tpot, 3) for k, r in b1_rows.items()})
+    RUN.emit("sampled", model=model, requests=n, new=new,
+             steps_ahead=sum(s.scheduled_ahead for s in steps), steps=len(steps),
+             w1_tok_s={k: r["out_tok_s"] for k, r in w1_rows.items()},
+             w1_vs_greedy={k: round(r["out_tok_s"] / tok_s, 3) for k, r in w1_rows.items()},
+             b1_tpot_ms={k: r["tpot_ms"] for k, r in b1_rows.items()},
+             b1_tpot_vs_greedy={k: round(r["tpot_ms"] / tpot, 3) for k, r in b1_rows.items()})
     free_engine(e)
 
 
 # ---- 5. ceilings ----------------------------------------------------------------------------
-def timed(fn, reps: int) -> float:
-    """Median seconds of fn() over reps runs (device events on CUDA)."""
-    fn()
-    fn()
-    times = []
-    for _ in range(reps):
-        if DEV == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
-
-
 def ceilings(small: bool) -> None:
+    """This card's copy bandwidth (bytes read + written) and bf16 matmul rate, each the best
+    of 10 timed runs (the roofline's measurement, RUN.timed)."""
     n = (1 << 20) if small else (1 << 30)                       # 2 GiB of bf16 per buffer
     a = torch.randn(n, dtype=torch.bfloat16, device=DEV)
     b = torch.empty_like(a)
-    copy = 2 * a.numel() * 2 / timed(lambda: b.copy_(a), 10)
+    copy = 2 * a.numel() * 2 / RUN.timed(lambda: b.copy_(a), 10)
     m = 256 if small else 8192
     x, y = (torch.randn(m, m, dtype=torch.bfloat16, device=DEV) for _ in range(2))
-    mm = 2 * m ** 3 / timed(lambda: x @ y, 10)
-    emit("ceilings", copy_TBps=round(copy / 1e12, 3), bf16_TFLOPs=round(mm / 1e12, 1))
+    mm = 2 * m ** 3 / RUN.timed(lambda: x @ y, 10)
+    RUN.emit("ceilings", copy_TBps=round(copy / 1e12, 3), bf16_TFLOPs=round(mm / 1e12, 1))
 
 
 def model_numbers(e: Engine) -> dict:
@@ -392,30 +341,29 @@ def prefill(small: bool) -> None:
     n, length, budget = (8, 128, 256) if small else (64, 1024, 8192)
     e = Engine(model=model, device=DEV, graph_mode="eager", max_num_seqs=256,
                max_num_batched_tokens=budget, max_model_len=2048)
-    r = random.Random(3)
-    prompts = [[r.randrange(10, e.info().vocab_size) for _ in range(length)] for _ in range(n)]
+    prompts = random_prompts(n, length, e.info().vocab_size, seed=3)
     p = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     e.generate(prompts[:2], p)                                  # warm-up (kernel compiles)
     e.reset_prefix_cache()
     first = e.telemetry.num_steps
-    sync()
+    RUN.sync()
     t = time.perf_counter()
     e.generate(prompts, p)
-    sync()
+    RUN.sync()
     dt = time.perf_counter() - t
     steps = e.telemetry.steps_since(first)
-    full = sorted(s.duration for s in steps if s.num_prefill_tokens == budget)
+    full = [s.duration for s in steps if s.num_prefill_tokens == budget]
     mn = model_numbers(e)
     # FLOPs: the linear layers (2 per param per token), causal attention (QK and PV: 2 * 2 *
     # heads * head_dim * L^2 / 2 per layer), the LM head on the one sampled row per prompt.
     flops = (2 * mn["layer_params"] * n * length
              + 2 * mn["heads"] * mn["head_dim"] * length ** 2 * mn["layers"] * n)
     peak = ceiling("bf16_TFLOPs")
-    emit("prefill", model=model, prompts=n, prompt_len=length, step_budget=budget,
-         prompt_tok_s=round(n * length / dt), seconds=round(dt, 3), steps=len(steps),
-         full_step_ms_median=round(full[len(full) // 2] * 1e3, 2) if full else None,
-         tflops=round(flops / dt / 1e12, 1),
-         fraction_of_matmul_peak=round(flops / dt / 1e12 / peak, 3) if peak else None)
+    RUN.emit("prefill", model=model, prompts=n, prompt_len=length, step_budget=budget,
+             prompt_tok_s=round(n * length / dt), seconds=round(dt, 3), steps=len(steps),
+             full_step_ms_median=round(percentile(full, 50) * 1e3, 2) if full else None,
+             tflops=round(flops / dt / 1e12, 1),
+             fraction_of_matmul_peak=round(flops / dt / 1e12 / peak, 3) if peak else None)
     free_engine(e)
 
 
@@ -448,8 +396,8 @@ def release(small: bool) -> None:
     finally:
         gc.enable()
     back = None if free0 is None else round((free0 - free1) / 2**30, 2)
-    emit("release", builds=len(built), kv_blocks=built, dropped_engine_gib_still_held=back,
-         ok=len(built) == 3 and (back is None or back < 1.0))
+    RUN.emit("release", builds=len(built), kv_blocks=built, dropped_engine_gib_still_held=back,
+             ok=len(built) == 3 and (back is None or back < 1.0))
 
 
 # ---- 8. concurrency -------------------------------------------------------------------------
@@ -458,7 +406,7 @@ def closed_loop(e: Engine, prompts: list[list[int]], new: int, c: int) -> dict:
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
     pending, inflight, rids = list(prompts), set(), set()
     first = len(e.telemetry.requests)
-    sync()
+    RUN.sync()
     t = time.perf_counter()
     while pending or inflight:
         while pending and len(inflight) < c:
@@ -470,13 +418,12 @@ def closed_loop(e: Engine, prompts: list[list[int]], new: int, c: int) -> dict:
                 inflight.discard(ev.request_id)
     dt = time.perf_counter() - t
     done = [m for m in list(e.telemetry.requests)[first:] if m.request_id in rids]
-    ttft = sorted(m.ttft for m in done)
-    tpot = sorted(m.tpot for m in done if m.tpot is not None)
-    pct = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))]   # noqa: E731
+    ttft = [m.ttft for m in done]
+    tpot = [m.tpot for m in done]                      # percentile skips the Nones
     return dict(requests=len(prompts), out_tok_s=round(len(prompts) * new / dt, 1),
-                seconds=round(dt, 2), ttft_p50_ms=round(pct(ttft, 0.5) * 1e3, 1),
-                ttft_p99_ms=round(pct(ttft, 0.99) * 1e3, 1),
-                tpot_p50_ms=round(pct(tpot, 0.5) * 1e3, 2))
+                seconds=round(dt, 2), ttft_p50_ms=round(percentile(ttft, 50) * 1e3, 1),
+                ttft_p99_ms=round(percentile(ttft, 99) * 1e3, 1),
+                tpot_p50_ms=round(percentile(tpot, 50) * 1e3, 2))
 
 
 def concurrency(small: bool) -> None:
@@ -488,7 +435,7 @@ def concurrency(small: bool) -> None:
     e.generate(wl[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     for c in ((1, 4) if small else (1, 16, 64, 256)):
         e.reset_prefix_cache()
-        emit(f"concurrency_{c}", concurrency=c, **closed_loop(e, wl[:min(n, 4 * c)], new, c))
+        RUN.emit(f"concurrency_{c}", concurrency=c, **closed_loop(e, wl[:min(n, 4 * c)], new, c))
     free_engine(e)
 
 
@@ -498,17 +445,16 @@ def vllm_workload(small: bool, max_num_seqs: int, budget: int) -> None:
     n, length, new = (16, 32, 8) if small else (500, 512, 128)
     e = Engine(model=model, device=DEV, graph_mode="decode", max_num_seqs=max_num_seqs,
                max_num_batched_tokens=budget, max_model_len=2048)
-    r = random.Random(5)
-    prompts = [[r.randrange(10, e.info().vocab_size) for _ in range(length)] for _ in range(n)]
+    prompts = random_prompts(n, length, e.info().vocab_size, seed=5)
     res = run_engine(e, Workload(prompts, [new] * n))
     # vLLM's benchmark client samples greedily, so its published figure compares with the
     # greedy row; Qwen3's generation defaults are what a served request gets beside it.
     qwen3 = run_engine(e, Workload(prompts, [new] * n), sampling=SAMPLING_WORKLOADS["qwen3_defaults"])
-    emit(f"vllm_{max_num_seqs}_{budget}", model=model, requests=n, prompt_len=length, new=new,
-         max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-         req_s=round(n / res["seconds"], 1),
-         total_tok_s=round(n * (length + new) / res["seconds"]),
-         qwen3_defaults_req_s=round(n / qwen3["seconds"], 1), **res)
+    RUN.emit(f"vllm_{max_num_seqs}_{budget}", model=model, requests=n, prompt_len=length, new=new,
+             max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+             req_s=round(n / res["seconds"], 1),
+             total_tok_s=round(n * (length + new) / res["seconds"]),
+             qwen3_defaults_req_s=round(n / qwen3["seconds"], 1), **res)
     free_engine(e)
 
 
@@ -522,13 +468,13 @@ def peers(anchor: str, small: bool, anchor_parts: str) -> None:
     for line in p.stdout.splitlines():
         if line.startswith("{"):
             d = json.loads(line)
-            emit("anchor_" + d.pop("part"), **d)
+            RUN.emit("anchor_" + d.pop("part"), **d)
     if p.returncode != 0:
-        emit("anchor_failed", rc=p.returncode, stderr=p.stderr[-1500:])
+        RUN.emit("anchor_failed", rc=p.returncode, stderr=p.stderr[-1500:])
 
 
 def table() -> None:
-    g = lambda part, key: RESULTS.get(part, {}).get(key)   # noqa: E731
+    g = RUN.get
     rows = [("copy TB/s, bf16 matmul TFLOP/s (ceilings)",
              f"{g('ceilings', 'copy_TBps')}, {g('ceilings', 'bf16_TFLOPs')}"),
             ("prefill prompt tok/s, 8k steps (>= 200k)", g("prefill", "prompt_tok_s")),
@@ -550,7 +496,7 @@ def table() -> None:
         rows.append(("  ours / generate_batch (>= 34)", round(ours / cb, 2)))
     if ours and st:
         rows.append(("  ours / static", round(ours / st, 2)))
-    for part, d in RESULTS.items():
+    for part, d in RUN.results.items():
         if part.startswith("vllm_"):
             rows.append((f"vLLM workload req/s ({part})", d.get("req_s")))
         if part.startswith("concurrency_"):
@@ -561,11 +507,10 @@ def table() -> None:
     rows.append(("bf16 logits ok", g("correctness_bf16_logits", "ok")))
     rows.append(("bf16 batch-1 decode logprobs ok", g("correctness_bf16_decode_b1", "ok")))
     rows.append(("release ok (3 rebuilds at 0.9, drop frees)", g("release", "ok")))
-    print("\n" + "\n".join(f"{k:<46} {v}" for k, v in rows))
+    RUN.print_table(rows, 46)
 
 
 def main() -> int:
-    global OUT
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--anchor", default=None, help="gpu_anchor.py, for the HF peers")
     ap.add_argument("--out", default=os.environ.get("OUT"))
@@ -577,12 +522,11 @@ def main() -> int:
     ap.add_argument("--vllm-configs", default="256:8192,512:16384",
                     help="max_num_seqs:max_num_batched_tokens pairs for the vLLM workload")
     a = ap.parse_args()
-    if a.out:
-        OUT = Path(a.out)
-        OUT.mkdir(parents=True, exist_ok=True)
+    RUN.write_to(a.out)
     import transformers
-    emit("env", device=DEV, name=torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
-         torch=torch.__version__, transformers=transformers.__version__, date=time.strftime("%F"))
+    RUN.emit("env", device=DEV, name=torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
+             torch=torch.__version__, transformers=transformers.__version__,
+             date=time.strftime("%F"))
     parts = a.parts.split(",")
     steps = [("ceilings", ceilings), ("correctness", correctness), ("prefill", prefill),
              ("b1", batch1), ("w1", lambda small: w1(small, "decode")), ("sampled", sampled)]
@@ -594,7 +538,7 @@ def main() -> int:
     steps.append(("w1full", lambda small: w1(small, "full")))   # last: an extra
     for name, fn in steps:
         if name in parts:
-            guarded(name, fn, a.small)
+            RUN.guarded(name, fn, a.small)
     table()
     return 0
 

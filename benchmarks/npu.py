@@ -25,63 +25,28 @@ The doctor's line always comes first, even when --parts leaves it out.
 3. W1: 256 requests, prompts uniform in [100, 1024] tokens (random.Random(0), as
    benchmarks/gpu.py draws them), 512 new tokens each, EOS ignored: output tokens/s with
    graph_mode 'decode' (part w1), then 'full', the default (part w1full).
+
+The harness (lines, guards, workloads, the bf16 rule) is workbench/bench/device_run.py,
+shared with benchmarks/gpu.py.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import random
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from workbench import Engine, SamplingParams  # noqa: E402
+from workbench.bench.device_run import (DeviceRun, anchor_workload, b1_prompt,  # noqa: E402
+                                        rel_err, w1_shape, within_bf16_error)
 from workbench.bench.offline import Workload, run_engine, run_engine_b1, save_random_qwen3  # noqa: E402
 
 REF_DEVICE = "npu"
 """Where HF's reference runs: the NPU itself (the CPU smoke test sets 'cpu')."""
-RESULTS: dict[str, dict] = {}
-OUT: Path | None = None
-
-
-def emit(part: str, **kw) -> None:
-    RESULTS[part] = kw
-    line = json.dumps({"part": part, **kw}, default=str)
-    print(line, flush=True)
-    if OUT is not None:
-        with open(OUT / "npu.jsonl", "a") as f:
-            f.write(line + "\n")
-
-
-def guarded(part: str, fn, *a) -> None:
-    """Run one part into a dict of its own and print it as one JSON line: ok when it ran
-    and its checks (the keys it lists in `checks`) all hold; what it measured before an
-    exception is kept, with the error and the traceback's end."""
-    t, out = time.perf_counter(), {}
-    try:
-        fn(out, *a)
-        failed = [k for k in out.pop("checks", []) if not _holds(out, k)]
-        ok = not failed
-    except Exception as e:
-        out.pop("checks", None)
-        out["error"] = f"{type(e).__name__}: {e}"[:800]
-        out["traceback"] = traceback.format_exc(limit=6)[-2000:]
-        ok, failed = False, []
-    out["seconds"] = round(time.perf_counter() - t, 1)
-    emit(part, **{"ok": ok, **({"failed": failed} if failed else {}),
-                  **{k: v for k, v in out.items() if k != "ok"}})
-
-
-def _holds(out: dict, key: str) -> bool:
-    """'a.b' looks up out['a']['b']."""
-    for name in key.split("."):
-        out = out.get(name) if isinstance(out, dict) else None
-    return bool(out)
 
 
 def doctor(out: dict) -> None:
@@ -95,9 +60,7 @@ def correctness(out: dict, small: bool) -> None:
     from transformers import Qwen3ForCausalLM
     tmp = Path(tempfile.mkdtemp(prefix="wb-qwen3-d128-"))
     save_random_qwen3(tmp, layers=2 if small else 4, heads=4, kv_heads=2, head_dim=128)
-    r = random.Random(1)
-    prompts = [[r.randrange(10, 4096) for _ in range(r.randint(20, 200))]
-               for _ in range(2 if small else 6)]
+    prompts = anchor_workload(2 if small else 6, 20, 200, 4096, seed=1)
     new = 8 if small else 24
     hf = Qwen3ForCausalLM.from_pretrained(tmp, dtype=torch.float32).to(REF_DEVICE).eval()
     with torch.inference_mode():
@@ -112,10 +75,7 @@ def correctness(out: dict, small: bool) -> None:
                               min_new_tokens=new, do_sample=False, pad_token_id=0)
             hf_tokens.append(gen[0, len(p):].tolist())
     del hf
-
-    def rel(x):
-        return round(float((x.to(ref.device) - ref).norm() / ref.norm()), 5)
-
+    hf_err = rel_err(hf16, ref)
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
     eager_tokens, out["modes"], out["checks"] = None, {}, []
     for mode in ("eager", "full", "decode"):
@@ -126,9 +86,10 @@ def correctness(out: dict, small: bool) -> None:
         eager_tokens = eager_tokens or got
         steps = e.telemetry.snapshot()[0]
         ours = e.core.prompt_logits(prompts[0])
+        err = rel_err(ours, ref)
         out["modes"][mode] = dict(
-            logits_rel_err=rel(ours), hf_bf16_rel_err=rel(hf16),
-            logits_ok=rel(ours) <= max(2 * rel(hf16), 2e-2),
+            logits_rel_err=round(err, 5), hf_bf16_rel_err=round(hf_err, 5),
+            logits_ok=within_bf16_error(err, hf_err),
             argmax_equal=int(ours.argmax()) == int(ref.argmax()),
             tokens_equal_eager=got == eager_tokens,
             prompts_equal_hf_bf16=sum(g == w for g, w in zip(got, hf_tokens)), of=len(prompts),
@@ -143,8 +104,8 @@ def batch1(out: dict, model: str, new: int) -> None:
     for mode in ("eager", "full", "decode"):
         e = Engine(model=model, device="npu", graph_mode=mode, max_num_seqs=8,
                    max_model_len=2048, num_kv_blocks=64)
-        prompt = [random.Random(2).randrange(10, e.info().vocab_size) for _ in range(128)]
-        out[mode] = dict(graph_mode_run=e.info().graph_mode, **run_engine_b1(e, prompt, new))
+        out[mode] = dict(graph_mode_run=e.info().graph_mode,
+                         **run_engine_b1(e, b1_prompt(e.info().vocab_size), new))
         e.shutdown()
     out["model"] = model
     tpot = {m: out[m]["tpot_ms"] for m in ("eager", "full", "decode")}
@@ -153,15 +114,14 @@ def batch1(out: dict, model: str, new: int) -> None:
 
 
 def w1(out: dict, model: str, small: bool, mode: str) -> None:
-    n, lo, hi, new = (8, 100, 200, 8) if small else (256, 100, 1024, 512)
+    n, lo, hi, new = w1_shape(small, toy=8)
     t = time.perf_counter()
     e = Engine(model=model, device="npu", graph_mode=mode, max_num_seqs=8 if small else 256,
                max_num_batched_tokens=8192, max_model_len=2048,
                num_kv_blocks=64 if small else None)   # else sized from the NPU's memory
     out.update(model=model, graph_mode=mode, requests=n, prompt_len=[lo, hi], new=new,
                build_s=round(time.perf_counter() - t, 1), kv_blocks=e.info().num_kv_blocks)
-    r = random.Random(0)
-    prompts = [[r.randrange(10, e.info().vocab_size) for _ in range(r.randint(lo, hi))] for _ in range(n)]
+    prompts = anchor_workload(n, lo, hi, e.info().vocab_size)
     res = run_engine(e, Workload(prompts, [new] * n))
     steps = e.telemetry.snapshot()[0]
     out.update(graph_steps=sum(s.graph for s in steps),
@@ -170,12 +130,8 @@ def w1(out: dict, model: str, small: bool, mode: str) -> None:
     e.shutdown()
 
 
-def table() -> None:
-    def g(part, *keys):
-        v = RESULTS.get(part, {})
-        for k in keys:
-            v = v.get(k) if isinstance(v, dict) else None
-        return v
+def table(run: DeviceRun) -> None:
+    g = run.get
     rows = [("chip", g("doctor", "device_name")),
             ("torch_npu / CANN", f"{g('doctor', 'torch_npu')} / {g('doctor', 'cann')}"),
             ("doctor ops", ", ".join(
@@ -189,20 +145,18 @@ def table() -> None:
         rows.append((f"correctness {mode}: logits ok / tokens = eager",
                      f"{g('correctness', 'modes', mode, 'logits_ok')} / "
                      f"{g('correctness', 'modes', mode, 'tokens_equal_eager')}"))
-    rows.append(("parts ok", ", ".join(f"{p}: {r.get('ok')}" for p, r in RESULTS.items())))
-    print("\n" + "\n".join(f"{k:<48} {v}" for k, v in rows))
+    rows.append(("parts ok", ", ".join(f"{p}: {r.get('ok')}" for p, r in run.results.items())))
+    run.print_table(rows, 48)
 
 
 def main(argv: list[str] | None = None) -> int:
-    global OUT
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="folder for npu.jsonl")
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--parts", default="doctor,correctness,b1,w1,w1full")
     a = ap.parse_args(argv)
-    if a.out:
-        OUT = Path(a.out)
-        OUT.mkdir(parents=True, exist_ok=True)
+    run = DeviceRun("npu", "npu")
+    run.write_to(a.out)
     parts = a.parts.split(",")
     unknown = set(parts) - {"doctor", "correctness", "b1", "w1", "w1full"}
     if unknown:
@@ -212,19 +166,19 @@ def main(argv: list[str] | None = None) -> int:
     if a.small:
         model = tempfile.mkdtemp(prefix="wb-qwen3-d128-small-")
         save_random_qwen3(Path(model), layers=2, heads=4, kv_heads=2, head_dim=128)
-    guarded("doctor", doctor)            # first, whatever --parts says
+    run.checked("doctor", doctor)            # first, whatever --parts says
     if "correctness" in parts:
-        guarded("correctness", correctness, a.small)
+        run.checked("correctness", correctness, a.small)
     if "b1" in parts:
-        guarded("b1", batch1, model, 16 if a.small else 256)
+        run.checked("b1", batch1, model, 16 if a.small else 256)
     if "w1" in parts:
-        guarded("w1", w1, model, a.small, "decode")
+        run.checked("w1", w1, model, a.small, "decode")
     if "w1full" in parts:
-        guarded("w1full", w1, model, a.small, "full")
-    table()
-    print(f"# send back the {len(RESULTS)} JSON lines above"
-          + (f" (or {OUT / 'npu.jsonl'})" if OUT else ""), flush=True)
-    return 0 if all(r.get("ok") for r in RESULTS.values()) else 1
+        run.checked("w1full", w1, model, a.small, "full")
+    table(run)
+    print(f"# send back the {len(run.results)} JSON lines above"
+          + (f" (or {run.path})" if run.path else ""), flush=True)
+    return 0 if all(r.get("ok") for r in run.results.values()) else 1
 
 
 if __name__ == "__main__":

@@ -68,8 +68,9 @@ ALLOWED = {
                         "workbench.config", "workbench.roofline", "workbench"},
     "workbench.serving": {"workbench.engine", "workbench.core", "workbench.telemetry",
                           "workbench.config", "workbench"},
+    # platforms: the device scripts' timer (bench/device_run.py, Platform.best_time).
     "workbench.bench": {"workbench.engine", "workbench.core", "workbench.telemetry",
-                        "workbench.serving", "workbench.config"},
+                        "workbench.serving", "workbench.config", "workbench.platforms"},
     "workbench.cli": {"workbench", "workbench.config", "workbench.bench", "workbench.serving",
                       "workbench.trace", "workbench.platforms"},
 }
@@ -178,3 +179,67 @@ def test_the_checks_catch_what_they_forbid():
     assert "workbench.engine" not in ALLOWED["workbench.platforms"]
     assert floor_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert floor_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+# ---- one rule in one place: the device scripts' harness, the percentile --------------------------
+DEVICE_SCRIPTS = [ROOT / "benchmarks" / "gpu.py", ROOT / "benchmarks" / "npu.py"]
+
+
+def defined_names(tree: ast.AST) -> set[str]:
+    """The functions a module defines anywhere (methods and nested ones too), and the names
+    it binds to a lambda."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Lambda):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return names
+
+
+def hand_rolled_order_statistics(tree: ast.AST) -> list[int]:
+    """Lines that pick an order statistic by index arithmetic on a length (xs[len(xs) // 2],
+    xs[int(q * len(xs))]) rather than through telemetry.percentile."""
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Subscript):
+            continue
+        inner = list(ast.walk(node.slice))
+        uses_len = any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                       and n.func.id == "len" for n in inner)
+        scales = any(isinstance(n, ast.BinOp) and isinstance(n.op, (ast.FloorDiv, ast.Mult))
+                     for n in inner)
+        if uses_len and scales:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_device_scripts_share_one_harness():
+    """benchmarks/gpu.py and npu.py use bench/device_run.py and define none of what it
+    defines (JSON lines, guarded parts, the timer, W1 and its prompts, the bf16 rule), nor
+    a percentile or timer of their own."""
+    shared = defined_names(ast.parse((PKG / "bench" / "device_run.py").read_text()))
+    shared |= {"percentile", "distribution", "pct", "median", "best_time", "rel"}
+    shared -= {"__init__"}
+    for path in DEVICE_SCRIPTS:
+        assert "workbench.bench.device_run" in imports_of(path), path.name
+        again = sorted(defined_names(ast.parse(path.read_text())) & shared)
+        assert not again, f"{path.name} defines its own {again}: use bench/device_run.py"
+
+
+def test_one_percentile():
+    """Percentiles and medians of data go through telemetry.percentile (interpolated, as
+    numpy and vLLM's benchmarks), never an index picked by hand."""
+    files = [*workbench_files(), *sorted((ROOT / "benchmarks").glob("*.py")),
+             *sorted((ROOT / "widgets").glob("*.py"))]
+    bad = [f"{p.relative_to(ROOT)}:{line}" for p in files
+           for line in hand_rolled_order_statistics(ast.parse(p.read_text()))]
+    assert not bad, "hand-rolled percentiles (use telemetry.percentile): " + ", ".join(bad)
+
+
+def test_the_harness_checks_catch_what_they_forbid():
+    old = ast.parse("def emit(part): pass\n"
+                    "pct = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))]\n"
+                    "m = sorted(t)[len(t) // 2]\nlast = xs[len(xs) - 1]\n")
+    assert {"emit", "pct"} <= defined_names(old)
+    assert sorted(hand_rolled_order_statistics(old)) == [2, 3]

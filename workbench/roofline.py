@@ -92,21 +92,10 @@ class DeviceRoofs:
         return min(self.peak_flops, intensity * self.bandwidth)
 
 
-def _best_time(fn, sync, reps: int) -> float:
-    fn()
-    sync()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def measure_roofs(platform, dtype: torch.dtype) -> DeviceRoofs:
-    """Time a large copy and a square matmul on `platform`'s device (best of a few runs; about
-    a second on a CPU, less on a GPU). Small sizes on the CPU keep it short; an accelerator
+    """Time a large copy and a square matmul on `platform`'s device (Platform.best_time, the
+    one measurement of device work: best of a few runs; about a second on a CPU, less on a
+    GPU). Small sizes on the CPU keep it short; an accelerator
     gets sizes large enough to reach its peak."""
     accel = platform.name != "cpu"
     n_copy = (1 << 30 if accel else 1 << 28) // torch.tensor([], dtype=dtype).element_size()
@@ -117,13 +106,13 @@ def measure_roofs(platform, dtype: torch.dtype) -> DeviceRoofs:
     nbytes = src.numel() * src.element_size()
     # A copy reads and writes; a sum only reads (often faster): the better of the two is
     # the bandwidth a step that streams its weights can reach.
-    t_copy = _best_time(lambda: dst.copy_(src), platform.synchronize, 5)
-    t_read = _best_time(lambda: src.sum(), platform.synchronize, 5)
+    t_copy = platform.best_time(lambda: dst.copy_(src), 5)
+    t_read = platform.best_time(lambda: src.sum(), 5)
     bandwidth = max(2 * nbytes / t_copy, nbytes / t_read)
     del src, dst
     a = torch.randn(n_mm, n_mm, device=dev).to(dtype)
     b = torch.randn(n_mm, n_mm, device=dev).to(dtype)
-    t_mm = _best_time(lambda: a @ b, platform.synchronize, 10 if accel else 5)
+    t_mm = platform.best_time(lambda: a @ b, 10 if accel else 5)
     del a, b
     platform.empty_cache()
     return DeviceRoofs(platform.device_name(), str(dtype).replace("torch.", ""),

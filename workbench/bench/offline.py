@@ -229,10 +229,10 @@ def time_per_token_by_batch(engine: Engine, batch_sizes=(1, 2, 4, 8), prompt_len
         if len(pre) != 1 or pre[0].num_prefill_tokens != b * prompt_len:
             raise ValueError(f"batch {b}: the prompts did not prefill in one step; raise "
                              f"max_num_seqs / max_num_batched_tokens")
+        decode_step = percentile([s.duration for s in dec], 50)
         rows.append(dict(batch=b, prefill_s_per_token=pre[0].duration / (b * prompt_len),
-                         decode_s_per_token=statistics.median(s.duration for s in dec) / b,
-                         prefill_step_s=pre[0].duration,
-                         decode_step_s=statistics.median(s.duration for s in dec)))
+                         decode_s_per_token=decode_step / b, prefill_step_s=pre[0].duration,
+                         decode_step_s=decode_step))
     return rows
 
 

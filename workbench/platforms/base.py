@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import time
+
 import torch
 
 class Platform:
@@ -86,9 +88,34 @@ class Platform:
         None: the runner's default (cudagraph_capture_sizes, or 1, 2, 4, 8, then every 16)."""
         return None
 
+    def best_time(self, fn, reps: int = 5) -> float:
+        """Seconds one call of `fn` takes here: one call to warm up, then the best of `reps`,
+        each waited for (`synchronize`) before the clock stops.
+
+        The two timers of device work, and what each is for (nothing else times device work):
+        - this one, the roofline's measurement: a call as the host sees it, launch and
+          wait included. It measures the roofs (roofline.measure_roofs) and the device
+          benchmarks' ceilings and graph replays (bench/device_run.py). Best, not median:
+          noise (another process, a clock still ramping up) only ever adds time, and a roof
+          is what the device can do.
+        - `kernel_timer` (accelerators: `time_in_graph`): device time per call replayed from
+          a captured graph, in µs, with no launch cost of the host's: what an op costs
+          inside a decode step, for ops that pick a kernel by measuring them (the GEMV's
+          tuning, triton_ops.TritonOps.prepare)."""
+        fn()
+        self.synchronize()
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            self.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
     def kernel_timer(self):
         """A function timing device work as a decode step runs it (fn -> µs per call), for
-        ops that pick kernels by measuring them; None where this device has none."""
+        ops that pick kernels by measuring them; None where this device has none. Not
+        `best_time`: see there for the difference."""
         return None
 
     def check_model(self, model) -> None:
@@ -191,7 +218,8 @@ class AcceleratorPlatform(Platform):
 
     def time_in_graph(self, fn, reps: int = 20) -> float:
         """Device time of one call of `fn`, in µs, replayed from a captured graph: what it
-        costs inside a decode step, with no launch overhead of the host's."""
+        costs inside a decode step, with no launch overhead of the host's (the kernel
+        timer; `best_time` says how it differs from the roofline's measurement)."""
         api = self.api
         self.warm_up(fn)
         graph = getattr(api, self.graph_class)()

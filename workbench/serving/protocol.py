@@ -146,15 +146,15 @@ def _structured_outputs(body: dict, name: str) -> StructuredOutputsParams:
             raise bad_request(name, "response_format: must be {'type': 'text'}, {'type': 'json_object'} "
                              "or {'type': 'json_schema', 'json_schema': {...}}")
         if name == "structured_outputs":
-            so = body[name]
-            if not isinstance(so, dict):
+            kinds = body[name]                  # {"json": ...}, {"regex": ...}, ...
+            if not isinstance(kinds, dict):
                 raise bad_request(name, "structured_outputs: must be an object")
-            unknown = set(so) - set(StructuredOutputsParams.KINDS)
+            unknown = set(kinds) - set(StructuredOutputsParams.KINDS)
             if unknown:
                 raise bad_request(name, f"structured_outputs: {sorted(unknown)[0]!r} is not supported "
                                  f"(known: {', '.join(StructuredOutputsParams.KINDS)})",
                            code="unsupported_parameter")
-            return StructuredOutputsParams(**so)
+            return StructuredOutputsParams(**kinds)
         return StructuredOutputsParams(**{GUIDED[name]: body[name]})
     except ValueError as e:
         raise structured_error(name, e) from None
