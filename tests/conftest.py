@@ -110,6 +110,15 @@ def tiny_checkpoints(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def qwen3_d128(tmp_path_factory):
+    """A tiny Qwen3 with head size 128, the one every A2/A3 CANN's fused attention takes
+    (the NPU tests' model)."""
+    path = tmp_path_factory.mktemp("qwen3_d128")
+    make_tiny_checkpoint(path, "qwen3", head_dim=128)
+    return path
+
+
 def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
     r = random.Random(seed)
     return [[r.randrange(3, vocab) for _ in range(r.randint(lo, hi))] for _ in range(n)]

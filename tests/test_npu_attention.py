@@ -15,19 +15,11 @@ import torch
 
 import fake_torch_npu
 from conftest import make_tiny_checkpoint, random_prompts
-from workbench import Engine, EngineConfig, SamplingParams
+from workbench import Engine, SamplingParams
 from workbench.platforms.npu_attention import DecodeGraphTasks
 
 KW = dict(num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=160,
           enable_prefix_caching=True)
-
-
-@pytest.fixture(scope="module")
-def qwen3_d128(tmp_path_factory):
-    """Qwen3 with head size 128, the one every A2/A3 CANN takes."""
-    path = tmp_path_factory.mktemp("qwen3_d128")
-    make_tiny_checkpoint(path, "qwen3", head_dim=128)
-    return path
 
 
 @pytest.fixture(scope="module")

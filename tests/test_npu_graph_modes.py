@@ -14,18 +14,11 @@ import pytest
 import torch
 
 import fake_torch_npu
-from conftest import make_tiny_checkpoint, random_prompts
+from conftest import random_prompts
 from workbench import Engine, SamplingParams
 from workbench.platforms.npu_attention import SEQ_LEN_WITH_MAX_PA_WORKSPACE
 
 KW = dict(num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=160)
-
-
-@pytest.fixture(scope="module")
-def qwen3_d128(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen3_d128_modes")
-    make_tiny_checkpoint(path, "qwen3", head_dim=128)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +70,7 @@ def test_npu_decode_graphs_capture_at_the_maximum_and_requery_the_workspace(
     """vLLM-Ascend's FULL_DECODE_ONLY capture: every row's length and the workspace at 6144
     (model_runner_v1.py, SEQ_LEN_WITH_MAX_PA_WORKSPACE); its update queries the workspace
     for the step's lengths (update_graph_params since #6041/#6231)."""
-    fake = fake_torch_npu.install(monkeypatch)
+    fake_torch_npu.install(monkeypatch)
     prompts, params, want = reference
     e = Engine(model=str(qwen3_d128), device="npu", **KW, graph_mode="decode",
                cudagraph_capture_sizes=[1, 2, 4])

@@ -31,7 +31,7 @@ def run_step(s, out, token=7):
     s.update_after_step(out)
     for x in out.scheduled:
         if x.will_sample:
-            x.seq.token_ids.append(token)
+            s.requests[x.req_id].token_ids.append(token)
 
 
 def test_prefill_then_decode():
@@ -68,7 +68,7 @@ def test_no_chunking_waits_for_budget():
     add(s, "a", 50)
     add(s, "b", 30)
     out = s.schedule(now=0)
-    assert [x.seq.request_id for x in out.scheduled] == ["a"]   # b would overflow the step
+    assert [x.req_id for x in out.scheduled] == ["a"]   # b would overflow the step
 
 
 def test_max_num_seqs_caps_running():
@@ -99,11 +99,11 @@ def test_preemption_policy(mode, victim):
     run_step(s, s.schedule(now=0))
     assert bm.num_free_blocks == 0
     out = s.schedule(now=0)
-    assert [q.request_id for q in out.preempted] == [victim]
-    v = out.preempted[0]
+    assert out.preempted == [victim]
+    v = s.requests[victim]
     assert v.num_computed_tokens == 0 and v.block_table == [] and v.num_preemptions == 1
     assert s.waiting[0] is v                       # back at the head of the queue
-    assert victim not in [x.seq.request_id for x in out.scheduled]
+    assert victim not in [x.req_id for x in out.scheduled]
 
 
 @pytest.mark.parametrize("prefix", [False, True])
@@ -125,7 +125,7 @@ def test_preempted_request_is_recomputed_with_its_output(prefix):
     # Recompute covers prompt + generated tokens; with prefix caching its full first block
     # (freed as cached at preemption) is reused.
     cached = 4 if prefix else 0
-    assert x.seq is victim and x.start == cached and x.will_sample
+    assert x.req_id == victim.request_id and x.start == cached and x.will_sample
     assert x.num_new_tokens == victim.num_tokens - cached
     s.finish(victim, "length")
     assert bm.num_used_blocks == 0
@@ -169,7 +169,7 @@ def test_random_workload_accounting_balances():
         out = s.schedule(now=0)
         run_step(s, out)
         for x in out.scheduled:
-            q = x.seq
+            q = s.requests[x.req_id]
             if x.will_sample and q.num_output_tokens >= q.params.max_tokens:
                 s.finish(q, "length")
         if rng.random() < 0.05 and s.running:
@@ -197,10 +197,76 @@ def test_prefix_hits_counted_once_per_admission():
     s.add(b)
     for _ in range(3):                           # b waits: no room for its new tokens
         out = s.schedule(now=0)
-        assert b not in [x.seq for x in out.scheduled]
+        assert "b" not in [x.req_id for x in out.scheduled]
         run_step(s, out)
     assert bm.hits == 0
     s.finish(hog, "abort")
     out = s.schedule(now=0)
-    assert [x.seq for x in out.scheduled] == [b] and out.num_cached_tokens == 8
+    assert [x.req_id for x in out.scheduled] == ["b"] and out.num_cached_tokens == 8
     assert (bm.hits, bm.queries) == (2, 2 + 2 + 3)   # a, hog and b each looked up once
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_runner_follows_each_request_from_the_changes_alone(seed):
+    """The scheduler's output says only what changed (vLLM's new and cached request data);
+    a runner that applies those changes to its own copy (PersistentBatch) holds, at every
+    step, exactly each scheduled request's tokens, blocks and computed count, through
+    preemption, prefix hits, aborts, forked choices and steps scheduled ahead of their
+    tokens (async scheduling). A change left out of the output fails this."""
+    from workbench.executor.runner import PersistentBatch
+    rng = random.Random(seed)
+    s, bm = make(num_blocks=20, block_size=4, max_num_batched_tokens=32, max_num_seqs=5)
+    batch = PersistentBatch()
+    shared = list(range(500, 508))
+    for i in range(24):
+        prompt = (shared if i % 3 == 0 else []) + [rng.randrange(10, 400)
+                                                   for _ in range(rng.randint(1, 20))]
+        s.add(Sequence(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(1, 12))))
+
+    def check(out, ahead=False):
+        batch.update_from(out)
+        if not ahead:   # (ahead of its tokens, requests that ended since are told next time)
+            assert set(batch) <= {seq.request_id for seq in s.running}      # nothing stale
+        for x in out.scheduled:
+            seq, mine = s.requests[x.req_id], batch[x.req_id]
+            assert mine.token_ids == seq.token_ids and mine.block_ids == seq.block_table
+            assert mine.num_computed_tokens == x.start == seq.num_computed_tokens
+
+    def sample(out):
+        for x in out.scheduled:
+            seq = s.requests.get(x.req_id)
+            if seq is None or not x.will_sample:
+                continue
+            seq.token_ids.append(rng.randrange(10, 400))
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                s.finish(seq, "length")
+
+    forks = 0
+    for _ in range(400):
+        if not s.has_unfinished():
+            break
+        out = s.schedule(now=0)
+        check(out)
+        s.update_after_step(out)
+        nxt = None
+        if out.scheduled and all(x.is_decode for x in out.scheduled) and rng.random() < 0.5:
+            nxt = s.schedule_next_decode(out, lambda seq: True)
+            if nxt is not None:        # launched before out's tokens reach the host
+                check(nxt[1], ahead=True)
+        sample(out)
+        if nxt is not None:
+            s.update_after_step(nxt[1])
+            sample(nxt[1])
+        if rng.random() < 0.05 and s.running:
+            s.finish(rng.choice(s.running), "abort")
+        if rng.random() < 0.1 and s.running and forks < 4:
+            parent = rng.choice(s.running)
+            if parent.num_computed_tokens >= parent.num_prompt_tokens:
+                forks += 1
+                child = Sequence(f"{parent.request_id}#{forks}", list(parent.prompt_token_ids),
+                                 parent.params)
+                child.token_ids = list(parent.token_ids[:parent.num_prompt_tokens + 1])
+                s.fork(parent, child)
+    assert not s.has_unfinished() and s.num_preemptions > 0 and forks > 0
+    out = s.schedule(now=0)
+    assert out.is_empty

@@ -958,7 +958,13 @@ def test_one_hostile_number_fails_only_its_own_request(server):
         async with httpx.AsyncClient(base_url=server, headers=AUTH, timeout=300) as c:
             normal = [asyncio.create_task(c.post("/v1/completions", json=ordinary))
                       for _ in range(8)]
-            await asyncio.sleep(0.5)                 # the eight are decoding
+            # The eight are running (the server's own gauge says so) before the hostile
+            # requests arrive; a deadline, not a guess at how long admission takes.
+            deadline = time.monotonic() + 120
+            while re.search(r'^vllm:num_requests_running\{[^}]*\} 8(\.0)?$',
+                            (await c.get("/metrics")).text, re.M) is None:
+                assert time.monotonic() < deadline, "the eight never ran together"
+                await asyncio.sleep(0.02)
             # (json.dumps writes the huge ints as JSON integers, as a hostile client would)
             bad = await asyncio.gather(*(c.post("/v1/completions", content=json.dumps(
                 {**ordinary, name: value}), headers={"content-type": "application/json"})

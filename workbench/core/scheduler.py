@@ -21,34 +21,62 @@ from .sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
-class ScheduledSeq:
-    seq: Sequence
+class ScheduledRequest:
+    """One request's part of a step, as data: which request, how many tokens it feeds from
+    which position, and whether the step samples its next token."""
+    req_id: str
     num_new_tokens: int
     start: int
-    """Position of the first token fed (== num_computed_tokens before the step)."""
-    will_sample: bool = field(init=False)
-    """Whether this step reaches the end of the sequence's known tokens, so its last logits
+    """Position of the first token fed (== num_computed_tokens before the step): the tokens
+    it already has in the KV cache, which its attention reads besides its new ones."""
+    will_sample: bool
+    """Whether this step reaches the end of the request's known tokens, so its last logits
     give the next token (a mid-prompt chunk does not)."""
-    is_decode: bool = field(init=False)
+    is_decode: bool
     """One new token after at least one output token: a decode, not a (re)prefill."""
 
-    def __post_init__(self) -> None:
-        # Fixed at scheduling time: the sequence grows once the step has run.
-        self.will_sample = self.start + self.num_new_tokens == self.seq.num_tokens
-        self.is_decode = self.num_new_tokens == 1 and self.will_sample and self.seq.num_output_tokens > 0
 
-    @classmethod
-    def ahead(cls, seq: Sequence, start: int) -> "ScheduledSeq":
-        """A decode scheduled before the token it feeds is known (async scheduling)."""
-        s = cls(seq, 1, start)
-        s.will_sample = s.is_decode = True
-        return s
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the model runner does not hold yet (just admitted, forked, or back from a
+    preemption): everything it needs to compute it (vLLM's NewRequestData)."""
+    req_id: str
+    token_ids: list[int]
+    """Every token known so far: the prompt, then (a request resumed after a preemption, a
+    forked choice) the outputs it had."""
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    prompt_logprobs: int | None
+    """Top prompt logprobs asked for (the runner computes logits for prompt positions)."""
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """A request the runner already holds: only what changed since it last ran (vLLM's
+    CachedRequestData, one per request)."""
+    req_id: str
+    new_token_ids: list[int]
+    """Tokens that became known since (the token sampled by its last step); empty for a
+    step scheduled before that token reached the host (async scheduling)."""
+    new_block_ids: list[int]
+    num_computed_tokens: int
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    """One step as the scheduler decided it, in data only: the model runner keeps its own
+    copy of each request's tokens and blocks and applies these changes to it, so nothing
+    here is a live object of the scheduler's."""
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    """The step's requests, running ones first, in scheduling order."""
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)
+    """Requests the runner held that have ended or been preempted since the last step: it
+    forgets them."""
+    preempted: list[str] = field(default_factory=list)
+    """Requests preempted by this step (their blocks freed; they wait to be recomputed)."""
     num_cached_tokens: int = 0
     """Prompt tokens of newly admitted requests served from the prefix cache."""
 
@@ -77,15 +105,23 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.requests: dict[str, Sequence] = {}
+        """Every sequence waiting or running, by request id."""
         self.num_preemptions = 0
         self._arrivals = 0
         self._steps_since_prefill = 0
+        self._sent: dict[str, tuple[int, int]] = {}
+        """Requests the model runner holds: how many of their tokens and block ids it has
+        been sent (the next step sends only what came after)."""
+        self._gone: list[str] = []
+        """Requests the runner holds that ended or were preempted since the last step."""
 
     # ---- queue ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         seq.arrival_index = self._arrivals
         self._arrivals += 1
+        self.requests[seq.request_id] = seq
         self.waiting.append(seq)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -100,6 +136,7 @@ class Scheduler:
         child.block_hashes = parent.block_hashes[:n]
         child.num_computed_tokens = n * bs
         child.arrival_index = parent.arrival_index
+        self.requests[child.request_id] = child
         if len(self.running) < self.config.max_num_seqs:
             child.status = SequenceStatus.RUNNING
             self.running.append(child)
@@ -117,6 +154,7 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self._free(seq)
+        self.requests.pop(seq.request_id, None)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -140,7 +178,7 @@ class Scheduler:
                     break
                 queue.remove(victim)
             else:
-                out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
+                self._scheduled(out, seq, n)
                 budget -= n
         # (Without chunked prefill a running request never has a partial prompt left, so the
         # min() above only ever trims when chunking is on.)
@@ -163,12 +201,38 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 out.num_cached_tokens += seq.num_cached_tokens
-                out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
+                self._scheduled(out, seq, n)
                 budget -= n
         if any(not s.is_decode for s in out.scheduled):
             self._steps_since_prefill = 0
         else:
             self._steps_since_prefill += 1
+        return self._flush(out)
+
+    def _scheduled(self, out: SchedulerOutput, seq: Sequence, n: int, ahead: bool = False) -> None:
+        """seq feeds n tokens this step: its row, and what the runner must be told (all of
+        it, or what changed since it last ran). ahead: scheduled before the token it feeds
+        reached the host (async scheduling), so it samples and decodes by construction."""
+        start = seq.num_computed_tokens
+        will_sample = ahead or start + n == seq.num_tokens
+        is_decode = ahead or (n == 1 and will_sample and seq.num_output_tokens > 0)
+        rid = seq.request_id
+        out.scheduled.append(ScheduledRequest(rid, n, start, will_sample, is_decode))
+        sent = self._sent.get(rid)
+        if sent is None:
+            out.new_reqs.append(NewRequestData(rid, list(seq.token_ids), seq.num_prompt_tokens,
+                                               list(seq.block_table), start,
+                                               seq.params.prompt_logprobs))
+        else:
+            out.cached_reqs.append(CachedRequestData(rid, seq.token_ids[sent[0]:],
+                                                     seq.block_table[sent[1]:], start))
+        self._sent[rid] = (seq.num_tokens, len(seq.block_table))
+
+    def _flush(self, out: SchedulerOutput) -> SchedulerOutput:
+        """Tell the runner which requests it held are gone (ended or preempted since). An
+        empty step reaches no runner, so the news waits for the next one."""
+        if out.scheduled:
+            out.finished_req_ids, self._gone = self._gone, []
         return out
 
     def _may_admit(self, now: float, out: SchedulerOutput) -> bool:
@@ -220,6 +284,8 @@ class Scheduler:
         return True
 
     def _free(self, seq: Sequence) -> None:
+        if self._sent.pop(seq.request_id, None) is not None:
+            self._gone.append(seq.request_id)
         self.block_manager.free(seq.block_table)
         seq.block_table, seq.block_hashes = [], []
         seq.num_computed_tokens = 0
@@ -240,7 +306,7 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
-        out.preempted.append(seq)
+        out.preempted.append(seq.request_id)
 
     def schedule_next_decode(self, prev: SchedulerOutput, may_run_ahead
                              ) -> tuple[list[int], SchedulerOutput] | None:
@@ -255,13 +321,13 @@ class Scheduler:
         admitted one step late when a request ends (the running batch was full before)."""
         if self.waiting and len(self.running) < self.config.max_num_seqs:
             return None
-        in_prev = {id(s.seq) for s in prev.scheduled}
-        if any(id(seq) not in in_prev for seq in self.running):
+        in_prev = {s.req_id for s in prev.scheduled}
+        if any(seq.request_id not in in_prev for seq in self.running):
             return None                              # a request joined (a forked choice)
-        rows, out = [], SchedulerOutput()
+        rows, seqs = [], []
         for i, s in enumerate(prev.scheduled):
-            seq = s.seq
-            if seq.status is not SequenceStatus.RUNNING:
+            seq = self.requests.get(s.req_id)
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue
             if not s.is_decode or not may_run_ahead(seq):
                 return None
@@ -271,20 +337,23 @@ class Scheduler:
                 continue
             if not self._allocate(seq, 1):
                 return None                          # a preemption is the sync path's job
-            out.scheduled.append(ScheduledSeq.ahead(seq, seq.num_computed_tokens))
             rows.append(i)
+            seqs.append(seq)
         if not rows:
             return None
+        out = SchedulerOutput()
+        for seq in seqs:          # (only now: a step given up above tells the runner nothing)
+            self._scheduled(out, seq, 1, ahead=True)
         self._steps_since_prefill += 1
-        return rows, out
+        return rows, self._flush(out)
 
     # ---- after the model ran --------------------------------------------------------------
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance computed-token counts and register newly full blocks for prefix caching."""
         for s in out.scheduled:
-            if s.seq.status is SequenceStatus.FINISHED:
+            seq = self.requests.get(s.req_id)
+            if seq is None:
                 continue                    # ended while its step was in flight: blocks freed
-            seq = s.seq
             seq.num_computed_tokens = s.start + s.num_new_tokens
             seq.block_hashes.extend(self.block_manager.cache_full_blocks(
                 seq.token_ids, seq.block_table, seq.block_hashes, seq.num_computed_tokens))

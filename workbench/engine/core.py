@@ -134,23 +134,17 @@ class EngineCore:
     def sampler_cost(self, params: SamplingParams, batch: int, reps: int = 5) -> dict:
         """What picking one step's tokens costs on this device, measured now: the sampler
         over `batch` rows of random logits of this vocabulary, with `params` and greedy, the
-        median of `reps` runs each, in ms. Uses a generator of its own, so the engine's
-        draws are untouched."""
-        import statistics
+        best of `reps` runs each (Platform.best_time), in ms. Uses a generator of its own, so
+        the engine's draws are untouched."""
         vocab, dev = self.vocab_size, self.platform.device
         gen = torch.Generator(device=dev).manual_seed(0)
         logits = torch.randn(batch, vocab, device=dev, generator=gen) * 4
         out = {}
         for name, p in (("greedy", SamplingParams(temperature=0)), ("sampled", params)):
             seqs = [Sequence(f"cost-{i}", [1], p) for i in range(batch)]
-            times = []
-            for _ in range(reps + 1):
-                self.platform.synchronize()
-                t0 = time.perf_counter()
-                sample(logits, seqs, [None] * batch, shared=gen)
-                self.platform.synchronize()
-                times.append(time.perf_counter() - t0)
-            out[f"{name}_ms"] = round(statistics.median(times[1:]) * 1e3, 2)
+            t = self.platform.best_time(lambda: sample(logits, seqs, [None] * batch, shared=gen),
+                                        reps)
+            out[f"{name}_ms"] = round(t * 1e3, 2)
         return out
 
     def device_roofs(self, refresh: bool = False) -> DeviceRoofs:

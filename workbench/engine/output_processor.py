@@ -56,11 +56,11 @@ class OutputProcessor:
     def get(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
 
-    def requests_of(self, scheduled) -> list[Request]:
-        """The Request of each scheduled sequence, in order (the stepping thread alone
-        removes requests, so it reads without the lock)."""
+    def requests_of(self, request_ids: list[str]) -> list[Request]:
+        """The Request of each id, in order (the stepping thread alone removes requests, so
+        it reads without the lock)."""
         reqs = self._requests
-        return [reqs[s.seq.request_id] for s in scheduled]
+        return [reqs[rid] for rid in request_ids]
 
     def requests(self) -> list[Request]:
         """Every request held now, in arrival order."""
@@ -74,13 +74,13 @@ class OutputProcessor:
     # ---- one step's output ----------------------------------------------------------------
     def note_scheduled(self, sched: SchedulerOutput, now: float) -> None:
         """What the scheduler did to each request, into its metrics."""
-        for seq in sched.preempted:
-            self._requests[seq.request_id].metrics.num_preemptions += 1
+        for rid in sched.preempted:
+            self._requests[rid].metrics.num_preemptions += 1
         for s in sched.scheduled:
-            m = self._requests[s.seq.request_id].metrics
-            if m.first_scheduled_time is None:
-                m.first_scheduled_time = now
-                m.cached_tokens = s.seq.num_cached_tokens
+            r = self._requests[s.req_id]
+            if r.metrics.first_scheduled_time is None:
+                r.metrics.first_scheduled_time = now
+                r.metrics.cached_tokens = r.seq.num_cached_tokens
 
     def process(self, reqs: list[Request], token_ids: list[int],
                 logprobs: LogprobsTensors | None, now: float) -> tuple[list[TokenEvent], list[str]]:
@@ -176,19 +176,20 @@ class OutputProcessor:
 
     def add_prompt_logprobs(self, spans, logits: torch.Tensor) -> None:
         """Logprobs of prompt tokens from the rows of a prefill (see ModelRunner.prepare):
-        the row at position p scores prompt token p + 1. One batched pass for the step."""
-        targets = [t for s, first, count in spans
-                   for t in s.seq.prompt_token_ids[first + 1:first + 1 + count]]
-        k = max(s.seq.params.prompt_logprobs for s, _, _ in spans)
+        the row at position p scores prompt token p + 1. One batched pass for the step.
+        spans: (request id, first position, count)."""
+        reqs = [(self._requests[rid], first, count) for rid, first, count in spans]
+        targets = [t for r, first, count in reqs
+                   for t in r.seq.prompt_token_ids[first + 1:first + 1 + count]]
+        k = max(r.seq.params.prompt_logprobs for r, _, _ in reqs)
         lp = compute_logprobs(logits, torch.tensor(targets, device=logits.device), k).to_host()
         row = 0
-        for s, first, count in spans:
-            r = self._requests[s.seq.request_id]
+        for r, first, count in reqs:
             if r.prompt_logprobs is not None:
                 for p in range(first + 1, first + 1 + count):
                     if r.prompt_logprobs[p] is None:    # (a recompute scores it again)
                         r.prompt_logprobs[p] = lp.row(row + p - first - 1,
-                                                      s.seq.params.prompt_logprobs,
+                                                      r.seq.params.prompt_logprobs,
                                                       self.decode_token)
             row += count
 

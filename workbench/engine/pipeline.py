@@ -230,14 +230,14 @@ class StepPipeline:
             step=self.telemetry.num_steps, start=t0, duration=time.monotonic() - t0,
             phase=sched.phase, num_prefill_tokens=sched.num_prefill_tokens,
             num_decode_tokens=sched.num_decode_tokens, num_cached_tokens=sched.num_cached_tokens,
-            tokens_per_request={s.seq.request_id: s.num_new_tokens for s in sched.scheduled},
-            kinds={s.seq.request_id: "decode" if s.is_decode else "prefill" if s.will_sample
+            tokens_per_request={s.req_id: s.num_new_tokens for s in sched.scheduled},
+            kinds={s.req_id: "decode" if s.is_decode else "prefill" if s.will_sample
                    else "chunk" for s in sched.scheduled},
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=bstats.used, kv_blocks_free=bstats.free, kv_blocks_cached=bstats.cached,
-            num_preempted=len(sched.preempted), preempted=[s.request_id for s in sched.preempted],
+            num_preempted=len(sched.preempted), preempted=list(sched.preempted),
             graph=graph is not None, graph_kind=graph and graph[0],
             graph_size=graph and graph[1], finished=finished, scheduled_ahead=ahead,
             held_back=held_back or {},
-            context_lens={s.seq.request_id: s.start for s in sched.scheduled}))
+            context_lens={s.req_id: s.start for s in sched.scheduled}))
         return StepResult(events, sched.phase)

@@ -13,10 +13,44 @@ from .staging import StagingBuffers
 from ..utils import cdiv
 from ..platforms.attention import CommonAttentionMetadata
 from ..core.block_manager import NULL_BLOCK
-from ..core.scheduler import ScheduledSeq, SchedulerOutput
+from ..core.scheduler import SchedulerOutput
 from ..telemetry import FULL, PIECEWISE
 
 log = logging.getLogger("workbench")
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    """What the runner keeps of a request between steps (vLLM's CachedRequestState): the
+    scheduler sends it whole once (NewRequestData), then only what changed."""
+    token_ids: list[int]
+    """The tokens known to the runner (with async scheduling the last one sampled may still
+    be on the device only: a decode step scheduled ahead reads its id from there)."""
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    prompt_logprobs: int | None
+
+
+class PersistentBatch(dict):
+    """The runner's requests by id (vLLM's `GPUModelRunner.requests`): every request the
+    scheduler has sent it and not yet retired, kept up to date from each step's changes."""
+
+    def update_from(self, out: SchedulerOutput) -> None:
+        """Forget the requests that are gone, take the new ones whole, extend the others by
+        their new tokens and blocks (in that order: an id that ended can come back in the same
+        step, a request aborted and another added under its id)."""
+        for rid in out.finished_req_ids:
+            self.pop(rid, None)
+        for n in out.new_reqs:
+            self[n.req_id] = CachedRequestState(list(n.token_ids), n.num_prompt_tokens,
+                                                list(n.block_ids), n.num_computed_tokens,
+                                                n.prompt_logprobs)
+        for c in out.cached_reqs:
+            r = self[c.req_id]
+            r.token_ids += c.new_token_ids
+            r.block_ids += c.new_block_ids
+            r.num_computed_tokens = c.num_computed_tokens
 
 
 @dataclass(slots=True)
@@ -29,10 +63,10 @@ class StepInputs:
     logits_indices: torch.Tensor
     """The rows whose logits are computed: the sampling rows, then the prompt-logprob rows."""
     common: CommonAttentionMetadata
-    sampling: list[ScheduledSeq]
-    """In logits order: the scheduled sequences that sample."""
-    prompt_spans: list[tuple[ScheduledSeq, int, int]]
-    """(scheduled seq, first position, count) of the prompt-logprob rows."""
+    sampling: list[str]
+    """In logits order: the requests that sample."""
+    prompt_spans: list[tuple[str, int, int]]
+    """(request id, first position, count) of the prompt-logprob rows."""
 
 
 class ModelRunner:
@@ -53,6 +87,8 @@ class ModelRunner:
         self.kv_cache = backend.bind(model.num_layers, attn.num_heads, model.num_kv_heads,
                                      model.head_dim, num_blocks, block_size, self.device)
         self.layer_caches = [(layer[0], layer[1]) for layer in self.kv_cache]   # views, made once
+        self.requests = PersistentBatch()
+        """Every request the scheduler has sent and not yet retired, as the runner keeps it."""
         self.graphs = None
         """DecodeGraphs, once captured."""
         self.piecewise = None
@@ -69,6 +105,7 @@ class ModelRunner:
         self.graphs = self.piecewise = self._graph_pool = None
         self.kv_cache = self.layer_caches = None
         self.model = None
+        self.requests.clear()
 
     @property
     def graph_pool(self):
@@ -161,6 +198,8 @@ class ModelRunner:
         Slots are computed per block, vectorised: a token at position p of request r goes
         to table[r, p // block_size] * block_size + p % block_size."""
         bs = self.block_size
+        state = self.requests
+        state.update_from(out)
         decodes = [s for s in out.scheduled if s.is_decode]
         prefills = [s for s in out.scheduled if not s.is_decode]
         reqs = decodes + prefills
@@ -169,25 +208,26 @@ class ModelRunner:
         counts = np.ones(rows, dtype=np.int64)
         counts[nd:n] = [s.num_new_tokens for s in prefills]
         num_tokens = int(counts.sum())
-        sampling: list[ScheduledSeq] = list(decodes)
+        sampling = [s.req_id for s in decodes]
         logits_rows: list[int] = []
         prompt_rows: list[int] = []
-        prompt_spans: list[tuple[ScheduledSeq, int, int]] = []
+        prompt_spans: list[tuple[str, int, int]] = []
         q_start = nd
         for s in prefills:
             k = s.num_new_tokens
             if s.will_sample:
                 logits_rows.append(q_start + k - 1)
-                sampling.append(s)
+                sampling.append(s.req_id)
             # Prompt logprobs: the logits at each fed position whose next token is a prompt
             # token, in rows after the sampling rows.
-            last = s.seq.num_prompt_tokens - 1
-            if s.seq.params.prompt_logprobs is not None and s.start < last:
+            r = state[s.req_id]
+            last = r.num_prompt_tokens - 1
+            if r.prompt_logprobs is not None and s.start < last:
                 count = min(s.start + k, last) - s.start
-                prompt_spans.append((s, s.start, count))
+                prompt_spans.append((s.req_id, s.start, count))
                 prompt_rows += range(q_start, q_start + count)
             q_start += k
-        tables = [s.seq.block_table for s in reqs]
+        tables = [state[s.req_id].block_ids for s in reqs]
         width = max(1, max(map(len, tables), default=1))
         num_logits = nd + len(logits_rows) + len(prompt_rows)
         ids, pos, slots, logits, qsl, lens, table = self.staging.fill(
@@ -210,9 +250,9 @@ class ModelRunner:
             np.add(np.arange(num_tokens) - qsl[row], starts[row], out=pos)
         np.add(table[row, pos // bs] * bs, pos % bs, out=slots)
         if not ids_on_device:
-            ids[:nd] = [s.seq.token_ids[s.start] for s in decodes]
+            ids[:nd] = [state[s.req_id].token_ids[s.start] for s in decodes]
             for s, a in zip(prefills, qsl[nd:n].tolist()):
-                ids[a:a + s.num_new_tokens] = s.seq.token_ids[s.start:s.start + s.num_new_tokens]
+                ids[a:a + s.num_new_tokens] = state[s.req_id].token_ids[s.start:s.start + s.num_new_tokens]
             ids[qsl[n]:] = 0
         logits[:nd] = np.arange(nd)
         logits[nd:] = logits_rows + prompt_rows
@@ -240,11 +280,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, input_ids: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, list[ScheduledSeq], tuple[str, int] | None, list]:
+                ) -> tuple[torch.Tensor, list[str], tuple[str, int] | None, list]:
         """Run one step; returns fp32 logits [len(sampling) + prompt rows, vocab], the
-        sampling rows, how graphs ran it: (FULL, batch size) for a replayed decode graph,
+        requests of the sampling rows, how graphs ran it: (FULL, batch size) for a replayed decode graph,
         (PIECEWISE, token bucket), or None when the step ran eager, and the prompt-logprob
-        spans (scheduled seq, first position, count) whose rows follow the sampling rows.
+        spans (request id, first position, count) whose rows follow the sampling rows.
         input_ids: a decode step's ids on the device, for a step scheduled before its tokens
         reached the host."""
         replayed = self._replay_decode(out, input_ids)
