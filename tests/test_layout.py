@@ -54,6 +54,7 @@ ALLOWED = {
     "workbench.utils": set(),
     "workbench.config": set(),
     "workbench.cache": set(),
+    "workbench.launch": set(),
     "workbench.telemetry": set(),
     "workbench.roofline": {"workbench.cache", "workbench.telemetry"},
     "workbench.platforms": {"workbench.config", "workbench.cache", "workbench.utils"},
@@ -72,7 +73,7 @@ ALLOWED = {
     "workbench.bench": {"workbench.engine", "workbench.core", "workbench.telemetry",
                         "workbench.serving", "workbench.config", "workbench.platforms"},
     "workbench.cli": {"workbench", "workbench.config", "workbench.bench", "workbench.serving",
-                      "workbench.trace", "workbench.platforms"},
+                      "workbench.trace", "workbench.platforms", "workbench.launch"},
 }
 
 
