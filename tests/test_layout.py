@@ -62,8 +62,14 @@ ALLOWED = {
     "workbench.core": {"workbench.config", "workbench.telemetry", "workbench.utils"},
     "workbench.executor": {"workbench.config", "workbench.cache", "workbench.telemetry", "workbench.utils",
                            "workbench.platforms", "workbench.core"},
+    # The modelled device: the cost model over roofline's counts, a runner in the executor's
+    # stead (its graph rules), fitted to a real engine's telemetry.
+    "workbench.modelled": {"workbench.config", "workbench.cache", "workbench.telemetry",
+                           "workbench.utils", "workbench.core", "workbench.executor",
+                           "workbench.roofline"},
     "workbench.engine": {"workbench.config", "workbench.telemetry", "workbench.utils", "workbench.core",
-                         "workbench.executor", "workbench.platforms", "workbench.roofline"},
+                         "workbench.executor", "workbench.platforms", "workbench.roofline",
+                         "workbench.modelled", "workbench.cache"},
     "workbench": {"workbench.config", "workbench.engine", "workbench.core"},
     "workbench.trace": {"workbench.engine", "workbench.core", "workbench.telemetry",
                         "workbench.config", "workbench.roofline", "workbench"},
