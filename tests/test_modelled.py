@@ -149,7 +149,7 @@ def test_cpu_fit_recovers_known_coefficients():
     info = e.info()
     e.close()
     known = Coefficients(host_step=2e-3, host_per_request=1e-4, host_per_token=3e-5,
-                         matmul_scale=1.7, attention_scale=2.5)
+                         matmul_scale=1.7, attention_scale=2.5, launch_prefill_per_layer=4e-4)
     peak, bw = 2e11, 2e10
     r = random.Random(1)
     steps = []
@@ -166,7 +166,7 @@ def test_cpu_fit_recovers_known_coefficients():
     k, fit = fit_cpu_steps(steps, info, peak, bw)
     assert fit["max_rel_err"] < 1e-6
     for name in ("host_step", "host_per_request", "host_per_token", "matmul_scale",
-                 "attention_scale"):
+                 "attention_scale", "launch_prefill_per_layer"):
         assert getattr(k, name) == pytest.approx(getattr(known, name), rel=1e-4), name
 
 
