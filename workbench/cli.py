@@ -1,4 +1,4 @@
-"""`workbench dashboard|lab|serve|bench|generate|doctor`: the command line."""
+"""`workbench dashboard|lab|serve|bench|generate|tune|doctor`: the command line."""
 from __future__ import annotations
 
 import argparse
@@ -180,6 +180,11 @@ def cmd_bench(a) -> int:
         save(report, a.output)
         print(f"wrote {a.output}", file=sys.stderr)
     return 0
+
+
+def cmd_tune(a) -> int:
+    from .tune import cli as tune_cli
+    return tune_cli.run(a, _engine_kwargs(a))
 
 
 def cmd_serve(a) -> int:
@@ -381,6 +386,7 @@ def cmd_doctor(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .tune.cli import add_arguments as tune_arguments
     parser = argparse.ArgumentParser(prog="workbench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -435,6 +441,12 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--input-words", default="16:256", help="prompt length range in words")
     serving.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
     b.set_defaults(func=cmd_bench)
+
+    t = sub.add_parser("tune", help="search the engine's knobs for the most goodput under a "
+                                    "p99 TTFT/TPOT objective (successive halving)")
+    _engine_args(t)
+    tune_arguments(t)
+    t.set_defaults(func=cmd_tune)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the 'serve' extra)")
     _engine_args(s)

@@ -30,6 +30,14 @@ def run_config(config: EngineConfig, workload: Workload, time_limit: float | Non
         return run_workload(engine, workload, time_limit, should_stop)
 
 
+def warm_process(config: EngineConfig, workload: Workload, n: int = 4) -> None:
+    """Run `n` of the workload's requests on `config`, recording nothing: the process's
+    first engine pays for what later ones find ready (kernels loaded, the first prompt
+    shapes' kernels planned; seconds on the CPU), which would otherwise fall on whichever
+    trial runs first, the defaults'."""
+    run_config(config, workload.with_requests(min(n, workload.num_requests)))
+
+
 def measure_config(config: EngineConfig, workload: Workload, slo: SLO,
                    time_limit: float | None = None, warmup: bool = True) -> Measurement:
     """`config`'s goodput and latencies on `workload` against `slo`."""
@@ -40,12 +48,14 @@ def tune(workload: Workload, slo: SLO, space: Space | None = None, *,
          base: EngineConfig | None = None, n_trials: int = 8, eta: int = 3,
          trial_time_limit: float | None = 120.0, seed: int = 0,
          progress: Callable[[Trial, int, int], None] | None = None,
-         should_stop: Callable[[], bool] | None = None) -> TuneResult:
+         should_stop: Callable[[], bool] | None = None, warmup: bool = True) -> TuneResult:
     """Search `space` (default: Space.default on the base config's device) for the
     configuration with the most goodput on `workload` under `slo`. The base config's own
     values of the knobs are always among the first rung's points (what the winner must
     beat). The last rung runs the whole workload; earlier rungs run 1/eta of it per rung
-    back (at least one request). Each trial is cut at `trial_time_limit` seconds."""
+    back (at least one request). Each trial is cut at `trial_time_limit` seconds. With
+    `warmup`, the base config first runs a few of the workload's requests unrecorded (see
+    warm_process)."""
     if not isinstance(workload, Workload):
         raise ValueError(f"workload: must be a Workload (got {type(workload).__name__})")
     if not isinstance(slo, SLO):
@@ -65,6 +75,8 @@ def tune(workload: Workload, slo: SLO, space: Space | None = None, *,
         return slo.measure(run)
 
     t0 = time.perf_counter()
+    if warmup:
+        warm_process(base, workload)
     outcome = successive_halving(points, evaluate, n_trials=n_trials, eta=eta,
                                  max_budget=workload.num_requests, progress=progress,
                                  should_stop=should_stop)
