@@ -1,0 +1,209 @@
+"""TunePanel: a goodput tuning run (workbench.tune) as it goes: a progress bar, a Stop button,
+and throughput against p99 TTFT and p99 TPOT for every measured configuration, the Pareto
+frontier drawn through them and the winner marked; under it the winner as an EngineConfig
+and as `vllm serve` flags.
+
+    panel = TunePanel(workload=Workload(num_requests=24, request_rate=2),
+                      slo=SLO(ttft_ms=2000, tpot_ms=100), base=EngineConfig(device="cpu"))
+    panel                       # press Run (the trials run in a worker thread), or
+    TunePanel(result=tune(...)) # draw a finished run
+
+`tune_figure(result)` draws the same chart as a static figure for a notebook.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+
+import ipywidgets as w
+import plotly.graph_objects as go
+import traitlets
+from plotly.subplots import make_subplots
+
+from workbench.config import EngineConfig
+from workbench.tune import SLO, Space, Trial, TuneResult, Workload, tune
+from workbench.tune.result import LATENCIES
+
+from .style import DECODE, PREFILL, css_widget, esc
+
+WINNER = "#e15759"
+
+
+def _finite(x):
+    return None if x is None or math.isinf(x) else x
+
+
+def _hover(t: Trial) -> str:
+    m = t.measurement
+    knobs = "<br>".join(f"{k} = {v}" for k, v in t.knobs.items())
+    return (f"trial {t.number} (rung {t.rung}, {t.budget} requests)<br>goodput "
+            f"{m.goodput:.3g} req/s, {m.attainment:.0%} within the SLO<br>{knobs}")
+
+
+def draw(fig, result: TuneResult | None) -> None:
+    """Fill the chart's traces (made by new_figure) from `result`."""
+    trials = result.final_trials() if result else []
+    win = result.winner if result else None
+    with fig.batch_update():
+        for col, lat in enumerate(LATENCIES, start=0):
+            base = col * 4
+            ok = [t for t in trials if t.measurement.meets_slo]
+            miss = [t for t in trials if not t.measurement.meets_slo]
+            front = result.pareto(lat) if result else []
+            for i, group in ((0, ok), (1, miss), (2, front), (3, [win] if win else [])):
+                tr = fig.data[base + i]
+                tr.x = [_finite(getattr(t.measurement, lat)) for t in group]
+                tr.y = [t.measurement.throughput for t in group]
+                tr.hovertext = [_hover(t) for t in group]
+        if result is not None:     # the SLO's limits, dotted across each plot
+            fig.layout.shapes = [dict(type="line", xref=x, yref=f"{y} domain", x0=limit,
+                                      x1=limit, y0=0, y1=1, line=dict(color="#999", dash="dot"))
+                                 for x, y, limit in (("x", "y", result.slo.ttft_ms),
+                                                     ("x2", "y2", result.slo.tpot_ms))]
+
+
+def new_figure(height: int = 360) -> go.Figure:
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.08,
+                        subplot_titles=("throughput against p99 TTFT",
+                                        "throughput against p99 TPOT"))
+    for col in (1, 2):
+        first = col == 1
+        fig.add_scatter(mode="markers", name="within the SLO", legendgroup="ok",
+                        showlegend=first, marker=dict(color=DECODE, size=9),
+                        hoverinfo="text", row=1, col=col)
+        fig.add_scatter(mode="markers", name="misses the SLO", legendgroup="miss",
+                        showlegend=first, marker=dict(color="#bbb", size=9, symbol="x"),
+                        hoverinfo="text", row=1, col=col)
+        fig.add_scatter(mode="lines", name="Pareto frontier", legendgroup="front",
+                        showlegend=first, line=dict(color=PREFILL, width=2, shape="hv"),
+                        hoverinfo="skip", row=1, col=col)
+        fig.add_scatter(mode="markers", name="winner (most goodput)", legendgroup="win",
+                        showlegend=first, marker=dict(color=WINNER, size=18, symbol="star"),
+                        hoverinfo="text", row=1, col=col)
+        fig.update_xaxes(title_text=list(LATENCIES.values())[col - 1], row=1, col=col)
+        fig.update_yaxes(title_text="requests/s" if first else None, row=1, col=col)
+    fig.update_layout(height=height, template="plotly_white", margin=dict(t=50, l=60, r=20, b=50),
+                      legend=dict(orientation="h", y=-0.25))
+    return fig
+
+
+def tune_figure(result: TuneResult, height: int = 360) -> go.Figure:
+    """The chart of a finished run, as a static figure (for notebooks)."""
+    fig = new_figure(height)
+    draw(fig, result)
+    return fig
+
+
+def winner_html(result: TuneResult) -> str:
+    notes = "".join(f'<div class="notice">{esc(n)}</div>' for n in result.notes)
+    w_ = result.winner
+    head = (f'<div class="muted">{len(result.trials)} trials on {esc(result.device)} in '
+            f'{result.seconds:.0f} s{" (stopped early)" if result.stopped else ""} · '
+            f'{esc(result.workload.describe())} · SLO {esc(result.slo.describe())}</div>')
+    failed = [t for t in result.trials if not t.ok]
+    fails = "".join(f'<div class="error">trial {t.number} failed: {esc(t.error)}</div>'
+                    for t in failed)
+    if w_ is None:
+        return f'<div class="wb">{notes}{head}{fails}<b>No trial was measured.</b></div>'
+    m, flags = w_.measurement, result.winner_flags()
+    config = ", ".join(f"{k}={v!r}" for k, v in w_.knobs.items())
+    unmapped = "".join(f"<li><code>{esc(k)}={esc(repr(w_.knobs[k]))}</code>: {esc(why)}</li>"
+                       for k, why in flags.unmapped.items())
+    return (f'<div class="wb">{notes}{head}<h3>Winner: trial {w_.number}, goodput '
+            f'{m.goodput:.3g} req/s ({m.attainment:.0%} within the SLO, '
+            f'{"meets" if m.meets_slo else "misses"} it at p{result.slo.percentile:g})</h3>'
+            f'<div><code>EngineConfig({esc(config)})</code></div>'
+            f'<div>{"vLLM-Ascend" if flags.ascend else "vLLM"}: '
+            f'<code>{esc(flags.command(result.base.model))}</code></div>'
+            + (f'<div>No vLLM equivalent:<ul>{unmapped}</ul></div>' if unmapped else "")
+            + f'{fails}</div>')
+
+
+class TunePanel(w.VBox):
+    """Run button, Stop button, progress bar, the chart and the winner. Built with a
+    `result`, it draws it; with a workload, SLO and base config, Run tunes them."""
+
+    num_runs = traitlets.Int(0)
+
+    def __init__(self, result: TuneResult | None = None, *, workload: Workload | None = None,
+                 slo: SLO | None = None, space: Space | None = None,
+                 base: EngineConfig | None = None, n_trials: int = 8, **tune_kwargs):
+        self.workload, self.slo, self.space, self.base = workload, slo, space, base
+        self.n_trials, self.tune_kwargs = n_trials, tune_kwargs
+        self.result = result
+        self.stop_event = threading.Event()
+        self.progress = w.IntProgress(value=0, min=0, max=n_trials, bar_style="info",
+                                      layout=w.Layout(width="60%"))
+        self.status = w.HTML()
+        self.run_button = w.Button(description="Run", icon="play", button_style="primary",
+                                   disabled=workload is None or slo is None)
+        self.stop_button = w.Button(description="Stop", icon="stop", button_style="warning",
+                                    disabled=True)
+        self.run_button.on_click(lambda _: self._clicked())
+        self.stop_button.on_click(lambda _: self.stop())
+        fig = new_figure()
+        draw(fig, result)              # drawn before it becomes a widget (see roofline.py)
+        self.fig = go.FigureWidget(fig)
+        self.view = w.HTML(winner_html(result) if result else "")
+        super().__init__([css_widget(), w.HBox([self.run_button, self.stop_button,
+                                                self.progress]),
+                          self.status, self.fig, self.view])
+        self.add_class("wb-tune")
+
+    def show(self, result: TuneResult) -> None:
+        self.result = result
+        draw(self.fig, result)
+        self.view.value = winner_html(result)
+        self.progress.value = min(len(result.trials), self.progress.max)
+
+    def on_trial(self, trial: Trial, done: int, total: int) -> None:
+        """One trial ended (the tuner's progress callback, on the kernel's loop)."""
+        self.progress.max = total
+        self.progress.value = done
+        what = (f"goodput {trial.measurement.goodput:.3g} req/s" if trial.ok
+                else f"failed: {trial.error}")
+        self.status.value = (f'<div class="wb muted">trial {done}/{total} (rung {trial.rung}, '
+                             f'{trial.budget} requests): {esc(what)}</div>')
+
+    def stop(self) -> None:
+        """Stop after the trial that runs now (what was measured is kept)."""
+        self.stop_event.set()
+        self.stop_button.disabled = True
+        self.status.value = '<div class="wb muted">stopping after this trial…</div>'
+
+    def _tune(self, on_trial) -> TuneResult:
+        return tune(self.workload, self.slo, self.space, base=self.base, n_trials=self.n_trials,
+                    progress=on_trial, should_stop=self.stop_event.is_set, **self.tune_kwargs)
+
+    def run(self) -> TuneResult:
+        """Tune now in this thread (blocks) and draw the result."""
+        self.stop_event.clear()
+        result = self._tune(self.on_trial)
+        self.num_runs += 1
+        self.show(result)
+        return result
+
+    def _clicked(self) -> None:
+        """From the button: tune in a worker thread; progress is drawn on the kernel's loop."""
+        loop = asyncio.get_running_loop()
+        self.stop_event.clear()
+        self.run_button.disabled, self.stop_button.disabled = True, False
+        self.progress.value = 0
+        self.status.value = '<div class="wb muted">warming up…</div>'
+
+        def on_trial(trial, done, total):
+            loop.call_soon_threadsafe(self.on_trial, trial, done, total)
+
+        async def go_():
+            try:
+                result = await loop.run_in_executor(None, self._tune, on_trial)
+                self.num_runs += 1
+                self.show(result)
+                self.status.value = ""
+            except (ValueError, TypeError) as e:
+                self.status.value = f'<div class="wb"><div class="error">{esc(str(e))}</div></div>'
+            finally:
+                self.run_button.disabled, self.stop_button.disabled = False, True
+
+        asyncio.ensure_future(go_())
