@@ -68,7 +68,7 @@ def main() -> None:
             out["first_text_s"] = round(time.monotonic() - t0, 1)
             browser.close()
     finally:
-        from workbench.cli import stop_tree
+        from workbench.launch import stop_tree
         stop_tree(proc.pid)
         if cache:
             shutil.rmtree(cache, ignore_errors=True)

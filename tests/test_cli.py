@@ -74,7 +74,7 @@ def test_lab_serves_the_notebooks(tmp_path):
 
 
 def test_dashboard_and_lab_need_a_checkout(monkeypatch, tmp_path):
-    from workbench import cli
-    monkeypatch.setattr(cli, "__file__", str(tmp_path / "workbench" / "cli.py"))
+    from workbench import cli, launch
+    monkeypatch.setattr(launch, "__file__", str(tmp_path / "workbench" / "launch.py"))
     r = cli.main(["dashboard", "--port", "1"])
     assert r == 2

@@ -54,6 +54,7 @@ ALLOWED = {
     "workbench.utils": set(),
     "workbench.config": set(),
     "workbench.cache": set(),
+    "workbench.launch": set(),
     "workbench.telemetry": set(),
     "workbench.roofline": {"workbench.cache", "workbench.telemetry"},
     "workbench.platforms": {"workbench.config", "workbench.cache", "workbench.utils"},
@@ -75,7 +76,8 @@ ALLOWED = {
     "workbench.tune": {"workbench.engine", "workbench.core", "workbench.telemetry",
                        "workbench.config", "workbench.platforms", "workbench.trace"},
     "workbench.cli": {"workbench", "workbench.config", "workbench.bench", "workbench.serving",
-                      "workbench.trace", "workbench.platforms", "workbench.tune"},
+                      "workbench.trace", "workbench.platforms", "workbench.launch",
+                      "workbench.tune"},
 }
 
 

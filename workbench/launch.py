@@ -1,0 +1,94 @@
+"""Jupyter servers (Voila for the dashboard, JupyterLab for the notebooks) run as a child
+process tree that is stopped whole: on the server's exit, on SIGINT/SIGTERM/SIGHUP to this
+process, or on any other way out."""
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+
+
+def notebooks_dir() -> Path:
+    """The repository's notebooks/ (the dashboard and the lab open them from a checkout)."""
+    d = Path(__file__).resolve().parents[1] / "notebooks"
+    if not (d / "dashboard.ipynb").is_file():
+        raise FileNotFoundError(f"{d / 'dashboard.ipynb'} not found: the dashboard and the lab "
+                                "run from a source checkout (git clone …; pip install -e \".[ui]\")")
+    return d
+
+
+STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+
+
+class _Stop(Exception):
+    """A stop signal arrived."""
+
+
+def stop_tree(pid: int, timeout: float = 15.0) -> None:
+    """Stop `pid` and every process below it: SIGTERM, then SIGKILL what is left after
+    `timeout` seconds. The tree is taken before signalling, because Jupyter starts each kernel
+    in a session of its own (a process-group kill misses it) and a child whose parent died is
+    re-parented out of the tree."""
+    import psutil
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    # Anything started while we waited (a kernel's own children) goes too.
+    alive += [c for p in alive for c in _children(p) if c not in alive]
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=5)
+
+
+def _children(p) -> list:
+    import psutil
+    try:
+        return p.children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def run_jupyter(module: str, args: list[str], env: dict[str, str], url: str) -> int:
+    """Run a Jupyter server until it exits or this process gets SIGINT, SIGTERM or SIGHUP;
+    then stop it with its kernels and everything else it started."""
+    import importlib.util
+    import os
+    import signal
+    import subprocess
+    if importlib.util.find_spec(module) is None:
+        print(f"error: {module} is not installed; pip install -e \".[ui]\"", file=sys.stderr)
+        return 2
+    print(f"{url}   (Ctrl-C stops it)", flush=True)
+
+    def on_signal(signum, frame):
+        raise _Stop(signum)
+
+    def hold(handler) -> dict:
+        return {s: signal.signal(getattr(signal, s), handler)
+                for s in STOP_SIGNALS if hasattr(signal, s)}
+
+    previous = hold(on_signal)
+    try:
+        # Its own session: a terminal's Ctrl-C reaches us only, and we stop the whole tree
+        # (Jupyter would otherwise ask "Shutdown this server (y/[n])?" on SIGINT).
+        proc = subprocess.Popen([sys.executable, "-m", module, *args],
+                                env={**os.environ, **env}, start_new_session=True)
+        try:
+            return proc.wait()
+        except (KeyboardInterrupt, _Stop):
+            hold(signal.SIG_IGN)             # a second Ctrl-C must not cut the clean-up short
+            stop_tree(proc.pid)
+            return 0
+        finally:
+            if proc.poll() is None:          # any other way out: leave nothing behind
+                stop_tree(proc.pid)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(getattr(signal, s), handler)
