@@ -248,3 +248,22 @@ def test_tune_panel_renders_the_frontier_and_the_winner():
     panel.stop_button.click()
     assert panel.stop_event.is_set() and panel.stop_button.disabled
     assert len(tune_figure(result).data) == 8
+
+
+def test_tune_panel_runs_a_tune():
+    pytest.importorskip("ipywidgets")
+    from widgets.tune import TunePanel
+    panel = TunePanel(base=EngineConfig(model="random:tiny", device="cpu", num_kv_blocks=64,
+                                        max_num_seqs=4, max_num_batched_tokens=64),
+                      workload=Workload(num_requests=4, concurrency=2, prompt_len=(8, 16),
+                                        output_len=(2, 3)),
+                      space=Space({"max_num_seqs": (1, 4)}), n_trials=2, warmup=False)
+    assert not panel.run_button.disabled
+    panel.ttft.value, panel.rate.value = 60_000, 0.0           # closed loop, as given
+    result = panel.run()
+    assert result.slo.ttft_ms == 60_000 and result.workload.concurrency == 2
+    assert len(result.trials) == 2 and panel.progress.value == 2
+    assert "Winner: trial" in panel.view.value and len(panel.fig.data[3].y) == 1
+    panel.ttft.value = 0
+    with pytest.raises(ValueError, match="ttft_ms"):
+        panel.settings()

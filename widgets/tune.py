@@ -3,9 +3,9 @@ and throughput against p99 TTFT and p99 TPOT for every measured configuration, t
 frontier drawn through them and the winner marked; under it the winner as an EngineConfig
 and as `vllm serve` flags.
 
-    panel = TunePanel(workload=Workload(num_requests=24, request_rate=2),
-                      slo=SLO(ttft_ms=2000, tpot_ms=100), base=EngineConfig(device="cpu"))
-    panel                       # press Run (the trials run in a worker thread), or
+    panel = TunePanel(base=EngineConfig(device="cpu"), workload=Workload(num_requests=24,
+                      request_rate=2), slo=SLO(ttft_ms=2000, tpot_ms=100))
+    panel                       # set rate, SLO, trials; press Run (a worker thread runs them)
     TunePanel(result=tune(...)) # draw a finished run
 
 `tune_figure(result)` draws the same chart as a static figure for a notebook.
@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+from dataclasses import replace
 
 import ipywidgets as w
 import plotly.graph_objects as go
@@ -121,23 +122,38 @@ def winner_html(result: TuneResult) -> str:
 
 
 class TunePanel(w.VBox):
-    """Run button, Stop button, progress bar, the chart and the winner. Built with a
-    `result`, it draws it; with a workload, SLO and base config, Run tunes them."""
+    """Controls (rate, requests, the SLO's limits, trials), Run and Stop, a progress bar,
+    the chart and the winner. Built with a `result`, it draws it; with a `base` config, Run
+    tunes it (the trials build their own engines from it, one at a time)."""
 
     num_runs = traitlets.Int(0)
 
     def __init__(self, result: TuneResult | None = None, *, workload: Workload | None = None,
                  slo: SLO | None = None, space: Space | None = None,
                  base: EngineConfig | None = None, n_trials: int = 8, **tune_kwargs):
-        self.workload, self.slo, self.space, self.base = workload, slo, space, base
-        self.n_trials, self.tune_kwargs = n_trials, tune_kwargs
+        self.workload = workload or Workload(num_requests=24, request_rate=2.0)
+        self.slo = slo or SLO(ttft_ms=2000, tpot_ms=200)
+        self.space, self.base, self.tune_kwargs = space, base, tune_kwargs
         self.result = result
         self.stop_event = threading.Event()
+        small = dict(layout=w.Layout(width="190px"), style={"description_width": "95px"})
+        self.rate = w.BoundedFloatText(value=self.workload.request_rate or 0.0, min=0.0,
+                                       max=1e4, description="requests/s",
+                                       tooltip="Poisson arrivals; 0: the workload's closed "
+                                               "loop", **small)
+        self.num_requests = w.BoundedIntText(value=self.workload.num_requests, min=1, max=10000,
+                                             description="requests", **small)
+        self.ttft = w.BoundedFloatText(value=self.slo.ttft_ms, min=0.0, max=1e7,
+                                       description="p99 TTFT ms", **small)
+        self.tpot = w.BoundedFloatText(value=self.slo.tpot_ms, min=0.0, max=1e7,
+                                       description="p99 TPOT ms", **small)
+        self.trials = w.BoundedIntText(value=n_trials, min=1, max=1000, description="trials",
+                                       **small)
         self.progress = w.IntProgress(value=0, min=0, max=n_trials, bar_style="info",
-                                      layout=w.Layout(width="60%"))
+                                      layout=w.Layout(width="40%"))
         self.status = w.HTML()
         self.run_button = w.Button(description="Run", icon="play", button_style="primary",
-                                   disabled=workload is None or slo is None)
+                                   disabled=base is None)
         self.stop_button = w.Button(description="Stop", icon="stop", button_style="warning",
                                     disabled=True)
         self.run_button.on_click(lambda _: self._clicked())
@@ -146,10 +162,23 @@ class TunePanel(w.VBox):
         draw(fig, result)              # drawn before it becomes a widget (see roofline.py)
         self.fig = go.FigureWidget(fig)
         self.view = w.HTML(winner_html(result) if result else "")
-        super().__init__([css_widget(), w.HBox([self.run_button, self.stop_button,
-                                                self.progress]),
+        controls = w.HBox([self.rate, self.num_requests, self.ttft, self.tpot, self.trials],
+                          layout=w.Layout(flex_flow="row wrap",
+                                          display="none" if base is None else None))
+        super().__init__([css_widget(), controls,
+                          w.HBox([self.run_button, self.stop_button, self.progress]),
                           self.status, self.fig, self.view])
         self.add_class("wb-tune")
+
+    def settings(self) -> tuple[Workload, SLO, int]:
+        """The workload, SLO and trial count the controls say (ValueError naming a field)."""
+        wl = self.workload
+        rate = self.rate.value or None
+        if rate is not None or wl.request_rate is None:
+            wl = replace(wl, request_rate=rate, concurrency=None if rate else wl.concurrency)
+        wl = replace(wl, num_requests=self.num_requests.value)
+        slo = replace(self.slo, ttft_ms=self.ttft.value, tpot_ms=self.tpot.value)
+        return wl, slo, self.trials.value
 
     def show(self, result: TuneResult) -> None:
         self.result = result
@@ -173,7 +202,8 @@ class TunePanel(w.VBox):
         self.status.value = '<div class="wb muted">stopping after this trial…</div>'
 
     def _tune(self, on_trial) -> TuneResult:
-        return tune(self.workload, self.slo, self.space, base=self.base, n_trials=self.n_trials,
+        workload, slo, n_trials = self.settings()
+        return tune(workload, slo, self.space, base=self.base, n_trials=n_trials,
                     progress=on_trial, should_stop=self.stop_event.is_set, **self.tune_kwargs)
 
     def run(self) -> TuneResult:
