@@ -18,8 +18,9 @@ jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 pytest.importorskip("fastapi")
 
-from workbench.serving.tools import (HermesCallParser, NamedCallParser,  # noqa: E402
-                                     RequiredCallParser, assemble, template_takes_tools)
+from workbench.serving.tool_parsers import (HermesCallParser, NamedCallParser,  # noqa: E402
+                                            RequiredCallParser, assemble)
+from workbench.serving.tools import template_takes_tools  # noqa: E402
 
 MODEL = "smollm2"
 WEATHER = {"type": "object", "properties": {

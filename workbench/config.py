@@ -34,7 +34,10 @@ class EngineConfig:
     model: str = "smollm2"
     """'smollm2' (embedded), 'random:<shape>', or a local Hugging Face checkpoint directory."""
     device: str = "auto"
-    """'auto' (npu, then cuda, then cpu), 'cpu', 'cuda' or 'npu'."""
+    """'auto' (npu, then cuda, then cpu), 'cpu', 'cuda' or 'npu'; or a modelled device,
+    'model:<profile>' ('model:cpu', 'model:h200', 'model:h100', 'model:a100', 'model:910b',
+    'model:910c'): the real scheduler and telemetry with each step's time from a cost model
+    and random tokens (workbench/modelled/)."""
     dtype: str = "auto"
     """'auto' (fp32 on CPU), 'float32', 'bfloat16' or 'float16'."""
     quantization: str | None = "auto"
@@ -135,8 +138,11 @@ class EngineConfig:
 
         if not isinstance(self.model, str) or not self.model:
             bad("model", "must be a non-empty string")
-        if self.device not in DEVICES:
-            bad("device", f"must be one of {DEVICES}")
+        if self.device not in DEVICES and not (isinstance(self.device, str)
+                                               and self.device.startswith("model:")
+                                               and len(self.device) > len("model:")):
+            bad("device", f"must be one of {DEVICES} or 'model:<profile>' (a modelled "
+                "device, workbench/modelled/)")
         if self.generation_config not in GENERATION_CONFIGS:
             bad("generation_config", f"must be one of {GENERATION_CONFIGS}")
         if self.dtype not in DTYPES:

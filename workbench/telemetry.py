@@ -224,6 +224,11 @@ class EngineInfo:
     """The sampling defaults in force for fields a request leaves out (SamplingParams' names:
     the checkpoint's generation_config.json with generation_config='auto'; {}: SamplingParams'
     own)."""
+    modelled: dict | None = None
+    """None on a real device. On a modelled one (`device="model:<name>"`): its profile,
+    whether it is calibrated, where its figures come from, its roofs and coefficients, and
+    its measured error ({'max_abs_pct', 'workloads', ...}; {} where never measured): every
+    time this engine records is modelled, every token random."""
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,13 @@ import gc
 import json
 import logging
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ..config import EngineConfig
 from ..core.block_manager import BlockManager
+from ..core.clock import Clock, WallClock
 from ..core.scheduler import Scheduler
 from ..executor.kv_sizing import kv_bytes_per_block, kv_bytes_per_token, num_kv_blocks
 from ..executor.models import build_model, load_checkpoint
@@ -47,9 +48,16 @@ class BuiltEngine:
     async_scheduling: bool
     """Whether steps run ahead (see pipeline.py): asked for, or the device's choice."""
     info: EngineInfo
+    clock: Clock = field(default_factory=WallClock)
+    """Where the engine reads the time (a modelled device's is virtual)."""
+    pipeline_class: type | None = None
+    """The step pipeline to run (None: StepPipeline; a modelled device has its own)."""
 
 
 def build_engine(config: EngineConfig) -> BuiltEngine:
+    if config.device.startswith("model:"):       # a modelled device (engine/modelled.py)
+        from .modelled import build_modelled_engine
+        return build_modelled_engine(config, BuiltEngine)
     modules = len(sys.modules)
     platform = get_platform(config.device)
     # config.DTYPES lists torch's own names for the dtypes.

@@ -10,8 +10,8 @@ step. Tokenizing, streams and `generate` live in the front door (`llm_engine.Eng
 from __future__ import annotations
 
 import logging
+import math
 import threading
-import time
 from typing import Any
 
 import torch
@@ -51,13 +51,17 @@ class EngineCore:
         """Things the user asked for that this engine does differently, in words for a UI
         (the same list is exported with the telemetry)."""
         self._info = b.info
+        self.clock = b.clock
+        """Where every timestamp of this engine comes from (core/clock.py): the wall's, or
+        a modelled device's virtual time."""
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size)
         self.output = OutputProcessor(self.tokenizer, b.eos_token_ids, self.max_model_len,
-                                      self.scheduler, self.telemetry)
-        self.pipeline = StepPipeline(self.scheduler, self.runner, self.platform, self.output,
-                                     self.structured_output, self.telemetry, b.eos_token_ids,
-                                     b.async_scheduling, self.config.max_num_seqs,
-                                     self.config.seed)
+                                      self.scheduler, self.telemetry, self.clock)
+        pipeline = b.pipeline_class or StepPipeline
+        self.pipeline = pipeline(self.scheduler, self.runner, self.platform, self.output,
+                                 self.structured_output, self.telemetry, b.eos_token_ids,
+                                 b.async_scheduling, self.config.max_num_seqs,
+                                 self.config.seed, self.clock)
 
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
@@ -120,6 +124,9 @@ class EngineCore:
         """The logits at a prompt's last position from one real prefill step, for numerics
         checks against a reference (benchmarks/gpu.py, npu.py). Only while idle; the request
         is aborted afterwards, so nothing else changes."""
+        if self._info.modelled is not None:
+            raise ValueError("device: a modelled device runs no model (no logits); "
+                             "prompt_logits needs a real one")
         with self._step_lock:
             if self.output.has_unfinished() or self.pipeline.in_flight is not None:
                 raise RuntimeError("prompt_logits: the engine has requests; run it when idle")
@@ -148,6 +155,9 @@ class EngineCore:
         return out
 
     def device_roofs(self, refresh: bool = False) -> DeviceRoofs:
+        if self._info.modelled is not None:      # the modelled device's roofs, not the host's
+            from .modelled import modelled_roofs
+            return modelled_roofs(self._info)
         return probe_roofs(self.platform, next(self.model.parameters()).dtype, refresh)
 
     def model_sha256(self) -> str | None:
@@ -164,16 +174,25 @@ class EngineCore:
     def make_request(self, prompt_ids: list[int], prompt: Any, params: SamplingParams,
                      request_id: str) -> Request:
         """A Request for validated token ids (see request.make_request)."""
+        self.pipeline.check_request(params)
         return make_request(prompt_ids, prompt, params, request_id, tokenizer=self.tokenizer,
                             max_model_len=self.max_model_len, device=self.platform.device,
                             structured_output=self.structured_output)
 
-    def add(self, reqs: list[Request]) -> None:
+    def add(self, reqs: list[Request], arrival_time: float | None = None) -> None:
+        """Queue requests. arrival_time: when they arrive, on this engine's clock (None: now);
+        one in the future waits in the inbox until the clock reaches it (a modelled engine's
+        virtual clock jumps there when nothing else is left to do), so an open-loop
+        workload can be queued whole and replayed on virtual time."""
         self.check_open()
+        if arrival_time is not None and not math.isfinite(arrival_time):
+            raise ValueError(f"arrival_time: must be a finite time on the engine's clock "
+                             f"(got {arrival_time!r})")
         with self._lock:
             self.output.add(reqs)
+            t = self.clock.now() if arrival_time is None else float(arrival_time)
             for r in reqs:
-                r.seq.arrival_time = r.metrics.arrival_time = time.monotonic()
+                r.seq.arrival_time = r.metrics.arrival_time = t
             self._inbox.extend(reqs)
             self._wake.notify_all()
 
@@ -198,22 +217,46 @@ class EngineCore:
 
     # ---- stepping -------------------------------------------------------------------------
     def _drain_inbox(self) -> None:
+        now = self.clock.now()
         with self._lock:
-            new, self._inbox = self._inbox, []
+            new = [r for r in self._inbox if r.seq.arrival_time <= now]
+            self._inbox = [r for r in self._inbox if r.seq.arrival_time > now] \
+                if len(new) < len(self._inbox) else []
             aborts, self._aborts = self._aborts, []
         for r in new:
             self.scheduler.add(r.seq)
         for rid in aborts:
             self.output.abort(rid)
+            with self._lock:     # an aborted request that had not arrived yet
+                self._inbox = [r for r in self._inbox if r.seq.request_id != rid]
+
+    def _next_arrival(self) -> float | None:
+        """When the earliest request still to arrive does (None: none waits to)."""
+        with self._lock:
+            return min((r.seq.arrival_time for r in self._inbox), default=None)
+
+    def _arrived(self) -> bool:
+        """Whether a request in the inbox has arrived by now."""
+        now = self.clock.now()
+        with self._lock:
+            return any(r.seq.arrival_time <= now for r in self._inbox)
 
     def _quiet(self) -> bool:
         """No request arrived or was aborted since the step began (the pipeline may run
         ahead)."""
-        return not self._inbox and not self._aborts
+        return not self._aborts and not self._arrived()
 
     def _step(self, run_ahead: bool = True) -> StepResult:
         self._drain_inbox()
         result = self.pipeline.step(self._quiet if run_ahead else lambda: False)
+        if result.idle and self.clock.virtual and self.pipeline.in_flight is None:
+            # Nothing could run: modelled time moves on to whatever happens next (the next
+            # arrival, or the end of a prefill held back by waiting_timeout_ms).
+            due = [t for t in (self._next_arrival(),
+                               self._wakeup(self.scheduler.next_wakeup(self.clock.now())))
+                   if t is not None]
+            if due:
+                self.clock.advance_to(min(due))
         if self._kv_wanted:
             self._kv_wanted = False
             self._kv_last = self._kv_snapshot()
@@ -233,16 +276,30 @@ class EngineCore:
                 if self.pipeline.in_flight is not None:
                     self._step(run_ahead=False)
 
+    def _wakeup(self, wait: float | None) -> float | None:
+        return None if wait is None else self.clock.now() + max(wait, 1e-6)
+
     def run_loop(self, stop: threading.Event) -> None:
         """Step until `stop` is set, sleeping while there is nothing to do (the front door's
-        background thread runs this)."""
+        background thread runs this). A modelled engine's clock paces meanwhile: its
+        tokens stream at the modelled device's speed (for a UI watching), not as fast as
+        the host can simulate."""
         self._looping = True
+        if self.clock.virtual:
+            self.clock.paced = True
         try:
             while not stop.is_set():
                 with self._lock:
                     if (not self._inbox and not self._aborts and self.pipeline.in_flight is None
                             and not self.scheduler.has_unfinished()):
                         self._wake.wait(timeout=0.5)
+                        continue
+                    if (not self.clock.virtual and self._inbox and not self._aborts
+                            and not self._arrived() and self.pipeline.in_flight is None
+                            and not self.scheduler.has_unfinished()):
+                        # Only requests still to arrive (arrival_time ahead): wait for them.
+                        left = self._next_arrival() - self.clock.now()
+                        self._wake.wait(timeout=min(max(left, 0.0), 0.5))
                         continue
                 try:
                     with self._step_lock:
@@ -258,15 +315,17 @@ class EngineCore:
                         if r is None:
                             self.scheduler.finish(seq, "error")
                         else:
-                            self.output.end(r, "error", time.monotonic())
+                            self.output.end(r, "error", self.clock.now())
                     continue
-                if result.idle and not self._inbox:
+                if result.idle and not self._arrived() and not self.clock.virtual:
                     # Nothing could run (a held-back batch): sleep until it may be admitted.
-                    wait = self.scheduler.next_wakeup()
+                    wait = self.scheduler.next_wakeup(self.clock.now())
                     with self._lock:
                         self._wake.wait(timeout=min(wait if wait is not None else 0.01, 0.05))
         finally:
             self._looping = False
+            if self.clock.virtual:
+                self.clock.paced = False
 
     # ---- release --------------------------------------------------------------------------
     @property

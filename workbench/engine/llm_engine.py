@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 
 from ..config import EngineConfig
 from ..core.block_manager import KVBlockSnapshot
+from ..core.clock import Clock
 from .core import EngineCore
 from .input_processor import InputProcessor, Prompt
 from .request import Request, RequestState, TokenEvent
@@ -91,6 +92,12 @@ class Engine:
     @property
     def telemetry(self) -> Telemetry:
         return self.core.telemetry
+
+    @property
+    def clock(self) -> Clock:
+        """Where this engine's timestamps come from (core/clock.py): the wall's on a real
+        device, modelled time on a modelled one (`clock.virtual`)."""
+        return self.core.clock
 
     @property
     def notices(self) -> list[str]:
@@ -186,12 +193,17 @@ class Engine:
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None,
-                    listener: Callable[[TokenEvent], None] | None = None) -> str:
+                    listener: Callable[[TokenEvent], None] | None = None,
+                    arrival_time: float | None = None) -> str:
         """Queue one request; returns its id. Bad input raises ValueError and adds nothing.
-        `listener`, if given, is called with every TokenEvent (from the stepping thread)."""
+        `listener`, if given, is called with every TokenEvent (from the stepping thread).
+        `arrival_time`: when it arrives, on `self.clock` (`engine.clock.now() + 0.5`: half a
+        second from now); None: now. Until then the scheduler does not see it; a modelled
+        engine's clock jumps to it when nothing else is left to run, so an open-loop
+        (Poisson) workload can be queued whole and replayed in modelled time."""
         req = self._make_request(prompt, params, request_id)
         req.listener = listener
-        self.core.add([req])
+        self.core.add([req], arrival_time)
         return req.seq.request_id
 
     def abort(self, request_id: str) -> bool:

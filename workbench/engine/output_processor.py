@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import torch
 
+from ..core.clock import Clock, WallClock
 from ..core.scheduler import Scheduler, SchedulerOutput
 from ..core.sequence import Logprob
 from ..executor.sampler import LogprobsTensors, compute_logprobs
@@ -25,13 +25,14 @@ log = logging.getLogger("workbench")
 
 class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int,
-                 scheduler: Scheduler, telemetry: Telemetry):
+                 scheduler: Scheduler, telemetry: Telemetry, clock: Clock | None = None):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.scheduler = scheduler
         """Frees (Scheduler.finish) what ends, and starts forked choices."""
         self.telemetry = telemetry
+        self.clock = clock if clock is not None else WallClock()
         self._requests: dict[str, Request] = {}
         """Every request from `add` to its end, by sequence id (a first choice stays until
         its last choice ends, so an abort finds it)."""
@@ -208,7 +209,7 @@ class OutputProcessor:
         r = self._requests.get(request_id)
         if r is None:
             return
-        now = time.monotonic() if now is None else now
+        now = self.clock.now() if now is None else now
         for c in (r.parent.started() if r.parent is not None and r is r.first else [r]):
             if not c.seq.is_finished:
                 self.end(c, reason, now)

@@ -12,13 +12,13 @@ events are step N's; the step still in flight is handed out by the call after it
 """
 from __future__ import annotations
 
-import time
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
+from ..core.clock import Clock, WallClock
 from ..core.scheduler import Scheduler, SchedulerOutput
 from ..core.structured_output import StructuredOutputManager
 from ..executor.runner import ModelRunner
@@ -83,8 +83,10 @@ class StepPipeline:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, platform,
                  output: OutputProcessor, structured_output: StructuredOutputManager,
                  telemetry: Telemetry, eos_token_ids: set[int], async_scheduling: bool,
-                 max_num_seqs: int, seed: int = 0):
+                 max_num_seqs: int, seed: int = 0, clock: Clock | None = None):
         self.scheduler = scheduler
+        self.clock = clock if clock is not None else WallClock()
+        """Where the step's timestamps come from (the engine core's clock)."""
         self.runner = runner
         self.platform = platform
         self.output = output
@@ -108,7 +110,7 @@ class StepPipeline:
         and launches nothing."""
         pending, self.in_flight = self.in_flight, None
         if pending is None:
-            t0 = time.monotonic()
+            t0 = self.clock.now()
             sched = self.scheduler.schedule(t0)
             self.output.note_scheduled(sched, t0)
             if sched.is_empty:
@@ -138,7 +140,7 @@ class StepPipeline:
             nxt = self.scheduler.schedule_next_decode(
                 pending.sched, lambda seq: may_run_ahead(self.output.get(seq.request_id)))
             if nxt is not None:
-                t1 = time.monotonic()
+                t1 = self.clock.now()
                 rows, nsched = nxt
                 ids = pending.token_ids
                 if rows != list(range(len(rows))) or len(rows) != ids.shape[0]:
@@ -152,6 +154,10 @@ class StepPipeline:
         pending.ready.synchronize()
         return self._hand_out(pending.sched, pending.reqs, pending.host_ids.tolist(),
                               pending.host_logprobs, pending.graph, pending.t0, pending.ahead)
+
+    def check_request(self, params) -> None:
+        """Raise ValueError for what this pipeline cannot run (a real device runs anything
+        the params' own checks let through)."""
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request],
                 pending_ids: torch.Tensor | None = None) -> SamplerOutput:
@@ -185,7 +191,7 @@ class StepPipeline:
                 g.set_state(state)
             if not bad or len(bad) == len(reqs):
                 raise
-        now = time.monotonic()
+        now = self.clock.now()
         for i in bad:
             if not reqs[i].seq.is_finished:
                 self.output.end(reqs[i], "error", now)
@@ -224,10 +230,10 @@ class StepPipeline:
                   logprobs: LogprobsTensors | None, graph, t0: float,
                   ahead: bool = False, held_back: dict[str, str] | None = None) -> StepResult:
         """One step's tokens to the output processor, and the step into telemetry."""
-        events, finished = self.output.process(reqs, tokens, logprobs, time.monotonic())
+        events, finished = self.output.process(reqs, tokens, logprobs, self.clock.now())
         bstats = self.scheduler.block_manager.stats()
         self.telemetry.add_step(StepEvent(
-            step=self.telemetry.num_steps, start=t0, duration=time.monotonic() - t0,
+            step=self.telemetry.num_steps, start=t0, duration=self.clock.now() - t0,
             phase=sched.phase, num_prefill_tokens=sched.num_prefill_tokens,
             num_decode_tokens=sched.num_decode_tokens, num_cached_tokens=sched.num_cached_tokens,
             tokens_per_request={s.req_id: s.num_new_tokens for s in sched.scheduled},

@@ -9,7 +9,8 @@ import time
 from typing import Callable
 
 from ..core.sampling_params import SamplingParams
-from .tools import ToolCallParser, ToolChoice, assemble, valid_calls
+from .tool_parsers import ToolCallParser, assemble, valid_calls
+from .tools import ToolChoice
 
 LOGPROB_FLOOR = -9999.0
 """What a -inf logprob (a token the grammar or a bias rules out) is sent as: JSON has no

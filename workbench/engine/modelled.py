@@ -1,0 +1,247 @@
+"""Building an engine on a modelled device (`device="model:<name>"`, workbench/modelled/) and
+the step it runs.
+
+Everything but the forward pass is the real engine's: the scheduler, the block pool and its
+prefix cache, preemption, the output processor (stop conditions, streams, request records)
+and the telemetry. The model is built on torch's meta device (its shape, no weights), the KV
+pool is sized as the device's memory would hold it but never allocated, and each step the
+ModelledRunner times the step and picks random tokens; the engine's VirtualClock moves by the
+step's modelled time, so every TTFT, TPOT and ITL the engine records is a modelled one.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import socket
+import time
+from dataclasses import replace
+
+import torch
+
+from ..config import EngineConfig
+from ..core.block_manager import BlockManager
+from ..core.clock import VirtualClock
+from ..core.sampling_params import SamplingParams
+from ..core.scheduler import Scheduler
+from ..executor.kv_sizing import activation_reserve, kv_bytes_per_block, kv_bytes_per_token
+from ..executor.models import LlamaForCausalLM, load_checkpoint
+from ..executor.models.loader import generation_defaults
+from ..modelled import DeviceProfile, ModelledRunner
+from ..modelled.fit import fit_cpu_steps
+from ..modelled.profiles import cpu_profile, parse_device, spec_profile
+from ..platforms import get_platform
+from ..roofline import DeviceRoofs, probe_roofs
+from ..telemetry import EngineInfo, MemoryStats, Telemetry
+from .pipeline import StepPipeline, StepResult
+
+log = logging.getLogger("workbench")
+
+CPU_FIT_VERSION = 1
+
+
+class ModelledPipeline(StepPipeline):
+    """One modelled step: schedule, time it, advance the clock, random tokens, hand out (the
+    same order and bookkeeping as StepPipeline's synchronous step; a run-ahead's overlap of
+    host and device is in the step's modelled time instead)."""
+
+    def step(self, run_ahead) -> StepResult:
+        t0 = self.clock.now()
+        sched = self.scheduler.schedule(t0)
+        self.output.note_scheduled(sched, t0)
+        if sched.is_empty:
+            return self._hand_out(sched, [], [], None, None, t0)
+        tokens, sampling, graph, cost = self.runner.execute(sched)
+        self.clock.advance(cost.seconds)
+        reqs = self.output.requests_of(sampling)
+        rows, reqs = _sampling_rows(reqs)
+        if rows is not None:                 # n > 1: one token per choice from its row
+            tokens = self.runner.tokens(len(reqs))
+        self.scheduler.update_after_step(sched)
+        return self._hand_out(sched, reqs, tokens, None, graph, t0)
+
+    def check_request(self, params: SamplingParams) -> None:
+        """What a modelled device cannot give: logprobs and grammars need real logits."""
+        for name in ("logprobs", "prompt_logprobs", "structured_outputs"):
+            if getattr(params, name) is not None:
+                raise ValueError(f"{name}: a modelled device emits random tokens, without "
+                                 "logits; run this request on a real device")
+
+
+def _sampling_rows(reqs):
+    from .parallel_sampling import ParentRequest
+    return ParentRequest.sampling_rows(reqs)
+
+
+def modelled_roofs(info: EngineInfo) -> DeviceRoofs:
+    m = info.modelled
+    return DeviceRoofs(f"{m['device_name']} (modelled)", info.dtype, m["peak_flops"],
+                       m["bandwidth"])
+
+
+# ---- the CPU profile: a short real run, fitted and cached ---------------------------------------
+def cpu_calibration_workload(max_num_seqs: int, vocab: int, max_len: int
+                             ) -> list[tuple[list[int], int]]:
+    """(prompt ids, new tokens): batch-1 decode, a few prompts of unlike lengths (prefill,
+    chunks, mixed steps) and a wider decode batch; a few seconds on a small model."""
+    import random
+    r = random.Random(7)
+
+    def prompt(n: int) -> list[int]:
+        return [r.randrange(10, vocab) for _ in range(min(n, max_len - 40))]
+    work = [(prompt(64), 24)]
+    work += [(prompt(n), 16) for n in (24, 96, 200, 380)]
+    work += [(prompt(r.randint(24, 96)), 20) for _ in range(min(16, max_num_seqs))]
+    return work
+
+
+def cpu_cache_key(config: EngineConfig, dtype: str) -> str:
+    parts = [socket.gethostname(), config.model, dtype, str(config.block_size),
+             config.attention_backend, torch.__version__, str(torch.get_num_threads()),
+             str(CPU_FIT_VERSION)]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def calibrate_cpu(config: EngineConfig, dtype: str, refresh: bool = False) -> DeviceProfile:
+    """The 'cpu' profile for this model: roofs probed, coefficients fitted to the real CPU
+    engine's steps on cpu_calibration_workload (weights unquantized, as the modelled engine
+    counts them), cached per machine, model and dtype."""
+    from ..cache import cache_root
+    from .core import EngineCore
+    platform = get_platform("cpu")
+    roofs = probe_roofs(platform, getattr(torch, dtype))
+    path = cache_root() / "modelled" / f"cpu-{cpu_cache_key(config, dtype)}.json"
+    if not refresh:
+        try:
+            d = json.loads(path.read_text())
+            from ..modelled.profiles import Coefficients
+            return cpu_profile(roofs, Coefficients.from_dict(d["coefficients"]), d["source"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    t = time.perf_counter()
+    real = EngineCore(replace(config, device="cpu", dtype=dtype, quantization=None,
+                              graph_mode="eager", async_scheduling=None, num_kv_blocks=None,
+                              kv_cache_memory_gb=None, max_num_seqs=16,
+                              max_num_batched_tokens=256, enable_prefix_caching=False,
+                              prefill_interval=1, waiting_timeout_ms=0.0,
+                              max_step_events=100_000))
+    try:
+        info = real.info()
+        work = cpu_calibration_workload(16, info.vocab_size, real.max_model_len)
+        reqs = [real.make_request(p, p, SamplingParams(max_tokens=n, temperature=0,
+                                                       ignore_eos=True), f"cal-{i}")
+                for i, (p, n) in enumerate(work)]
+        real.add(reqs[:1])            # batch 1 first, alone
+        while real.has_unfinished_requests():
+            real.step()
+        real.add(reqs[1:])
+        while real.has_unfinished_requests():
+            real.step()
+        steps = real.telemetry.snapshot()[0][1:]       # the first step warms up
+        k, fit = fit_cpu_steps(steps, info, roofs.peak_flops, roofs.bandwidth)
+    finally:
+        real.close()
+    source = (f"fitted to {fit['steps']} steps of the real CPU engine on {config.model} "
+              f"({dtype}) in {time.perf_counter() - t:.1f} s; fit residual median "
+              f"{fit['median_rel_err']:.1%}, worst {fit['max_rel_err']:.1%}")
+    log.info("modelled cpu: %s", source)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{time.monotonic_ns()}.tmp")
+    tmp.write_text(json.dumps({"coefficients": k.as_dict(), "source": source, "fit": fit}))
+    tmp.replace(path)
+    return cpu_profile(roofs, k, source)
+
+
+# ---- building ------------------------------------------------------------------------------------
+def build_modelled_engine(config: EngineConfig, built_class):
+    """A BuiltEngine (build.py's record) for `config.device` = 'model:<name>'."""
+    name = parse_device(config.device)
+    platform = get_platform("cpu")       # the host: sampling params, generators live here
+    if name == "cpu":
+        dtype = "float32" if config.dtype == "auto" else config.dtype
+        profile = calibrate_cpu(config, dtype)
+    else:
+        profile = spec_profile(name)
+        dtype = profile.dtype if config.dtype == "auto" else config.dtype
+    if config.block_size is None:
+        config = replace(config, block_size=profile.default_block_size)
+    torch_dtype = getattr(torch, dtype)
+    ckpt = load_checkpoint(config.model, None)
+    hf_config, tokenizer, model_path = ckpt.hf_config, ckpt.tokenizer, ckpt.path
+    del ckpt
+    from .build import DEFAULT_MAX_MODEL_LEN, _eos_ids, _fit_max_model_len, num_params, weight_bytes
+    model_limit = getattr(hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN)
+    if config.max_model_len is not None and config.max_model_len > model_limit:
+        raise ValueError(f"max_model_len: the model supports at most {model_limit} positions "
+                         f"(got {config.max_model_len})")
+    max_model_len = config.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)
+    with torch.device("meta"):           # the shape alone: no weights are made
+        model = LlamaForCausalLM(hf_config, max_model_len).to(torch_dtype)
+    head = model.embed_tokens if model.lm_head is None else model.lm_head
+    weights = weight_bytes(model)
+    bs = config.block_size
+    per_block = kv_bytes_per_block(model, bs, torch_dtype)
+    num_blocks = config.num_kv_blocks or max(2, int(_kv_budget(config, profile, weights,
+                                                               hf_config, torch_dtype)
+                                                    // per_block))
+    block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+    max_model_len = _fit_max_model_len(config, max_model_len, block_manager.num_usable_blocks * bs)
+    scheduler = Scheduler(config, block_manager, max_model_len)
+    eos = _eos_ids(hf_config, tokenizer, model_path)
+    runner = ModelledRunner(profile, hf_config.vocab_size, eos, num_blocks * per_block,
+                            config.seed)
+    telemetry = Telemetry(config.max_step_events, config.max_request_records)
+    telemetry.memory = MemoryStats(weights, num_blocks * per_block, weights + num_blocks * per_block,
+                                   per_block, num_blocks)
+    graph_mode, capture_sizes, piecewise_sizes, notices = runner.capture_graphs(config,
+                                                                                max_model_len)
+    if config.graph_mode is None:
+        config = replace(config, graph_mode=graph_mode)
+    err = profile.error.get("max_abs_pct")
+    notices = [*notices, f"modelled device: {profile.device_name}, "
+               + (f"calibrated (measured error up to {err:.0f} %)" if profile.calibrated and err
+                  is not None else "calibrated (error not measured yet)" if profile.calibrated
+                  else "UNCALIBRATED (spec-sheet roofs; no measured error)")
+               + ": every time is modelled, every token random"]
+    for text in notices:
+        telemetry.notices.append(text)
+    run_ahead = (config.async_scheduling if config.async_scheduling is not None
+                 else profile.runs_async) and runner.graphs is not None
+    runner.async_scheduling = run_ahead
+    info = EngineInfo(
+        model=config.model, model_path=str(model_path) if model_path else None,
+        device=config.device, device_name=f"{profile.device_name} (modelled)", dtype=dtype,
+        max_model_len=max_model_len, block_size=bs, num_kv_blocks=num_blocks,
+        kv_bytes_per_block=per_block, graph_mode=graph_mode, capture_sizes=tuple(capture_sizes),
+        piecewise_sizes=tuple(piecewise_sizes), attention="modelled", ops="modelled",
+        async_scheduling=run_ahead, vocab_size=hf_config.vocab_size,
+        num_params=num_params(model), quantization=None, weight_formats=(dtype,),
+        num_layers=model.num_layers, num_layer_params=num_params(model.layers),
+        hidden_size=hf_config.hidden_size, intermediate_size=hf_config.intermediate_size,
+        num_attention_heads=hf_config.num_attention_heads, num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim, weight_bytes=weight_bytes(model.layers) + weight_bytes(head),
+        kv_bytes_per_token=kv_bytes_per_token(model, torch_dtype), config=config,
+        generation_defaults=(generation_defaults(model_path)
+                             if config.generation_config == "auto" else {}),
+        modelled=profile.summary())
+    runner.info = info
+    return built_class(config, platform, None, tokenizer, model, runner, block_manager,
+                       scheduler, telemetry, max_model_len, eos, False, info,
+                       clock=VirtualClock(), pipeline_class=ModelledPipeline)
+
+
+def _kv_budget(config: EngineConfig, profile: DeviceProfile, weights: int, hf_config,
+               dtype) -> float:
+    """kv_sizing's rule on the modelled device's memory (the CPU's: 1 GiB by default)."""
+    if config.kv_cache_memory_gb is not None:
+        return config.kv_cache_memory_gb * 2**30
+    if profile.memory_bytes is None:
+        return 2**30
+    budget = (config.gpu_memory_utilization * profile.memory_bytes - weights
+              - activation_reserve(config, hf_config, dtype))
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization: {config.gpu_memory_utilization} of the "
+                         f"modelled {profile.device_name}'s {profile.memory_bytes / 2**30:.0f} "
+                         "GiB leaves no room for a KV pool after the weights; raise it or set "
+                         "num_kv_blocks")
+    return budget

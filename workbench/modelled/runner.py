@@ -1,0 +1,103 @@
+"""The model runner of a modelled device: no weights, no KV pool, no forward pass. Each step
+it decides how the real runner would have run it (a replayed decode graph, a piecewise
+replay, eager: the same rules as executor/runner.py), times it with the cost model, and
+picks each sampling request's token at random (never an EOS id: a modelled request runs
+to its max_tokens, its stop tokens or stop strings, as a benchmark's ignore_eos request
+does)."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..core.scheduler import SchedulerOutput
+from ..executor.graphs import default_capture_sizes, default_piecewise_sizes, padded_size
+from ..telemetry import FULL, PIECEWISE
+from .cost import StepTime, step_time
+from .profiles import DeviceProfile
+
+
+class ModelledRunner:
+    def __init__(self, profile: DeviceProfile, vocab_size: int, eos_token_ids: set[int],
+                 kv_cache_bytes: int, seed: int = 0):
+        self.profile = profile
+        self.vocab_size = vocab_size
+        self.kv_cache_bytes = kv_cache_bytes
+        """What the modelled pool would take on the device (nothing is allocated)."""
+        self.graphs = None
+        """The decode batch sizes 'captured' (as the real runner's DecodeGraphs), or None."""
+        self.piecewise = None
+        """The token buckets 'captured' piecewise, or None."""
+        self.info = None
+        """The EngineInfo the cost model reads the model's shape from (set once built)."""
+        self.async_scheduling = False
+        self._rng = np.random.default_rng(seed)
+        self._eos = np.array(sorted(t for t in eos_token_ids if 0 <= t < vocab_size),
+                             dtype=np.int64)
+
+    def capture_graphs(self, config, max_model_len: int
+                       ) -> tuple[str, list[int], list[int], list[str]]:
+        """ModelRunner.capture_graphs' decision on the modelled device, capturing nothing:
+        the mode as run, decode batch sizes, piecewise token buckets, notices."""
+        p = self.profile
+        asked = config.graph_mode if config.graph_mode is not None else p.default_graph_mode
+        if asked == "eager":
+            return "eager", [], [], []
+        if not p.supports_graphs:
+            return "eager", [], [], [f"graph_mode={asked!r} asked for, but the modelled "
+                                     f"{p.name} device captures no graphs (as its real "
+                                     "platform): every step runs eager"]
+        if p.kind == "npu":
+            decode = (config.pa_shape_list if config.pa_shape_list is not None
+                      else (config.cudagraph_capture_sizes
+                            or default_capture_sizes(config.max_num_seqs))
+                      if asked == "decode" else [])
+        else:
+            decode = config.cudagraph_capture_sizes or default_capture_sizes(config.max_num_seqs)
+        decode = sorted(set(decode))
+        piecewise = default_piecewise_sizes(config.max_num_batched_tokens) if asked == "full" else []
+        self.graphs = decode or None
+        self.piecewise = piecewise or None
+        return asked, decode, piecewise, []
+
+    def graph_for(self, sched: SchedulerOutput) -> tuple[str, int] | None:
+        """How the real runner would run this step: (FULL, batch size) for a pure decode
+        batch a captured size holds, (PIECEWISE, token bucket) where a bucket holds its
+        tokens, else None (eager)."""
+        if self.graphs and sched.scheduled and all(s.is_decode for s in sched.scheduled):
+            size = padded_size(len(sched.scheduled), self.graphs)
+            if size is not None:
+                return FULL, size
+        if self.piecewise:
+            size = padded_size(sum(s.num_new_tokens for s in sched.scheduled), self.piecewise)
+            if size is not None:
+                return PIECEWISE, size
+        return None
+
+    def time(self, sched: SchedulerOutput, graph: tuple[str, int] | None) -> StepTime:
+        tokens = {s.req_id: s.num_new_tokens for s in sched.scheduled}
+        context = {s.req_id: s.start for s in sched.scheduled}
+        kinds = {s.req_id: "decode" if s.is_decode else "prefill" if s.will_sample else "chunk"
+                 for s in sched.scheduled}
+        return step_time(self.profile, self.info, tokens, context, kinds,
+                         graph[0] if graph else None, self.async_scheduling)
+
+    def execute(self, sched: SchedulerOutput
+                ) -> tuple[list[int], list[str], tuple[str, int] | None, StepTime]:
+        """One modelled step: random token ids for the requests that sample (decodes first,
+        then prompts that reach their end, as the real runner orders its logits rows), those
+        requests, how graphs ran it, and its modelled time."""
+        sampling = ([s.req_id for s in sched.scheduled if s.is_decode]
+                    + [s.req_id for s in sched.scheduled if not s.is_decode and s.will_sample])
+        graph = self.graph_for(sched)
+        return self.tokens(len(sampling)), sampling, graph, self.time(sched, graph)
+
+    def tokens(self, n: int) -> list[int]:
+        """n random token ids, none of them an EOS id."""
+        eos = self._eos
+        ids = self._rng.integers(0, self.vocab_size - len(eos), size=n)
+        if len(eos):                       # shift past each EOS id at or below it
+            for e in eos:
+                ids = ids + (ids >= e)
+        return ids.tolist()
+
+    def release(self) -> None:
+        self.graphs = self.piecewise = None
