@@ -23,7 +23,7 @@ from dataclasses import replace
 from workbench import Engine, EngineConfig, SamplingParams
 from workbench.tune import SLO, Space, Workload, measure_config, tune
 
-PROMPT, OUTPUT = (64, 256), (16, 64)
+PROMPT, OUTPUT = (32, 128), (8, 32)
 
 
 def lone_request(base: EngineConfig) -> tuple[float, float]:
@@ -44,7 +44,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--trials", type=int, default=8)
-    ap.add_argument("--num-requests", type=int, default=24)
+    ap.add_argument("--num-requests", type=int, default=12)
     ap.add_argument("--load", type=float, default=2.0,
                     help="arrival rate as a multiple of what one request at a time serves")
     ap.add_argument("--ttft-x", type=float, default=4.0)

@@ -80,7 +80,8 @@ ALLOWED = {
                         "workbench.serving", "workbench.config", "workbench.platforms"},
     # The goodput tuner: drives engines on workloads, reads knob domains from the platforms.
     "workbench.tune": {"workbench.engine", "workbench.core", "workbench.telemetry",
-                       "workbench.config", "workbench.platforms", "workbench.trace"},
+                       "workbench.config", "workbench.platforms", "workbench.trace",
+                       "workbench.modelled"},
     "workbench.cli": {"workbench", "workbench.config", "workbench.bench", "workbench.serving",
                       "workbench.trace", "workbench.platforms", "workbench.launch",
                       "workbench.tune"},

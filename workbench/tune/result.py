@@ -104,8 +104,18 @@ class TuneResult:
     """Where the trials ran, in words (EngineInfo.device_name, or the modelled profile)."""
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
-    """What the reader must know beside the figures (a modelled device's measured error)."""
+    """What the reader must know beside the figures: on a modelled device, that every time
+    is modelled and the profile's measured error, or that it is uncalibrated."""
+    modelled: dict | None = None
+    """EngineInfo.modelled of the trials' engines (None: a real device)."""
 
+    @property
+    def flags_device(self) -> str:
+        """Whose `vllm serve` flags the winner is exported as: the device's, or on a modelled
+        device the kind of device it models ('cuda' or 'npu')."""
+        if self.modelled is not None:
+            return self.modelled.get("kind", "cuda")
+        return self.base.device
     @property
     def trials(self) -> list[Trial]:
         return self.outcome.trials
@@ -145,11 +155,11 @@ class TuneResult:
         w = self.winner
         if w is None:
             raise ValueError("result: no trial was measured, so there is no winner")
-        return vllm_flags(w.knobs, self.base.device)
+        return vllm_flags(w.knobs, self.flags_device)
 
     def to_dict(self) -> dict:
         w = self.winner
-        d = {"device": self.device, "workload": self.workload.describe(),
+        d = {"device": self.device, "modelled": self.modelled, "workload": self.workload.describe(),
              "slo": self.slo.describe(), "space": {k: list(v) for k, v in self.space.knobs.items()},
              "plan": self.outcome.plan, "budgets": self.outcome.budgets,
              "stopped": self.stopped, "seconds": self.seconds, "notes": self.notes,

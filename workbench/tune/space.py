@@ -4,7 +4,8 @@ Knobs are EngineConfig fields under their own names. Where a knob has a fixed se
 its domain is read from where the engine defines it: block sizes from the device's attention
 backends (`platforms.block_sizes`), graph modes from `config.GRAPH_MODES` where the device
 captures graphs (`platforms.graph_modes`: 'eager' alone on the CPU), preemption modes from
-`config.PREEMPTION_MODES`, switches as True/False. Numeric knobs have no fixed set: their
+`config.PREEMPTION_MODES`, switches as True/False. On a modelled device ('model:h200') the
+domains are those of the kind of device it models (CUDA's for the H200). Numeric knobs have no fixed set: their
 default ladders double up and down from EngineConfig's own default (max_num_seqs 64 ->
 8..128), which a caller narrows or replaces (`Space({"max_num_seqs": (8, 16, 32)})`).
 
@@ -19,6 +20,7 @@ import random
 from dataclasses import MISSING, dataclass, fields
 
 from ..config import PREEMPTION_MODES, EngineConfig
+from ..modelled.profiles import get_profile, parse_device
 from ..platforms import block_sizes, graph_modes
 
 TUNABLE = ("max_num_seqs", "max_num_batched_tokens", "block_size", "graph_mode",
@@ -44,12 +46,21 @@ def _ladder(default: int, down: int, up: int) -> tuple[int, ...]:
     return tuple(sorted(vals))
 
 
+def real_kind(device: str) -> str:
+    """The real device whose knob domains apply: the device itself, or for a modelled one
+    ('model:<name>') the kind of device its profile models ('cpu', 'cuda' or 'npu')."""
+    name = parse_device(device)
+    if name is None:
+        return device
+    return "cpu" if name == "cpu" else get_profile(name).kind
+
+
 def knob_domain(name: str, device: str) -> tuple:
     """A knob's default domain on `device` (see the module's docstring)."""
     if name == "block_size":
-        return block_sizes(device)
+        return block_sizes(real_kind(device))
     if name == "graph_mode":
-        return graph_modes(device)
+        return graph_modes(real_kind(device))
     if name == "preemption_mode":
         return PREEMPTION_MODES
     if name in ("enable_chunked_prefill", "enable_prefix_caching"):

@@ -66,12 +66,12 @@ def tune(workload: Workload, slo: SLO, space: Space | None = None, *,
     base = base or EngineConfig()
     space = space or Space.default(base.device)
     points = space.sample(n_trials, base, seed=seed)
-    device = {"name": ""}
+    seen: dict = {}
 
     def evaluate(knobs: dict, budget: int) -> Measurement:
         run = run_config(replace(base, **knobs), workload.with_requests(budget),
                          trial_time_limit, should_stop)
-        device["name"] = device["name"] or run.device
+        seen.setdefault("run", run)
         return slo.measure(run)
 
     t0 = time.perf_counter()
@@ -80,5 +80,8 @@ def tune(workload: Workload, slo: SLO, space: Space | None = None, *,
     outcome = successive_halving(points, evaluate, n_trials=n_trials, eta=eta,
                                  max_budget=workload.num_requests, progress=progress,
                                  should_stop=should_stop)
-    return TuneResult(outcome, workload, slo, space, base, device["name"] or base.device,
-                      time.perf_counter() - t0)
+    run = seen.get("run")
+    notes = [n for n in run.notices if n.startswith("modelled device:")] if run else []
+    return TuneResult(outcome, workload, slo, space, base, run.device if run else base.device,
+                      time.perf_counter() - t0, notes,
+                      modelled=run.modelled if run else None)

@@ -9,11 +9,12 @@ what makes prefix caching matter. Every request ignores EOS so that it runs to i
 
 `run_workload(engine, workload)` drives an engine in the caller's thread and returns one
 `RequestRecord` per request with TTFT, TPOT and E2E as telemetry.py defines them, read from
-the engine's own request records (`engine.telemetry`). Open-loop latencies are measured from
-the request's *scheduled* arrival, not from when the loop got round to adding it (a request
-that arrives while a step runs waits for that step: that wait is part of its TTFT, as it is
-for a server's client). A run is bounded by `time_limit`: what has not finished by then is
-aborted and counts as not served.
+the engine's own request records (`engine.telemetry`). Each request's arrival time is its
+scheduled one (`Engine.add_request(arrival_time=)`), not when the loop got round to adding it
+(a request that arrives while a step runs waits for that step: that wait is part of its
+TTFT, as it is for a server's client). On a modelled device (`device="model:<name>"`) the
+same run goes by the engine's virtual clock. A run is bounded by `time_limit`: what has not
+finished by then is aborted and counts as not served.
 """
 from __future__ import annotations
 
@@ -176,6 +177,9 @@ class RunResult:
     device: str = ""
     """The device in words (EngineInfo.device_name)."""
     notices: list[str] = field(default_factory=list)
+    modelled: dict | None = None
+    """EngineInfo.modelled: None on a real device; on a modelled one its profile, whether it
+    is calibrated and its measured error (every time in the records is modelled)."""
 
     @property
     def num_finished(self) -> int:
@@ -203,7 +207,14 @@ class RunResult:
 def run_workload(engine: Engine, workload: Workload, time_limit: float | None = None,
                  should_stop: Callable[[], bool] | None = None) -> RunResult:
     """Run `workload` on `engine` (idle, not looping in the background) in this thread;
-    stop after `time_limit` seconds or when `should_stop()` says so, aborting what runs."""
+    stop after `time_limit` seconds or when `should_stop()` says so, aborting what runs.
+
+    Time is the engine's clock (`engine.clock`): the wall's on a real device, where open-loop
+    requests are added as their arrival times come round; a modelled device's virtual time,
+    where they are all queued at once with their arrival times and the clock jumps to each
+    (a run takes as long as the host's bookkeeping). Either way each request's arrival time
+    is its scheduled one, so its TTFT includes the wait for a step in progress, and
+    `time_limit` is in the engine's time."""
     if engine.is_running_in_background:
         raise ValueError("engine: runs its own loop in the background; the workload driver "
                          "steps it itself (build it without start())")
@@ -218,27 +229,30 @@ def run_workload(engine: Engine, workload: Workload, time_limit: float | None = 
         if q.prompt_len + q.output_len > max_len:
             raise ValueError(f"workload: a request of {q.prompt_len} prompt + {q.output_len} "
                              f"output tokens exceeds the engine's max_model_len ({max_len})")
+    clock = engine.clock
     tel = engine.telemetry
     seen = tel.num_requests
     ids: dict[str, int] = {}
-    sent_at: dict[int, float] = {}
     done: dict[int, RequestMetrics] = {}
     pending = deque(range(len(reqs)))
     in_flight = 0
-    t0 = time.monotonic()
+    t0 = clock.now()
     deadline = t0 + time_limit if time_limit is not None else None
 
-    def send(i: int, at: float) -> None:
+    def send(i: int, at: float | None) -> None:
         nonlocal in_flight
         params = SamplingParams(max_tokens=reqs[i].output_len, ignore_eos=True, temperature=0)
-        rid = engine.add_request(prompts[i], params, request_id=f"tune-{i}")
+        rid = engine.add_request(prompts[i], params, request_id=f"tune-{i}", arrival_time=at)
         ids[rid] = i
-        sent_at[i] = at
         in_flight += 1
 
+    if workload.open_loop and clock.virtual:       # queued whole; the clock jumps to each
+        while pending:
+            i = pending.popleft()
+            send(i, t0 + reqs[i].arrival)
     timed_out = False
     while pending or in_flight:
-        now = time.monotonic()
+        now = clock.now()
         if (deadline is not None and now >= deadline) or (should_stop and should_stop()):
             timed_out = True
             break
@@ -248,21 +262,21 @@ def run_workload(engine: Engine, workload: Workload, time_limit: float | None = 
                 send(i, t0 + reqs[i].arrival)
         else:
             while pending and in_flight < workload.concurrency:
-                send(pending.popleft(), time.monotonic())
+                send(pending.popleft(), None)
         if engine.has_unfinished_requests():
             if not engine.step() and workload.open_loop and pending:
                 time.sleep(0.0005)         # held back (waiting_timeout_ms): nothing ran
-        elif pending and workload.open_loop:
-            wait = t0 + reqs[pending[0]].arrival - time.monotonic()
+        elif pending and workload.open_loop:       # idle on the wall clock: wait for one
+            wait = t0 + reqs[pending[0]].arrival - clock.now()
             if deadline is not None:
-                wait = min(wait, deadline - time.monotonic())
+                wait = min(wait, deadline - clock.now())
             time.sleep(max(min(wait, 0.05), 0))
         for m in tel.requests_since(seen):
             seen += 1
             if m.request_id in ids:
                 done[ids[m.request_id]] = m
                 in_flight -= 1
-    end = time.monotonic()
+    end = clock.now()
     if timed_out:
         for rid, i in ids.items():
             if i not in done:
@@ -276,11 +290,10 @@ def run_workload(engine: Engine, workload: Workload, time_limit: float | None = 
         m = done.get(i)
         if m is not None and m.finish_reason == "length" and m.first_token_time is not None:
             rec.finished = True
-            rec.ttft = m.first_token_time - sent_at[i]
-            rec.tpot = m.tpot
-            rec.e2e = m.finished_time - sent_at[i]
+            rec.ttft, rec.tpot, rec.e2e = m.ttft, m.tpot, m.e2e
             last_end = max(last_end, m.finished_time)
         records.append(rec)
     duration = (end if timed_out else last_end) - t0
-    return RunResult(records, duration, timed_out, engine.info().device_name,
-                     list(engine.notices))
+    info = engine.info()
+    return RunResult(records, duration, timed_out, info.device_name, list(engine.notices),
+                     info.modelled)
