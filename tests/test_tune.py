@@ -270,3 +270,33 @@ def test_tune_panel_runs_a_tune():
     panel.ttft.value = 0
     with pytest.raises(ValueError, match="ttft_ms"):
         panel.settings()
+
+
+def test_tune_on_a_modelled_device_runs_on_its_virtual_clock(tmp_path):
+    """On model:h200 the run goes by modelled time: a workload of several modelled seconds
+    takes a fraction of that on the wall, the arrivals keep their schedule on the virtual
+    clock, and the answer says it is modelled (and whether the profile is calibrated)."""
+    import time
+    from workbench.cli import main
+    wl = Workload(num_requests=30, request_rate=2.0, prompt_len=(64, 256), output_len=(16, 64))
+    with Engine(model="random:qwen3-0.6b", device="model:h200") as engine:
+        t0 = time.perf_counter()
+        run = run_workload(engine, wl)
+        wall = time.perf_counter() - t0
+        first = min(m.arrival_time for m in engine.telemetry.requests)
+        arrivals = sorted(m.arrival_time - first for m in engine.telemetry.requests)
+    assert run.num_finished == 30 and run.modelled["profile"] == "h200"
+    assert arrivals == pytest.approx([q.arrival for q in wl.requests()], abs=1e-9)
+    assert run.duration >= wl.requests()[-1].arrival > 10.0              # modelled seconds
+    assert wall < run.duration / 3                                      # not waited out
+    out = tmp_path / "t.json"
+    assert main(["tune", "--model", "random:qwen3-0.6b", "--device", "model:h200",
+                 "--request-rate", "20", "--num-requests", "9", "--ttft-ms", "200",
+                 "--tpot-ms", "20", "--knob", "graph_mode", "--knob", "max_num_seqs=8,64",
+                 "--trials", "4", "--output", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert "(modelled)" in d["device"] and d["modelled"]["profile"] == "h200"
+    assert any(n.startswith("modelled device: NVIDIA H200") for n in d["notes"])
+    assert {t["knobs"]["graph_mode"] for t in d["trials"]} <= {"eager", "decode", "full", None}
+    assert Space.default("model:h200").knobs["graph_mode"] == ("eager", "decode", "full")
+    assert Space.default("model:cpu").knobs["graph_mode"] == ("eager",)

@@ -33,12 +33,20 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _device(text: str) -> str:
+    if text in DEVICES or text.startswith("model:"):
+        return text           # a modelled profile's name is checked by EngineConfig
+    raise argparse.ArgumentTypeError(f"expected one of {', '.join(DEVICES)} or "
+                                     f"model:<profile>, got {text!r}")
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig.__dataclass_fields__
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (embedded), 'random:<shape>' or a local HF checkpoint dir")
-    p.add_argument("--device", default="auto", choices=DEVICES,
-                   help="auto tries npu, then cuda, then cpu")
+    p.add_argument("--device", default="auto", type=_device, metavar="|".join(DEVICES),
+                   help="auto tries npu, then cuda, then cpu; model:<profile> (model:h200, "
+                        "model:cpu, ...) is a modelled device (workbench/modelled/)")
     p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--quantization", default=d["quantization"].default,
                    choices=(*QUANTIZATIONS, "none"),
