@@ -33,11 +33,10 @@ def _positive_int(text: str) -> int:
     return v
 
 
-def _device(text: str) -> str:
+def _device(text: str) -> str:      # a modelled profile's name is checked by EngineConfig
     if text in DEVICES or text.startswith("model:"):
-        return text           # a modelled profile's name is checked by EngineConfig
-    raise argparse.ArgumentTypeError(f"expected one of {', '.join(DEVICES)} or "
-                                     f"model:<profile>, got {text!r}")
+        return text
+    raise argparse.ArgumentTypeError(f"expected one of {DEVICES} or model:<profile>: {text!r}")
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -190,11 +189,6 @@ def cmd_bench(a) -> int:
     return 0
 
 
-def cmd_tune(a) -> int:
-    from .tune import cli as tune_cli
-    return tune_cli.run(a, _engine_kwargs(a))
-
-
 def cmd_serve(a) -> int:
     import os
 
@@ -308,7 +302,7 @@ def cmd_doctor(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .tune.cli import add_arguments as tune_arguments
+    from .tune.cli import add_parser as add_tune_parser
     parser = argparse.ArgumentParser(prog="workbench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -364,11 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
     b.set_defaults(func=cmd_bench)
 
-    t = sub.add_parser("tune", help="search the engine's knobs for the most goodput under a "
-                                    "p99 TTFT/TPOT objective (successive halving)")
-    _engine_args(t)
-    tune_arguments(t)
-    t.set_defaults(func=cmd_tune)
+    add_tune_parser(sub, _engine_args, _engine_kwargs)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the 'serve' extra)")
     _engine_args(s)

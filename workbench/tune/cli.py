@@ -25,9 +25,20 @@ def _range(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected LO:HI integers, got {text!r}") from None
 
 
+def add_parser(sub, engine_args, engine_kwargs) -> argparse.ArgumentParser:
+    """Register `workbench tune` under `sub` (workbench/cli.py's subparsers): the engine's
+    arguments (`engine_args`, which make the base config the search starts from; read back
+    with `engine_kwargs`), then the workload, the SLO and the search."""
+    p = sub.add_parser("tune", help="search the engine's knobs for the most goodput under a "
+                                    "p99 TTFT/TPOT objective (successive halving)")
+    engine_args(p)
+    add_arguments(p)
+    p.set_defaults(func=lambda a: run(a, engine_kwargs(a)))
+    return p
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The tune-specific arguments (the engine's own come from workbench/cli.py and make the
-    base config the search starts from)."""
+    """The tune-specific arguments."""
     w = p.add_argument_group("workload")
     how = w.add_mutually_exclusive_group()
     how.add_argument("--request-rate", type=float, default=None,
