@@ -251,6 +251,10 @@ def test_tune_panel_renders_the_frontier_and_the_winner():
     panel.stop_button.click()
     assert panel.stop_event.is_set() and panel.stop_button.disabled
     assert len(tune_figure(result).data) == 8
+    assert fig.layout.title.text.startswith("measured on")
+    result.modelled = {"profile": "h100", "calibrated": False}
+    assert "MODELLED" in tune_figure(result).layout.title.text
+    assert "uncalibrated" in tune_figure(result).layout.title.text
 
 
 def test_tune_panel_runs_a_tune():

@@ -57,6 +57,13 @@ def draw(fig, result: TuneResult | None) -> None:
                 tr.x = [_finite(getattr(t.measurement, lat)) for t in group]
                 tr.y = [t.measurement.throughput for t in group]
                 tr.hovertext = [_hover(t) for t in group]
+        if result is not None:
+            modelled = result.modelled is not None
+            fig.layout.title = dict(
+                text=(f"MODELLED on {esc(result.device)}: "
+                      + ("calibrated" if result.modelled.get("calibrated")
+                         else "uncalibrated, no measured error") if modelled
+                      else f"measured on {esc(result.device)}"), font=dict(size=13))
         if result is not None:     # the SLO's limits, dotted across each plot
             fig.layout.shapes = [dict(type="line", xref=x, yref=f"{y} domain", x0=limit,
                                       x1=limit, y0=0, y1=1, line=dict(color="#999", dash="dot"))
@@ -84,7 +91,7 @@ def new_figure(height: int = 360) -> go.Figure:
                         hoverinfo="text", row=1, col=col)
         fig.update_xaxes(title_text=list(LATENCIES.values())[col - 1], row=1, col=col)
         fig.update_yaxes(title_text="requests/s" if first else None, row=1, col=col)
-    fig.update_layout(height=height, template="plotly_white", margin=dict(t=50, l=60, r=20, b=50),
+    fig.update_layout(height=height, template="plotly_white", margin=dict(t=70, l=60, r=20, b=50),
                       legend=dict(orientation="h", y=-0.25))
     return fig
 
