@@ -78,8 +78,13 @@ ALLOWED = {
     # platforms: the device scripts' timer (bench/device_run.py, Platform.best_time).
     "workbench.bench": {"workbench.engine", "workbench.core", "workbench.telemetry",
                         "workbench.serving", "workbench.config", "workbench.platforms"},
+    # The goodput tuner: drives engines on workloads, reads knob domains from the platforms.
+    "workbench.tune": {"workbench.engine", "workbench.core", "workbench.telemetry",
+                       "workbench.config", "workbench.platforms", "workbench.trace",
+                       "workbench.modelled"},
     "workbench.cli": {"workbench", "workbench.config", "workbench.bench", "workbench.serving",
-                      "workbench.trace", "workbench.platforms", "workbench.launch"},
+                      "workbench.trace", "workbench.platforms", "workbench.launch",
+                      "workbench.tune"},
 }
 
 

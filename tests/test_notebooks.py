@@ -109,7 +109,9 @@ def test_tuning(tmp_path):
     alone, batched = data["results"]["alone_vs_batched"]
     assert alone["requests"] == 1 and batched["requests"] == 8
     assert batched["out_tok_s"] > alone["out_tok_s"]          # batching pays, even on a CPU
-    assert plotly_figures(outputs) == 4       # three sweeps and alone against batched
+    assert plotly_figures(outputs) == 5       # three sweeps, alone against batched, the tuner's
+    assert "winner: trial" in text and "vllm serve" in text     # the SLO tuner (workbench.tune)
+    assert data["results"]["tune"]["winner"]["measurement"]["goodput"] > 0
 
 
 def test_dashboard_notebook(tmp_path):

@@ -30,6 +30,7 @@ from .live import ErrorLog, Pump, running_loop
 from .progress import BuildProgress
 from .replay import ReplaySource
 from .roofline import RooflinePanel
+from .tune import TunePanel
 from .sources import LocalSource, RemoteSource, as_source
 from .style import css_widget, esc, notices_html
 from .summary import SummaryPanel
@@ -162,6 +163,12 @@ class Dashboard(w.VBox):
             ab = w.Accordion([self.ab], selected_index=None)
             ab.set_title(0, "A/B run: two configurations on the same requests")
             self.add_panel(ab, feed=False)
+            self.tune = TunePanel(base=local_config)
+            """The goodput tuner over this page's settings (its trials build their own
+            engines, one at a time; this page's engine stays loaded while they run)."""
+            tuner = w.Accordion([self.tune], selected_index=None)
+            tuner.set_title(0, "Tune for an SLO: the most goodput under p99 TTFT and TPOT limits")
+            self.add_panel(tuner, feed=False)
         if source is not None:
             self._attach(source)
         else:

@@ -1,4 +1,4 @@
-"""`workbench dashboard|lab|serve|bench|generate|doctor`: the command line."""
+"""`workbench dashboard|lab|serve|bench|generate|tune|doctor`: the command line."""
 from __future__ import annotations
 
 import argparse
@@ -33,12 +33,19 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _device(text: str) -> str:      # a modelled profile's name is checked by EngineConfig
+    if text in DEVICES or text.startswith("model:"):
+        return text
+    raise argparse.ArgumentTypeError(f"expected one of {DEVICES} or model:<profile>: {text!r}")
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig.__dataclass_fields__
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (embedded), 'random:<shape>' or a local HF checkpoint dir")
-    p.add_argument("--device", default="auto", choices=DEVICES,
-                   help="auto tries npu, then cuda, then cpu")
+    p.add_argument("--device", default="auto", type=_device, metavar="|".join(DEVICES),
+                   help="auto tries npu, then cuda, then cpu; model:<profile> (model:h200, "
+                        "model:cpu, ...) is a modelled device (workbench/modelled/)")
     p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--quantization", default=d["quantization"].default,
                    choices=(*QUANTIZATIONS, "none"),
@@ -295,6 +302,7 @@ def cmd_doctor(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .tune.cli import add_parser as add_tune_parser
     parser = argparse.ArgumentParser(prog="workbench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -349,6 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--input-words", default="16:256", help="prompt length range in words")
     serving.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
     b.set_defaults(func=cmd_bench)
+
+    add_tune_parser(sub, _engine_args, _engine_kwargs)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the 'serve' extra)")
     _engine_args(s)

@@ -6,7 +6,7 @@ how much memory is in use and which fused kernels it has.
 """
 from __future__ import annotations
 
-from ..config import DEVICES
+from ..config import DEVICES, GRAPH_MODES
 from .base import Platform
 from .cpu import CpuPlatform
 from .cuda import CudaPlatform
@@ -51,4 +51,15 @@ def block_sizes(device: str) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
-__all__ = ["Platform", "auto_device", "available_devices", "block_sizes", "get_platform"]
+def graph_modes(device: str) -> tuple[str, ...]:
+    """The graph modes `device` runs as asked (the knob's domain there): config.GRAPH_MODES
+    where its platform captures graphs, else 'eager' alone (the others would run eager)."""
+    if device == "auto":
+        device = auto_device()
+    if device not in _PLATFORMS:
+        raise ValueError(f"device: must be 'auto' or one of {sorted(_PLATFORMS)} (got {device!r})")
+    return GRAPH_MODES if _PLATFORMS[device].supports_graphs else ("eager",)
+
+
+__all__ = ["Platform", "auto_device", "available_devices", "block_sizes", "get_platform",
+           "graph_modes"]
