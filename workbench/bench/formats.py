@@ -1,6 +1,7 @@
 """Weight formats on the CPU, measured in one run: the engine with its weights in fp32, in the
 GGUF's own blocks (quantization='gguf'), in int8, or in bf16, and llama.cpp on the same GGUF
-file where llama-cpp-python is installed (an optional peer, never a test dependency).
+file where llama-cpp-python is installed (an optional peer, never a test dependency); with
+bf16, llama.cpp on a BF16 copy of that file too (made by llama.cpp's quantizer).
 
 Per format: the weights' bytes, batch-1 decode (TPOT, 128-token prompt, 128 new tokens),
 the 128-token prefill, the offline throughput workload where asked, and quality against
@@ -86,6 +87,36 @@ def llama_cpp_b1(gguf_path: str, prompt: list[int], new_tokens: int, threads: in
         llm.close() if hasattr(llm, "close") else None
 
 
+def llama_cpp_bf16_copy(gguf_path: str) -> str:
+    """A BF16 copy of the GGUF file, made once (cached beside the models) by llama.cpp's own
+    quantizer: the peer for the engine in bf16. The shipped file is already quantized, so the
+    quantizer is told it may requantize (it dequantizes each block to fp32, then rounds to
+    bf16: the same numbers as the engine's fp32 checkpoint cast to bf16)."""
+    import ctypes
+    import os
+    from pathlib import Path
+
+    import llama_cpp
+
+    from ..cache import cache_lock, cache_root
+    src = Path(gguf_path)
+    out = cache_root() / "llama_cpp" / f"{src.stem}-{src.stat().st_size}.BF16.gguf"
+    with cache_lock(out.parent / ".lock"):
+        if not out.is_file():
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_BF16
+            params.allow_requantize = True
+            params.nthread = 0
+            tmp = out.with_suffix(".tmp")
+            rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(),
+                                                ctypes.byref(params))
+            if rc != 0:
+                tmp.unlink(missing_ok=True)
+                raise RuntimeError(f"llama_model_quantize to BF16 failed ({rc})")
+            os.replace(tmp, out)
+    return str(out)
+
+
 def run(formats=("fp32", "gguf", "int8"), model: str = "smollm2", b1_prompt: int = 128,
         b1_new: int = 128, workload=None, peers=("llama_cpp",), engine_kwargs: dict | None = None,
         log=print) -> dict:
@@ -133,6 +164,10 @@ def run(formats=("fp32", "gguf", "int8"), model: str = "smollm2", b1_prompt: int
         else:
             res["llama_cpp_gguf"] = llama_cpp_b1(gguf, prompt, b1_new, torch.get_num_threads())
             log(f"llama.cpp on the GGUF as is: {res['llama_cpp_gguf']}")
+            if "bf16" in res:
+                res["llama_cpp_bf16"] = llama_cpp_b1(llama_cpp_bf16_copy(gguf), prompt, b1_new,
+                                                     torch.get_num_threads())
+                log(f"llama.cpp on a BF16 copy of the GGUF: {res['llama_cpp_bf16']}")
     base = res["fp32"]
     ratios = {name: dict(tpot_vs_fp32=round(r["b1"]["tpot_ms"] / base["b1"]["tpot_ms"], 2),
                          prefill_vs_fp32=round(r["prefill_ms"] / base["prefill_ms"], 2),
@@ -143,6 +178,9 @@ def run(formats=("fp32", "gguf", "int8"), model: str = "smollm2", b1_prompt: int
     if "llama_cpp_gguf" in res and "gguf" in res:
         ratios["gguf_tpot_vs_llama_cpp"] = round(res["gguf"]["b1"]["tpot_ms"]
                                                  / res["llama_cpp_gguf"]["tpot_ms"], 2)
+    if "llama_cpp_bf16" in res:
+        ratios["bf16_tpot_vs_llama_cpp_bf16"] = round(res["bf16"]["b1"]["tpot_ms"]
+                                                      / res["llama_cpp_bf16"]["tpot_ms"], 2)
     return dict(results=res, ratios=ratios, b1=dict(prompt=b1_prompt, new_tokens=b1_new))
 
 
@@ -164,6 +202,10 @@ def format_table(report: dict) -> str:
         r = res["llama_cpp_gguf"]
         lines.append(f"{'llama.cpp GGUF':<16} {'':>7} {r['tpot_ms']:>8} {r['prefill_ms']:>10}")
         lines.append(f"gguf TPOT ÷ llama.cpp's: {ratios.get('gguf_tpot_vs_llama_cpp')}")
+    if "llama_cpp_bf16" in res:
+        r = res["llama_cpp_bf16"]
+        lines.append(f"{'llama.cpp BF16':<16} {'':>7} {r['tpot_ms']:>8} {r['prefill_ms']:>10}")
+        lines.append(f"bf16 TPOT ÷ llama.cpp BF16's: {ratios.get('bf16_tpot_vs_llama_cpp_bf16')}")
     for name, r in ratios.items():
         if isinstance(r, dict):
             lines.append(f"{name} ÷ fp32: " + ", ".join(f"{k.split('_vs')[0]} {v}x" for k, v in r.items()))
