@@ -19,7 +19,7 @@ from .base import Platform
 
 log = logging.getLogger("workbench")
 _CSRC = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "cpu_ops.cpp",
-                                                             "cpu_quant.cpp")]
+                                                             "cpu_quant.cpp", "cpu_a8.cpp")]
 _kernels = None
 # -ffast-math lets gcc vectorise expf (libmvec); the kernel never sees inf or NaN inputs.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
