@@ -247,23 +247,47 @@ def test_a8_quantization_is_refused_where_it_cannot_load():
         Engine(model="random:tiny", device="cpu", quantization="gguf-a8")
 
 
+A8_MARGIN = 0.3
+"""Log-probability within which the reference's top token may stand above the engine's
+greedy one. Quantizing activations to int8 makes a forward pass chaotic at the last-bit
+level: an activation that lands on a rounding boundary moves by a whole step, so ops that
+differ from torch by an ulp (the C++ norms, SiLU and attention) move a logprob by up to
+~0.1 (measured: scaling the reference's activations by 1 + 1e-7 moved one by 0.099). Exact
+greedy equality with the torch reference holds only where margins exceed that."""
+
+
 @pytest.mark.parametrize("quantization,model", [("gguf-a8", "smollm2"), ("int8-a8", "smollm2"),
                                                 ("int8-a8", "random:tiny-qwen2")])
-def test_a8_engines_equal_their_torch_reference(smollm2_dir, a8_kernels, quantization, model):
-    """Greedy tokens (batched and batch 1, which runs decode_layers) equal the same format's
-    torch reference (attention_backend='reference': quant.a8_linear in every linear)."""
+def test_a8_engines_agree_with_their_torch_reference(smollm2_dir, a8_kernels, quantization,
+                                                     model):
+    """The engine's greedy continuations (batched, and batch 1, which runs decode_layers)
+    teacher-forced through the same format's torch reference (attention_backend=
+    'reference': quant.a8_linear in every linear): every token is the reference's argmax or
+    within A8_MARGIN of it, and the engine's own logprobs of its tokens match the
+    reference's to within that sensitivity (a wrong tile layout, scale or min term would
+    put them nats apart)."""
     kw = dict(model=model, device="cpu", num_kv_blocks=96, quantization=quantization)
     e, ref = Engine(**kw), Engine(**kw, attention_backend="reference")
     try:
         info = e.info()
         assert info.quantization == quantization and info.ops == "cpu"
-        assert all(f.endswith("x16") for f in info.weight_formats if f != "float32")
         assert info.weight_formats[0].endswith("x16")
-        tokens = greedy(e, 12)
-        assert tokens == greedy(ref, 12)
-        p = PROMPTS[0] if model == "smollm2" else [1, 2, 3]
-        one = e.generate([p], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
-        assert one.token_ids == tokens[0]
+        assert all(f.endswith("x16") for f in info.weight_formats if f != "float32")
+        prompts = ([e.tokenizer.encode(p) for p in PROMPTS] if model == "smollm2"
+                   else [[1, 2, 3], [7] * 20, [5, 9]])
+        p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+        outs = e.generate(prompts, p) + e.generate(prompts[:1], p)     # the last: batch 1
+        diffs, ranked = [], 0
+        for ids, o in zip(prompts + prompts[:1], outs):
+            forced = ref.generate([ids + o.token_ids], SamplingParams(
+                max_tokens=1, temperature=0, prompt_logprobs=1))[0].prompt_logprobs[len(ids):]
+            for row, own, t in zip(forced, o.outputs[0].logprobs, o.token_ids):
+                top = max(v.logprob for v in row.values())
+                assert row[t].logprob >= top - A8_MARGIN, (o.token_ids, row, t)
+                ranked += row[t].rank == 1
+                diffs.append(abs(row[t].logprob - own[t].logprob))
+        assert ranked >= 0.9 * len(diffs), (ranked, len(diffs))
+        assert sum(diffs) / len(diffs) < 0.05 and max(diffs) < A8_MARGIN, diffs
     finally:
         e.shutdown()
         ref.shutdown()

@@ -1,5 +1,6 @@
 """Weight formats on the CPU, measured in one run: the engine with its weights in fp32, in the
-GGUF's own blocks (quantization='gguf'), in int8, or in bf16, and llama.cpp on the same GGUF
+GGUF's own blocks (quantization='gguf'), in int8, either of those with 8-bit activations
+('gguf-a8', 'int8-a8'), or in bf16, and llama.cpp on the same GGUF
 file where llama-cpp-python is installed (an optional peer, never a test dependency).
 
 Per format: the weights' bytes, batch-1 decode (TPOT, 128-token prompt, 128 new tokens),
@@ -19,6 +20,8 @@ from ..engine import Engine
 
 FORMATS = {"fp32": dict(dtype="float32", quantization=None), "gguf": dict(dtype="float32", quantization="gguf"),
            "int8": dict(dtype="float32", quantization="int8"),
+           "gguf-a8": dict(dtype="float32", quantization="gguf-a8"),
+           "int8-a8": dict(dtype="float32", quantization="int8-a8"),
            "bf16": dict(dtype="bfloat16", quantization=None)}
 """Name -> the engine knobs that give it."""
 CHECK_PROMPTS = ["The capital of France is", "def fibonacci(n):\n",
@@ -140,9 +143,10 @@ def run(formats=("fp32", "gguf", "int8"), model: str = "smollm2", b1_prompt: int
                                                          / base["throughput"]["out_tok_s"], 2)}
                             if "throughput" in r else {}))
               for name, r in res.items() if name in FORMATS and name != "fp32"}
-    if "llama_cpp_gguf" in res and "gguf" in res:
-        ratios["gguf_tpot_vs_llama_cpp"] = round(res["gguf"]["b1"]["tpot_ms"]
-                                                 / res["llama_cpp_gguf"]["tpot_ms"], 2)
+    for name in ("gguf", "gguf-a8"):
+        if "llama_cpp_gguf" in res and name in res:
+            ratios[f"{name}_tpot_vs_llama_cpp"] = round(res[name]["b1"]["tpot_ms"]
+                                                        / res["llama_cpp_gguf"]["tpot_ms"], 2)
     return dict(results=res, ratios=ratios, b1=dict(prompt=b1_prompt, new_tokens=b1_new))
 
 
@@ -163,7 +167,9 @@ def format_table(report: dict) -> str:
     if "llama_cpp_gguf" in res:
         r = res["llama_cpp_gguf"]
         lines.append(f"{'llama.cpp GGUF':<16} {'':>7} {r['tpot_ms']:>8} {r['prefill_ms']:>10}")
-        lines.append(f"gguf TPOT ÷ llama.cpp's: {ratios.get('gguf_tpot_vs_llama_cpp')}")
+        for name in ("gguf", "gguf-a8"):
+            if f"{name}_tpot_vs_llama_cpp" in ratios:
+                lines.append(f"{name} TPOT ÷ llama.cpp's: {ratios[f'{name}_tpot_vs_llama_cpp']}")
     for name, r in ratios.items():
         if isinstance(r, dict):
             lines.append(f"{name} ÷ fp32: " + ", ".join(f"{k.split('_vs')[0]} {v}x" for k, v in r.items()))
