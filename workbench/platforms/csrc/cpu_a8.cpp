@@ -65,14 +65,29 @@ static inline float half_to_float(const uint8_t* p) {
 // quant.quantize_activations computes them (the reciprocal is a true division there and here).
 static void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int32_t* s) {
   const int64_t nb = padded(K) / 32;
+  volatile float one = 1.0f;             // a division, never a reciprocal estimate
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t n = std::min<int64_t>(32, K - b * 32);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const __mmask16 m0 = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+    const __mmask16 m1 = n >= 32 ? 0xFFFF : n > 16 ? static_cast<__mmask16>((1u << (n - 16)) - 1) : 0;
+    const __m512 x0 = _mm512_maskz_loadu_ps(m0, x + b * 32), x1 = _mm512_maskz_loadu_ps(m1, x + b * 32 + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const float dd = amax * (1.0f / 127.0f);
+    const __m512 id = _mm512_set1_ps(dd > 0.f ? one / dd : 0.f);
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    const __m512i q0 = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(x0, id))));
+    const __m512i q1 = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(x1, id))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * 32), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * 32 + 16), _mm512_cvtsepi32_epi8(q1));
+    d[b] = dd;
+    s[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#else
     float v[32];
     for (int64_t j = 0; j < 32; ++j) v[j] = j < n ? x[b * 32 + j] : 0.f;
     float amax = 0.f;
     for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
     const float dd = amax * (1.0f / 127.0f);
-    volatile float one = 1.0f;           // a division, never a reciprocal estimate
     const float id = dd > 0.f ? one / dd : 0.f;
     int32_t sum = 0;
     for (int j = 0; j < 32; ++j) {
@@ -83,6 +98,7 @@ static void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int32_t
     }
     d[b] = dd;
     s[b] = sum;
+#endif
   }
 }
 
