@@ -19,7 +19,7 @@ from .base import Platform
 
 log = logging.getLogger("workbench")
 _CSRC = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "cpu_ops.cpp",
-                                                             "cpu_quant.cpp")]
+                                                             "cpu_quant.cpp", "cpu_a8.cpp")]
 _HEADERS = [Path(__file__).parent / "csrc" / "cpu_dtype.h"]
 """Included by the sources: part of what the module depends on (kernel_key), not compiled."""
 _kernels = None

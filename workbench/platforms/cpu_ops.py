@@ -23,7 +23,8 @@ class CpuOps(TorchOps):
     def linear(self, x, weight, bias=None):
         k = cpu._kernels
         if isinstance(weight, PackedWeight):
-            if not (k and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16)):
+            if not (k and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16)) or \
+                    (weight.activation_bits == 8 and not hasattr(k, "a8_linear")):
                 return super().linear(x, weight, bias)
             y = k.qlinear(x, weight.data, weight.code)
             return y if bias is None else y.add_(bias)
@@ -54,8 +55,8 @@ class CpuOps(TorchOps):
             return None
         if self._layers is not model.layers:
             self._layers, self._weights = model.layers, _fusable_weights(model)
-        if self._weights is None:
-            return None
+        if self._weights is None or (max(self._weights[1]) >= 4 and not hasattr(k, "a8_linear")):
+            return None                  # tiled weights (fmt >= 4) need the VNNI kernel
         attn = model.layers[0].self_attn
         weights, formats = self._weights
         return k.decode_layers(x, weights, formats, [c[0] for c in kv_caches],

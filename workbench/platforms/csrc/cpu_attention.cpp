@@ -175,10 +175,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 // The decoder's small ops (cpu_ops.cpp), in the same module.
 void register_cpu_ops(pybind11::module& m);
 void register_cpu_quant(pybind11::module& m);
+void register_cpu_a8(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Paged decode attention over a head-major fp32 or bf16 KV pool (CPU)");
   register_cpu_ops(m);
   register_cpu_quant(m);
+  register_cpu_a8(m);
 }
