@@ -153,8 +153,8 @@ def test_cpu_fit_recovers_known_coefficients():
                max_model_len=1024)
     info = e.info()
     e.close()
-    known = Coefficients(host_step=2e-3, host_per_request=1e-4, host_per_token=3e-5,
-                         matmul_scale=1.7, attention_scale=2.5, launch_prefill_per_layer=4e-4)
+    known = Coefficients(host_step=2e-3, host_per_request=1e-4, matmul_scale=1.7,
+                         attention_scale=2.5, launch_prefill_per_layer=4e-4)
     peak, bw = 2e11, 2e10
     r = random.Random(1)
     steps = []
@@ -170,8 +170,8 @@ def test_cpu_fit_recovers_known_coefficients():
                                context_lens=ctx))
     k, fit = fit_cpu_steps(steps, info, peak, bw)
     assert fit["max_rel_err"] < 1e-6
-    for name in ("host_step", "host_per_request", "host_per_token", "matmul_scale",
-                 "attention_scale", "launch_prefill_per_layer"):
+    for name in ("host_step", "host_per_request", "matmul_scale", "attention_scale",
+                 "launch_prefill_per_layer"):
         assert getattr(k, name) == pytest.approx(getattr(known, name), rel=1e-4), name
 
 

@@ -40,7 +40,7 @@ from .pipeline import StepPipeline, StepResult
 
 log = logging.getLogger("workbench")
 
-CPU_FIT_VERSION = 1
+CPU_FIT_VERSION = 2
 
 
 class ModelledPipeline(StepPipeline):
