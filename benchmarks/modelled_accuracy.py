@@ -166,7 +166,9 @@ def write_accuracy(profile: str, rows: list[dict], target: float, extra: dict) -
     path = PKG / ACCURACY_FILE
     data = json.loads(path.read_text()) if path.exists() else {}
     held = [abs(r["err_pct"]) for r in rows if not r["in_fit"]]
-    data[profile] = {"max_abs_pct": max(abs(r["err_pct"]) for r in rows),
+    errs = [abs(r["err_pct"]) for r in rows]
+    data[profile] = {"max_abs_pct": max(errs), "median_abs_pct": percentile(errs, 50),
+                     "within_target_share": round(sum(e <= target for e in errs) / len(errs), 3),
                      "max_abs_pct_held_out": max(held) if held else None,
                      "target_pct": target,
                      "within_target": all(abs(r["err_pct"]) <= target for r in rows),

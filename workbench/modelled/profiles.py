@@ -147,9 +147,14 @@ def accuracy_data() -> dict:
 
 def profile_error(name: str) -> dict:
     """A profile's measured error summary, {} if never measured."""
-    d = accuracy_data().get(name) or {}
-    return {k: d[k] for k in ("max_abs_pct", "target_pct", "within_target", "workloads",
-                              "measured_on", "loaded") if k in d}
+    d = dict(accuracy_data().get(name) or {})
+    if "median_abs_pct" not in d and d.get("workloads"):
+        errs = sorted(abs(r["err_pct"]) for r in d["workloads"])
+        d["median_abs_pct"] = errs[len(errs) // 2] if len(errs) % 2 else \
+            (errs[len(errs) // 2 - 1] + errs[len(errs) // 2]) / 2
+    return {k: d[k] for k in ("max_abs_pct", "median_abs_pct", "within_target_share",
+                              "max_abs_pct_held_out", "target_pct", "within_target",
+                              "workloads", "measured_on", "loaded") if k in d}
 
 
 def profile_names() -> tuple[str, ...]:
