@@ -16,6 +16,8 @@ import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
 
+from ..telemetry import percentile
+
 CALIBRATION_FILE = "calibration.json"
 ACCURACY_FILE = "accuracy.json"
 
@@ -149,9 +151,7 @@ def profile_error(name: str) -> dict:
     """A profile's measured error summary, {} if never measured."""
     d = dict(accuracy_data().get(name) or {})
     if "median_abs_pct" not in d and d.get("workloads"):
-        errs = sorted(abs(r["err_pct"]) for r in d["workloads"])
-        d["median_abs_pct"] = errs[len(errs) // 2] if len(errs) % 2 else \
-            (errs[len(errs) // 2 - 1] + errs[len(errs) // 2]) / 2
+        d["median_abs_pct"] = percentile([abs(r["err_pct"]) for r in d["workloads"]], 50)
     return {k: d[k] for k in ("max_abs_pct", "median_abs_pct", "within_target_share",
                               "max_abs_pct_held_out", "target_pct", "within_target",
                               "workloads", "measured_on", "loaded") if k in d}
