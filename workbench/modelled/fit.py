@@ -16,7 +16,7 @@ Two kinds of measurement:
   request is queued at a step boundary: at once, or in a closed loop as earlier ones end), so
   each figure is a function of the coefficients through the per-step features alone. The
   coefficients minimise the figures' squared relative errors (scipy's bounded
-  least_squares). `python -m workbench.modelled.fit` does this for the H200 and writes
+  least_squares). `benchmarks/modelled_accuracy.py --h200-fit` does this for the H200 and writes
   calibration.json.
 """
 from __future__ import annotations

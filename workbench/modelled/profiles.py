@@ -5,7 +5,7 @@ coefficients of its cost model (cost.py), with where each figure comes from.
   to a short run of the real CPU engine on the same model, then cached (calibrated).
 - 'h200': roofs as measured on an H200 (docs/gpu-2026-11-30.jsonl, `ceilings`), coefficients
   fitted to that file's W1, concurrency-sweep, batch-1 and prefill figures
-  (calibration.json, written by `python -m workbench.modelled.fit`; calibrated).
+  (calibration.json, written by `benchmarks/modelled_accuracy.py --h200-fit`; calibrated).
 - 'h100', 'a100', '910b', '910c': roofs from their spec sheets, scaled by the fractions of
   its spec sheet the H200 reached, and the H200's launch and host costs: guesses, marked
   uncalibrated (info().modelled says so, and the UI shows no error figure for them).
