@@ -231,6 +231,11 @@ def test_panels_render_a_modelled_engine_and_say_so():
     finally:
         e.shutdown()
         e.close()
+    from widgets.knobs import KnobPanel
+    from workbench import EngineConfig
+    knobs = KnobPanel(EngineConfig(model="random:tiny", device="model:h200", block_size=64))
+    assert knobs.device.value == "model:h200" and knobs.block_size.value == 64
+    assert {"model:cpu", "model:910c"} <= set(knobs.device.options)
     e = Engine(model="random:tiny", device="model:h200", max_num_seqs=4, num_kv_blocks=64)
     try:
         st = Stepper(e)
