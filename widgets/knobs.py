@@ -14,7 +14,8 @@ import ipywidgets as w
 import traitlets
 
 from workbench import Engine, EngineConfig, SamplingParams
-from workbench.config import GRAPH_MODES
+from workbench.config import BLOCK_SIZES, GRAPH_MODES
+from workbench.modelled import profile_names
 from workbench.platforms import available_devices, block_sizes
 
 from .live import running_loop
@@ -24,9 +25,19 @@ from .style import css_widget, esc
 MODELS = ["smollm2", "random:tiny", "random:smollm2-135m", "random:qwen3-0.6b"]
 
 
+def _devices() -> list[str]:
+    """The devices this machine runs, then the modelled ones (workbench/modelled/)."""
+    return [*available_devices(), *(f"model:{n}" for n in profile_names())]
+
+
+def _block_sizes(device: str) -> tuple[int, ...]:
+    """platforms.block_sizes; a modelled device takes any of the knob's sizes."""
+    return BLOCK_SIZES if device.startswith("model:") else block_sizes(device)
+
+
 def _block_size_options(device: str) -> list:
     """The block sizes the device's attention backend takes (platforms.block_sizes)."""
-    return [("device's choice", None), *block_sizes(device)]
+    return [("device's choice", None), *_block_sizes(device)]
 
 
 def _label(text: str, tip: str, width: str = "150px") -> dict:
@@ -59,9 +70,11 @@ class KnobPanel(w.VBox):
                                 **_label("Model", "model: smollm2 (embedded), random:<shape> "
                                          "(seeded random weights), or a local Hugging Face "
                                          "checkpoint directory"))
-        self.device = w.Dropdown(options=available_devices(), value=c.device
-                                 if c.device in available_devices() else "auto",
-                                 **_label("Device", "device: auto picks npu, then cuda, then cpu"))
+        self.device = w.Dropdown(options=_devices(), value=c.device
+                                 if c.device in _devices() else "auto",
+                                 **_label("Device", "device: auto picks npu, then cuda, then "
+                                          "cpu; model:<profile> is a modelled device (its "
+                                          "times modelled, its tokens random)"))
         self.block_size = w.Dropdown(options=_block_size_options(self.device.value),
                                      value=c.block_size,
                                      **_label("KV block (tokens)", "block_size: tokens per KV "
@@ -117,7 +130,7 @@ class KnobPanel(w.VBox):
         take falls back to the device's choice."""
         keep = self.block_size.value
         self.block_size.options = _block_size_options(change["new"])
-        self.block_size.value = keep if keep in block_sizes(change["new"]) else None
+        self.block_size.value = keep if keep in _block_sizes(change["new"]) else None
 
     # ---- reading the knobs ----------------------------------------------------------------
     def values(self) -> dict:

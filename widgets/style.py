@@ -106,8 +106,10 @@ def modelled_label(info) -> str:
     name = m.get("device_name", m.get("profile", "?"))
     if not m.get("calibrated"):
         return f"MODELLED on {name}: uncalibrated (spec-sheet roofs; its error is unknown)"
-    err = (m.get("error") or {}).get("max_abs_pct")
-    return (f"MODELLED on {name}: calibrated, measured error up to {err:g} %" if err is not None
+    e = m.get("error") or {}
+    err, med = e.get("max_abs_pct"), e.get("median_abs_pct")
+    return (f"MODELLED on {name}: calibrated, measured error median {med:.0f} %, worst "
+            f"{err:.0f} %" if err is not None and med is not None
             else f"MODELLED on {name}: calibrated (error not measured yet)")
 
 

@@ -40,7 +40,7 @@ from .pipeline import StepPipeline, StepResult
 
 log = logging.getLogger("workbench")
 
-CPU_FIT_VERSION = 1
+CPU_FIT_VERSION = 2
 
 
 class ModelledPipeline(StepPipeline):
@@ -215,10 +215,11 @@ def build_modelled_engine(config: EngineConfig, built_class):
                                                                                 max_model_len)
     if config.graph_mode is None:
         config = replace(config, graph_mode=graph_mode)
-    err = profile.error.get("max_abs_pct")
+    err, med = profile.error.get("max_abs_pct"), profile.error.get("median_abs_pct")
     notices = [*notices, f"modelled device: {profile.device_name}, "
-               + (f"calibrated (measured error up to {err:.0f} %)" if profile.calibrated and err
-                  is not None else "calibrated (error not measured yet)" if profile.calibrated
+               + (f"calibrated (measured error: median {med or 0:.0f} %, worst {err:.0f} %; "
+                  "docs/modelled.md)" if profile.calibrated and err is not None
+                  else "calibrated (error not measured yet)" if profile.calibrated
                   else "UNCALIBRATED (spec-sheet roofs; no measured error)")
                + ": every time is modelled, every token random"]
     for text in notices:

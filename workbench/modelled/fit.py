@@ -3,11 +3,12 @@
 Two kinds of measurement:
 
 - A real engine's step records (the CPU): each StepEvent gives one step's duration and
-  everything its cost depends on, so the coefficients are a non-negative least-squares fit
-  of durations on the step's features, each row weighted by 1 / its duration (relative
-  error: a 5 ms decode step counts as much as a 500 ms prefill). On the CPU, host and
-  device take turns, so launches and host costs add; their per-step parts are one
-  intercept (`host_step`).
+  everything its cost depends on, so the coefficients are a bounded least-squares fit of
+  the modelled durations (cost.combine, the roofline's max() included) to the recorded
+  ones, in relative error (a 5 ms decode step counts as much as a 500 ms prefill). On the
+  CPU, host and device take turns, so launches and host costs add; their per-step parts
+  are one intercept (`host_step`), and a token's host cost is not told apart from its
+  matmuls (host_per_token stays 0).
 
 - Aggregate figures recorded on a device (the H200: TTFT and TPOT percentiles, throughput
   of whole workloads). The workloads are replayed on a modelled engine once to get their
@@ -15,7 +16,7 @@ Two kinds of measurement:
   request is queued at a step boundary: at once, or in a closed loop as earlier ones end), so
   each figure is a function of the coefficients through the per-step features alone. The
   coefficients minimise the figures' squared relative errors (scipy's bounded
-  least_squares). `python -m workbench.modelled.fit` does this for the H200 and writes
+  least_squares). `benchmarks/modelled_accuracy.py --h200-fit` does this for the H200 and writes
   calibration.json.
 """
 from __future__ import annotations
@@ -25,40 +26,46 @@ import numpy as np
 from .cost import combine, step_features
 from .profiles import Coefficients
 
-CPU_FEATURES = ("host_step", "host_per_request", "host_per_token", "matmul_scale",
-                "attention_scale", "launch_prefill_per_layer")
-
-
-def cpu_design(steps, info, peak_flops: float, bandwidth: float) -> tuple[np.ndarray, np.ndarray]:
-    """Rows [1, requests, tokens, linear bound, attention bound, layers if a prompt ran] and
-    durations of the steps that fed tokens."""
-    rows, y = [], []
-    for ev in steps:
-        if not ev.tokens_per_request or ev.duration <= 0:
-            continue
-        f = step_features(ev.tokens_per_request, ev.context_lens, ev.kinds, info, peak_flops,
-                          bandwidth)
-        rows.append([1.0, f.requests, f.tokens, f.linear, f.attention,
-                     info.num_layers if f.prefill else 0.0])
-        y.append(ev.duration)
-    return np.array(rows, dtype=np.float64), np.array(y, dtype=np.float64)
+CPU_PARAMS = ("host_step", "host_per_request", "matmul_scale", "attention_scale",
+              "launch_prefill_per_layer")
+CPU_START = Coefficients(host_step=5e-3, host_per_request=1e-4, matmul_scale=1.0,
+                         attention_scale=1.0, launch_prefill_per_layer=1e-4)
 
 
 def fit_cpu_steps(steps, info, peak_flops: float, bandwidth: float
                   ) -> tuple[Coefficients, dict]:
     """Coefficients from a real CPU engine's StepEvents (see the module docstring), and the
     fit's own residuals (median and worst relative error over those steps)."""
-    from scipy.optimize import nnls
-    X, y = cpu_design(steps, info, peak_flops, bandwidth)
-    if len(y) < len(CPU_FEATURES):
+    from scipy.optimize import least_squares
+    feats, y = [], []
+    for ev in steps:
+        if ev.tokens_per_request and ev.duration > 0:
+            feats.append(step_features(ev.tokens_per_request, ev.context_lens, ev.kinds, info,
+                                       peak_flops, bandwidth))
+            y.append(ev.duration)
+    y = np.array(y)
+    if len(y) < len(CPU_PARAMS):
         raise ValueError(f"steps: {len(y)} steps that fed tokens; the fit needs at least "
-                         f"{len(CPU_FEATURES)}")
-    w = 1.0 / y
-    coef, _ = nnls(X * w[:, None], y * w)
-    rel = np.abs(X @ coef - y) / y
-    k = Coefficients(**dict(zip(CPU_FEATURES, map(float, coef))))
-    return k, {"steps": int(len(y)), "median_rel_err": float(np.median(rel)),
-               "max_rel_err": float(rel.max())}
+                         f"{len(CPU_PARAMS)}")
+    n = info.num_layers
+
+    def coeffs(x) -> Coefficients:
+        return Coefficients(**dict(zip(CPU_PARAMS, map(float, x * scale))))
+
+    def rel(x) -> np.ndarray:
+        k = coeffs(x)
+        return np.array([combine(k, f, None, n, False, False).seconds for f in feats]) / y - 1
+    best = None
+    for start in (CPU_START, Coefficients(host_step=float(y.min()) / 2, matmul_scale=0.3,
+                                          attention_scale=3.0)):
+        scale = np.array([max(getattr(start, p), 1e-6) for p in CPU_PARAMS])
+        res = least_squares(rel, np.ones(len(CPU_PARAMS)), bounds=(0, np.inf),
+                            x_scale="jac", max_nfev=2000)
+        if best is None or res.cost < best[1]:
+            best = (coeffs(res.x), res.cost, np.abs(rel(res.x)))
+    k, _, err = best
+    return k, {"steps": int(len(y)), "median_rel_err": float(np.median(err)),
+               "max_rel_err": float(err.max())}
 
 
 # ---- aggregate figures through step sequences ---------------------------------------------------

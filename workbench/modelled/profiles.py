@@ -5,7 +5,7 @@ coefficients of its cost model (cost.py), with where each figure comes from.
   to a short run of the real CPU engine on the same model, then cached (calibrated).
 - 'h200': roofs as measured on an H200 (docs/gpu-2026-11-30.jsonl, `ceilings`), coefficients
   fitted to that file's W1, concurrency-sweep, batch-1 and prefill figures
-  (calibration.json, written by `python -m workbench.modelled.fit`; calibrated).
+  (calibration.json, written by `benchmarks/modelled_accuracy.py --h200-fit`; calibrated).
 - 'h100', 'a100', '910b', '910c': roofs from their spec sheets, scaled by the fractions of
   its spec sheet the H200 reached, and the H200's launch and host costs: guesses, marked
   uncalibrated (info().modelled says so, and the UI shows no error figure for them).
@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
+
+from ..telemetry import percentile
 
 CALIBRATION_FILE = "calibration.json"
 ACCURACY_FILE = "accuracy.json"
@@ -147,9 +149,12 @@ def accuracy_data() -> dict:
 
 def profile_error(name: str) -> dict:
     """A profile's measured error summary, {} if never measured."""
-    d = accuracy_data().get(name) or {}
-    return {k: d[k] for k in ("max_abs_pct", "target_pct", "within_target", "workloads",
-                              "measured_on", "loaded") if k in d}
+    d = dict(accuracy_data().get(name) or {})
+    if "median_abs_pct" not in d and d.get("workloads"):
+        d["median_abs_pct"] = percentile([abs(r["err_pct"]) for r in d["workloads"]], 50)
+    return {k: d[k] for k in ("max_abs_pct", "median_abs_pct", "within_target_share",
+                              "max_abs_pct_held_out", "target_pct", "within_target",
+                              "workloads", "measured_on", "loaded") if k in d}
 
 
 def profile_names() -> tuple[str, ...]:
