@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{a.max_load:g}); a trace recorded now would show other work, not the engine. "
               f"Nothing saved.", file=sys.stderr)
         return 1
-    from workbench.platforms.cpu import load_cpu_kernels
+    from workbench.platforms.cpu_kernels import load_cpu_kernels
     if load_cpu_kernels() is None:                 # waits for a build under way elsewhere
         print("note: no C++ CPU kernel (no compiler?): recording the plain-torch path",
               file=sys.stderr)

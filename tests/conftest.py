@@ -38,12 +38,12 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
 def cpu_kernel_built():
     """The CPU kernel of the default cache is built before any test runs. Otherwise the first
     engine of the session (in this process, or in a server a test starts) spawns the detached
-    build (platforms.cpu.build_in_background), which by design outlives whoever started it:
+    build (platforms.cpu_kernels.build_in_background), which by design outlives whoever started it:
     a server stopped mid-build leaves the builder and its compiler in the server's process
     tree, and which test met that first depended on the order the tests ran in (a file run
     alone on a fresh machine failed its teardown). Tests of the build itself use caches of
     their own (WORKBENCH_CACHE)."""
-    from workbench.platforms import cpu
+    from workbench.platforms import cpu_kernels as cpu
     cpu.ensure_kernel_built()
 
 

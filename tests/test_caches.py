@@ -49,7 +49,7 @@ def finish(proc: subprocess.Popen, timeout: float) -> str:
     return out
 
 
-KERNEL = ("import torch; from workbench.platforms.cpu import load_cpu_kernels\n"
+KERNEL = ("import torch; from workbench.platforms.cpu_kernels import load_cpu_kernels\n"
           "k = load_cpu_kernels(); print('KERNEL', k is not None)")
 
 # A first start on a machine: the engine serves at once, decoding in plain torch while the
@@ -57,7 +57,7 @@ KERNEL = ("import torch; from workbench.platforms.cpu import load_cpu_kernels\n"
 FIRST_START = """
 import json, sys, time
 from workbench import Engine, SamplingParams
-from workbench.platforms import cpu
+from workbench.platforms import cpu_kernels as cpu
 model = sys.argv[1]
 params = SamplingParams(max_tokens=12, temperature=0)
 prompts = ["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea."]
@@ -109,7 +109,7 @@ def kernel_cache(tmp_path_factory, smollm2_dir):
 
 SHORT_LIVED = """
 from workbench import Engine, SamplingParams
-from workbench.platforms import cpu
+from workbench.platforms import cpu_kernels as cpu
 e = Engine(model="random:tiny", device="cpu", num_kv_blocks=16)
 print("BUILDER", cpu._builder.pid, flush=True)
 print(e.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))[0].token_ids)
@@ -163,7 +163,7 @@ def test_a_built_kernel_is_loaded_without_the_builder(kernel_cache, monkeypatch)
     instead of rebuilding it: torch's builder is not even called."""
     import torch.utils.cpp_extension
 
-    from workbench.platforms import cpu
+    from workbench.platforms import cpu_kernels as cpu
 
     def no_build(*a, **k):
         raise AssertionError("torch's extension builder was called for a cached kernel")
@@ -174,7 +174,7 @@ def test_a_built_kernel_is_loaded_without_the_builder(kernel_cache, monkeypatch)
 
 
 def test_the_kernel_key_follows_the_compiler(tmp_path, monkeypatch):
-    from workbench.platforms import cpu
+    from workbench.platforms import cpu_kernels as cpu
     key = cpu.kernel_key()
     fake = tmp_path / "c++"
     fake.write_text("#!/bin/sh\necho 'g++ (Fake) 99.1'\n")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from workbench import Engine, SamplingParams
-from workbench.platforms import cpu
+from workbench.platforms import cpu_kernels as cpu
 from workbench.platforms.attention import decode_attention, pool_rows
 from workbench.platforms.ops import TorchOps
 

@@ -177,8 +177,8 @@ def test_cpu_ops_match_the_torch_reference():
     import torch
 
     from workbench.platforms.attention import write_kv
-    from workbench.platforms import cpu, get_platform
-    from workbench.platforms.cpu_ops import CpuOps, write_kv_when_built
+    from workbench.platforms import cpu_kernels as cpu, get_platform
+    from workbench.platforms.cpu_ops import CpuOps
     from workbench.platforms.ops import TorchOps
     kern = cpu.load_cpu_kernels()
     if kern is None:
@@ -210,7 +210,7 @@ def test_cpu_ops_match_the_torch_reference():
         pool = [torch.randn(2, 10, 16, 32) for _ in range(2)]
         copy = [p.clone() for p in pool]
         slots = torch.randperm(160)[:t]
-        write_kv_when_built(pool[0], pool[1], qkv[:, 6:8], qkv[:, 8:], slots)
+        kern.write_kv(pool[0], pool[1], qkv[:, 6:8], qkv[:, 8:], slots)
         write_kv(copy[0], copy[1], qkv[:, 6:8], qkv[:, 8:], slots)
         assert torch.equal(pool[0], copy[0]) and torch.equal(pool[1], copy[1])
     if hasattr(kern, "gemv"):                                         # AVX-512 machines
@@ -231,7 +231,7 @@ def test_cpu_batch_1_decode_in_one_call_equals_the_layer_loop(model):
     import torch
 
     from workbench import Engine, SamplingParams
-    from workbench.platforms import cpu
+    from workbench.platforms import cpu_kernels as cpu
     if cpu.load_cpu_kernels() is None:
         pytest.skip("no C++ compiler: the CPU kernels could not be built")
     kw = dict(model=model, device="cpu", num_kv_blocks=64)

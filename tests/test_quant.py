@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from workbench import Engine, EngineConfig, SamplingParams
-from workbench.platforms import cpu
+from workbench.platforms import cpu_kernels as cpu
 from workbench.platforms.quant import PackedWeight, dequantize_rows, quantize_int8, row_bytes
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea."]

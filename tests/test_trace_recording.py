@@ -99,7 +99,7 @@ def test_shipped_trace_shows_this_machines_tpot(smollm2_dir):
     assert got is not None and got[1] >= 5, "the shipped trace has no batch-1 stretch to compare"
     tpot_trace, n = got
     if trace.info.device == "cpu":
-        from workbench.platforms.cpu import load_cpu_kernels
+        from workbench.platforms.cpu_kernels import load_cpu_kernels
         load_cpu_kernels()
     bench = {k: p.default for k, p in inspect.signature(offline.run).parameters.items()}
     engine = Engine(trace.info.config)

@@ -96,7 +96,7 @@ def _say_notices(engine) -> None:
 
 
 def cmd_build_kernels(a) -> int:
-    from .platforms.cpu import ensure_kernel_built, kernel_dir
+    from .platforms.cpu_kernels import ensure_kernel_built, kernel_dir
     ok = ensure_kernel_built(lambda s: print(s, file=sys.stderr))
     print(f"{'built' if ok else 'unavailable'}: {kernel_dir()}")
     return 0 if ok else 1
@@ -158,7 +158,7 @@ def cmd_bench(a) -> int:
     from .bench.offline import SAMPLING_WORKLOADS, format_table, make_workload, run, save
     from .platforms import auto_device
     if (auto_device() if a.device in (None, "auto") else a.device) == "cpu":
-        from .platforms.cpu import ensure_kernel_built    # measure the kernel, never the fallback
+        from .platforms.cpu_kernels import ensure_kernel_built    # measure the kernel, never the fallback
         ensure_kernel_built(lambda s: print(s, file=sys.stderr))
     if a.formats:
         from .bench import formats

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu
+from . import cpu_kernels
+from .cpu_attention import CpuAttention
 from .ops import TorchOps
 from .quant import PackedWeight
 
@@ -21,7 +22,7 @@ class CpuOps(TorchOps):
     name = "cpu"
 
     def linear(self, x, weight, bias=None):
-        k = cpu._kernels
+        k = cpu_kernels.kernels()
         if isinstance(weight, PackedWeight):
             if not (k and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16)) or \
                     (weight.activation_bits == 8 and not hasattr(k, "a8_linear")):
@@ -34,7 +35,7 @@ class CpuOps(TorchOps):
         return torch.nn.functional.linear(x, weight, bias)
 
     def embedding(self, ids, weight, dtype):
-        k = cpu._kernels
+        k = cpu_kernels.kernels()
         if k and isinstance(weight, PackedWeight) and dtype in (torch.float32, torch.bfloat16):
             return k.qembedding(ids, weight.data, weight.code, weight.shape[1],
                                 dtype == torch.bfloat16)
@@ -48,10 +49,9 @@ class CpuOps(TorchOps):
         csrc/cpu_ops.cpp), for fp32 or bf16 Llama layers without biases or q/k norms whose attention
         runs on this platform's kernels: the same kernels the layer loop calls, without the
         interpreter between them. Anything else runs the loop."""
-        k = cpu._kernels
+        k = cpu_kernels.kernels()
         if not (k and x.shape[0] == 1 and meta.num_decode == 1 and x.dtype in _DTYPES
-                and isinstance(meta.backend, cpu.CpuAttention)
-                and meta.backend.kernel is k.paged_decode_attention):
+                and isinstance(meta.backend, CpuAttention)):
             return None
         if self._layers is not model.layers:
             self._layers, self._weights = model.layers, _fusable_weights(model)
@@ -66,25 +66,25 @@ class CpuOps(TorchOps):
                                model.layers[0].input_layernorm.eps, attn.scale)
 
     def rms_norm(self, x, weight, eps):
-        k = cpu._kernels
+        k = cpu_kernels.kernels()
         if k and x.dtype in _DTYPES and weight.dtype == x.dtype:
             return k.rms_norm(x, weight, eps)
         return super().rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x, residual, weight, eps):
-        k = cpu._kernels
+        k = cpu_kernels.kernels()
         if k and x.dtype in _DTYPES and residual.dtype == weight.dtype == x.dtype:
             return tuple(k.add_rms_norm(x, residual, weight, eps))
         return super().add_rms_norm(x, residual, weight, eps)
 
     def silu_and_mul(self, gate_up):
-        k = cpu._kernels
+        k = cpu_kernels.kernels()
         if k and gate_up.dtype in _DTYPES and gate_up.dim() == 2:
             return k.silu_and_mul(gate_up)
         return super().silu_and_mul(gate_up)
 
     def qk_rope(self, qk, cos, sin, num_q_heads, q_norm=None, k_norm=None, eps=0.0):
-        k = cpu._kernels
+        k = cpu_kernels.kernels()
         if not (k and qk.dtype in _DTYPES and qk.stride(-1) == 1
                 and cos.dtype == sin.dtype == qk.dtype):
             return super().qk_rope(qk, cos, sin, num_q_heads, q_norm, k_norm, eps)
@@ -92,17 +92,6 @@ class CpuOps(TorchOps):
             q, kk = qk.split([num_q_heads, qk.shape[1] - num_q_heads], dim=1)
             qk = torch.cat((k.rms_norm(q, q_norm, eps), k.rms_norm(kk, k_norm, eps)), dim=1)
         return k.rope(qk, cos, sin)
-
-
-def write_kv_when_built(k_cache, v_cache, k, v, slot_mapping):
-    """attention.write_kv's signature: the C++ write once the kernel is built, plain torch
-    (index_copy_ into the head-major pool, as write_kv does) until then."""
-    kern = cpu.kernels()
-    if kern:
-        return kern.write_kv(k_cache, v_cache, k, v, slot_mapping)
-    kv_heads, d = k.shape[1], k.shape[2]
-    k_cache.view(kv_heads, -1, d).index_copy_(1, slot_mapping, k.transpose(0, 1))
-    v_cache.view(kv_heads, -1, d).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
 def _fusable_weights(model) -> tuple[list, list] | None:

@@ -1,0 +1,49 @@
+"""The CPU's attention backend: the plain-torch reference (attention.py), with decodes in the
+C++ paged decode kernel and the KV write in one C++ call once the kernels are built
+(cpu_kernels.py); until then (a first start while the detached build runs) it is the
+reference, so an engine serves at once and speeds up when the build is done."""
+from __future__ import annotations
+
+import torch
+
+from . import cpu_kernels
+from .attention import TorchAttention
+
+
+class CpuAttention(TorchAttention):
+    """The reference, with decodes in the C++ paged decode kernel (fp32 or bf16: a bf16 pool
+    is half the bytes to read): it reads the pool in place through the block tables instead
+    of gathering each context into a copy. Prefill stays the reference's (torch's CPU flash
+    attention, scaled_dot_product_attention)."""
+    name = "cpu"
+    supported_dtypes = (torch.float32, torch.bfloat16)
+    supports_decode_graphs = True
+    """The kernel reads tables and lengths from tensors, so a captured decode step would
+    replay right; the CPU has no graphs to capture into (CpuPlatform.supports_graphs), but
+    the tests' replaying platform runs the graph plumbing through this backend."""
+
+    def build(self, common):
+        """The reference's, but the kernel reads the decodes' rows of the step's table in
+        place (int64, contiguous, as it wants them), each only up to its length."""
+        meta = super().build(common)
+        if common.num_decode:
+            meta.decode_block_tables = common.block_table[:common.num_decode]
+        return meta
+
+    def build_decode(self, meta, tables, lens) -> None:
+        meta.decode_lens = lens
+        if cpu_kernels.kernels() is None:       # still building: the reference's gather inputs
+            super().build_decode(meta, tables, lens)
+
+    def write_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
+        k_ = cpu_kernels.kernels()
+        if k_ is None:
+            return super().write_kv(k_cache, v_cache, k, v, slot_mapping)
+        k_.write_kv(k_cache, v_cache, k, v, slot_mapping)           # one C++ call for K and V
+
+    def decode(self, q, k_cache, v_cache, meta, scale: float):
+        k = cpu_kernels.kernels()
+        if k is None:
+            return super().decode(q, k_cache, v_cache, meta, scale)
+        return k.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                        meta.decode_lens, scale)
