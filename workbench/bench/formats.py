@@ -90,33 +90,32 @@ def llama_cpp_b1(gguf_path: str, prompt: list[int], new_tokens: int, threads: in
         llm.close() if hasattr(llm, "close") else None
 
 
-def llama_cpp_bf16_copy(gguf_path: str) -> str:
-    """A BF16 copy of the GGUF file, made once (cached beside the models) by llama.cpp's own
-    quantizer: the peer for the engine in bf16. The shipped file is already quantized, so the
-    quantizer is told it may requantize (it dequantizes each block to fp32, then rounds to
-    bf16: the same numbers as the engine's fp32 checkpoint cast to bf16)."""
+def llama_cpp_bf16_copy(gguf_path: str, beside: str) -> str:
+    """A BF16 copy of the GGUF file, made once (kept beside `beside`: the converted checkpoint
+    in the model cache, EngineInfo.model_path) by llama.cpp's own quantizer: the peer for the
+    engine in bf16. The shipped file is already quantized, so the quantizer is told it may requantize (it dequantizes each block to fp32,
+    then rounds to bf16: the numbers of the engine's fp32 checkpoint cast to bf16). Written
+    to a temporary name and renamed, so a copy is whole or absent."""
     import ctypes
     import os
     from pathlib import Path
 
     import llama_cpp
 
-    from ..cache import cache_lock, cache_root
-    src = Path(gguf_path)
-    out = cache_root() / "llama_cpp" / f"{src.stem}-{src.stat().st_size}.BF16.gguf"
-    with cache_lock(out.parent / ".lock"):
-        if not out.is_file():
-            params = llama_cpp.llama_model_quantize_default_params()
-            params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_BF16
-            params.allow_requantize = True
-            params.nthread = 0
-            tmp = out.with_suffix(".tmp")
-            rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(),
-                                                ctypes.byref(params))
-            if rc != 0:
-                tmp.unlink(missing_ok=True)
-                raise RuntimeError(f"llama_model_quantize to BF16 failed ({rc})")
-            os.replace(tmp, out)
+    src, near = Path(gguf_path), Path(beside)
+    out = near.with_name(f"{near.name}.{src.stem}.BF16.gguf")
+    if not out.is_file():
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_BF16
+        params.allow_requantize = True
+        params.nthread = 0
+        tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(),
+                                            ctypes.byref(params))
+        if rc != 0:
+            tmp.unlink(missing_ok=True)
+            raise RuntimeError(f"llama_model_quantize to BF16 failed ({rc})")
+        os.replace(tmp, out)
     return str(out)
 
 
@@ -141,12 +140,13 @@ def run(formats=("fp32", "gguf", "int8"), model: str = "smollm2", b1_prompt: int
         raise ValueError(f"formats: unknown {unknown[0]!r} (one of {', '.join(FORMATS)})")
     formats = ("fp32", *[f for f in formats if f != "fp32"])
     res: dict = {}
-    reference = prompts = conts = gguf = early = None
+    reference = prompts = conts = gguf = early = model_dir = None
     for name in formats:
         engine = Engine(model=model, device="cpu", **{**(engine_kwargs or {}), **FORMATS[name]})
         try:
             info = engine.info()
             gguf = gguf or info.gguf_path
+            model_dir = model_dir or info.model_path
             prompt = make_workload(1, (b1_prompt, b1_prompt), (1, 1), info.vocab_size, 1).prompts[0]
             r = dict(weight_formats=list(info.weight_formats), weight_mb=round(info.weight_bytes / 1e6, 1),
                      b1=run_engine_b1(engine, prompt, b1_new), prefill_ms=_prefill_ms(engine, prompt))
@@ -182,8 +182,8 @@ def run(formats=("fp32", "gguf", "int8"), model: str = "smollm2", b1_prompt: int
             res["llama_cpp_gguf"] = min(runs, key=lambda r: r["tpot_ms"])
             res["llama_cpp_gguf"]["tpot_ms_runs"] = [r["tpot_ms"] for r in runs]
             log(f"llama.cpp on the GGUF as is: {res['llama_cpp_gguf']}")
-            if "bf16" in res:
-                res["llama_cpp_bf16"] = llama_cpp_b1(llama_cpp_bf16_copy(gguf), prompt, b1_new,
+            if "bf16" in res and model_dir is not None:
+                res["llama_cpp_bf16"] = llama_cpp_b1(llama_cpp_bf16_copy(gguf, model_dir), prompt, b1_new,
                                                      torch.get_num_threads())
                 log(f"llama.cpp on a BF16 copy of the GGUF: {res['llama_cpp_bf16']}")
     base = res["fp32"]
