@@ -23,7 +23,7 @@ from dataclasses import replace
 from workbench import Engine, EngineConfig, SamplingParams
 from workbench.tune import SLO, TUNABLE, Space, Workload, measure_config, tune
 
-PROMPT, OUTPUT = (128, 512), (16, 48)
+PROMPT, OUTPUT = (64, 256), (16, 48)
 KNOBS = ("max_num_seqs", "max_num_batched_tokens", "prefill_interval", "enable_chunked_prefill",
          "block_size")
 """The knobs that move TTFT and TPOT on a CPU (no graphs to capture; one model instance)."""
@@ -53,7 +53,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--trials", type=int, default=8)
-    ap.add_argument("--num-requests", type=int, default=18)
+    ap.add_argument("--num-requests", type=int, default=12)
     ap.add_argument("--load", type=float, default=3.0,
                     help="arrival rate as a multiple of what one request at a time serves")
     ap.add_argument("--ttft-x", type=float, default=4.0)
