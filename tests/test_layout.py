@@ -75,9 +75,11 @@ ALLOWED = {
                         "workbench.config", "workbench.roofline", "workbench"},
     "workbench.serving": {"workbench.engine", "workbench.core", "workbench.telemetry",
                           "workbench.config", "workbench"},
-    # platforms: the device scripts' timer (bench/device_run.py, Platform.best_time).
+    # platforms: the device scripts' timer (bench/device_run.py, Platform.best_time);
+    # cache: the llama.cpp peer's BF16 copy of the GGUF (bench/formats.py).
     "workbench.bench": {"workbench.engine", "workbench.core", "workbench.telemetry",
-                        "workbench.serving", "workbench.config", "workbench.platforms"},
+                        "workbench.serving", "workbench.config", "workbench.platforms",
+                        "workbench.cache"},
     # The goodput tuner: drives engines on workloads, reads knob domains from the platforms.
     "workbench.tune": {"workbench.engine", "workbench.core", "workbench.telemetry",
                        "workbench.config", "workbench.platforms", "workbench.trace",

@@ -126,11 +126,16 @@ def test_requests_arrive_on_the_virtual_clock():
         e.close()
 
 
-def test_modelled_requests_refuse_what_needs_logits():
+def test_modelled_requests_refuse_what_needs_logits_and_draw_uniformly():
     e = Engine(model="random:tiny", device="model:h200", num_kv_blocks=32)
     try:
-        with pytest.raises(ValueError, match="^logprobs: a modelled device"):
-            e.add_request([5, 6, 7], SamplingParams(max_tokens=2, logprobs=1))
+        with pytest.raises(ValueError, match="^prompt_logprobs: a modelled device"):
+            e.add_request([5, 6, 7], SamplingParams(max_tokens=2, prompt_logprobs=1))
+        out = e.generate([[5, 6, 7]], SamplingParams(max_tokens=3, logprobs=2, ignore_eos=True))
+        lp = out[0].outputs[0].logprobs
+        assert len(lp) == 3 and all(len(d) >= 1 for d in lp)
+        uniform = -math.log(e.info().vocab_size - 1)       # random:tiny has one EOS id
+        assert all(v.logprob == pytest.approx(uniform) for d in lp for v in d.values())
         with pytest.raises(ValueError, match="^device: a modelled device runs no model"):
             e.core.prompt_logits([5, 6, 7])
         assert e.device_roofs().peak_flops == e.info().modelled["peak_flops"]
@@ -149,7 +154,7 @@ def test_cpu_fit_recovers_known_coefficients():
     info = e.info()
     e.close()
     known = Coefficients(host_step=2e-3, host_per_request=1e-4, host_per_token=3e-5,
-                         matmul_scale=1.7, attention_scale=2.5)
+                         matmul_scale=1.7, attention_scale=2.5, launch_prefill_per_layer=4e-4)
     peak, bw = 2e11, 2e10
     r = random.Random(1)
     steps = []
@@ -166,7 +171,7 @@ def test_cpu_fit_recovers_known_coefficients():
     k, fit = fit_cpu_steps(steps, info, peak, bw)
     assert fit["max_rel_err"] < 1e-6
     for name in ("host_step", "host_per_request", "host_per_token", "matmul_scale",
-                 "attention_scale"):
+                 "attention_scale", "launch_prefill_per_layer"):
         assert getattr(k, name) == pytest.approx(getattr(known, name), rel=1e-4), name
 
 
@@ -194,5 +199,44 @@ def test_replayed_step_sequence_gives_the_engines_own_figures():
         doubled = trace.figures(Coefficients.from_dict(
             {k: 2 * v for k, v in m["coefficients"].items()}))
         assert doubled["seconds"] == pytest.approx(2 * got["seconds"], rel=1e-6)
+    finally:
+        e.close()
+
+
+def test_panels_render_a_modelled_engine_and_say_so():
+    pytest.importorskip("ipywidgets")
+    pytest.importorskip("plotly")
+    import asyncio
+    from widgets import (BatchTimeline, KVBlockMap, Live, RooflinePanel, Stepper, SummaryPanel,
+                         TokenStreamPanel)
+    e = Engine(model="random:tiny", device="model:a100", max_num_seqs=4, num_kv_blocks=64)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    async def run():
+        live = Live(e, TokenStreamPanel(), BatchTimeline(), KVBlockMap(), SummaryPanel())
+        rids = await live.generate([[5] * 20, [7] * 30], params, timeout=60)
+        return live, rids
+    try:
+        live, rids = asyncio.run(run())
+        streams, timeline, kv, summary = live.panels
+        assert all(streams.streams[r].num_tokens == 6 for r in rids)
+        assert "MODELLED on NVIDIA A100" in streams.view.value and "uncalibrated" in streams.view.value
+        assert "MODELLED" in timeline.fig.layout.title.text
+        assert "MODELLED" in summary.view.value and summary.figures()["ttft_p50"] > 0
+        assert summary.num_finished == 2 and timeline.num_points > 0
+        live.close()
+        roof = RooflinePanel(e.info(), e.device_roofs())
+        roof.add_steps(e.telemetry.snapshot()[0])
+        assert roof.points and "MODELLED" in roof.note.value and "modelled" in roof.note.value
+    finally:
+        e.shutdown()
+        e.close()
+    e = Engine(model="random:tiny", device="model:h200", max_num_seqs=4, num_kv_blocks=64)
+    try:
+        st = Stepper(e)
+        a = st.add([5] * 20, max_tokens=3, ignore_eos=True)
+        recs = st.run()
+        assert recs[-1].rows[0].finish_reason == "length" and st.modelled.startswith("MODELLED")
+        assert any(r.row(a).action == "prefill" for r in recs)
     finally:
         e.close()

@@ -166,3 +166,128 @@ def test_int8_weights_end_to_end(smollm2_dir, kernels, model):
     finally:
         e.shutdown()
         ref.shutdown()
+
+
+# 8-bit activations over 16-row interleaved weights ('gguf-a8', 'int8-a8'; csrc/cpu_a8.cpp)
+
+@pytest.fixture(scope="module")
+def a8_kernels(kernels):
+    if not hasattr(kernels, "a8_linear"):
+        pytest.skip("the a8 kernel needs AVX-512 VNNI")
+    return kernels
+
+
+@pytest.mark.parametrize("fmt,n,k", [("q4_1", 37, 96), ("q4_1", 16, 32), ("q4_1", 5, 64),
+                                     ("q8_0", 19, 160), ("q8_0", 64, 576), ("int8", 13, 75),
+                                     ("int8", 8, 7), ("int8", 33, 1536)])
+def test_tiles_hold_the_same_weights(fmt, n, k):
+    """The tiled form is a permutation (and, for signed bytes, an offset) of the row format:
+    same bytes a row, the same matrix dequantized, rows looked up through their tiles, and
+    back to the file's bytes exactly; the layout the kernel reads, spelled out for one row."""
+    w = random_packed(fmt, n, k, seed=n + k)
+    t = w.tiled()
+    assert t.format == fmt + "x16" and t.activation_bits == 8 and t.shape == (n, k)
+    assert t.data.shape == (n, row_bytes(t.format, k))
+    assert torch.equal(t.untiled().data, w.data)
+    assert torch.equal(t.dequantize(), w.dequantize())
+    ids = torch.tensor([n - 1, 0, n // 2, n - 1])
+    assert torch.equal(t.rows(ids), w.dequantize()[ids])
+    if fmt == "q4_1":      # row r of the last tile (R rows), block 0: its 16 GGUF bytes
+        r0 = (n - 1) // 16 * 16
+        rr, r = n - r0, n - 1 - r0
+        tile = t.data[r0:].reshape(-1)
+        got = torch.stack([tile[4 * rr + c * 4 * rr + 4 * r + j] for c in range(4) for j in range(4)])
+        assert torch.equal(got, w.data[n - 1, 4:20])
+
+
+def test_activation_quantization_kernel_equals_reference(a8_kernels):
+    from workbench.platforms.quant import dequantize_activations, quantize_activations
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 100, generator=g) * torch.logspace(-3, 2, 7)[:, None]
+    x[2, 32:64] = 0                           # a block of zeros: scale 0, q 0
+    x[3, 5] = 1e3                             # an outlier
+    q, d = quantize_activations(x)
+    kq, kd = a8_kernels.a8_quantize(x)
+    assert q.shape == (7, 128) and d.shape == (7, 4)
+    assert torch.equal(kq, q) and torch.equal(kd, d)
+    assert q.abs().max() <= 127 and (q[:, 100:] == 0).all() and (d[2, 1] == 0)
+    err = (dequantize_activations(q, d, 100) - x).abs()
+    assert (err <= d.repeat_interleave(32, 1)[:, :100] / 2 * (1 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("fmt,n,k", [("q4_1", 37, 96), ("q4_1", 5, 32), ("q4_1", 48, 1536),
+                                     ("q8_0", 19, 160), ("q8_0", 64, 576), ("int8", 13, 75),
+                                     ("int8", 8, 7), ("int8", 33, 1536)])
+@pytest.mark.parametrize("m", [1, 3, 4, 9])
+def test_a8_kernel_against_float64(a8_kernels, fmt, n, k, m):
+    """a8_linear (through qlinear, as the model and decode_layers call it) against the
+    float64 product of the quantized activations and the weights: N that fills no tile,
+    K with a padded block (int8), activation rows that fill no pass of 4; bf16 rows too."""
+    from workbench.platforms.quant import a8_linear, dequantize_activations, quantize_activations
+    w = random_packed(fmt, n, k, seed=n * k + m).tiled()
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    xd = dequantize_activations(*quantize_activations(x), k).double()
+    wd = w.dequantize().double()
+    ref = xd @ wd.T
+    y = a8_kernels.qlinear(x, w.data, w.code)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    tol = 1e-5 * (xd.abs() @ wd.abs().T).max().item()
+    assert (y.double() - ref).abs().max().item() <= tol
+    assert (a8_linear(x, w).double() - ref).abs().max().item() <= tol   # the torch reference
+    yb = a8_kernels.qlinear(x.bfloat16(), w.data, w.code)
+    assert yb.dtype == torch.bfloat16
+    xbd = dequantize_activations(*quantize_activations(x.bfloat16().float()), k).double()
+    assert (yb.double() - xbd @ wd.T).abs().max().item() <= 2 ** -7 * (xbd.abs() @ wd.abs().T).max().item()
+    ids = torch.tensor([0, n - 1, n // 3])
+    assert torch.equal(a8_kernels.qembedding(ids, w.data, w.code, k, False), wd.float()[ids])
+
+
+def test_a8_quantization_is_refused_where_it_cannot_load():
+    with pytest.raises(ValueError, match="quantization: 'gguf-a8'"):
+        Engine(model="random:tiny", device="cpu", quantization="gguf-a8")
+
+
+A8_MARGIN = 0.3
+"""Log-probability within which the reference's top token may stand above the engine's
+greedy one. Quantizing activations to int8 makes a forward pass chaotic at the last-bit
+level: an activation that lands on a rounding boundary moves by a whole step, so ops that
+differ from torch by an ulp (the C++ norms, SiLU and attention) move a logprob by up to
+~0.1 (measured: scaling the reference's activations by 1 + 1e-7 moved one by 0.099). Exact
+greedy equality with the torch reference holds only where margins exceed that."""
+
+
+@pytest.mark.parametrize("quantization,model", [("gguf-a8", "smollm2"), ("int8-a8", "smollm2"),
+                                                ("int8-a8", "random:tiny-qwen2")])
+def test_a8_engines_agree_with_their_torch_reference(smollm2_dir, a8_kernels, quantization,
+                                                     model):
+    """The engine's greedy continuations (batched, and batch 1, which runs decode_layers)
+    teacher-forced through the same format's torch reference (attention_backend=
+    'reference': quant.a8_linear in every linear): every token is the reference's argmax or
+    within A8_MARGIN of it, and the engine's own logprobs of its tokens match the
+    reference's to within that sensitivity (a wrong tile layout, scale or min term would
+    put them nats apart)."""
+    kw = dict(model=model, device="cpu", num_kv_blocks=96, quantization=quantization)
+    e, ref = Engine(**kw), Engine(**kw, attention_backend="reference")
+    try:
+        info = e.info()
+        assert info.quantization == quantization and info.ops == "cpu"
+        assert info.weight_formats[0].endswith("x16")
+        assert all(f.endswith("x16") for f in info.weight_formats if f != "float32")
+        prompts = ([e.tokenizer.encode(p) for p in PROMPTS] if model == "smollm2"
+                   else [[1, 2, 3], [7] * 20, [5, 9]])
+        p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+        outs = e.generate(prompts, p) + e.generate(prompts[:1], p)     # the last: batch 1
+        diffs, ranked = [], 0
+        for ids, o in zip(prompts + prompts[:1], outs):
+            forced = ref.generate([ids + o.token_ids], SamplingParams(
+                max_tokens=1, temperature=0, prompt_logprobs=1))[0].prompt_logprobs[len(ids):]
+            for row, own, t in zip(forced, o.outputs[0].logprobs, o.token_ids):
+                top = max(v.logprob for v in row.values())
+                assert row[t].logprob >= top - A8_MARGIN, (o.token_ids, row, t)
+                ranked += row[t].rank == 1
+                diffs.append(abs(row[t].logprob - own[t].logprob))
+        assert ranked >= 0.9 * len(diffs), (ranked, len(diffs))
+        assert sum(diffs) / len(diffs) < 0.05 and max(diffs) < A8_MARGIN, diffs
+    finally:
+        e.shutdown()
+        ref.shutdown()

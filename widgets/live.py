@@ -53,6 +53,10 @@ class Pump:
         self._task: asyncio.Task | None = None
         self.on_tick: list = []
         """Callables run after each tick with its Update (for extra views)."""
+        label = getattr(source, "modelled", "")
+        for p in self.panels:        # a modelled engine's times say so on every panel
+            if hasattr(p, "set_modelled"):
+                p.set_modelled(label)
 
     def tick(self) -> Update:
         u = self.source.poll()

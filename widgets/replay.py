@@ -20,6 +20,7 @@ from pathlib import Path
 from workbench.trace import Trace
 
 from .sources import RequestRecord, Update, describe_engine
+from .style import modelled_label
 
 SHIPPED_TRACE = Path(__file__).resolve().parents[1] / "docs" / "traces" / "smollm2-cpu.trace.json.gz"
 """A small recorded run that ships with the repository (8 requests on smollm2, CPU)."""
@@ -83,6 +84,11 @@ class ReplaySource:
 
     def describe(self) -> dict[str, str]:
         return {**describe_engine(self.trace.info), "speed": f"{self.speed:g}×"}
+
+    @property
+    def modelled(self) -> str:
+        """'' for a trace of a real device; else what its times are (a modelled run's)."""
+        return modelled_label(self.trace.info)
 
     def submit(self, prompt, params) -> str:
         raise ValueError("a replay plays a recorded trace back; it takes no new requests "

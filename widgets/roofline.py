@@ -17,7 +17,7 @@ import traitlets
 from workbench.roofline import DeviceRoofs, roofline_points
 from workbench.telemetry import EngineInfo
 
-from .style import DECODE, PREFILL, css_widget, esc
+from .style import DECODE, PREFILL, css_widget, esc, modelled_html, modelled_label
 
 MIXED = "#8e6bbf"
 PHASES = {"prefill": PREFILL, "decode": DECODE, "mixed": MIXED}
@@ -135,7 +135,7 @@ class RooflinePanel(w.VBox):
         """A new engine (or trace): its info counts the FLOPs, its device gives the roofs."""
         self.info, self.roofs = info, roofs
         self.points = []
-        self.note.value = roofs_note(info, roofs)
+        self.note.value = modelled_html(modelled_label(info)) + roofs_note(info, roofs)
         self._draw()
 
     def clear(self) -> None:
@@ -163,7 +163,8 @@ def roofs_note(info: EngineInfo | None, roofs: DeviceRoofs | None) -> str:
     if info is None or roofs is None:
         return ('<div class="wb muted">No roofline: the model\'s shape or the device\'s roofs '
                 'are unknown (a remote server).</div>')
-    return (f'<div class="wb muted">{esc(roofs.device)} · {esc(roofs.dtype)}: measured '
+    how = "modelled" if getattr(info, "modelled", None) else "measured"
+    return (f'<div class="wb muted">{esc(roofs.device)} · {esc(roofs.dtype)}: {how} '
             f'{_si(roofs.peak_flops, "FLOP/s")} matmul, {_si(roofs.bandwidth, "B/s")} memory; '
             f'balance <b>{roofs.balance:.3g} FLOP/byte</b> (left of it a step is '
             f'memory-bound)</div>')

@@ -26,6 +26,8 @@ from workbench import Engine, SamplingParams
 from workbench.telemetry import EngineInfo
 from workbench.trace import prompt_label
 
+from .style import modelled_label
+
 
 
 @dataclass
@@ -96,7 +98,8 @@ def describe_engine(i: EngineInfo) -> dict[str, str]:
     recorded trace's)."""
     c = i.config
     weights = "+".join(getattr(i, "weight_formats", ()) or ()) or i.dtype
-    return {"model": c.model, "device": i.device, "dtype": i.dtype, "weights": weights,
+    device = i.device if not getattr(i, "modelled", None) else f"{i.device} (MODELLED)"
+    return {"model": c.model, "device": device, "dtype": i.dtype, "weights": weights,
             "attention": i.attention,
             "block size": str(c.block_size), "KV blocks": str(i.num_kv_blocks),
             "max_num_seqs": str(c.max_num_seqs),
@@ -130,6 +133,11 @@ class LocalSource:
 
     def describe(self) -> dict[str, str]:
         return describe_engine(self.engine.info())
+
+    @property
+    def modelled(self) -> str:
+        """'' on a real device; on a modelled one, what its times are (style.modelled_label)."""
+        return modelled_label(self.engine.info())
 
     def sampling_cost(self, params: SamplingParams, batch: int) -> str:
         """What sampling with `params` costs a step of `batch` rows against greedy on this

@@ -28,7 +28,7 @@ from workbench.trace import Trace
 from .kv_map import KVBlockMap
 from .replay import load_trace
 from .sources import describe_engine
-from .style import css_widget, esc
+from .style import css_widget, esc, modelled_html, modelled_label
 
 
 @dataclass
@@ -132,6 +132,12 @@ class Stepper(w.VBox):
                 + ' · no model loaded'
                 '</span></h3></div>')]
             buttons.append(self.speed)
+        info = self.trace.info if self.trace is not None else self.engine.info()
+        label = modelled_label(info)
+        self.modelled = label
+        """'' for a real device; else what this stepper's times are (modelled)."""
+        if label:
+            top.insert(0, w.HTML(modelled_html(f"{label} · tokens are random")))
         super().__init__([css_widget(), *top, w.HBox(buttons),
                           self.message, self.view, self.kv, self.history_view])
         self._render()

@@ -96,6 +96,26 @@ def notices_html(notices) -> str:
     return "".join(f'<div class="wb"><div class="notice">{esc(n)}</div></div>' for n in notices)
 
 
+def modelled_label(info) -> str:
+    """'' for a real device; for a modelled one (info.modelled), what every time shown of it
+    is: modelled, on which profile, and how far off it measured (or that it is
+    uncalibrated: no error figure then, rather than a bare number)."""
+    m = getattr(info, "modelled", None)
+    if not m:
+        return ""
+    name = m.get("device_name", m.get("profile", "?"))
+    if not m.get("calibrated"):
+        return f"MODELLED on {name}: uncalibrated (spec-sheet roofs; its error is unknown)"
+    err = (m.get("error") or {}).get("max_abs_pct")
+    return (f"MODELLED on {name}: calibrated, measured error up to {err:g} %" if err is not None
+            else f"MODELLED on {name}: calibrated (error not measured yet)")
+
+
+def modelled_html(label: str) -> str:
+    """The label as a banner line ('' when it is '')."""
+    return f'<div class="wb"><div class="notice"><b>{esc(label)}</b></div></div>' if label else ""
+
+
 def ms(seconds: float | None, digits: int = 0) -> str:
     """Seconds -> '123 ms' (or '—')."""
     if seconds is None or (isinstance(seconds, float) and math.isnan(seconds)):

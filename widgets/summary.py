@@ -10,7 +10,7 @@ import traitlets
 from .sources import RequestRecord, Update
 from workbench.telemetry import percentile
 
-from .style import css_widget, ms, stat
+from .style import css_widget, modelled_html, ms, stat
 
 RATE_WINDOW = 3.0
 
@@ -36,6 +36,8 @@ class SummaryPanel(w.VBox):
         self._first: float | None = None
         self._last: float | None = None
         self.prefix_cache: tuple[int, int] | None = None
+        self.modelled = ""
+        """What its times are when the engine is a modelled one ('' for a real device)."""
         self.view = w.HTML()
         super().__init__([css_widget(), self.view], **kw)
         self._render()
@@ -105,4 +107,10 @@ class SummaryPanel(w.VBox):
         if self.prefix_cache is not None:
             hits, queries = self.prefix_cache
             cells.append(stat(f"{hits / queries:.0%}" if queries else "—", "prefix-cache hits"))
-        self.view.value = f'<div class="wb"><div class="stats">{"".join(cells)}</div></div>'
+        self.view.value = (modelled_html(self.modelled)
+                           + f'<div class="wb"><div class="stats">{"".join(cells)}</div></div>')
+
+    def set_modelled(self, label: str) -> None:
+        """Label every figure as modelled ('' : a real device's)."""
+        self.modelled = label
+        self._render()

@@ -102,6 +102,10 @@ class BatchTimeline(w.VBox):
     AXIS = {"step": "engine step", "poll": "/metrics poll",
             "client": "interval, as this client saw its streams (the server has no /metrics)"}
 
+    def set_modelled(self, label: str) -> None:
+        """Title the chart as a modelled run's ('' : a real device's)."""
+        self.fig.update_layout(title_text=f"{self.title} · {label}" if label else self.title)
+
     def set_resolution(self, resolution: str) -> None:
         """'step' (the in-process engine), 'poll' (a server's /metrics) or 'client' (a server
         without /metrics, seen through this client's streams)."""

@@ -19,7 +19,7 @@ import ipywidgets as w
 import traitlets
 
 from .sources import Update
-from .style import css_widget, esc, ms
+from .style import css_widget, esc, modelled_html, ms
 
 DONE = ("stop", "length", "abort", "error")
 SHADED_TOKENS = 400
@@ -133,6 +133,11 @@ class TokenStreamPanel(w.VBox):
         self.num_finished = sum(s.status in DONE for s in self.streams.values())
         self._render()
 
+    def set_modelled(self, label: str) -> None:
+        """Head the streams as a modelled run's: random tokens, modelled times."""
+        self.modelled = label
+        self._render()
+
     def _render(self) -> None:
         self.view.value = self._html()
         self.renders += 1
@@ -144,6 +149,9 @@ class TokenStreamPanel(w.VBox):
         head = (f'<h3>{esc(self.title)} <span class="muted">· {len(streams)} requests · '
                 f'{live} streaming · {waiting} waiting · {self.num_finished} done · '
                 f'{self.num_tokens} tokens</span></h3>')
+        label = getattr(self, "modelled", "")
+        if label:
+            head += modelled_html(f"{label} · tokens are random")
         if not streams:
             return f'<div class="wb">{head}<div class="muted">No requests yet.</div></div>'
         # In the order sent; past max_cards the oldest finished ones make room first.

@@ -13,7 +13,7 @@ BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
 GRAPH_MODES = ("eager", "decode", "full")
 """vLLM-Ascend's meanings (see executor/graphs.py)."""
 ATTENTION_BACKENDS = ("auto", "reference")
-QUANTIZATIONS = ("auto", "gguf", "int8")
+QUANTIZATIONS = ("auto", "gguf", "int8", "gguf-a8", "int8-a8")
 """Low-bit weight storage (platforms/quant.py), on the CPU; None for none."""
 PREEMPTION_MODES = ("newest", "oldest", "largest")
 GENERATION_CONFIGS = ("auto", "none")
@@ -45,7 +45,11 @@ class EngineConfig:
     as the file holds them (the embedded smollm2: Q4_1 layers and a Q8_0 embedding, 97 MB
     against 538 MB in fp32, and the same numbers: the fp32 checkpoint is their
     dequantization); 'int8', any checkpoint's linear weights and embedding quantized at
-    load, one scale per output row; None, in `dtype`. 'auto': the checkpoint's own format
+    load, one scale per output row; 'gguf-a8' and 'int8-a8', the same weights interleaved 16
+    rows at a time and multiplied with the activations quantized to int8 per 32-block (as
+    llama.cpp does; AVX-512 VNNI integer dot products, the batch-1 speed of the file's
+    bytes, at a small cost in accuracy that docs/benchmarks.md measures); None, in `dtype`.
+    'auto': the checkpoint's own format
     where the device runs it, as vLLM reads a GGUF's ('gguf' for smollm2 on the CPU in
     fp32), else None. CPU only: its kernels stream the packed rows."""
     seed: int = 0

@@ -295,12 +295,14 @@ class EngineCore:
                         self._wake.wait(timeout=0.5)
                         continue
                     if (not self.clock.virtual and self._inbox and not self._aborts
-                            and not self._arrived() and self.pipeline.in_flight is None
+                            and self.pipeline.in_flight is None
                             and not self.scheduler.has_unfinished()):
                         # Only requests still to arrive (arrival_time ahead): wait for them.
-                        left = self._next_arrival() - self.clock.now()
-                        self._wake.wait(timeout=min(max(left, 0.0), 0.5))
-                        continue
+                        # (under self._lock already: read the inbox directly)
+                        left = min(r.seq.arrival_time for r in self._inbox) - self.clock.now()
+                        if left > 0:
+                            self._wake.wait(timeout=min(left, 0.5))
+                            continue
                 try:
                     with self._step_lock:
                         result = self._step()

@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
+import os
 import socket
 import time
 from dataclasses import replace
@@ -27,6 +29,7 @@ from ..core.scheduler import Scheduler
 from ..executor.kv_sizing import activation_reserve, kv_bytes_per_block, kv_bytes_per_token
 from ..executor.models import LlamaForCausalLM, load_checkpoint
 from ..executor.models.loader import generation_defaults
+from ..executor.sampler import LogprobsTensors
 from ..modelled import DeviceProfile, ModelledRunner
 from ..modelled.fit import fit_cpu_steps
 from ..modelled.profiles import cpu_profile, parse_device, spec_profile
@@ -58,11 +61,25 @@ class ModelledPipeline(StepPipeline):
         if rows is not None:                 # n > 1: one token per choice from its row
             tokens = self.runner.tokens(len(reqs))
         self.scheduler.update_after_step(sched)
-        return self._hand_out(sched, reqs, tokens, None, graph, t0)
+        return self._hand_out(sched, reqs, tokens, self._logprobs(reqs, tokens), graph, t0)
+
+    def _logprobs(self, reqs, tokens: list[int]) -> LogprobsTensors | None:
+        """The logprobs of the distribution the tokens were drawn from: uniform over the
+        vocabulary (EOS aside), so every token's is -log(V) at rank 1, and its 'top k' are
+        other draws from it."""
+        ks = [r.seq.params.logprobs for r in reqs if r.seq.params.logprobs is not None]
+        if not ks:
+            return None
+        k = max(ks)
+        cols = [tokens] + [self.runner.tokens(len(tokens)) for _ in range(k)]
+        ids = torch.tensor(cols, dtype=torch.long).T.reshape(len(tokens), k + 1)
+        lp = torch.full(ids.shape, -math.log(self.runner.vocab_size - len(self.runner.eos)))
+        return LogprobsTensors(ids, lp, torch.ones(len(tokens), dtype=torch.long))
 
     def check_request(self, params: SamplingParams) -> None:
-        """What a modelled device cannot give: logprobs and grammars need real logits."""
-        for name in ("logprobs", "prompt_logprobs", "structured_outputs"):
+        """What a modelled device cannot give: prompt logprobs and grammars need real
+        logits (a token's logprob it can give: its draw is uniform)."""
+        for name in ("prompt_logprobs", "structured_outputs"):
             if getattr(params, name) is not None:
                 raise ValueError(f"{name}: a modelled device emits random tokens, without "
                                  "logits; run this request on a real device")
@@ -159,7 +176,8 @@ def build_modelled_engine(config: EngineConfig, built_class):
     platform = get_platform("cpu")       # the host: sampling params, generators live here
     if name == "cpu":
         dtype = "float32" if config.dtype == "auto" else config.dtype
-        profile = calibrate_cpu(config, dtype)
+        profile = calibrate_cpu(config, dtype,
+                                refresh=os.environ.get("WORKBENCH_MODELLED_RECALIBRATE") == "1")
     else:
         profile = spec_profile(name)
         dtype = profile.dtype if config.dtype == "auto" else config.dtype

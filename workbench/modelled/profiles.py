@@ -25,6 +25,9 @@ class Coefficients:
     """The cost model's free numbers (cost.py says how each enters a step's time)."""
     launch_eager_per_layer: float = 0.0
     """Seconds of kernel launches per decoder layer in an eagerly run step."""
+    launch_prefill_per_layer: float = 0.0
+    """Extra seconds per decoder layer in a step that runs a prompt (its attention's own
+    kernels and metadata: a prefill step launches more than a decode step)."""
     launch_graph: float = 0.0
     """Seconds to replay one whole-step graph (a decode step, graph_mode 'decode'/'full')."""
     host_step: float = 0.0
@@ -38,6 +41,10 @@ class Coefficients:
     reach)."""
     attention_scale: float = 1.0
     """Attention's time over its roofline bound (the KV it reads, the FLOPs it does)."""
+    attention_per_context_token: float = 0.0
+    """Seconds per token of the longest context in the step: a floor under attention's
+    time where one request's attention walks its context with too little parallelism to
+    reach the bandwidth (batch-1 decode on a GPU). 0: none (the CPU's fit)."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -113,6 +120,14 @@ H200_MEASURED = (781.8e12, 4.205e12)
 """docs/gpu-2026-11-30.jsonl, `ceilings`: a bf16 matmul and a large copy on the H200."""
 
 
+GPU_GUESS = Coefficients(launch_eager_per_layer=4.5e-4, launch_prefill_per_layer=2e-4,
+                         launch_graph=1.0e-3, host_step=1e-3, host_per_request=5e-6,
+                         host_per_token=0.0, matmul_scale=1.5, attention_scale=1.3,
+                         attention_per_context_token=1.3e-6)
+"""A GPU's coefficients before any fit: where the H200's fit starts (and what the other
+profiles would borrow were there no H200 fit)."""
+
+
 def _package_json(name: str) -> dict:
     try:
         return json.loads(resources.files(__package__).joinpath(name).read_text())
@@ -158,9 +173,7 @@ def spec_profile(name: str) -> DeviceProfile:
     # Reach the same fractions of the spec sheet as the H200 did; borrow its launch and
     # host costs (same host software; an NPU's eager launches are dearer, unknown by how much).
     frac_f, frac_b = H200_MEASURED[0] / SPECS["h200"][1], H200_MEASURED[1] / SPECS["h200"][2]
-    coeffs = fitted if fitted is not None else Coefficients(
-        launch_eager_per_layer=4.5e-4, launch_graph=1.2e-3, host_step=1e-3,
-        host_per_request=5e-6, matmul_scale=1.5, attention_scale=1.3)
+    coeffs = fitted if fitted is not None else GPU_GUESS
     return DeviceProfile(name, label, kind, peak * frac_f, bw * frac_b, int(mem), "bfloat16",
                          coeffs, False, "spec sheet (roofs scaled by the fractions an H200 "
                          "reached of its own), the H200's launch and host costs: uncalibrated",

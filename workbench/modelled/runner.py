@@ -33,6 +33,11 @@ class ModelledRunner:
         self._eos = np.array(sorted(t for t in eos_token_ids if 0 <= t < vocab_size),
                              dtype=np.int64)
 
+    @property
+    def eos(self) -> list[int]:
+        """The EOS ids it never draws."""
+        return self._eos.tolist()
+
     def capture_graphs(self, config, max_model_len: int
                        ) -> tuple[str, list[int], list[int], list[str]]:
         """ModelRunner.capture_graphs' decision on the modelled device, capturing nothing:

@@ -19,7 +19,9 @@ from .base import Platform
 
 log = logging.getLogger("workbench")
 _CSRC = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "cpu_ops.cpp",
-                                                             "cpu_quant.cpp")]
+                                                             "cpu_quant.cpp", "cpu_a8.cpp")]
+_HEADERS = [Path(__file__).parent / "csrc" / "cpu_dtype.h"]
+"""Included by the sources: part of what the module depends on (kernel_key), not compiled."""
 _kernels = None
 # -ffast-math lets gcc vectorise expf (libmvec); the kernel never sees inf or NaN inputs.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
@@ -54,7 +56,7 @@ def kernel_key() -> str:
         flags = model = ""
     text = "|".join([platform.machine(), model, flags, torch.__version__,
                      str(torch.version.git_version), sys.version, str(sysconfig.get_config_var("EXT_SUFFIX")),
-                     _compiler(), repr(_CFLAGS), *(p.read_text() for p in _CSRC)])
+                     _compiler(), repr(_CFLAGS), *(p.read_text() for p in _CSRC + _HEADERS)])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -259,11 +261,11 @@ class CpuPlatform(Platform):
     def model_ops(self, dtype):
         if dtype not in (torch.float32, torch.bfloat16):
             return super().model_ops(dtype)
-        from .cpu_ops import CpuOps                 # fp32's fused ops; packed weights in both
+        from .cpu_ops import CpuOps                 # fused fp32 and bf16 ops, packed weights
         return CpuOps()
 
     def attention_backend(self, dtype, choice: str = "auto"):
-        if choice != "auto" or dtype != torch.float32:
+        if choice != "auto" or dtype not in CpuAttention.supported_dtypes:
             return super().attention_backend(dtype, choice)
         if _kernels is None and not kernel_is_built():
             build_in_background()             # first start on this machine: don't wait for it
@@ -279,10 +281,12 @@ class CpuPlatform(Platform):
 
 
 class CpuAttention(TorchAttention):
-    """The reference, with decodes in the C++ paged decode kernel (fp32): it reads the pool
-    in place through the block tables instead of gathering each context into a copy."""
+    """The reference, with decodes in the C++ paged decode kernel (fp32 or bf16: a bf16 pool
+    is half the bytes to read): it reads the pool in place through the block tables instead
+    of gathering each context into a copy. Prefill stays the reference's (torch's CPU flash
+    attention, scaled_dot_product_attention)."""
     name = "cpu"
-    supported_dtypes = (torch.float32,)
+    supported_dtypes = (torch.float32, torch.bfloat16)
     supports_decode_graphs = True
     """The kernel reads tables and lengths from tensors, so a captured decode step would
     replay right; the CPU has no graphs to capture into (CpuPlatform.supports_graphs), but

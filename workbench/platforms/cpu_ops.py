@@ -1,9 +1,11 @@
-"""The decoder's ops on the CPU in fp32 (csrc/cpu_ops.cpp): one C++ call each instead of five
-to eight aten ops, a batch-1 GEMV that streams the weights faster than MKL's, and batch-1
-decode through every layer in one call. At batch 1 a step reads all the weights (540 MB for
-SmolLM2-135M) and the rest was dispatch; see docs/benchmarks.md. Until the kernel module is
-built (the first start on a machine builds it in a detached process), and for anything but
-fp32, they are the torch reference's."""
+"""The decoder's ops on the CPU in fp32 or bf16 (csrc/cpu_ops.cpp): one C++ call each instead
+of five to eight aten ops, a batch-1 GEMV that streams the weights faster than MKL's (bf16:
+AVX-512 BF16's vdpbf16ps on the stored weights), and batch-1 decode through every layer in
+one call. At batch 1 a step reads all the weights (540 MB for SmolLM2-135M in fp32, 270 in
+bf16) and the rest was dispatch; see docs/benchmarks.md. In bf16 each op rounds where the
+torch reference's bf16 ops round. Until the kernel module is built (the first start on a
+machine builds it in a detached process), and for other dtypes, they are the torch
+reference's. Batched linear layers stay torch's (oneDNN; AMX where the CPU has it)."""
 from __future__ import annotations
 
 import torch
@@ -12,6 +14,8 @@ from . import cpu
 from .ops import TorchOps
 from .quant import PackedWeight
 
+_DTYPES = (torch.float32, torch.bfloat16)
+
 
 class CpuOps(TorchOps):
     name = "cpu"
@@ -19,12 +23,13 @@ class CpuOps(TorchOps):
     def linear(self, x, weight, bias=None):
         k = cpu._kernels
         if isinstance(weight, PackedWeight):
-            if not (k and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16)):
+            if not (k and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16)) or \
+                    (weight.activation_bits == 8 and not hasattr(k, "a8_linear")):
                 return super().linear(x, weight, bias)
             y = k.qlinear(x, weight.data, weight.code)
             return y if bias is None else y.add_(bias)
-        if k and x.shape[0] == 1 and x.dim() == 2 and x.dtype == torch.float32 \
-                and hasattr(k, "gemv"):
+        if k and x.shape[0] == 1 and x.dim() == 2 and x.dtype in _DTYPES \
+                and weight.dtype == x.dtype and hasattr(k, "gemv"):
             return k.gemv(x, weight, bias)
         return torch.nn.functional.linear(x, weight, bias)
 
@@ -40,18 +45,18 @@ class CpuOps(TorchOps):
 
     def decode_layers(self, model, x, cos, sin, kv_caches, meta):
         """Batch-1 decode through every layer in one C++ call (`decode_layers` in
-        csrc/cpu_ops.cpp), for fp32 Llama layers without biases or q/k norms whose attention
+        csrc/cpu_ops.cpp), for fp32 or bf16 Llama layers without biases or q/k norms whose attention
         runs on this platform's kernels: the same kernels the layer loop calls, without the
         interpreter between them. Anything else runs the loop."""
         k = cpu._kernels
-        if not (k and x.shape[0] == 1 and meta.num_decode == 1 and x.dtype == torch.float32
+        if not (k and x.shape[0] == 1 and meta.num_decode == 1 and x.dtype in _DTYPES
                 and isinstance(meta.backend, cpu.CpuAttention)
                 and meta.backend.kernel is k.paged_decode_attention):
             return None
         if self._layers is not model.layers:
             self._layers, self._weights = model.layers, _fusable_weights(model)
-        if self._weights is None:
-            return None
+        if self._weights is None or (max(self._weights[1]) >= 4 and not hasattr(k, "a8_linear")):
+            return None                  # tiled weights (fmt >= 4) need the VNNI kernel
         attn = model.layers[0].self_attn
         weights, formats = self._weights
         return k.decode_layers(x, weights, formats, [c[0] for c in kv_caches],
@@ -62,25 +67,26 @@ class CpuOps(TorchOps):
 
     def rms_norm(self, x, weight, eps):
         k = cpu._kernels
-        if k and x.dtype == torch.float32:
+        if k and x.dtype in _DTYPES and weight.dtype == x.dtype:
             return k.rms_norm(x, weight, eps)
         return super().rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x, residual, weight, eps):
         k = cpu._kernels
-        if k and x.dtype == torch.float32:
+        if k and x.dtype in _DTYPES and residual.dtype == weight.dtype == x.dtype:
             return tuple(k.add_rms_norm(x, residual, weight, eps))
         return super().add_rms_norm(x, residual, weight, eps)
 
     def silu_and_mul(self, gate_up):
         k = cpu._kernels
-        if k and gate_up.dtype == torch.float32 and gate_up.dim() == 2:
+        if k and gate_up.dtype in _DTYPES and gate_up.dim() == 2:
             return k.silu_and_mul(gate_up)
         return super().silu_and_mul(gate_up)
 
     def qk_rope(self, qk, cos, sin, num_q_heads, q_norm=None, k_norm=None, eps=0.0):
         k = cpu._kernels
-        if not (k and qk.dtype == torch.float32 and qk.stride(-1) == 1):
+        if not (k and qk.dtype in _DTYPES and qk.stride(-1) == 1
+                and cos.dtype == sin.dtype == qk.dtype):
             return super().qk_rope(qk, cos, sin, num_q_heads, q_norm, k_norm, eps)
         if q_norm is not None:
             q, kk = qk.split([num_q_heads, qk.shape[1] - num_q_heads], dim=1)

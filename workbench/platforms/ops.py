@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .quant import PackedWeight
+from .quant import PackedWeight, a8_linear
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -40,6 +40,8 @@ class TorchOps:
         """x @ weight^T (+ bias); a PackedWeight is dequantized first (the reference: the
         kernels that stream packed rows are tested against it)."""
         if isinstance(weight, PackedWeight):
+            if weight.activation_bits == 8:
+                return a8_linear(x, weight, bias)
             weight = weight.dequantize(x.dtype)
         return F.linear(x, weight, bias)
 

@@ -13,7 +13,8 @@ def build_model(ckpt: LoadedCheckpoint, dtype: torch.dtype, device: torch.device
     """Instantiate the decoder for ckpt's config and fill it with ckpt's (or seeded) weights.
     `ops`: the fusable ops it runs (a platform's fused kernels); None keeps the torch
     reference. quantization='int8': the weights quantized once loaded ('gguf' ones come
-    packed in the checkpoint's state already)."""
+    packed in the checkpoint's state already); '-a8': then interleaved for 8-bit
+    activations (quant.py's tiled formats)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(ckpt.hf_config, max_positions)
     model = model.to_empty(device="cpu")
@@ -24,8 +25,10 @@ def build_model(ckpt: LoadedCheckpoint, dtype: torch.dtype, device: torch.device
         model.init_random(seed)
     else:
         model.load_hf_state_dict(ckpt.state_dict)
-    if quantization == "int8":
+    if quantization in ("int8", "int8-a8"):
         model.quantize_int8()
+    if quantization in ("gguf-a8", "int8-a8"):
+        model.tile_packed_weights()
     if ops is not None:
         model.ops = ops
     return model.to(device=device, dtype=dtype).eval()

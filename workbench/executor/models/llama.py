@@ -281,6 +281,17 @@ class LlamaForCausalLM(nn.Module):
                     not isinstance(module.__dict__.get("weight"), PackedWeight):
                 set_weight(module, quantize_int8(module.weight))
 
+    def tile_packed_weights(self) -> None:
+        """The '-a8' quantizations: every PackedWeight in its 16-row interleaved form for
+        8-bit activations (a tied table once)."""
+        done: dict[int, PackedWeight] = {}
+        for module in [*self.modules()]:
+            w = module.__dict__.get("weight")
+            if isinstance(w, PackedWeight):
+                if id(w) not in done:
+                    done[id(w)] = w.tiled()
+                set_weight(module, done[id(w)])
+
     @torch.no_grad()
     def init_random(self, seed: int, std: float = 0.02) -> None:
         g = torch.Generator().manual_seed(seed)

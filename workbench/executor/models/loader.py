@@ -315,8 +315,8 @@ def load_checkpoint(model: str, quantization: str | None = None) -> LoadedCheckp
     model's GGUF file holds them (the embedded smollm2: Q4_1 layers, a Q8_0 embedding),
     read from that file; config and tokenizer from the converted checkpoint beside it."""
     from transformers import AutoConfig
-    if quantization == "gguf" and model != "smollm2":
-        raise ValueError(f"quantization: 'gguf' keeps a GGUF file's own weights, and model "
+    if quantization in ("gguf", "gguf-a8") and model != "smollm2":
+        raise ValueError(f"quantization: {quantization!r} keeps a GGUF file's own weights, and model "
                          f"{model!r} is not read from one (the embedded 'smollm2' is); use "
                          "'int8' to quantize any checkpoint at load")
     if model.startswith("random:"):
@@ -329,7 +329,7 @@ def load_checkpoint(model: str, quantization: str | None = None) -> LoadedCheckp
         raise FileNotFoundError(f"model {model!r}: no *.safetensors files in {path}")
     from safetensors.torch import load_file
     state: dict[str, torch.Tensor] = {}
-    if quantization == "gguf":
+    if quantization in ("gguf", "gguf-a8"):
         state = gguf_llama_checkpoint(smollm2_gguf_path(), packed=True)[1]
         files = []
     for f in files:

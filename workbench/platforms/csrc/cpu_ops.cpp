@@ -1,4 +1,4 @@
-// The decoder's small ops on the CPU, fp32 (platforms/cpu_ops.py), built into the same module
+// The decoder's small ops on the CPU, fp32 or bf16 (platforms/cpu_ops.py), built into the same module
 // as the paged decode attention (cpu_attention.cpp registers them).
 // At batch 1 a layer's four GEMVs read its weights at memory bandwidth, and the ops between
 // them (two RMSNorms with their residual adds, RoPE, the KV write, SiLU-and-mul) cost more in
@@ -6,6 +6,7 @@
 // here, with torch's arithmetic in torch's order: the residual add, RoPE and the KV write
 // are bitwise torch's (no FMA contraction, below); a norm's sum of squares is added in
 // another order and SiLU's exp is libmvec's, so those differ from torch by an ulp or so.
+// In bf16 each op rounds where torch's bf16 ops round (cpu_dtype.h), so the same holds.
 // Rows run in parallel only when there are enough of them to pay for it.
 #pragma GCC optimize("fp-contract=off")
 #include <torch/extension.h>
@@ -13,115 +14,156 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
+
+#include "cpu_dtype.h"
 
 static constexpr int64_t kRowGrain = 16;
 
-static inline void rms_row(const float* __restrict x, const float* __restrict w, float eps,
-                           float* __restrict out, int64_t d) {
+// x and the normed row in T; the sum of squares and the scaling in fp32. fp32:
+// w * (x * r); bf16: bf16(w * bf16(x * r)) (ops.rms_norm rounds before the weight multiply).
+template <class T>
+static inline void rms_row(const T* __restrict x, const T* __restrict w, float eps,
+                           T* __restrict out, int64_t d) {
   float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < d; ++i) ss += x[i] * x[i];
+  for (int64_t i = 0; i < d; ++i) ss += to_f(x[i]) * to_f(x[i]);
   const float r = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
 #pragma omp simd
-  for (int64_t i = 0; i < d; ++i) out[i] = w[i] * (x[i] * r);
+  for (int64_t i = 0; i < d; ++i) out[i] = from_f<T>(to_f(w[i]) * rnd<T>(to_f(x[i]) * r));
+}
+
+template <class T>
+static void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& weight, float e,
+                          torch::Tensor& out) {
+  const int64_t d = x.size(-1), rows = x.numel() / d;
+  const T* xp = cptr<T>(x);
+  const T* wp = cptr<T>(weight);
+  T* op = mptr<T>(out);
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t end) {
+    for (int64_t t = b; t < end; ++t) rms_row(xp + t * d, wp, e, op + t * d, d);
+  });
 }
 
 // x: [..., D] -> weight * (x * rsqrt(mean(x^2) + eps)), a new contiguous tensor.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "rms_norm: fp32 only");
+  const bool bf = is_bf16("rms_norm", {&x, &weight});
   x = x.contiguous();
-  const int64_t d = x.size(-1), rows = x.numel() / d;
+  weight = weight.contiguous();
   auto out = torch::empty_like(x);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t end) {
-    for (int64_t t = b; t < end; ++t) rms_row(xp + t * d, wp, e, op + t * d, d);
-  });
+  bf ? rms_norm_impl<bf16_t>(x, weight, e, out) : rms_norm_impl<float>(x, weight, e, out);
   return out;
+}
+
+template <class T>
+static void add_rms_norm_impl(const torch::Tensor& x, const torch::Tensor& residual,
+                              const torch::Tensor& weight, float e, torch::Tensor& sum,
+                              torch::Tensor& out) {
+  const int64_t d = x.size(-1), rows = x.numel() / d;
+  const T* xp = cptr<T>(x);
+  const T* rp = cptr<T>(residual);
+  const T* wp = cptr<T>(weight);
+  T* sp = mptr<T>(sum);
+  T* op = mptr<T>(out);
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t end) {
+    for (int64_t t = b; t < end; ++t) {
+      T* s = sp + t * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) s[i] = from_f<T>(to_f(xp[t * d + i]) + to_f(rp[t * d + i]));
+      rms_row(s, wp, e, op + t * d, d);
+    }
+  });
 }
 
 // x, residual: [T, D] -> (RMSNorm(x + residual), x + residual).
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
                                         torch::Tensor weight, double eps) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "add_rms_norm: fp32 only");
+  const bool bf = is_bf16("add_rms_norm", {&x, &residual, &weight});
   x = x.contiguous();
   residual = residual.contiguous();
-  const int64_t d = x.size(-1), rows = x.numel() / d;
+  weight = weight.contiguous();
   auto sum = torch::empty_like(x);
   auto out = torch::empty_like(x);
-  const float* xp = x.data_ptr<float>();
-  const float* rp = residual.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* sp = sum.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
+  bf ? add_rms_norm_impl<bf16_t>(x, residual, weight, e, sum, out)
+     : add_rms_norm_impl<float>(x, residual, weight, e, sum, out);
+  return {out, sum};
+}
+
+// silu(g) * u; in bf16 torch stores silu(g) before the multiply.
+template <class T>
+static void silu_and_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+  const T* gp = cptr<T>(gate_up);
+  T* op = mptr<T>(out);
   at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t end) {
     for (int64_t t = b; t < end; ++t) {
-      float* s = sp + t * d;
+      const T* g = gp + t * 2 * n;
+      const T* u = g + n;
+      T* o = op + t * n;
 #pragma omp simd
-      for (int64_t i = 0; i < d; ++i) s[i] = xp[t * d + i] + rp[t * d + i];
-      rms_row(s, wp, e, op + t * d, d);
+      for (int64_t i = 0; i < n; ++i) {
+        const float gi = to_f(g[i]);
+        o[i] = from_f<T>(rnd<T>(gi / (1.f + std::exp(-gi))) * to_f(u[i]));
+      }
     }
   });
-  return {out, sum};
 }
 
 // gate_up: [T, 2I] (gate, then up) -> silu(gate) * up, [T, I].
 torch::Tensor silu_and_mul(torch::Tensor gate_up) {
-  TORCH_CHECK(gate_up.scalar_type() == torch::kFloat32, "silu_and_mul: fp32 only");
+  const bool bf = is_bf16("silu_and_mul", {&gate_up});
   gate_up = gate_up.contiguous();
-  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
-  auto out = torch::empty({rows, n}, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t end) {
+  auto out = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  bf ? silu_and_mul_impl<bf16_t>(gate_up, out) : silu_and_mul_impl<float>(gate_up, out);
+  return out;
+}
+
+// x * cos + roll(x) * sin, each product stored in T before the add (torch's three ops).
+template <class T>
+static void rope_impl(const torch::Tensor& qk, const torch::Tensor& cos, const torch::Tensor& sin,
+                      torch::Tensor& out) {
+  const int64_t T_ = qk.size(0), H = qk.size(1), D = qk.size(2), half = D / 2;
+  const int64_t st = qk.stride(0), sh = qk.stride(1);
+  const T* xp = cptr<T>(qk);
+  const T* cp = cptr<T>(cos);
+  const T* snp = cptr<T>(sin);
+  T* op = mptr<T>(out);
+  at::parallel_for(0, T_, kRowGrain, [&](int64_t b, int64_t end) {
     for (int64_t t = b; t < end; ++t) {
-      const float* g = gp + t * 2 * n;
-      const float* u = g + n;
-      float* o = op + t * n;
+      const T* c = cp + t * D;
+      const T* s = snp + t * D;
+      for (int64_t h = 0; h < H; ++h) {
+        const T* x = xp + t * st + h * sh;
+        T* o = op + (t * H + h) * D;
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = rnd<T>(to_f(x[i]) * to_f(c[i]));
+          const float r = rnd<T>(to_f(x[i + half]) * to_f(s[i]));
+          o[i] = from_f<T>(a + r);
+        }
+#pragma omp simd
+        for (int64_t i = half; i < D; ++i) {
+          const float a = rnd<T>(to_f(x[i]) * to_f(c[i]));
+          const float r = rnd<T>(to_f(x[i - half]) * to_f(s[i]));
+          o[i] = from_f<T>(a + r);
+        }
+      }
     }
   });
-  return out;
 }
 
 // qk: [T, Hq + Hk, D], a view whose last dim is contiguous (the model's split of qkv);
 // cos, sin_signed: [T, 1, D] -> x * cos + roll(x, D/2) * sin_signed (ops.apply_rope), new.
 torch::Tensor rope(torch::Tensor qk, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(qk.scalar_type() == torch::kFloat32 && qk.stride(2) == 1, "rope: fp32 rows");
+  const bool bf = is_bf16("rope", {&qk, &cos, &sin});
+  TORCH_CHECK(qk.stride(2) == 1, "rope: rows with a contiguous last dim");
   cos = cos.contiguous();
   sin = sin.contiguous();
-  const int64_t T = qk.size(0), H = qk.size(1), D = qk.size(2), half = D / 2;
-  const int64_t st = qk.stride(0), sh = qk.stride(1);
-  auto out = torch::empty({T, H, D}, qk.options());
-  const float* xp = qk.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* snp = sin.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, kRowGrain, [&](int64_t b, int64_t end) {
-    for (int64_t t = b; t < end; ++t) {
-      const float* c = cp + t * D;
-      const float* s = snp + t * D;
-      for (int64_t h = 0; h < H; ++h) {
-        const float* x = xp + t * st + h * sh;
-        float* o = op + (t * H + h) * D;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = x[i] * c[i], r = x[i + half] * s[i];
-          o[i] = a + r;
-        }
-#pragma omp simd
-        for (int64_t i = half; i < D; ++i) {
-          const float a = x[i] * c[i], r = x[i - half] * s[i];
-          o[i] = a + r;
-        }
-      }
-    }
-  });
+  auto out = torch::empty({qk.size(0), qk.size(1), qk.size(2)}, qk.options());
+  bf ? rope_impl<bf16_t>(qk, cos, sin, out) : rope_impl<float>(qk, cos, sin, out);
   return out;
 }
 
@@ -129,22 +171,25 @@ torch::Tensor rope(torch::Tensor qk, torch::Tensor cos, torch::Tensor sin) {
 // [kvH, num_blocks, block_size, D] at slot_mapping [T] (block * block_size + offset).
 void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
               torch::Tensor slot_mapping) {
-  TORCH_CHECK(k.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
-              k.stride(2) == 1 && v.stride(2) == 1 && k_cache.is_contiguous() &&
-              v_cache.is_contiguous(), "write_kv: fp32, contiguous rows");
+  const bool bf = is_bf16("write_kv", {&k, &v, &k_cache, &v_cache});
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k_cache.is_contiguous() &&
+              v_cache.is_contiguous(), "write_kv: contiguous rows");
   slot_mapping = slot_mapping.contiguous();
   const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2);
   const int64_t slots = k_cache.size(1) * k_cache.size(2);
   const int64_t* sm = slot_mapping.data_ptr<int64_t>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
+  const int64_t es = bf ? 2 : 4;                  // a plain copy: only the element size matters
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(sm[t] >= 0 && sm[t] < slots, "write_kv: slot out of range");
     for (int64_t h = 0; h < KVH; ++h) {
-      std::copy_n(kp + t * k.stride(0) + h * k.stride(1), D, kc + (h * slots + sm[t]) * D);
-      std::copy_n(vp + t * v.stride(0) + h * v.stride(1), D, vc + (h * slots + sm[t]) * D);
+      std::memcpy(kc + (h * slots + sm[t]) * D * es, kp + (t * k.stride(0) + h * k.stride(1)) * es,
+                  D * es);
+      std::memcpy(vc + (h * slots + sm[t]) * D * es, vp + (t * v.stride(0) + h * v.stride(1)) * es,
+                  D * es);
     }
   }
 }
@@ -177,17 +222,71 @@ static inline void gemv_rows(const float* __restrict w, const float* __restrict 
   for (int r = 0; r < R; ++r) y[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
+#ifdef __AVX512BF16__
+// bf16: vdpbf16ps multiplies 32 bf16 pairs exactly and adds them into 16 fp32 sums, so the
+// weights stream as they are stored (2 bytes each, half fp32's) with no conversion; one
+// rounding to bf16 at the end, after the bias, as torch's bf16 linear does.
+template <int R>
+static inline void gemv_rows_bf16(const bf16_t* __restrict w, const bf16_t* __restrict x,
+                                  const bf16_t* __restrict bias, bf16_t* __restrict y, int64_t K) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(w + r * K + k), xv);
+  }
+  if (k < K) {
+    const __mmask32 m = static_cast<__mmask32>((1ull << (K - k)) - 1);
+    const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + k);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_maskz_loadu_epi16(m, w + r * K + k), xv);
+  }
+  for (int r = 0; r < R; ++r)
+    y[r] = to_bf16(_mm512_reduce_add_ps(acc[r]) + (bias ? to_f(bias[r]) : 0.f));
+}
+#endif
+
 torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32 &&
-              x.dim() == 2 && x.size(0) == 1 && weight.is_contiguous(), "gemv: fp32, one row");
+  const bool bf = is_bf16("gemv", {&x, &weight});
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && weight.dim() == 2 && weight.is_contiguous(),
+              "gemv: one row, a contiguous weight");
   x = x.contiguous();
   const int64_t N = weight.size(0), K = weight.size(1);
   TORCH_CHECK(x.size(1) == K, "gemv: shapes");
   auto y = torch::empty({1, N}, x.options());
+  constexpr int64_t R = 8;
+  if (bf) {
+#ifdef __AVX512BF16__
+    torch::Tensor b;
+    if (bias.has_value()) {
+      b = bias->contiguous();
+      TORCH_CHECK(b.scalar_type() == torch::kBFloat16 && b.numel() == N, "gemv: bias");
+    }
+    const bf16_t* xp = cptr<bf16_t>(x);
+    const bf16_t* wp = cptr<bf16_t>(weight);
+    const bf16_t* bp = b.defined() ? cptr<bf16_t>(b) : nullptr;
+    bf16_t* yp = mptr<bf16_t>(y);
+    at::parallel_for(0, (N + R - 1) / R, 1, [&](int64_t g0, int64_t e) {
+      for (int64_t g = g0; g < e; ++g) {
+        const int64_t n = g * R;
+        if (n + R <= N) {
+          gemv_rows_bf16<R>(wp + n * K, xp, bp ? bp + n : nullptr, yp + n, K);
+        } else {
+          for (int64_t i = n; i < N; ++i)
+            gemv_rows_bf16<1>(wp + i * K, xp, bp ? bp + i : nullptr, yp + i, K);
+        }
+      }
+    });
+    return y;
+#else
+    return at::linear(x, weight, bias);
+#endif
+  }
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  constexpr int64_t R = 8;
   at::parallel_for(0, (N + R - 1) / R, 1, [&](int64_t b, int64_t e) {
     for (int64_t g = b; g < e; ++g) {
       const int64_t n = g * R;
@@ -204,7 +303,7 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, c10::optional<torch::T
 #endif
 
 // Batch-1 decode through every layer in one call: a Llama layer without biases or q/k norms
-// (SmolLM2, Llama), fp32, the same kernels the model calls one by one (so the same numbers),
+// (SmolLM2, Llama), fp32 or bf16, the same kernels the model calls one by one (so the same numbers),
 // without the Python between them: at batch 1 that interpreter and dispatch time, about
 // 60 calls per layer, was the largest cost after reading the weights.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -213,7 +312,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, int64_t fmt);   // cpu_quant.cpp
 
-// fmt 0: an fp32 weight; else a packed one (cpu_quant.cpp's formats).
+// fmt 0: a dense weight (fp32, or bf16 in a bf16 model); else a packed one (cpu_quant.cpp's formats).
 static torch::Tensor linear1(const torch::Tensor& x, const torch::Tensor& w, int64_t fmt) {
   if (fmt != 0) return qlinear(x, w, fmt);
 #ifdef __AVX512F__
@@ -224,7 +323,7 @@ static torch::Tensor linear1(const torch::Tensor& x, const torch::Tensor& w, int
 }
 
 // x: layer 0's input [1, hidden]; weights: per layer input norm, qkv, o, post-attention
-// norm, gate_up, down, and formats: each weight's (0: fp32, else packed); k_caches / v_caches: per layer [kvH, num_blocks, block_size, D];
+// norm, gate_up, down, and formats: each weight's (0: dense, else packed); k_caches / v_caches: per layer [kvH, num_blocks, block_size, D];
 // cos / sin: [1, 1, D]; block_tables, context_lens, slot_mapping: the step's (one row).
 // Returns (the last layer's MLP output, the residual stream before it), as the layers do.
 std::vector<torch::Tensor> decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
@@ -267,13 +366,13 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor x, std::vector<torch::Ten
 }
 
 void register_cpu_ops(pybind11::module& m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (fp32)");
-  m.def("add_rms_norm", &add_rms_norm, "Residual add, then RMSNorm: (normed, sum) (fp32)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [T, 2I] tensor (fp32)");
-  m.def("rope", &rope, "Rotate-half RoPE with a sign-folded sin table (fp32)");
-  m.def("write_kv", &write_kv, "This step's K/V into their pool slots (fp32)");
-  m.def("decode_layers", &decode_layers, "Batch-1 decode through every layer (fp32 Llama)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (fp32 or bf16)");
+  m.def("add_rms_norm", &add_rms_norm, "Residual add, then RMSNorm: (normed, sum) (fp32 or bf16)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [T, 2I] tensor (fp32 or bf16)");
+  m.def("rope", &rope, "Rotate-half RoPE with a sign-folded sin table (fp32 or bf16)");
+  m.def("write_kv", &write_kv, "This step's K/V into their pool slots (fp32 or bf16)");
+  m.def("decode_layers", &decode_layers, "Batch-1 decode through every layer (fp32 or bf16 Llama)");
 #ifdef __AVX512F__
-  m.def("gemv", &gemv, "x [1, K] @ weight [N, K]^T (+ bias), AVX-512 (fp32)");
+  m.def("gemv", &gemv, "x [1, K] @ weight [N, K]^T (+ bias), AVX-512 (fp32 or bf16)");
 #endif
 }

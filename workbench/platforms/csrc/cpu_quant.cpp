@@ -317,7 +317,11 @@ static torch::Tensor qlinear_small(const torch::Tensor& x, const torch::Tensor& 
 
 // x [M, K] (fp32 or bf16) @ packed weight^T -> [M, N] in x's dtype. One fp32 row takes
 // qgemv; more rows multiply slices of dequantized rows (about 1 MB each) with torch's GEMM.
+torch::Tensor a8_dispatch_linear(torch::Tensor x, torch::Tensor w, int64_t fmt);   // cpu_a8.cpp
+torch::Tensor a8_embedding(torch::Tensor ids, torch::Tensor w, int64_t fmt, int64_t K, bool bf16);
+
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, int64_t fmt) {
+  if (fmt >= 4) return a8_dispatch_linear(x, w, fmt);     // 8-bit activations (cpu_a8.cpp)
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat32 ||
                                x.scalar_type() == torch::kBFloat16), "qlinear: fp32 or bf16 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
@@ -346,6 +350,7 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, int64_t fmt) {
 // Embedding rows of a packed table: ids [T] -> [T, K], fp32 (bf16 with `bf16`).
 torch::Tensor qembedding(torch::Tensor ids, torch::Tensor w, int64_t fmt, int64_t K,
                          bool bf16) {
+  if (fmt >= 4) return a8_embedding(ids, w, fmt, K, bf16);
   check(w, fmt, K, "qembedding");
   ids = ids.contiguous().to(torch::kLong);
   const int64_t T = ids.numel(), N = w.size(0), rb = w.size(1);

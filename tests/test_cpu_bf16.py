@@ -1,0 +1,197 @@
+"""bf16 on the CPU end to end (csrc/cpu_ops.cpp, csrc/cpu_attention.cpp in bf16): each
+kernel against a float64 reference within bf16's rounding, and against the torch bf16
+reference (platforms/ops.py, attention.py) to at most one bf16 unit, since the kernels round
+where torch's bf16 ops round; then engines in bf16 on the fused path (the C++ attention,
+batch-1 decode_layers) give the plain-torch bf16 reference's greedy tokens."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workbench import Engine, SamplingParams
+from workbench.platforms import cpu
+from workbench.platforms.attention import decode_attention, pool_rows
+from workbench.platforms.ops import TorchOps
+
+BF = torch.bfloat16
+U = 2.0 ** -8
+"""bf16's unit roundoff (8 significant bits, round to nearest)."""
+
+
+@pytest.fixture(scope="module")
+def kern():
+    k = cpu.load_cpu_kernels()
+    if k is None:
+        pytest.skip("no C++ compiler: the CPU kernels could not be built")
+    return k
+
+
+def rand(*shape, seed=0, lo=None):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(*shape, generator=g) if lo is None else torch.rand(*shape, generator=g) + lo
+    return t.to(BF)
+
+
+def within(got: torch.Tensor, want64: torch.Tensor, bound: torch.Tensor | float) -> bool:
+    assert got.dtype == BF and got.shape == want64.shape
+    return bool(((got.double() - want64).abs() <= bound).all())
+
+
+def one_unit(got: torch.Tensor, ref: torch.Tensor) -> bool:
+    """At most one bf16 unit in the last place apart (2^-7 relative; exact zeros equal)."""
+    assert got.dtype == ref.dtype == BF and got.shape == ref.shape
+    return bool(((got.float() - ref.float()).abs() <= 2 ** -7 * ref.float().abs()).all())
+
+
+@pytest.mark.parametrize("t,d", [(1, 576), (5, 96), (33, 17)])
+def test_norms_and_silu_in_bf16(kern, t, d):
+    x, r, w = rand(t, d, seed=1), rand(t, d, seed=2), rand(d, seed=3, lo=0.5)
+    ref = TorchOps()
+    # RMSNorm: the scaling rounds to bf16, then the weight multiply does: two roundings.
+    x64 = x.double()
+    want = w.double() * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5)
+    out = kern.rms_norm(x, w, 1e-5)
+    assert within(out, want, 2.1 * U * want.abs() + 1e-30)
+    assert one_unit(out, ref.rms_norm(x, w, 1e-5))
+    normed, s = kern.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(s, x + r)                                   # one rounding, as torch's
+    s64 = s.double()
+    want = w.double() * s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert within(normed, want, 2.1 * U * want.abs() + 1e-30)
+    assert one_unit(normed, ref.add_rms_norm(x, r, w, 1e-5)[0])
+    gu = rand(t, 2 * d, seed=4) * 4
+    g64, u64 = gu.double().chunk(2, dim=-1)
+    want = g64 / (1 + torch.exp(-g64)) * u64
+    out = kern.silu_and_mul(gu)
+    assert within(out, want, 2.1 * U * want.abs() + 1e-30)
+    assert one_unit(out, ref.silu_and_mul(gu))
+
+
+@pytest.mark.parametrize("t,d", [(1, 64), (7, 48), (3, 16), (2, 40)])
+def test_rope_and_kv_write_in_bf16(kern, t, d):
+    from workbench.platforms.attention import write_kv
+    qkv = rand(t, 5 + 2 * 3, d, seed=5)
+    qk = qkv[:, :8]                                                   # a strided view
+    cos, sin = rand(t, 1, d, seed=6), rand(t, 1, d, seed=7)
+    x64 = qk.double()
+    rolled = x64.roll(d // 2, dims=-1)
+    want = x64 * cos.double() + rolled * sin.double()
+    bound = 2.1 * U * ((x64 * cos.double()).abs() + (rolled * sin.double()).abs()) + 1e-30
+    out = kern.rope(qk, cos, sin)
+    assert within(out, want, bound)
+    assert torch.equal(out, TorchOps().qk_rope(qk, cos, sin, 5))     # torch's three roundings
+    pool = [torch.zeros(3, 7, 16, d, dtype=BF) for _ in range(2)]
+    copy = [p.clone() for p in pool]
+    slots = torch.randperm(7 * 16, generator=torch.Generator().manual_seed(t))[:t]
+    kern.write_kv(pool[0], pool[1], qkv[:, 5:8], qkv[:, 8:], slots)
+    write_kv(copy[0], copy[1], qkv[:, 5:8], qkv[:, 8:], slots)
+    assert torch.equal(pool[0], copy[0]) and torch.equal(pool[1], copy[1])
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (37, 100), (3, 20), (9, 33), (1, 7)])
+def test_bf16_gemv(kern, n, k):
+    """vdpbf16ps sums exact products in fp32 and rounds once (after the bias): within one
+    bf16 rounding of the float64 product plus fp32's sum error; K with a masked tail."""
+    if not hasattr(kern, "gemv"):
+        pytest.skip("no AVX-512 here")
+    x, w, b = rand(1, k, seed=n), rand(n, k, seed=k), rand(n, seed=n + k)
+    mag = x.double().abs() @ w.double().abs().T
+    for bias in (None, b):
+        want = x.double() @ w.double().T + (0 if bias is None else bias.double())
+        y = kern.gemv(x, w, bias)
+        assert within(y, want, U * want.abs() + 1e-5 * (mag + (0 if bias is None else b.double().abs())))
+        assert one_unit(y, torch.nn.functional.linear(x, w, bias)) or \
+            within(y, torch.nn.functional.linear(x, w, bias).double(), 1e-5 * mag)
+    from workbench.platforms.cpu_ops import CpuOps
+    assert torch.equal(CpuOps().linear(x, w), kern.gemv(x, w, None))   # batch 1 takes it
+
+
+@pytest.mark.parametrize("seed,g,bs,d", [(0, 3, 16, 64), (1, 1, 8, 48), (2, 4, 64, 32),
+                                         (3, 2, 16, 16), (4, 3, 32, 40)])
+def test_paged_decode_attention_over_a_bf16_pool(kern, seed, g, bs, d):
+    """Shuffled block tables, lengths that end mid-block; against float64 attention over the
+    same bf16 numbers, and the torch bf16 reference (decode_attention) to one unit."""
+    gen = torch.Generator().manual_seed(seed)
+    b, kv_heads, nb = 5, 2, 48
+    k_cache = torch.randn(kv_heads, nb, bs, d, generator=gen).to(BF)
+    v_cache = torch.randn(kv_heads, nb, bs, d, generator=gen).to(BF)
+    lens = torch.randint(1, 200, (b,), generator=gen)
+    width = -(-int(lens.max()) // bs)
+    tables = torch.stack([torch.randperm(nb, generator=gen)[:width] for _ in range(b)])
+    q = torch.randn(b, kv_heads * g, d, generator=gen).to(BF)
+    scale = d ** -0.5
+    out = kern.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+    assert out.dtype == BF and out.shape == q.shape
+    for i in range(b):
+        n = int(lens[i])
+        kc = k_cache[:, tables[i]].reshape(kv_heads, -1, d)[:, :n].double()
+        vc = v_cache[:, tables[i]].reshape(kv_heads, -1, d)[:, :n].double()
+        qi = q[i].double().view(kv_heads, g, d)
+        p = torch.softmax(qi @ kc.transpose(1, 2) * scale, dim=-1)
+        want = (p @ vc).reshape(-1, d)
+        # bf16 rounds the scaled query, each score, each probability and the output: a
+        # few units of the output's size (the bound a rigorous sum of |q||k| would give is
+        # a hundred times looser than what any kernel error would show, a wrong scale too).
+        bound = 4 * U * float(want.abs().max())
+        assert within(out[i], want, bound), i
+    pad = torch.arange(width * bs)[None, :] >= lens[:, None]
+    bias = torch.zeros(pad.shape, dtype=BF).masked_fill_(pad, float("-inf"))
+    ref = decode_attention(q, k_cache, v_cache, pool_rows(tables, kv_heads, nb),
+                           bias.unsqueeze(1).repeat(kv_heads, 1, 1), scale)
+    assert one_unit(out, ref)
+
+
+def greedy(engine, prompts, n=24):
+    p = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    return [o.token_ids for o in engine.generate(prompts, p)]
+
+
+@pytest.mark.parametrize("model", ["smollm2", "random:tiny", "random:tiny-qwen2",
+                                   "random:tiny-qwen3"])
+def test_bf16_engine_gives_the_torch_references_greedy_tokens(kern, smollm2_dir, model):
+    """dtype=bfloat16 on the CPU runs the C++ attention and ops (batch 1: decode_layers for
+    Llama layers) and gives the plain-torch bf16 path's greedy tokens, batched, alone and
+    after a prefix-cache hit. They are the same numbers: in bf16 a logit's unit is 2^-8 of
+    its size, so smollm2's top two often tie, and any reordered sum (torch's CPU flash
+    attention for prefill did that) changes some of these tokens."""
+    kw = dict(model=model, device="cpu", num_kv_blocks=96, dtype="bfloat16", quantization=None)
+    e, ref = Engine(**kw), Engine(**kw, attention_backend="reference")
+    try:
+        info = e.info()
+        assert info.attention == "cpu" and info.ops == "cpu" and ref.info().ops == "torch"
+        assert e.core.model.embed_tokens.weight.dtype == BF
+        prompts = (["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea.",
+                    "In 1969, the first humans landed on the Moon. Describe what they saw and "
+                    "how they felt when they stepped out onto the grey dust of the surface."]
+                   if model == "smollm2" else [[1, 2, 3], [7] * 20, [5, 9, 200, 31],
+                                               [(3 * j) % 300 + 1 for j in range(45)]])
+        ran = []
+        one_call = e.core.model.ops.decode_layers
+        e.core.model.ops.decode_layers = lambda *a: ran.append(one_call(*a)) or ran[-1]
+        tokens = greedy(e, prompts)
+        assert tokens == greedy(ref, prompts)
+        alone = greedy(e, prompts[:1])[0]
+        assert alone == tokens[0]
+        # Again: the long prompt's full blocks are cached now, so its prefill attends over
+        # pool rows (the masked path); both engines had the same cache hits.
+        assert greedy(e, prompts[3:]) == greedy(ref, prompts[3:]) == tokens[3:]
+        fused = sum(r is not None for r in ran)
+        assert fused == (46 if model in ("smollm2", "random:tiny") else 0), fused
+    finally:
+        e.shutdown()
+        ref.shutdown()
+
+
+def test_bf16_batch_1_decode_in_one_call_equals_the_layer_loop(kern):
+    """decode_layers in bf16 computes what the layer loop's kernels compute, bit for bit."""
+    kw = dict(model="random:tiny", device="cpu", num_kv_blocks=64, dtype="bfloat16")
+    fused, loop = Engine(**kw), Engine(**kw)
+    try:
+        loop.core.model.ops.decode_layers = lambda *a: None
+        p = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
+        prompt = [(5 * j) % 200 + 1 for j in range(21)]
+        a, b = fused.generate([prompt], p)[0], loop.generate([prompt], p)[0]
+        assert a.token_ids == b.token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs
+    finally:
+        fused.shutdown()
+        loop.shutdown()

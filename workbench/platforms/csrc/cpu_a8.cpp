@@ -1,0 +1,312 @@
+// Linear layers with 8-bit activations over 16-row interleaved low-bit weights
+// ('gguf-a8', 'int8-a8'; platforms/quant.py's q4_1x16 (fmt 4), q8_0x16 (5), int8x16 (6)).
+// cpu_quant.cpp's kernels keep fp32 activations, so per 32 weights they convert nibbles or
+// bytes to floats and multiply: on two cores that is compute-bound at about a third of the
+// memory bandwidth. Here each activation row is quantized once per call to int8 per 32-block
+// (one fp32 scale d_x and the block's sum of q_x), and each block's products are summed in
+// int32 by AVX-512 VNNI: vpdpbusd multiplies 64 unsigned weight bytes by 64 signed
+// activation bytes and adds each 4 into one 32-bit lane. The weights are stored so that the
+// 64 bytes are 16 output rows times 4 consecutive weights (lane r: row r), and the 4
+// activation bytes are broadcast to every lane: one register holds 16 rows' sums, 8
+// instructions do a 32-block. Per block and tile, in fp32:
+//   Q4_1:  y += d_w * d_x * sum(q_w q_x) + m_w * d_x * sum(q_x)        (q_w in 0..15)
+//   Q8_0:  y += d_w * d_x * (sum((q_w + 128) q_x) - 128 * sum(q_x))    (exact in int32)
+//   INT8:  y += d_x * (same), times the row's scale at the end
+// which is, up to fp32 rounding, the reference (quant.a8_linear): the dequantized
+// activations times the dequantized weights. Rows that do not fill a tile (the last N % 16)
+// are a tile of their own, interleaved R rows wide, read with masks.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+enum A8Format : int64_t { kQ4_1x16 = 4, kQ8_0x16 = 5, kInt8x16 = 6 };
+static constexpr int64_t kTile = 16;
+
+static int64_t padded(int64_t K) { return (K + 31) / 32 * 32; }
+
+static int64_t a8_row_bytes(int64_t fmt, int64_t K) {
+  switch (fmt) {
+    case kQ4_1x16: return K / 32 * 20;
+    case kQ8_0x16: return K / 32 * 34;
+    case kInt8x16: return padded(K) + 4;
+  }
+  TORCH_CHECK(false, "a8 weight: unknown format ", fmt);
+  return 0;
+}
+
+static void a8_check(const torch::Tensor& w, int64_t fmt, int64_t K, const char* what) {
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), what,
+              ": packed weights are a contiguous uint8 [N, row bytes] tensor");
+  TORCH_CHECK(fmt == kInt8x16 || K % 32 == 0, what, ": block formats need K % 32 == 0 (K = ", K, ")");
+  TORCH_CHECK(w.size(1) == a8_row_bytes(fmt, K), what, ": ", w.size(1),
+              " bytes a row is not format ", fmt, " at K = ", K);
+}
+
+static inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
+}
+
+// One activation row -> q [K_pad] int8, d [K_pad / 32], s [K_pad / 32] (the sum of each
+// block's q). d = max|x| * (1/127) and q = round-half-even(x * (1/d)), as
+// quant.quantize_activations computes them (the reciprocal is a true division there and here).
+static void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int32_t* s) {
+  const int64_t nb = padded(K) / 32;
+  volatile float one = 1.0f;             // a division, never a reciprocal estimate
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t n = std::min<int64_t>(32, K - b * 32);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const __mmask16 m0 = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+    const __mmask16 m1 = n >= 32 ? 0xFFFF : n > 16 ? static_cast<__mmask16>((1u << (n - 16)) - 1) : 0;
+    const __m512 x0 = _mm512_maskz_loadu_ps(m0, x + b * 32), x1 = _mm512_maskz_loadu_ps(m1, x + b * 32 + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const float dd = amax * (1.0f / 127.0f);
+    const __m512 id = _mm512_set1_ps(dd > 0.f ? one / dd : 0.f);
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    const __m512i q0 = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(x0, id))));
+    const __m512i q1 = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(x1, id))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * 32), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * 32 + 16), _mm512_cvtsepi32_epi8(q1));
+    d[b] = dd;
+    s[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#else
+    float v[32];
+    for (int64_t j = 0; j < 32; ++j) v[j] = j < n ? x[b * 32 + j] : 0.f;
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
+    const float dd = amax * (1.0f / 127.0f);
+    const float id = dd > 0.f ? one / dd : 0.f;
+    int32_t sum = 0;
+    for (int j = 0; j < 32; ++j) {
+      float r = std::nearbyint(v[j] * id);
+      r = std::min(127.f, std::max(-127.f, r));
+      q[b * 32 + j] = static_cast<int8_t>(r);
+      sum += static_cast<int32_t>(r);
+    }
+    d[b] = dd;
+    s[b] = sum;
+#endif
+  }
+}
+
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> s;
+  int64_t kp, nb;
+};
+
+static QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
+  QuantizedRows r;
+  r.kp = padded(K);
+  r.nb = r.kp / 32;
+  r.q.resize(M * r.kp);
+  r.d.resize(M * r.nb);
+  r.s.resize(M * r.nb);
+  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m)
+      quantize_row(x + m * K, K, r.q.data() + m * r.kp, r.d.data() + m * r.nb,
+                   r.s.data() + m * r.nb);
+  });
+  return r;
+}
+
+// x fp32 [M, K] -> (q int8 [M, K_pad], d fp32 [M, K_pad / 32]): for the tests, against
+// quant.quantize_activations.
+std::vector<torch::Tensor> a8_quantize(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2, "a8_quantize: fp32 [M, K]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  auto r = quantize_rows(x.data_ptr<float>(), M, K);
+  auto q = torch::empty({M, r.kp}, torch::kInt8);
+  auto d = torch::empty({M, r.nb}, torch::kFloat32);
+  std::memcpy(q.data_ptr<int8_t>(), r.q.data(), r.q.size());
+  std::memcpy(d.data_ptr<float>(), r.d.data(), r.d.size() * 4);
+  return {q, d};
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+static inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// One tile (R rows at t) against MT activation rows: y[m * ldy + r] for r < R.
+template <int MT>
+static void tile_kernel(const uint8_t* t, int64_t fmt, int64_t R, int64_t nb, const int8_t* xq,
+                        int64_t kp, const float* xd, const int32_t* xs, float* y, int64_t ldy) {
+  const __mmask16 rm = R == kTile ? 0xFFFF : static_cast<__mmask16>((1u << R) - 1);
+  const __mmask64 bm = R == kTile ? ~0ull : (1ull << (4 * R)) - 1;
+  const int64_t chunk = 4 * R;
+  __m512 acc[MT], macc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps(), macc[m] = _mm512_setzero_ps();
+  __m512i w[8];
+  if (fmt == kQ4_1x16) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = t + b * 20 * R;
+      const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(rm, blk));
+      const __m512 mw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(rm, blk + 2 * R));
+      for (int c = 0; c < 4; ++c) {
+        const __m512i raw = _mm512_maskz_loadu_epi8(bm, blk + 4 * R + c * chunk);
+        w[c] = _mm512_and_si512(raw, low);
+        w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+      }
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* q = xq + m * kp + b * 32;
+        __m512i s = _mm512_setzero_si512();
+        for (int g = 0; g < 8; ++g) s = _mm512_dpbusd_epi32(s, w[g], bcast4(q + 4 * g));
+        const float dx = xd[m * nb + b];
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(dx)), acc[m]);
+        macc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dx * static_cast<float>(xs[m * nb + b])),
+                                  macc[m]);
+      }
+    }
+    for (int m = 0; m < MT; ++m) acc[m] = _mm512_add_ps(acc[m], macc[m]);
+  } else {
+    const bool q8 = fmt == kQ8_0x16;
+    const int64_t bb = q8 ? 34 * R : 32 * R;
+    const uint8_t* base = q8 ? t : t + 4 * R;      // int8x16: the row scales come first
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = base + b * bb;
+      const uint8_t* qs = q8 ? blk + 2 * R : blk;
+      const __m512 dw = q8 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(rm, blk)) : _mm512_set1_ps(1.f);
+      for (int g = 0; g < 8; ++g) w[g] = _mm512_maskz_loadu_epi8(bm, qs + g * chunk);
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* q = xq + m * kp + b * 32;
+        __m512i s = _mm512_set1_epi32(-128 * xs[m * nb + b]);
+        for (int g = 0; g < 8; ++g) s = _mm512_dpbusd_epi32(s, w[g], bcast4(q + 4 * g));
+        const __m512 dx = _mm512_set1_ps(xd[m * nb + b]);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), q8 ? _mm512_mul_ps(dw, dx) : dx, acc[m]);
+      }
+    }
+    if (!q8) {
+      const __m512 sw = _mm512_maskz_loadu_ps(rm, t);
+      for (int m = 0; m < MT; ++m) acc[m] = _mm512_mul_ps(acc[m], sw);
+    }
+  }
+  for (int m = 0; m < MT; ++m) _mm512_mask_storeu_ps(y + m * ldy, rm, acc[m]);
+}
+
+static constexpr int64_t kRowsPerPass = 4;
+// Activation rows a pass over a tile multiplies with its unpacked weights (4 sums of 16
+// rows in registers beside the 8 weight registers); the tile (at most 16 x K bytes) stays in
+// L1 between passes.
+
+// x [M, K] fp32 @ tiled weight^T -> [M, N] fp32. Threads split the tiles.
+torch::Tensor a8_linear(torch::Tensor x, torch::Tensor w, int64_t fmt) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat32 ||
+                               x.scalar_type() == torch::kBFloat16), "a8_linear: fp32 or bf16 [M, K]");
+  if (x.scalar_type() != torch::kFloat32)
+    return a8_linear(x.to(torch::kFloat32), w, fmt).to(x.scalar_type());
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), rb = w.size(1);
+  a8_check(w, fmt, K, "a8_linear");
+  auto xq = quantize_rows(x.data_ptr<float>(), M, K);
+  auto y = torch::empty({M, N}, x.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t tiles = (N + kTile - 1) / kTile;
+  at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t R = std::min(kTile, N - i * kTile);
+      const uint8_t* t = wp + i * kTile * rb;
+      int64_t m = 0;
+      for (; m + kRowsPerPass <= M; m += kRowsPerPass)
+        tile_kernel<kRowsPerPass>(t, fmt, R, xq.nb, xq.q.data() + m * xq.kp, xq.kp,
+                                  xq.d.data() + m * xq.nb, xq.s.data() + m * xq.nb,
+                                  yp + m * N + i * kTile, N);
+      for (; m < M; ++m)
+        tile_kernel<1>(t, fmt, R, xq.nb, xq.q.data() + m * xq.kp, xq.kp,
+                       xq.d.data() + m * xq.nb, xq.s.data() + m * xq.nb,
+                       yp + m * N + i * kTile, N);
+    }
+  });
+  return y;
+}
+#endif
+
+// Rows `ids` of a tiled table, fp32 [T, K] (bf16 with `bf16`): the embedding lookup, the
+// reference's numbers exactly (d * q + m in fp32, two roundings, as gguf's numpy computes).
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+static void a8_row(const uint8_t* w, int64_t fmt, int64_t N, int64_t K, int64_t id, float* out) {
+  const int64_t rb = a8_row_bytes(fmt, K), tile = id / kTile, r = id % kTile;
+  const int64_t R = std::min(kTile, N - tile * kTile), nb = padded(K) / 32;
+  const uint8_t* t = w + tile * kTile * rb;
+  if (fmt == kQ4_1x16) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = t + b * 20 * R;
+      const float d = half_to_float(blk + 2 * r), m = half_to_float(blk + 2 * R + 2 * r);
+      for (int c = 0; c < 4; ++c)
+        for (int j = 0; j < 4; ++j) {
+          const uint8_t v = blk[4 * R + c * 4 * R + 4 * r + j];
+          out[b * 32 + 4 * c + j] = d * static_cast<float>(v & 0x0F) + m;
+          out[b * 32 + 16 + 4 * c + j] = d * static_cast<float>(v >> 4) + m;
+        }
+    }
+    return;
+  }
+  const bool q8 = fmt == kQ8_0x16;
+  float scale = 1.f;
+  if (!q8) std::memcpy(&scale, t + 4 * r, 4);
+  const uint8_t* base = q8 ? t : t + 4 * R;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = base + b * (q8 ? 34 : 32) * R;
+    const float d = q8 ? half_to_float(blk + 2 * r) : scale;
+    const uint8_t* qs = q8 ? blk + 2 * R : blk;
+    for (int g = 0; g < 8; ++g)
+      for (int j = 0; j < 4; ++j) {
+        const int64_t k = b * 32 + 4 * g + j;
+        if (k < K) out[k] = d * static_cast<float>(static_cast<int>(qs[g * 4 * R + 4 * r + j]) - 128);
+      }
+  }
+}
+#pragma GCC pop_options
+
+torch::Tensor a8_embedding(torch::Tensor ids, torch::Tensor w, int64_t fmt, int64_t K, bool bf16) {
+  a8_check(w, fmt, K, "a8_embedding");
+  ids = ids.contiguous().to(torch::kLong);
+  const int64_t T = ids.numel(), N = w.size(0);
+  auto out = torch::empty({T, K}, torch::kFloat32);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < N, "a8_embedding: id out of range");
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) a8_row(wp, fmt, N, K, ip[t], op + t * K);
+  });
+  return bf16 ? out.to(torch::kBFloat16) : out;
+}
+
+// cpu_quant.cpp's qlinear and qembedding hand the tiled formats (fmt >= 4) here.
+torch::Tensor a8_dispatch_linear(torch::Tensor x, torch::Tensor w, int64_t fmt) {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return a8_linear(x, w, fmt);
+#else
+  TORCH_CHECK(false, "a8_linear: this CPU has no AVX-512 VNNI (the torch reference runs it)");
+  return x;
+#endif
+}
+
+void register_cpu_a8(pybind11::module& m) {
+  m.def("a8_quantize", &a8_quantize, "activations fp32 [M, K] -> (int8 [M, K_pad], scales)");
+  m.def("a8_embedding", &a8_embedding, "rows of a tiled packed table -> [T, K]");
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  m.def("a8_linear", &a8_linear, "x [M, K] @ tiled packed weight^T, 8-bit activations, VNNI");
+#endif
+}
