@@ -21,14 +21,23 @@ import time
 from dataclasses import replace
 
 from workbench import Engine, EngineConfig, SamplingParams
-from workbench.tune import SLO, Space, Workload, measure_config, tune
+from workbench.tune import SLO, TUNABLE, Space, Workload, measure_config, tune
 
-PROMPT, OUTPUT = (32, 128), (8, 32)
+PROMPT, OUTPUT = (64, 256), (16, 48)
+KNOBS = ("max_num_seqs", "max_num_batched_tokens", "prefill_interval", "enable_chunked_prefill",
+         "block_size")
+"""The knobs that move TTFT and TPOT on a CPU (no graphs to capture; one model instance)."""
 
 
-def lone_request(base: EngineConfig) -> tuple[float, float]:
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi or lo)
+
+
+def lone_request(base: EngineConfig, prompt: tuple[int, int], output: tuple[int, int]
+                 ) -> tuple[float, float]:
     """TTFT and TPOT (s) of one mid-sized request alone on the default engine."""
-    prompt_len, out = sum(PROMPT) // 2, sum(OUTPUT) // 2
+    prompt_len, out = sum(prompt) // 2, sum(output) // 2
     with Engine(base) as e:
         e.generate([[11] * 16], SamplingParams(max_tokens=2, ignore_eos=True))   # warm
         ttfts, tpots = [], []
@@ -45,28 +54,33 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--trials", type=int, default=8)
     ap.add_argument("--num-requests", type=int, default=12)
-    ap.add_argument("--load", type=float, default=2.0,
+    ap.add_argument("--load", type=float, default=3.0,
                     help="arrival rate as a multiple of what one request at a time serves")
     ap.add_argument("--ttft-x", type=float, default=4.0)
     ap.add_argument("--tpot-x", type=float, default=2.5)
     ap.add_argument("--trial-timeout", type=float, default=90.0)
+    ap.add_argument("--prompt-len", type=_range, default=PROMPT, help="LO:HI tokens")
+    ap.add_argument("--output-len", type=_range, default=OUTPUT, help="LO:HI tokens")
+    ap.add_argument("--knobs", default=",".join(KNOBS),
+                    help="comma list of knobs to search over their default domains, or 'all'")
     ap.add_argument("--output", default="")
     a = ap.parse_args()
+    knobs = TUNABLE if a.knobs == "all" else tuple(k.strip() for k in a.knobs.split(","))
 
     base = EngineConfig(model=a.model, device="cpu", kv_cache_memory_gb=0.25)
     load0 = os.getloadavg()
     t_start = time.perf_counter()
-    ttft1, tpot1 = lone_request(base)
-    service = ttft1 + (sum(OUTPUT) / 2 - 1) * tpot1
+    ttft1, tpot1 = lone_request(base, a.prompt_len, a.output_len)
+    service = ttft1 + (sum(a.output_len) / 2 - 1) * tpot1
     rate = a.load / service
     slo = SLO(ttft_ms=a.ttft_x * ttft1 * 1e3, tpot_ms=a.tpot_x * tpot1 * 1e3)
     workload = Workload(num_requests=a.num_requests, request_rate=round(rate, 3),
-                        prompt_len=PROMPT, output_len=OUTPUT, seed=1)
+                        prompt_len=a.prompt_len, output_len=a.output_len, seed=1)
     print(f"lone request: TTFT {ttft1 * 1e3:.0f} ms, TPOT {tpot1 * 1e3:.1f} ms; "
           f"{workload.describe()}; SLO {slo.describe()}; load average {load0[0]:.1f}",
           flush=True)
 
-    space = Space.default("cpu")
+    space = Space.default("cpu", knobs=knobs)
     t0 = time.perf_counter()
     result = tune(workload, slo, space, base=base, n_trials=a.trials,
                   trial_time_limit=a.trial_timeout,
@@ -95,7 +109,7 @@ def main() -> int:
     report = {"model": a.model, "machine": {"cpus": os.cpu_count(), "load_before": load0,
                                             "load_after": os.getloadavg()},
               "lone_request": {"ttft_ms": ttft1 * 1e3, "tpot_ms": tpot1 * 1e3},
-              "workload": workload.describe(), "slo": slo.describe(),
+              "workload": workload.describe(), "slo": slo.describe(), "argv": sys.argv[1:],
               "tune_seconds": tune_s, "total_seconds": total, "result": result.to_dict(),
               "head_to_head": {k: [m.to_dict() for m in v] for k, v in heads.items()},
               "goodput": g, "ratio": ratio}

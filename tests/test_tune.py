@@ -255,6 +255,8 @@ def test_tune_panel_renders_the_frontier_and_the_winner():
     result.modelled = {"profile": "h100", "calibrated": False}
     assert "MODELLED" in tune_figure(result).layout.title.text
     assert "uncalibrated" in tune_figure(result).layout.title.text
+    result.modelled = {"profile": "h200", "calibrated": True, "error": {"max_abs_pct": 47.5}}
+    assert "measured error up to 48 %" in tune_figure(result).layout.title.text
 
 
 def test_tune_panel_runs_a_tune():

@@ -58,17 +58,25 @@ def draw(fig, result: TuneResult | None) -> None:
                 tr.y = [t.measurement.throughput for t in group]
                 tr.hovertext = [_hover(t) for t in group]
         if result is not None:
-            modelled = result.modelled is not None
-            fig.layout.title = dict(
-                text=(f"MODELLED on {esc(result.device)}: "
-                      + ("calibrated" if result.modelled.get("calibrated")
-                         else "uncalibrated, no measured error") if modelled
-                      else f"measured on {esc(result.device)}"), font=dict(size=13))
+            fig.layout.title = dict(text=chart_title(result), font=dict(size=13))
         if result is not None:     # the SLO's limits, dotted across each plot
             fig.layout.shapes = [dict(type="line", xref=x, yref=f"{y} domain", x0=limit,
                                       x1=limit, y0=0, y1=1, line=dict(color="#999", dash="dot"))
                                  for x, y, limit in (("x", "y", result.slo.ttft_ms),
                                                      ("x2", "y2", result.slo.tpot_ms))]
+
+
+def chart_title(result: TuneResult) -> str:
+    """Says where the numbers come from: measured on the device, or modelled (with the
+    profile's measured error, or that it is uncalibrated and has none)."""
+    m = result.modelled
+    if m is None:
+        return f"measured on {esc(result.device)}"
+    err = (m.get("error") or {}).get("max_abs_pct")
+    how = ("uncalibrated: spec-sheet guesses, no measured error" if not m.get("calibrated")
+           else f"calibrated, measured error up to {err:.0f} %" if err is not None
+           else "calibrated, error not measured")
+    return f"MODELLED on {esc(result.device)} ({how})"
 
 
 def new_figure(height: int = 360) -> go.Figure:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import ast
 import itertools
 import random
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, fields
 
 from ..config import PREEMPTION_MODES, EngineConfig
 from ..modelled.profiles import get_profile, parse_device
