@@ -104,7 +104,8 @@ def knob(page, label: str):
 def wait_for(predicate, timeout: float, what: str, page, shot: str):
     def screenshot() -> str:
         page.screenshot(path=str(ARTIFACTS / shot), full_page=True)
-        return f"; screenshot in {ARTIFACTS / shot}"
+        shown = page.locator(".wb .error").all_inner_texts()      # e.g. a panel that failed
+        return f"; screenshot in {ARTIFACTS / shot}" + (f"; the page says: {shown}" if shown else "")
     return wait_until(predicate, timeout, what, detail=screenshot)
 
 

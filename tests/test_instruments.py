@@ -3,6 +3,7 @@ Stepper and the dashboard), the roofline panel over real steps, the A/B API on a
 and the Stepper's top-5 candidates from token events built by hand."""
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from types import SimpleNamespace
@@ -126,10 +127,16 @@ def tick_until(d, done, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
-def test_replay_plays_when_a_browser_first_shows_it(tiny_trace, monkeypatch):
+def drawn(fig) -> None:
+    """What plotly's browser side sends once it has drawn a FigureWidget: its traces' deltas."""
+    fig._js2py_traceDeltas = {"trace_deltas": [], "trace_edit_id": -1}
+
+
+def test_replay_plays_when_a_browser_has_drawn_it(tiny_trace, monkeypatch):
     """The default (`workbench dashboard --replay`): nothing is released while no browser
-    shows the page (plotly figures would miss it), and all of it once one does, without a
-    click; a second view does not start it again."""
+    has drawn the page's figures (what a plotly figure is sent before its script loads is
+    lost), and all of it once they are drawn, without a click; a second view does not start
+    it again."""
     from widgets import Dashboard
     no_engine(monkeypatch)
     d = Dashboard(replay=tiny_trace, speed=1000)
@@ -137,6 +144,9 @@ def test_replay_plays_when_a_browser_first_shows_it(tiny_trace, monkeypatch):
     d.pump.tick()
     assert not d.source.playing and d.streams.num_requests == 0
     d._view_count = 1                      # what the browser sets when it displays the page
+    drawn(d.timeline.fig)
+    assert not d.source.playing            # the roofline's script still loads
+    drawn(d.roofline.fig)
     assert d.source.playing
     t = Trace.load(tiny_trace)
     deadline = time.monotonic() + 30
@@ -146,8 +156,50 @@ def test_replay_plays_when_a_browser_first_shows_it(tiny_trace, monkeypatch):
     d.pump.tick()
     assert d.timeline.num_points == len(t.frames) and d.summary.num_finished == len(t.prompts)
     d._view_count = 2                      # another view of the same page: no restart
+    drawn(d.roofline.fig)
     d.pump.tick()
     assert d.timeline.num_points == len(t.frames)
+    d.pump.stop()
+
+
+def test_replay_plays_anyway_when_a_figure_never_draws(tiny_trace, monkeypatch):
+    """A frontend without plotly never reports its figures: the text still plays, a short
+    while after the page first shows."""
+    import widgets.dashboard as dashboard
+    no_engine(monkeypatch)
+    monkeypatch.setattr(dashboard, "PLAY_ANYWAY_S", 0.2)
+
+    async def show_and_wait():
+        d = dashboard.Dashboard(replay=tiny_trace, speed=1000)
+        await asyncio.sleep(0.4)
+        before = d.source.playing          # not shown yet: nothing starts on its own
+        d._view_count = 1
+        await asyncio.sleep(0.4)
+        d.pump.stop()
+        return before, d.source.playing
+
+    assert asyncio.run(show_and_wait()) == (False, True)
+
+
+def test_a_panel_that_fails_does_not_starve_the_others(tiny_trace, monkeypatch):
+    """One panel raising in its update is named in the page's error log; the panels after it
+    still get every step."""
+    from widgets import Dashboard
+    no_engine(monkeypatch)
+
+    class Broken:
+        def update(self, u):
+            if u.steps:
+                raise RuntimeError("drawing went wrong")
+
+    d = Dashboard(replay=tiny_trace, speed=1000, autoplay=False)
+    d.pump.panels.insert(0, Broken())
+    d.replay_button.click()
+    t = Trace.load(tiny_trace)
+    tick_until(d, lambda: d.source.done)
+    d.pump.tick()
+    assert d.roofline.num_points == d.timeline.num_points == len(t.frames)
+    assert "drawing went wrong" in d.errors.value and "Broken" in d.errors.value
     d.pump.stop()
 
 

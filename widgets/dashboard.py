@@ -25,6 +25,7 @@ from workbench import Engine, EngineConfig, SamplingParams
 
 from .ab import ABPanel
 from .knobs import KnobPanel
+from .figures import when_drawn
 from .kv_map import KVBlockMap
 from .live import ErrorLog, Pump, running_loop
 from .progress import BuildProgress
@@ -52,6 +53,10 @@ engine has it), for the token stream's shading and hover."""
 
 DASHBOARD_DEFAULTS = dict(max_num_seqs=32, num_kv_blocks=384)
 """A pool small enough that a burst of long replies fills it and preemption shows."""
+
+PLAY_ANYWAY_S = 30.0
+"""A replay waits for the page's figures to be drawn, but no longer than this after the page
+first shows."""
 
 
 class Dashboard(w.VBox):
@@ -147,8 +152,6 @@ class Dashboard(w.VBox):
             source = RemoteSource(url, api_key=api_key, model=model)
         elif replay is not None:
             source = ReplaySource(replay, speed, autoplay=False)   # played by _play_when_shown
-            if autoplay:
-                self._play_when_shown()
         elif engine is not None:
             source = as_source(engine)
         elif running_loop() is None:
@@ -157,6 +160,8 @@ class Dashboard(w.VBox):
         self.roofline = RooflinePanel(*_roofline_model(source))
         """Each step by arithmetic intensity against achieved FLOP/s, under this device's roofs."""
         self.add_panel(self.roofline)
+        if replay is not None and autoplay:
+            self._play_when_shown()
         if url is None and replay is None:
             c = asdict(local_config)
             self.ab = ABPanel(model=c.pop("model"), engine_kwargs=c)
@@ -332,17 +337,27 @@ class Dashboard(w.VBox):
             p.clear()
 
     def _play_when_shown(self) -> None:
-        """Start the replay when a browser first shows this page. Not before: what a plotly
-        FigureWidget is sent before its browser side exists is lost, and a recording of a
-        few seconds would be over before the page appeared. The browser counts its views of
-        a widget in `_view_count` once it is a number (ipywidgets' view tracking), so the
-        first view is the moment to start: by then the browser holds every widget of the
-        page, and a figure still loading its script is handed what it is sent once loaded
-        (anywidget queues it)."""
+        """Start the replay when a browser has drawn this page's figures. Not before: what a
+        plotly FigureWidget is sent before its script has loaded in the page is lost (see
+        figures.when_drawn), and a recording of a few seconds would be over before the page
+        appeared. Should a figure never report (a frontend without plotly), the replay starts
+        anyway PLAY_ANYWAY_S after the page first showed, so its text still plays."""
+        started = False
+
+        def start() -> None:
+            nonlocal started
+            if not started:
+                started = True
+                self.restart_replay()
+
         def shown(change) -> None:
             if change["new"]:
                 self.unobserve(shown, "_view_count")
-                self.restart_replay()
+                loop = running_loop()
+                if loop is not None:
+                    loop.call_later(PLAY_ANYWAY_S, start)
+
+        when_drawn([self.timeline.fig, self.roofline.fig], start)
         self._view_count = 0
         self.observe(shown, "_view_count")
 

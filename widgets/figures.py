@@ -20,6 +20,30 @@ def show(fig: go.Figure) -> None:
     fig.show(renderer=RENDERER)
 
 
+def when_drawn(figures, callback) -> None:
+    """Call `callback()` once, when a browser has drawn every FigureWidget in `figures`.
+
+    Until its 5 MB script has loaded, a FigureWidget's browser side drops what it is sent:
+    plotly's model applies each edit from handlers that its `initialize` registers, and that
+    runs only once the script is in. A page that starts changing a figure as soon as it shows
+    can therefore leave it stuck at its first state on a slow browser. plotly has no public
+    "drawn" event; its view reports the drawn traces back (the `_js2py_traceDeltas` message)
+    when its first plot is done, in every plotly since 4, and that is the signal used here."""
+    pending = {id(fig): fig for fig in figures}
+
+    def drawn(change) -> None:
+        fig = change["owner"]
+        if change["new"] is None or id(fig) not in pending:
+            return                                  # plotly resets it to None after reading
+        fig.unobserve(drawn, names="_js2py_traceDeltas")
+        del pending[id(fig)]
+        if not pending:
+            callback()
+
+    for fig in pending.values():
+        fig.observe(drawn, names="_js2py_traceDeltas")
+
+
 def _layout(fig: go.Figure, title: str, height: int = 340) -> go.Figure:
     fig.update_layout(title=dict(text=title, font=dict(size=14), x=0.01), height=height,
                       template="plotly_white", margin=dict(l=60, r=20, t=50, b=50),

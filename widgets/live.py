@@ -59,22 +59,33 @@ class Pump:
                 p.set_modelled(label)
 
     def tick(self) -> Update:
+        """Poll the source once and hand the Update to every panel. A panel that raises is
+        logged and named in the Update's errors (the page's error log shows it); the panels
+        after it still get the Update, so one broken view never starves another."""
         u = self.source.poll()
         prefix = self.source.prefix_cache_stats()
         for p in self.panels:
-            if isinstance(p, KVBlockMap):
-                now = time.monotonic()
-                if now - self._last_kv >= 1 / self.kv_hz or u.finished:
-                    self._last_kv = now
-                    p.show(self.source.kv_blocks())
-            elif isinstance(p, SummaryPanel):
-                p.update(u, prefix)
-            else:
-                p.update(u)
+            try:
+                self._feed(p, u, prefix)
+            except Exception as e:
+                logging.getLogger("workbench.widgets").exception("panel update failed: %s", e)
+                u.errors.append((type(p).__name__, f"the panel's update failed: "
+                                                   f"{type(e).__name__}: {e}"))
         for f in self.on_tick:
             f(u)
         self.ticks += 1
         return u
+
+    def _feed(self, p, u: Update, prefix) -> None:
+        if isinstance(p, KVBlockMap):
+            now = time.monotonic()
+            if now - self._last_kv >= 1 / self.kv_hz or u.finished:
+                self._last_kv = now
+                p.show(self.source.kv_blocks())
+        elif isinstance(p, SummaryPanel):
+            p.update(u, prefix)
+        else:
+            p.update(u)
 
     @property
     def running(self) -> bool:
@@ -100,8 +111,8 @@ class Pump:
             t0 = time.monotonic()
             try:
                 self.tick()
-            except Exception as e:   # a broken panel must not stop the others updating
-                logging.getLogger("workbench.widgets").exception("panel update failed: %s", e)
+            except Exception as e:   # the source or an on_tick view: the loop goes on
+                logging.getLogger("workbench.widgets").exception("pump tick failed: %s", e)
             await asyncio.sleep(max(period - (time.monotonic() - t0), 0.001))
 
     async def wait(self, timeout: float | None = None) -> bool:
