@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("workbench")
-_CSRC = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "cpu_ops.cpp",
-                                                             "cpu_quant.cpp", "cpu_a8.cpp")]
-_HEADERS = [Path(__file__).parent / "csrc" / "cpu_dtype.h"]
+_CSRC = [Path(__file__).parent / "csrc" / name for name in ("bindings.cpp", "cpu_attention.cpp",
+                                                             "cpu_ops.cpp", "cpu_quant.cpp",
+                                                             "cpu_a8.cpp")]
+_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_dtype.h", "cpu_torch.h")]
 """Included by the sources: part of what the module depends on (kernel_key), not compiled."""
 _kernels = None
 # -ffast-math lets gcc vectorise expf (libmvec); the kernel never sees inf or NaN inputs.
@@ -76,7 +77,7 @@ def _import_built(path: Path):
 
 
 def load_cpu_kernels():
-    """Build the C++ CPU kernels once per `kernel_key()` (about 25-40 s) and return the module,
+    """Build the C++ CPU kernels once per `kernel_key()` (about a minute on 2 cores) and return the module,
     or None if no compiler is available.
 
     A built module is imported directly, without asking torch's builder (whose ninja file
@@ -95,7 +96,7 @@ def load_cpu_kernels():
                     _kernels = _import_built(build / f"{_NAME}.so")
                 else:
                     log.warning("building the CPU attention kernel (once per machine and torch "
-                                "version, about 25-40 s)…")
+                                "version, about a minute on 2 cores)…")
                     (build / "lock").unlink(missing_ok=True)
                     from torch.utils.cpp_extension import load
                     _kernels = load(name=_NAME, sources=[str(p) for p in _CSRC], extra_cflags=_CFLAGS,
@@ -124,7 +125,7 @@ def ensure_kernel_built(log=None) -> bool:
         return load_cpu_kernels() is not None
     t = time.perf_counter()
     if log is not None:
-        log("building the CPU kernel (once per machine and torch version; about 25-40 s)…")
+        log("building the CPU kernel (once per machine and torch version; about a minute on 2 cores)…")
     ok = load_cpu_kernels() is not None
     if log is not None:
         log(f"CPU kernel {'built' if ok else 'unavailable'} in {time.perf_counter() - t:.0f} s")

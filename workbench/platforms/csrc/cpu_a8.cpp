@@ -15,8 +15,7 @@
 // which is, up to fp32 rounding, the reference (quant.a8_linear): the dequantized
 // activations times the dequantized weights. Rows that do not fill a tile (the last N % 16)
 // are a tile of their own, interleaved R rows wide, read with masks.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "cpu_torch.h"
 
 #include <algorithm>
 #include <cmath>
@@ -42,8 +41,8 @@ static int64_t a8_row_bytes(int64_t fmt, int64_t K) {
   return 0;
 }
 
-static void a8_check(const torch::Tensor& w, int64_t fmt, int64_t K, const char* what) {
-  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), what,
+static void a8_check(const at::Tensor& w, int64_t fmt, int64_t K, const char* what) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), what,
               ": packed weights are a contiguous uint8 [N, row bytes] tensor");
   TORCH_CHECK(fmt == kInt8x16 || K % 32 == 0, what, ": block formats need K % 32 == 0 (K = ", K, ")");
   TORCH_CHECK(w.size(1) == a8_row_bytes(fmt, K), what, ": ", w.size(1),
@@ -126,13 +125,13 @@ static QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
 
 // x fp32 [M, K] -> (q int8 [M, K_pad], d fp32 [M, K_pad / 32]): for the tests, against
 // quant.quantize_activations.
-std::vector<torch::Tensor> a8_quantize(torch::Tensor x) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2, "a8_quantize: fp32 [M, K]");
+std::vector<at::Tensor> a8_quantize(at::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "a8_quantize: fp32 [M, K]");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   auto r = quantize_rows(x.data_ptr<float>(), M, K);
-  auto q = torch::empty({M, r.kp}, torch::kInt8);
-  auto d = torch::empty({M, r.nb}, torch::kFloat32);
+  auto q = at::empty({M, r.kp}, at::kChar);
+  auto d = at::empty({M, r.nb}, at::kFloat);
   std::memcpy(q.data_ptr<int8_t>(), r.q.data(), r.q.size());
   std::memcpy(d.data_ptr<float>(), r.d.data(), r.d.size() * 4);
   return {q, d};
@@ -208,16 +207,16 @@ static constexpr int64_t kRowsPerPass = 4;
 // L1 between passes.
 
 // x [M, K] fp32 @ tiled weight^T -> [M, N] fp32. Threads split the tiles.
-torch::Tensor a8_linear(torch::Tensor x, torch::Tensor w, int64_t fmt) {
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat32 ||
-                               x.scalar_type() == torch::kBFloat16), "a8_linear: fp32 or bf16 [M, K]");
-  if (x.scalar_type() != torch::kFloat32)
-    return a8_linear(x.to(torch::kFloat32), w, fmt).to(x.scalar_type());
+at::Tensor a8_linear(at::Tensor x, at::Tensor w, int64_t fmt) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat ||
+                               x.scalar_type() == at::kBFloat16), "a8_linear: fp32 or bf16 [M, K]");
+  if (x.scalar_type() != at::kFloat)
+    return a8_linear(x.to(at::kFloat), w, fmt).to(x.scalar_type());
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), rb = w.size(1);
   a8_check(w, fmt, K, "a8_linear");
   auto xq = quantize_rows(x.data_ptr<float>(), M, K);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t tiles = (N + kTile - 1) / kTile;
@@ -278,11 +277,11 @@ static void a8_row(const uint8_t* w, int64_t fmt, int64_t N, int64_t K, int64_t 
 }
 #pragma GCC pop_options
 
-torch::Tensor a8_embedding(torch::Tensor ids, torch::Tensor w, int64_t fmt, int64_t K, bool bf16) {
+at::Tensor a8_embedding(at::Tensor ids, at::Tensor w, int64_t fmt, int64_t K, bool bf16) {
   a8_check(w, fmt, K, "a8_embedding");
-  ids = ids.contiguous().to(torch::kLong);
+  ids = ids.contiguous().to(at::kLong);
   const int64_t T = ids.numel(), N = w.size(0);
-  auto out = torch::empty({T, K}, torch::kFloat32);
+  auto out = at::empty({T, K}, at::kFloat);
   const int64_t* ip = ids.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < N, "a8_embedding: id out of range");
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -290,23 +289,15 @@ torch::Tensor a8_embedding(torch::Tensor ids, torch::Tensor w, int64_t fmt, int6
   at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) a8_row(wp, fmt, N, K, ip[t], op + t * K);
   });
-  return bf16 ? out.to(torch::kBFloat16) : out;
+  return bf16 ? out.to(at::kBFloat16) : out;
 }
 
 // cpu_quant.cpp's qlinear and qembedding hand the tiled formats (fmt >= 4) here.
-torch::Tensor a8_dispatch_linear(torch::Tensor x, torch::Tensor w, int64_t fmt) {
+at::Tensor a8_dispatch_linear(at::Tensor x, at::Tensor w, int64_t fmt) {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
   return a8_linear(x, w, fmt);
 #else
   TORCH_CHECK(false, "a8_linear: this CPU has no AVX-512 VNNI (the torch reference runs it)");
   return x;
-#endif
-}
-
-void register_cpu_a8(pybind11::module& m) {
-  m.def("a8_quantize", &a8_quantize, "activations fp32 [M, K] -> (int8 [M, K_pad], scales)");
-  m.def("a8_embedding", &a8_embedding, "rows of a tiled packed table -> [T, K]");
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  m.def("a8_linear", &a8_linear, "x [M, K] @ tiled packed weight^T, 8-bit activations, VNNI");
 #endif
 }

@@ -5,8 +5,7 @@
 // and then read that copy again in two batched matmuls: three passes over the K/V bytes.
 // Here each (request, kv head) pair walks its block table and reads each K and V row once,
 // for all G query heads that share the KV head, which is what bounds decode on a CPU.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "cpu_torch.h"
 
 #include <algorithm>
 #include <cmath>
@@ -50,9 +49,9 @@ static inline float dot(const float* __restrict a, const T* __restrict b, int64_
 // stores bf16: the scaled query, each score, each probability and the output; every sum
 // runs in fp32. Reading a bf16 pool halves the bytes.
 template <class T, int C>
-static void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
-                        const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                        const torch::Tensor& context_lens, float fscale, torch::Tensor& out) {
+static void decode_impl(const at::Tensor& q, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& block_tables,
+                        const at::Tensor& context_lens, float fscale, at::Tensor& out) {
   constexpr bool kBf16 = std::is_same<T, bf16_t>::value;
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
@@ -138,9 +137,9 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
 }
 
 template <class T>
-static void decode_dispatch(const torch::Tensor& q, const torch::Tensor& k_cache,
-                            const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                            const torch::Tensor& context_lens, float fscale, torch::Tensor& out) {
+static void decode_dispatch(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, float fscale, at::Tensor& out) {
   const int64_t D = q.size(2);
   const int64_t C = (D % 16 == 0 && D / 16 <= kMaxC) ? D / 16 : 0;
   switch (C) {
@@ -155,8 +154,8 @@ static void decode_dispatch(const torch::Tensor& q, const torch::Tensor& k_cache
 
 // q: [B, H, D]; k_cache/v_cache: [kvH, num_blocks, block_size, D], fp32 or bf16 as q;
 // block_tables: [B, max_blocks] int64; context_lens: [B] int64. Returns [B, H, D].
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens,
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                     at::Tensor block_tables, at::Tensor context_lens,
                                      double scale) {
   const bool bf = is_bf16("paged_decode_attention", {&q, &k_cache, &v_cache});
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
@@ -164,23 +163,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const float fscale = static_cast<float>(scale);
   bf ? decode_dispatch<bf16_t>(q, k_cache, v_cache, block_tables, context_lens, fscale, out)
      : decode_dispatch<float>(q, k_cache, v_cache, block_tables, context_lens, fscale, out);
   return out;
-}
-
-
-// The decoder's small ops (cpu_ops.cpp), in the same module.
-void register_cpu_ops(pybind11::module& m);
-void register_cpu_quant(pybind11::module& m);
-void register_cpu_a8(pybind11::module& m);
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Paged decode attention over a head-major fp32 or bf16 KV pool (CPU)");
-  register_cpu_ops(m);
-  register_cpu_quant(m);
-  register_cpu_a8(m);
 }

@@ -1,6 +1,6 @@
 // fp32 or bf16 elements for the CPU kernels (cpu_ops.cpp, cpu_attention.cpp).
 #pragma once
-#include <torch/extension.h>
+#include "cpu_torch.h"
 
 #include <cstdint>
 #include <cstring>
@@ -32,16 +32,16 @@ template <> inline bf16_t from_f<bf16_t>(float v) { return to_bf16(v); }
 // What torch's storing a value in T and reading it back does to it.
 template <class T> static inline float rnd(float v) { return to_f(from_f<T>(v)); }
 
-template <class T> static inline const T* cptr(const torch::Tensor& t) {
+template <class T> static inline const T* cptr(const at::Tensor& t) {
   return reinterpret_cast<const T*>(t.data_ptr());
 }
-template <class T> static inline T* mptr(torch::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+template <class T> static inline T* mptr(at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
 
 // fp32 or bf16, the same dtype for every tensor named: the kernels' one check.
-static inline bool is_bf16(const char* op, std::initializer_list<const torch::Tensor*> ts) {
+static inline bool is_bf16(const char* op, std::initializer_list<const at::Tensor*> ts) {
   const auto dt = (*ts.begin())->scalar_type();
-  TORCH_CHECK(dt == torch::kFloat32 || dt == torch::kBFloat16, op, ": fp32 or bf16 only");
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, op, ": fp32 or bf16 only");
   for (auto* t : ts) TORCH_CHECK(t->scalar_type() == dt, op, ": mixed dtypes");
-  return dt == torch::kBFloat16;
+  return dt == at::kBFloat16;
 }
 

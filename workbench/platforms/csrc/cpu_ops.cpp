@@ -9,8 +9,7 @@
 // In bf16 each op rounds where torch's bf16 ops round (cpu_dtype.h), so the same holds.
 // Rows run in parallel only when there are enough of them to pay for it.
 #pragma GCC optimize("fp-contract=off")
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "cpu_torch.h"
 
 #include <algorithm>
 #include <cmath>
@@ -35,8 +34,8 @@ static inline void rms_row(const T* __restrict x, const T* __restrict w, float e
 }
 
 template <class T>
-static void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& weight, float e,
-                          torch::Tensor& out) {
+static void rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, float e,
+                          at::Tensor& out) {
   const int64_t d = x.size(-1), rows = x.numel() / d;
   const T* xp = cptr<T>(x);
   const T* wp = cptr<T>(weight);
@@ -47,20 +46,20 @@ static void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& weight, f
 }
 
 // x: [..., D] -> weight * (x * rsqrt(mean(x^2) + eps)), a new contiguous tensor.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   const bool bf = is_bf16("rms_norm", {&x, &weight});
   x = x.contiguous();
   weight = weight.contiguous();
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const float e = static_cast<float>(eps);
   bf ? rms_norm_impl<bf16_t>(x, weight, e, out) : rms_norm_impl<float>(x, weight, e, out);
   return out;
 }
 
 template <class T>
-static void add_rms_norm_impl(const torch::Tensor& x, const torch::Tensor& residual,
-                              const torch::Tensor& weight, float e, torch::Tensor& sum,
-                              torch::Tensor& out) {
+static void add_rms_norm_impl(const at::Tensor& x, const at::Tensor& residual,
+                              const at::Tensor& weight, float e, at::Tensor& sum,
+                              at::Tensor& out) {
   const int64_t d = x.size(-1), rows = x.numel() / d;
   const T* xp = cptr<T>(x);
   const T* rp = cptr<T>(residual);
@@ -78,14 +77,14 @@ static void add_rms_norm_impl(const torch::Tensor& x, const torch::Tensor& resid
 }
 
 // x, residual: [T, D] -> (RMSNorm(x + residual), x + residual).
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
-                                        torch::Tensor weight, double eps) {
+std::vector<at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual,
+                                        at::Tensor weight, double eps) {
   const bool bf = is_bf16("add_rms_norm", {&x, &residual, &weight});
   x = x.contiguous();
   residual = residual.contiguous();
   weight = weight.contiguous();
-  auto sum = torch::empty_like(x);
-  auto out = torch::empty_like(x);
+  auto sum = at::empty_like(x);
+  auto out = at::empty_like(x);
   const float e = static_cast<float>(eps);
   bf ? add_rms_norm_impl<bf16_t>(x, residual, weight, e, sum, out)
      : add_rms_norm_impl<float>(x, residual, weight, e, sum, out);
@@ -94,7 +93,7 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
 
 // silu(g) * u; in bf16 torch stores silu(g) before the multiply.
 template <class T>
-static void silu_and_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
+static void silu_and_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
   const T* gp = cptr<T>(gate_up);
   T* op = mptr<T>(out);
@@ -113,18 +112,18 @@ static void silu_and_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) 
 }
 
 // gate_up: [T, 2I] (gate, then up) -> silu(gate) * up, [T, I].
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+at::Tensor silu_and_mul(at::Tensor gate_up) {
   const bool bf = is_bf16("silu_and_mul", {&gate_up});
   gate_up = gate_up.contiguous();
-  auto out = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
   bf ? silu_and_mul_impl<bf16_t>(gate_up, out) : silu_and_mul_impl<float>(gate_up, out);
   return out;
 }
 
 // x * cos + roll(x) * sin, each product stored in T before the add (torch's three ops).
 template <class T>
-static void rope_impl(const torch::Tensor& qk, const torch::Tensor& cos, const torch::Tensor& sin,
-                      torch::Tensor& out) {
+static void rope_impl(const at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin,
+                      at::Tensor& out) {
   const int64_t T_ = qk.size(0), H = qk.size(1), D = qk.size(2), half = D / 2;
   const int64_t st = qk.stride(0), sh = qk.stride(1);
   const T* xp = cptr<T>(qk);
@@ -157,20 +156,20 @@ static void rope_impl(const torch::Tensor& qk, const torch::Tensor& cos, const t
 
 // qk: [T, Hq + Hk, D], a view whose last dim is contiguous (the model's split of qkv);
 // cos, sin_signed: [T, 1, D] -> x * cos + roll(x, D/2) * sin_signed (ops.apply_rope), new.
-torch::Tensor rope(torch::Tensor qk, torch::Tensor cos, torch::Tensor sin) {
+at::Tensor rope(at::Tensor qk, at::Tensor cos, at::Tensor sin) {
   const bool bf = is_bf16("rope", {&qk, &cos, &sin});
   TORCH_CHECK(qk.stride(2) == 1, "rope: rows with a contiguous last dim");
   cos = cos.contiguous();
   sin = sin.contiguous();
-  auto out = torch::empty({qk.size(0), qk.size(1), qk.size(2)}, qk.options());
+  auto out = at::empty({qk.size(0), qk.size(1), qk.size(2)}, qk.options());
   bf ? rope_impl<bf16_t>(qk, cos, sin, out) : rope_impl<float>(qk, cos, sin, out);
   return out;
 }
 
 // k, v: [T, kvH, D] (views, last dim contiguous) into k_cache / v_cache
 // [kvH, num_blocks, block_size, D] at slot_mapping [T] (block * block_size + offset).
-void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
-              torch::Tensor slot_mapping) {
+void write_kv(at::Tensor k_cache, at::Tensor v_cache, at::Tensor k, at::Tensor v,
+              at::Tensor slot_mapping) {
   const bool bf = is_bf16("write_kv", {&k, &v, &k_cache, &v_cache});
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k_cache.is_contiguous() &&
               v_cache.is_contiguous(), "write_kv: contiguous rows");
@@ -248,21 +247,21 @@ static inline void gemv_rows_bf16(const bf16_t* __restrict w, const bf16_t* __re
 }
 #endif
 
-torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+at::Tensor gemv(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias) {
   const bool bf = is_bf16("gemv", {&x, &weight});
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && weight.dim() == 2 && weight.is_contiguous(),
               "gemv: one row, a contiguous weight");
   x = x.contiguous();
   const int64_t N = weight.size(0), K = weight.size(1);
   TORCH_CHECK(x.size(1) == K, "gemv: shapes");
-  auto y = torch::empty({1, N}, x.options());
+  auto y = at::empty({1, N}, x.options());
   constexpr int64_t R = 8;
   if (bf) {
 #ifdef __AVX512BF16__
-    torch::Tensor b;
+    at::Tensor b;
     if (bias.has_value()) {
       b = bias->contiguous();
-      TORCH_CHECK(b.scalar_type() == torch::kBFloat16 && b.numel() == N, "gemv: bias");
+      TORCH_CHECK(b.scalar_type() == at::kBFloat16 && b.numel() == N, "gemv: bias");
     }
     const bf16_t* xp = cptr<bf16_t>(x);
     const bf16_t* wp = cptr<bf16_t>(weight);
@@ -306,14 +305,14 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, c10::optional<torch::T
 // (SmolLM2, Llama), fp32 or bf16, the same kernels the model calls one by one (so the same numbers),
 // without the Python between them: at batch 1 that interpreter and dispatch time, about
 // 60 calls per layer, was the largest cost after reading the weights.
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens,
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                     at::Tensor block_tables, at::Tensor context_lens,
                                      double scale);
 
-torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, int64_t fmt);   // cpu_quant.cpp
+at::Tensor qlinear(at::Tensor x, at::Tensor w, int64_t fmt);   // cpu_quant.cpp
 
 // fmt 0: a dense weight (fp32, or bf16 in a bf16 model); else a packed one (cpu_quant.cpp's formats).
-static torch::Tensor linear1(const torch::Tensor& x, const torch::Tensor& w, int64_t fmt) {
+static at::Tensor linear1(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
   if (fmt != 0) return qlinear(x, w, fmt);
 #ifdef __AVX512F__
   return gemv(x, w, c10::nullopt);
@@ -326,12 +325,12 @@ static torch::Tensor linear1(const torch::Tensor& x, const torch::Tensor& w, int
 // norm, gate_up, down, and formats: each weight's (0: dense, else packed); k_caches / v_caches: per layer [kvH, num_blocks, block_size, D];
 // cos / sin: [1, 1, D]; block_tables, context_lens, slot_mapping: the step's (one row).
 // Returns (the last layer's MLP output, the residual stream before it), as the layers do.
-std::vector<torch::Tensor> decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
+std::vector<at::Tensor> decode_layers(at::Tensor x, std::vector<at::Tensor> weights,
                                          std::vector<int64_t> formats,
-                                         std::vector<torch::Tensor> k_caches,
-                                         std::vector<torch::Tensor> v_caches, torch::Tensor cos,
-                                         torch::Tensor sin, torch::Tensor block_tables,
-                                         torch::Tensor context_lens, torch::Tensor slot_mapping,
+                                         std::vector<at::Tensor> k_caches,
+                                         std::vector<at::Tensor> v_caches, at::Tensor cos,
+                                         at::Tensor sin, at::Tensor block_tables,
+                                         at::Tensor context_lens, at::Tensor slot_mapping,
                                          int64_t num_heads, int64_t num_kv_heads, double eps,
                                          double scale) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
@@ -339,11 +338,11 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor x, std::vector<torch::Ten
               formats.size() == weights.size() &&
               static_cast<int64_t>(v_caches.size()) == L, "decode_layers: one row, six weights a layer");
   const int64_t D = k_caches[0].size(-1);
-  torch::Tensor residual;
+  at::Tensor residual;
   for (int64_t l = 0; l < L; ++l) {
-    const torch::Tensor* w = weights.data() + 6 * l;
+    const at::Tensor* w = weights.data() + 6 * l;
     const int64_t* f = formats.data() + 6 * l;
-    torch::Tensor h;
+    at::Tensor h;
     if (l == 0) {
       residual = x;
       h = rms_norm(x, w[0], eps);
@@ -363,16 +362,4 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor x, std::vector<torch::Ten
     x = linear1(silu_and_mul(linear1(hr[0], w[4], f[4])), w[5], f[5]);
   }
   return {x, residual};
-}
-
-void register_cpu_ops(pybind11::module& m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (fp32 or bf16)");
-  m.def("add_rms_norm", &add_rms_norm, "Residual add, then RMSNorm: (normed, sum) (fp32 or bf16)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [T, 2I] tensor (fp32 or bf16)");
-  m.def("rope", &rope, "Rotate-half RoPE with a sign-folded sin table (fp32 or bf16)");
-  m.def("write_kv", &write_kv, "This step's K/V into their pool slots (fp32 or bf16)");
-  m.def("decode_layers", &decode_layers, "Batch-1 decode through every layer (fp32 or bf16 Llama)");
-#ifdef __AVX512F__
-  m.def("gemv", &gemv, "x [1, K] @ weight [N, K]^T (+ bias), AVX-512 (fp32 or bf16)");
-#endif
 }

@@ -12,8 +12,7 @@
 // dequantized reference is the order of the sums). Batched rows (prefill, batch decode)
 // dequantize a slice of weight rows at a time into a small buffer (about 1 MB: it stays in
 // cache) and multiply it with torch's GEMM, fp32 or, for bf16 activations, bf16 (AMX).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "cpu_torch.h"
 
 #include <cstring>
 
@@ -29,8 +28,8 @@ static int64_t row_bytes(int64_t fmt, int64_t K) {
   return 0;
 }
 
-static void check(const torch::Tensor& w, int64_t fmt, int64_t K, const char* what) {
-  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), what,
+static void check(const at::Tensor& w, int64_t fmt, int64_t K, const char* what) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), what,
               ": packed weights are a contiguous uint8 [N, row bytes] tensor");
   TORCH_CHECK(fmt == kInt8 || K % 32 == 0, what, ": block formats need K % 32 == 0 (K = ", K, ")");
   TORCH_CHECK(w.size(1) == row_bytes(fmt, K), what, ": ", w.size(1), " bytes a row is not format ",
@@ -131,9 +130,9 @@ static void dequant_rows(const uint8_t* w, int64_t fmt, int64_t K, int64_t first
 }
 
 // weight [N, row bytes] -> fp32 [N, K]: the reference dequantization, for tests and callers.
-torch::Tensor dequantize(torch::Tensor w, int64_t fmt, int64_t K) {
+at::Tensor dequantize(at::Tensor w, int64_t fmt, int64_t K) {
   check(w, fmt, K, "dequantize");
-  auto out = torch::empty({w.size(0), K}, torch::kFloat32);
+  auto out = at::empty({w.size(0), K}, at::kFloat);
   dequant_rows(w.data_ptr<uint8_t>(), fmt, K, 0, w.size(0), out.data_ptr<float>());
   return out;
 }
@@ -224,13 +223,13 @@ static inline void q_rows(const uint8_t* w, int64_t rb, int64_t fmt, const float
 
 // x [1, K] fp32 @ packed weight [N, ...]^T -> [1, N] fp32. Each thread streams a contiguous
 // range of rows, four at a time.
-torch::Tensor qgemv(torch::Tensor x, torch::Tensor w, int64_t fmt) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.size(0) == 1,
+at::Tensor qgemv(at::Tensor x, at::Tensor w, int64_t fmt) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(0) == 1,
               "qgemv: x is one fp32 row");
   x = x.contiguous();
   const int64_t K = x.size(1), N = w.size(0), rb = w.size(1);
   check(w, fmt, K, "qgemv");
-  auto y = torch::empty({1, N}, x.options());
+  auto y = at::empty({1, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
@@ -297,9 +296,9 @@ static constexpr int64_t kSmallRows = 16;
 // x rows up to which batched qlinear stays on the packed rows (small_rows); above it the
 // GEMM on dequantized slices is faster.
 
-static torch::Tensor qlinear_small(const torch::Tensor& x, const torch::Tensor& w, int64_t fmt) {
+static at::Tensor qlinear_small(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), rb = w.size(1);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
@@ -317,44 +316,44 @@ static torch::Tensor qlinear_small(const torch::Tensor& x, const torch::Tensor& 
 
 // x [M, K] (fp32 or bf16) @ packed weight^T -> [M, N] in x's dtype. One fp32 row takes
 // qgemv; more rows multiply slices of dequantized rows (about 1 MB each) with torch's GEMM.
-torch::Tensor a8_dispatch_linear(torch::Tensor x, torch::Tensor w, int64_t fmt);   // cpu_a8.cpp
-torch::Tensor a8_embedding(torch::Tensor ids, torch::Tensor w, int64_t fmt, int64_t K, bool bf16);
+at::Tensor a8_dispatch_linear(at::Tensor x, at::Tensor w, int64_t fmt);   // cpu_a8.cpp
+at::Tensor a8_embedding(at::Tensor ids, at::Tensor w, int64_t fmt, int64_t K, bool bf16);
 
-torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, int64_t fmt) {
+at::Tensor qlinear(at::Tensor x, at::Tensor w, int64_t fmt) {
   if (fmt >= 4) return a8_dispatch_linear(x, w, fmt);     // 8-bit activations (cpu_a8.cpp)
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat32 ||
-                               x.scalar_type() == torch::kBFloat16), "qlinear: fp32 or bf16 [M, K]");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat ||
+                               x.scalar_type() == at::kBFloat16), "qlinear: fp32 or bf16 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   check(w, fmt, K, "qlinear");
   x = x.contiguous();
 #ifdef __AVX512F__
-  if (M == 1 && x.scalar_type() == torch::kFloat32) return qgemv(x, w, fmt);
-  if (M <= kSmallRows && x.scalar_type() == torch::kFloat32) return qlinear_small(x, w, fmt);
+  if (M == 1 && x.scalar_type() == at::kFloat) return qgemv(x, w, fmt);
+  if (M <= kSmallRows && x.scalar_type() == at::kFloat) return qlinear_small(x, w, fmt);
   if (M <= kSmallRows)        // bf16 rows: the same streaming kernels, on the rows in fp32
-    return qlinear(x.to(torch::kFloat32), w, fmt).to(x.scalar_type());
+    return qlinear(x.to(at::kFloat), w, fmt).to(x.scalar_type());
 #endif
-  auto out = torch::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options());
   const int64_t chunk = std::min<int64_t>(N, std::max<int64_t>(64, (int64_t{1} << 18) / K));
-  auto buf = torch::empty({chunk, K}, torch::kFloat32);
+  auto buf = at::empty({chunk, K}, at::kFloat);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   for (int64_t n0 = 0; n0 < N; n0 += chunk) {
     const int64_t nc = std::min(chunk, N - n0);
     dequant_rows(wp, fmt, K, n0, nc, buf.data_ptr<float>());
     auto wt = buf.narrow(0, 0, nc);
-    if (x.scalar_type() != torch::kFloat32) wt = wt.to(x.scalar_type());
+    if (x.scalar_type() != at::kFloat) wt = wt.to(x.scalar_type());
     out.narrow(1, n0, nc).copy_(at::mm(x, wt.t()));
   }
   return out;
 }
 
 // Embedding rows of a packed table: ids [T] -> [T, K], fp32 (bf16 with `bf16`).
-torch::Tensor qembedding(torch::Tensor ids, torch::Tensor w, int64_t fmt, int64_t K,
+at::Tensor qembedding(at::Tensor ids, at::Tensor w, int64_t fmt, int64_t K,
                          bool bf16) {
   if (fmt >= 4) return a8_embedding(ids, w, fmt, K, bf16);
   check(w, fmt, K, "qembedding");
-  ids = ids.contiguous().to(torch::kLong);
+  ids = ids.contiguous().to(at::kLong);
   const int64_t T = ids.numel(), N = w.size(0), rb = w.size(1);
-  auto out = torch::empty({T, K}, torch::kFloat32);
+  auto out = at::empty({T, K}, at::kFloat);
   const int64_t* ip = ids.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < N, "qembedding: id out of range");
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -362,14 +361,5 @@ torch::Tensor qembedding(torch::Tensor ids, torch::Tensor w, int64_t fmt, int64_
   at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) dequant_row(wp + ip[t] * rb, fmt, K, op + t * K);
   });
-  return bf16 ? out.to(torch::kBFloat16) : out;
-}
-
-void register_cpu_quant(pybind11::module& m) {
-  m.def("dequantize", &dequantize, "packed weight [N, row bytes] -> fp32 [N, K]");
-  m.def("qlinear", &qlinear, "x [M, K] @ packed weight^T -> [M, N] (fp32 or bf16 x)");
-  m.def("qembedding", &qembedding, "rows of a packed table -> [T, K]");
-#ifdef __AVX512F__
-  m.def("qgemv", &qgemv, "x [1, K] fp32 @ packed weight^T, AVX-512");
-#endif
+  return bf16 ? out.to(at::kBFloat16) : out;
 }
