@@ -77,8 +77,8 @@ def _import_built(path: Path):
 
 
 def load_cpu_kernels():
-    """Build the C++ CPU kernels once per `kernel_key()` (about a minute on 2 cores) and return the module,
-    or None if no compiler is available.
+    """Build the C++ CPU kernels once per `kernel_key()` (about a minute on 2 cores) and
+    return the module, or None if no compiler is available.
 
     A built module is imported directly, without asking torch's builder (whose ninja file
     names this venv's paths, so two venvs would rebuild each other's module). The build runs
