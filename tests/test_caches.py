@@ -95,6 +95,12 @@ def kernel_cache(tmp_path_factory, smollm2_dir):
     next process loads the module. (One full build for all of it: it is the slow part.)"""
     import psutil
     cache = tmp_path_factory.mktemp("cache")
+    t0 = time.monotonic()
+    stages = {}
+
+    def stage(name: str) -> None:
+        stages[name] = round(time.monotonic() - t0 - sum(stages.values()), 1)
+
     first = start(KERNEL, cache)
     ninja = lambda: any((cache / "kernels").glob("*/build.ninja"))   # noqa: E731
     kill9_when(first, ninja, 120, "the kernel build start")
@@ -108,12 +114,15 @@ def kernel_cache(tmp_path_factory, smollm2_dir):
     os.killpg(builder, signal.SIGKILL)          # the builder's session: its compiler too
     wait_gone(builder, 10)
     assert not any((cache / "kernels").glob("*/built"))
+    stage("two builds started and killed")
     out = finish(start_model(FIRST_START, smollm2_dir, cache), 600)
     result = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
     (build,) = (cache / "kernels").iterdir()
     result["left_building"] = psutil.pid_exists(result["builder"]) and \
         not (build / "built").is_file()
+    stage("the first start")
     wait_gone(result["builder"], 600)
+    stage("the rest of the build")
     result["built"] = (build / "built").is_file()
     result["build_log"] = (build / "build.log").read_text()[-2000:] if not result["built"] else ""
     result["stray_tmp"] = (build / "built.tmp").exists()
@@ -122,7 +131,8 @@ def kernel_cache(tmp_path_factory, smollm2_dir):
     after = json.loads(finish(start_model(AFTER, smollm2_dir, cache), 600)
                        .split("RESULT ", 1)[1].splitlines()[0])
     result["loaded"], result["after"] = after["loaded"], after["got"] == result["expected"]
-    print(f"first start after two killed builds: {result}")
+    stage("build-kernels and the next start")
+    print(f"first start after two killed builds: {result}; seconds: {stages}")
     return cache, build, result
 
 
