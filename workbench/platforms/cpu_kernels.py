@@ -20,7 +20,7 @@ log = logging.getLogger("workbench")
 _CSRC = [Path(__file__).parent / "csrc" / name for name in ("bindings.cpp", "cpu_attention.cpp",
                                                              "cpu_ops.cpp", "cpu_quant.cpp",
                                                              "cpu_a8.cpp")]
-_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_dtype.h", "cpu_torch.h")]
+_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_dtype.h", "cpu_torch.h", "cpu_packed.h")]
 """Included by the sources: part of what the module depends on (kernel_key), not compiled."""
 _kernels = None
 # -ffast-math lets gcc vectorise expf (libmvec); the kernel never sees inf or NaN inputs.

@@ -15,49 +15,14 @@
 // which is, up to fp32 rounding, the reference (quant.a8_linear): the dequantized
 // activations times the dequantized weights. Rows that do not fill a tile (the last N % 16)
 // are a tile of their own, interleaved R rows wide, read with masks.
-#include "cpu_torch.h"
+#include "cpu_packed.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-enum A8Format : int64_t { kQ4_1x16 = 4, kQ8_0x16 = 5, kInt8x16 = 6 };
 static constexpr int64_t kTile = 16;
-
-static int64_t padded(int64_t K) { return (K + 31) / 32 * 32; }
-
-static int64_t a8_row_bytes(int64_t fmt, int64_t K) {
-  switch (fmt) {
-    case kQ4_1x16: return K / 32 * 20;
-    case kQ8_0x16: return K / 32 * 34;
-    case kInt8x16: return padded(K) + 4;
-  }
-  TORCH_CHECK(false, "a8 weight: unknown format ", fmt);
-  return 0;
-}
-
-static void a8_check(const at::Tensor& w, int64_t fmt, int64_t K, const char* what) {
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), what,
-              ": packed weights are a contiguous uint8 [N, row bytes] tensor");
-  TORCH_CHECK(fmt == kInt8x16 || K % 32 == 0, what, ": block formats need K % 32 == 0 (K = ", K, ")");
-  TORCH_CHECK(w.size(1) == a8_row_bytes(fmt, K), what, ": ", w.size(1),
-              " bytes a row is not format ", fmt, " at K = ", K);
-}
-
-static inline float half_to_float(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-#ifdef __F16C__
-  return _cvtsh_ss(h);
-#else
-  return c10::detail::fp16_ieee_to_fp32_value(h);
-#endif
-}
 
 // One activation row -> q [K_pad] int8, d [K_pad / 32], s [K_pad / 32] (the sum of each
 // block's q). d = max|x| * (1/127) and q = round-half-even(x * (1/d)), as
@@ -214,7 +179,7 @@ at::Tensor a8_linear(at::Tensor x, at::Tensor w, int64_t fmt) {
     return a8_linear(x.to(at::kFloat), w, fmt).to(x.scalar_type());
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), rb = w.size(1);
-  a8_check(w, fmt, K, "a8_linear");
+  check_packed(w, fmt, K, "a8_linear");
   auto xq = quantize_rows(x.data_ptr<float>(), M, K);
   auto y = at::empty({M, N}, x.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -244,13 +209,13 @@ at::Tensor a8_linear(at::Tensor x, at::Tensor w, int64_t fmt) {
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 static void a8_row(const uint8_t* w, int64_t fmt, int64_t N, int64_t K, int64_t id, float* out) {
-  const int64_t rb = a8_row_bytes(fmt, K), tile = id / kTile, r = id % kTile;
+  const int64_t rb = row_bytes(fmt, K), tile = id / kTile, r = id % kTile;
   const int64_t R = std::min(kTile, N - tile * kTile), nb = padded(K) / 32;
   const uint8_t* t = w + tile * kTile * rb;
   if (fmt == kQ4_1x16) {
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = t + b * 20 * R;
-      const float d = half_to_float(blk + 2 * r), m = half_to_float(blk + 2 * R + 2 * r);
+      const float d = half_at(blk + 2 * r), m = half_at(blk + 2 * R + 2 * r);
       for (int c = 0; c < 4; ++c)
         for (int j = 0; j < 4; ++j) {
           const uint8_t v = blk[4 * R + c * 4 * R + 4 * r + j];
@@ -266,7 +231,7 @@ static void a8_row(const uint8_t* w, int64_t fmt, int64_t N, int64_t K, int64_t 
   const uint8_t* base = q8 ? t : t + 4 * R;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = base + b * (q8 ? 34 : 32) * R;
-    const float d = q8 ? half_to_float(blk + 2 * r) : scale;
+    const float d = q8 ? half_at(blk + 2 * r) : scale;
     const uint8_t* qs = q8 ? blk + 2 * R : blk;
     for (int g = 0; g < 8; ++g)
       for (int j = 0; j < 4; ++j) {
@@ -278,7 +243,7 @@ static void a8_row(const uint8_t* w, int64_t fmt, int64_t N, int64_t K, int64_t 
 #pragma GCC pop_options
 
 at::Tensor a8_embedding(at::Tensor ids, at::Tensor w, int64_t fmt, int64_t K, bool bf16) {
-  a8_check(w, fmt, K, "a8_embedding");
+  check_packed(w, fmt, K, "a8_embedding");
   ids = ids.contiguous().to(at::kLong);
   const int64_t T = ids.numel(), N = w.size(0);
   auto out = at::empty({T, K}, at::kFloat);

@@ -12,45 +12,9 @@
 // dequantized reference is the order of the sums). Batched rows (prefill, batch decode)
 // dequantize a slice of weight rows at a time into a small buffer (about 1 MB: it stays in
 // cache) and multiply it with torch's GEMM, fp32 or, for bf16 activations, bf16 (AMX).
-#include "cpu_torch.h"
+#include "cpu_packed.h"
 
 #include <cstring>
-
-enum Format : int64_t { kQ4_1 = 1, kQ8_0 = 2, kInt8 = 3 };
-
-static int64_t row_bytes(int64_t fmt, int64_t K) {
-  switch (fmt) {
-    case kQ4_1: return K / 32 * 20;
-    case kQ8_0: return K / 32 * 34;
-    case kInt8: return K + 4;
-  }
-  TORCH_CHECK(false, "quantized weight: unknown format ", fmt);
-  return 0;
-}
-
-static void check(const at::Tensor& w, int64_t fmt, int64_t K, const char* what) {
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), what,
-              ": packed weights are a contiguous uint8 [N, row bytes] tensor");
-  TORCH_CHECK(fmt == kInt8 || K % 32 == 0, what, ": block formats need K % 32 == 0 (K = ", K, ")");
-  TORCH_CHECK(w.size(1) == row_bytes(fmt, K), what, ": ", w.size(1), " bytes a row is not format ",
-              fmt, " at K = ", K);
-}
-
-#if defined(__F16C__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-// An fp16 scale, exactly (F16C's one instruction where the CPU has it: c10's bit-twiddling
-// conversion, twice per block, made the batch-1 kernel compute-bound).
-static inline float half_at(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-#ifdef __F16C__
-  return _cvtsh_ss(h);
-#else
-  return c10::detail::fp16_ieee_to_fp32_value(h);
-#endif
-}
 
 // One weight row, dequantized: out[K] = the reference's numbers exactly (d * q + m in fp32,
 // as gguf's numpy dequantization computes them).
@@ -131,7 +95,7 @@ static void dequant_rows(const uint8_t* w, int64_t fmt, int64_t K, int64_t first
 
 // weight [N, row bytes] -> fp32 [N, K]: the reference dequantization, for tests and callers.
 at::Tensor dequantize(at::Tensor w, int64_t fmt, int64_t K) {
-  check(w, fmt, K, "dequantize");
+  check_packed(w, fmt, K, "dequantize");
   auto out = at::empty({w.size(0), K}, at::kFloat);
   dequant_rows(w.data_ptr<uint8_t>(), fmt, K, 0, w.size(0), out.data_ptr<float>());
   return out;
@@ -228,7 +192,7 @@ at::Tensor qgemv(at::Tensor x, at::Tensor w, int64_t fmt) {
               "qgemv: x is one fp32 row");
   x = x.contiguous();
   const int64_t K = x.size(1), N = w.size(0), rb = w.size(1);
-  check(w, fmt, K, "qgemv");
+  check_packed(w, fmt, K, "qgemv");
   auto y = at::empty({1, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -324,7 +288,7 @@ at::Tensor qlinear(at::Tensor x, at::Tensor w, int64_t fmt) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat ||
                                x.scalar_type() == at::kBFloat16), "qlinear: fp32 or bf16 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  check(w, fmt, K, "qlinear");
+  check_packed(w, fmt, K, "qlinear");
   x = x.contiguous();
 #ifdef __AVX512F__
   if (M == 1 && x.scalar_type() == at::kFloat) return qgemv(x, w, fmt);
@@ -350,7 +314,7 @@ at::Tensor qlinear(at::Tensor x, at::Tensor w, int64_t fmt) {
 at::Tensor qembedding(at::Tensor ids, at::Tensor w, int64_t fmt, int64_t K,
                          bool bf16) {
   if (fmt >= 4) return a8_embedding(ids, w, fmt, K, bf16);
-  check(w, fmt, K, "qembedding");
+  check_packed(w, fmt, K, "qembedding");
   ids = ids.contiguous().to(at::kLong);
   const int64_t T = ids.numel(), N = w.size(0), rb = w.size(1);
   auto out = at::empty({T, K}, at::kFloat);
