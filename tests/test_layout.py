@@ -304,12 +304,7 @@ def _imports_of_node(node, mod: str, path: Path) -> set[str]:
     return {m} | {f"{m}.{a.name}" for a in node.names}
 
 
-KNOWN_CYCLES = {
-    frozenset({"workbench.engine.build", "workbench.engine.core", "workbench.engine.modelled"}):
-        "build dispatches device='model:*' to engine/modelled.py, which reuses build's sizing "
-        "helpers and makes an EngineCore (lazy imports both ways); the way out is a sizing "
-        "module both import",
-}
+KNOWN_CYCLES: dict = {}
 
 
 def test_modules_import_each_other_in_one_direction():

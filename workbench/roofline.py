@@ -91,6 +91,12 @@ class DeviceRoofs:
         """The roofline: the most FLOP/s a kernel of this intensity can reach here."""
         return min(self.peak_flops, intensity * self.bandwidth)
 
+    @classmethod
+    def modelled(cls, info: EngineInfo) -> "DeviceRoofs":
+        """A modelled engine's roofs: its profile's, never the host's."""
+        m = info.modelled
+        return cls(f"{m['device_name']} (modelled)", info.dtype, m["peak_flops"], m["bandwidth"])
+
 
 def measure_roofs(platform, dtype: torch.dtype) -> DeviceRoofs:
     """Time a large copy and a square matmul on `platform`'s device (Platform.best_time, the

@@ -5,7 +5,6 @@ its workers' start-up)."""
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import sys
 from dataclasses import dataclass, field, replace
@@ -16,18 +15,16 @@ from ..config import EngineConfig
 from ..core.block_manager import BlockManager
 from ..core.clock import Clock, WallClock
 from ..core.scheduler import Scheduler
-from ..executor.kv_sizing import kv_bytes_per_block, kv_bytes_per_token, num_kv_blocks
+from ..executor.kv_sizing import kv_bytes_per_block, num_kv_blocks
 from ..executor.models import build_model, load_checkpoint
 from ..executor.models.loader import generation_defaults
 from ..executor.runner import ModelRunner
 from ..platforms import get_platform
-from ..platforms.quant import packed_weights
 from ..telemetry import EngineInfo, MemoryStats, Telemetry
+from .sizing import (eos_ids, fit_max_model_len, model_max_len, model_shape, num_params,
+                     weight_bytes, weight_formats)
 
 log = logging.getLogger("workbench")
-
-DEFAULT_MAX_MODEL_LEN = 8192
-
 
 @dataclass(slots=True)
 class BuiltEngine:
@@ -81,11 +78,7 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
     ckpt = load_checkpoint(config.model, quantization)
     ckpt_gguf = str(ckpt.gguf_path) if ckpt.gguf_path else None
     hf_config, tokenizer, model_path = ckpt.hf_config, ckpt.tokenizer, ckpt.path
-    model_limit = getattr(hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN)
-    if config.max_model_len is not None and config.max_model_len > model_limit:
-        raise ValueError(f"max_model_len: the model supports at most {model_limit} positions "
-                         f"(got {config.max_model_len})")
-    max_model_len = config.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)
+    max_model_len = model_max_len(config, hf_config)
 
     platform.empty_cache()       # what dropped engines left cached counts as free
     platform.reset_peak_memory()
@@ -99,7 +92,7 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
     bs = config.block_size
     num_blocks = num_kv_blocks(config, platform, model, hf_config, dtype)
     block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
-    max_model_len = _fit_max_model_len(config, max_model_len, block_manager.num_usable_blocks * bs)
+    max_model_len = fit_max_model_len(config, max_model_len, block_manager.num_usable_blocks * bs)
 
     scheduler = Scheduler(config, block_manager, max_model_len)
     runner = ModelRunner(model, num_blocks, bs, platform, backend,
@@ -133,12 +126,12 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
         async_scheduling=run_ahead, vocab_size=hf_config.vocab_size,
         num_params=num_params(model), quantization=quantization,
         weight_formats=weight_formats(model), gguf_path=ckpt_gguf,
-        num_layers=model.num_layers, **_model_shape(model, hf_config, dtype), config=config,
+        num_layers=model.num_layers, **model_shape(model, hf_config, dtype), config=config,
         generation_defaults=(generation_defaults(model_path)
                              if config.generation_config == "auto" else {}))
     built = BuiltEngine(config, platform, backend, tokenizer, model, runner, block_manager,
                         scheduler, telemetry, max_model_len,
-                        _eos_ids(hf_config, tokenizer, model_path), run_ahead, info)
+                        eos_ids(hf_config, tokenizer, model_path), run_ahead, info)
     if len(sys.modules) > modules and not gc.isenabled():
         # A library imported for the first time above may leave a reference cycle that
         # holds one of its import-time frames (trio, which transformers pulls in through
@@ -150,67 +143,3 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
         # such cycles itself.)
         gc.collect()
     return built
-
-
-def _fit_max_model_len(config: EngineConfig, max_model_len: int, pool_tokens: int) -> int:
-    """A request must fit in the pool (and in one step when prompts are not chunked): the
-    model's limit is lowered to what fits; a max_model_len asked for that does not fit is
-    an error naming what limits it."""
-    limit = (pool_tokens if config.enable_chunked_prefill
-             else min(pool_tokens, config.max_num_batched_tokens))
-    if max_model_len <= limit:
-        return max_model_len
-    if config.max_model_len is not None:
-        what = ("num_kv_blocks (one block is the reserved null block)" if limit == pool_tokens
-                else "max_num_batched_tokens")
-        raise ValueError(f"max_model_len: {max_model_len} tokens do not fit; {what} "
-                         f"allows {limit} (raise it or lower max_model_len)")
-    return limit
-
-
-def num_params(module) -> int:
-    """Weights of a module, packed ones (platforms/quant.py) counted as the matrices they are."""
-    return sum(p.numel() for p in module.parameters()) + \
-        sum(w.numel() for w in packed_weights(module))
-
-
-def weight_formats(model) -> tuple[str, ...]:
-    """The formats of the matrices a forward reads (the norms aside), largest share first."""
-    share: dict[str, int] = {}
-    for w in packed_weights(model):
-        share[w.format] = share.get(w.format, 0) + w.numel()
-    for name, p in model.named_parameters():
-        if p.dim() == 2:
-            key = str(p.dtype).replace("torch.", "")
-            share[key] = share.get(key, 0) + p.numel()
-    return tuple(sorted(share, key=share.get, reverse=True))
-
-
-def weight_bytes(module) -> int:
-    """The bytes a module's weights take, packed ones as packed."""
-    return sum(p.numel() * p.element_size() for p in module.parameters()) + \
-        sum(w.nbytes for w in packed_weights(module))
-
-
-def _model_shape(model, hf_config, dtype: torch.dtype) -> dict:
-    """The shape figures EngineInfo carries (what FLOP and byte counts of a step need): the
-    bytes a decode step reads are the layers' and the LM head's, as stored."""
-    head = model.embed_tokens if model.lm_head is None else model.lm_head
-    return dict(num_layer_params=num_params(model.layers), hidden_size=hf_config.hidden_size,
-                intermediate_size=hf_config.intermediate_size,
-                num_attention_heads=hf_config.num_attention_heads,
-                num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-                weight_bytes=weight_bytes(model.layers) + weight_bytes(head),
-                kv_bytes_per_token=kv_bytes_per_token(model, dtype))
-
-
-def _eos_ids(hf_config, tokenizer, model_path) -> set[int]:
-    """EOS ids from the config, the tokenizer and generation_config.json, together."""
-    found = [getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)]
-    gen = model_path / "generation_config.json" if model_path else None
-    if gen is not None and gen.is_file():
-        found.append(json.loads(gen.read_text()).get("eos_token_id"))
-    ids: set[int] = set()
-    for v in found:
-        ids.update([v] if isinstance(v, int) else [x for x in (v or []) if isinstance(x, int)])
-    return ids

@@ -156,8 +156,7 @@ class EngineCore:
 
     def device_roofs(self, refresh: bool = False) -> DeviceRoofs:
         if self._info.modelled is not None:      # the modelled device's roofs, not the host's
-            from .modelled import modelled_roofs
-            return modelled_roofs(self._info)
+            return DeviceRoofs.modelled(self._info)
         return probe_roofs(self.platform, next(self.model.parameters()).dtype, refresh)
 
     def model_sha256(self) -> str | None:

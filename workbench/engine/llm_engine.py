@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 from ..config import EngineConfig
 from ..core.block_manager import KVBlockSnapshot
 from ..core.clock import Clock
+from .calibrate import calibrate_cpu, needs_calibration
 from .core import EngineCore
 from .input_processor import InputProcessor, Prompt
 from .request import Request, RequestState, TokenEvent
@@ -75,6 +76,8 @@ class RequestOutput:
 class Engine:
     def __init__(self, config: EngineConfig | None = None, **overrides):
         config = replace(config, **overrides) if config is not None else EngineConfig(**overrides)
+        if needs_calibration(config):     # model:cpu: fitted to this machine first (cached)
+            calibrate_cpu(config)
         self.core = EngineCore(config)
         self.inputs = InputProcessor(self.core.tokenizer, self.core.vocab_size,
                                      self.core.max_model_len, self.core.config.model)

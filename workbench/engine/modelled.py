@@ -14,9 +14,7 @@ import hashlib
 import json
 import logging
 import math
-import os
 import socket
-import time
 from dataclasses import replace
 
 import torch
@@ -31,12 +29,12 @@ from ..executor.models import LlamaForCausalLM, load_checkpoint
 from ..executor.models.loader import generation_defaults
 from ..executor.sampler import LogprobsTensors
 from ..modelled import DeviceProfile, ModelledRunner
-from ..modelled.fit import fit_cpu_steps
 from ..modelled.profiles import cpu_profile, parse_device, spec_profile
 from ..platforms import get_platform
-from ..roofline import DeviceRoofs, probe_roofs
+from ..roofline import probe_roofs
 from ..telemetry import EngineInfo, MemoryStats, Telemetry
 from .pipeline import StepPipeline, StepResult
+from .sizing import eos_ids, fit_max_model_len, model_max_len, num_params, weight_bytes
 
 log = logging.getLogger("workbench")
 
@@ -90,28 +88,7 @@ def _sampling_rows(reqs):
     return ParentRequest.sampling_rows(reqs)
 
 
-def modelled_roofs(info: EngineInfo) -> DeviceRoofs:
-    m = info.modelled
-    return DeviceRoofs(f"{m['device_name']} (modelled)", info.dtype, m["peak_flops"],
-                       m["bandwidth"])
-
-
-# ---- the CPU profile: a short real run, fitted and cached ---------------------------------------
-def cpu_calibration_workload(max_num_seqs: int, vocab: int, max_len: int
-                             ) -> list[tuple[list[int], int]]:
-    """(prompt ids, new tokens): batch-1 decode, a few prompts of unlike lengths (prefill,
-    chunks, mixed steps) and a wider decode batch; a few seconds on a small model."""
-    import random
-    r = random.Random(7)
-
-    def prompt(n: int) -> list[int]:
-        return [r.randrange(10, vocab) for _ in range(min(n, max_len - 40))]
-    work = [(prompt(64), 24)]
-    work += [(prompt(n), 16) for n in (24, 96, 200, 380)]
-    work += [(prompt(r.randint(24, 96)), 20) for _ in range(min(16, max_num_seqs))]
-    return work
-
-
+# ---- the CPU profile: fitted to a short real run (engine/calibrate.py), cached -----------------
 def cpu_cache_key(config: EngineConfig, dtype: str) -> str:
     parts = [socket.gethostname(), config.model, dtype, str(config.block_size),
              config.attention_backend, torch.__version__, str(torch.get_num_threads()),
@@ -119,54 +96,25 @@ def cpu_cache_key(config: EngineConfig, dtype: str) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def calibrate_cpu(config: EngineConfig, dtype: str, refresh: bool = False) -> DeviceProfile:
-    """The 'cpu' profile for this model: roofs probed, coefficients fitted to the real CPU
-    engine's steps on cpu_calibration_workload (weights unquantized, as the modelled engine
-    counts them), cached per machine, model and dtype."""
+def cpu_profile_path(config: EngineConfig, dtype: str):
     from ..cache import cache_root
-    from .core import EngineCore
-    platform = get_platform("cpu")
-    roofs = probe_roofs(platform, getattr(torch, dtype))
-    path = cache_root() / "modelled" / f"cpu-{cpu_cache_key(config, dtype)}.json"
-    if not refresh:
-        try:
-            d = json.loads(path.read_text())
-            from ..modelled.profiles import Coefficients
-            return cpu_profile(roofs, Coefficients.from_dict(d["coefficients"]), d["source"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-    t = time.perf_counter()
-    real = EngineCore(replace(config, device="cpu", dtype=dtype, quantization=None,
-                              graph_mode="eager", async_scheduling=None, num_kv_blocks=None,
-                              kv_cache_memory_gb=None, max_num_seqs=16,
-                              max_num_batched_tokens=256, enable_prefix_caching=False,
-                              prefill_interval=1, waiting_timeout_ms=0.0,
-                              max_step_events=100_000))
+    return cache_root() / "modelled" / f"cpu-{cpu_cache_key(config, dtype)}.json"
+
+
+def cpu_dtype(config: EngineConfig) -> str:
+    return "float32" if config.dtype == "auto" else config.dtype
+
+
+def cached_cpu_profile(config: EngineConfig, dtype: str) -> DeviceProfile | None:
+    """The 'cpu' profile fitted on this machine for this model and dtype, or None if there is
+    none yet (Engine makes it: engine/calibrate.py)."""
     try:
-        info = real.info()
-        work = cpu_calibration_workload(16, info.vocab_size, real.max_model_len)
-        reqs = [real.make_request(p, p, SamplingParams(max_tokens=n, temperature=0,
-                                                       ignore_eos=True), f"cal-{i}")
-                for i, (p, n) in enumerate(work)]
-        real.add(reqs[:1])            # batch 1 first, alone
-        while real.has_unfinished_requests():
-            real.step()
-        real.add(reqs[1:])
-        while real.has_unfinished_requests():
-            real.step()
-        steps = real.telemetry.snapshot()[0][1:]       # the first step warms up
-        k, fit = fit_cpu_steps(steps, info, roofs.peak_flops, roofs.bandwidth)
-    finally:
-        real.close()
-    source = (f"fitted to {fit['steps']} steps of the real CPU engine on {config.model} "
-              f"({dtype}) in {time.perf_counter() - t:.1f} s; fit residual median "
-              f"{fit['median_rel_err']:.1%}, worst {fit['max_rel_err']:.1%}")
-    log.info("modelled cpu: %s", source)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{time.monotonic_ns()}.tmp")
-    tmp.write_text(json.dumps({"coefficients": k.as_dict(), "source": source, "fit": fit}))
-    tmp.replace(path)
-    return cpu_profile(roofs, k, source)
+        d = json.loads(cpu_profile_path(config, dtype).read_text())
+        from ..modelled.profiles import Coefficients
+        return cpu_profile(probe_roofs(get_platform("cpu"), getattr(torch, dtype)),
+                           Coefficients.from_dict(d["coefficients"]), d["source"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 # ---- building ------------------------------------------------------------------------------------
@@ -175,9 +123,13 @@ def build_modelled_engine(config: EngineConfig, built_class):
     name = parse_device(config.device)
     platform = get_platform("cpu")       # the host: sampling params, generators live here
     if name == "cpu":
-        dtype = "float32" if config.dtype == "auto" else config.dtype
-        profile = calibrate_cpu(config, dtype,
-                                refresh=os.environ.get("WORKBENCH_MODELLED_RECALIBRATE") == "1")
+        dtype = cpu_dtype(config)
+        profile = cached_cpu_profile(config, dtype)
+        if profile is None:
+            raise ValueError("device: model:cpu is fitted to a short run of the real CPU engine "
+                             "on this machine, and none is cached for this model; "
+                             "Engine(device='model:cpu') runs it first "
+                             "(workbench.engine.calibrate.calibrate_cpu)")
     else:
         profile = spec_profile(name)
         dtype = profile.dtype if config.dtype == "auto" else config.dtype
@@ -187,12 +139,7 @@ def build_modelled_engine(config: EngineConfig, built_class):
     ckpt = load_checkpoint(config.model, None)
     hf_config, tokenizer, model_path = ckpt.hf_config, ckpt.tokenizer, ckpt.path
     del ckpt
-    from .build import DEFAULT_MAX_MODEL_LEN, _eos_ids, _fit_max_model_len, num_params, weight_bytes
-    model_limit = getattr(hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN)
-    if config.max_model_len is not None and config.max_model_len > model_limit:
-        raise ValueError(f"max_model_len: the model supports at most {model_limit} positions "
-                         f"(got {config.max_model_len})")
-    max_model_len = config.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)
+    max_model_len = model_max_len(config, hf_config)
     with torch.device("meta"):           # the shape alone: no weights are made
         model = LlamaForCausalLM(hf_config, max_model_len).to(torch_dtype)
     head = model.embed_tokens if model.lm_head is None else model.lm_head
@@ -203,9 +150,9 @@ def build_modelled_engine(config: EngineConfig, built_class):
                                                                hf_config, torch_dtype)
                                                     // per_block))
     block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
-    max_model_len = _fit_max_model_len(config, max_model_len, block_manager.num_usable_blocks * bs)
+    max_model_len = fit_max_model_len(config, max_model_len, block_manager.num_usable_blocks * bs)
     scheduler = Scheduler(config, block_manager, max_model_len)
-    eos = _eos_ids(hf_config, tokenizer, model_path)
+    eos = eos_ids(hf_config, tokenizer, model_path)
     runner = ModelledRunner(profile, hf_config.vocab_size, eos, num_blocks * per_block,
                             config.seed)
     telemetry = Telemetry(config.max_step_events, config.max_request_records)
