@@ -133,7 +133,7 @@ CODE = textwrap.dedent('''
                    and not tuning[(512, 64)].use_gemv and tuning[(512, 64)].torch_us == 1.0]
 
     prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(5 + 9 * i)] for i in range(4)]
-    p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    p = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)   # 4 decode steps each
     from triton_on_cpu import triton_on_cpu
     for model in ("random:tiny-qwen3", "random:tiny"):
         kw = dict(model=model, device="cpu", dtype="float16", num_kv_blocks=64)

@@ -65,7 +65,7 @@ ENGINE = textwrap.dedent('''
     shared = [(5 * j) % 400 + 3 for j in range(40)]          # a shared 40-token prefix
     prompts = [shared + [(7 * i + 3 * j) % 500 + 1 for j in range(9 + 13 * i)] for i in range(5)]
     prompts.append(shared[:33])                                 # a prefix hit mid-block
-    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     calls = []
     kernel = ta.paged_prefill_attention
     ta.paged_prefill_attention = lambda *x, **kw: calls.append(1) or kernel(*x, **kw)
