@@ -109,13 +109,17 @@ static inline __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// One tile (R rows at t) against MT activation rows: y[m * ldy + r] for r < R.
+// One tile (R rows at t) against MT activation rows: y[m * ldy + r] for r < R. `ahead`:
+// the first pass over the tile, which prefetches the next tile (later passes find this one
+// in L1).
 template <int MT>
 static void tile_kernel(const uint8_t* t, int64_t fmt, int64_t R, int64_t nb, const int8_t* xq,
-                        int64_t kp, const float* xd, const int32_t* xs, float* y, int64_t ldy) {
+                        int64_t kp, const float* xd, const int32_t* xs, float* y, int64_t ldy,
+                        bool ahead) {
   const __mmask16 rm = R == kTile ? 0xFFFF : static_cast<__mmask16>((1u << R) - 1);
   const __mmask64 bm = R == kTile ? ~0ull : (1ull << (4 * R)) - 1;
   const int64_t chunk = 4 * R;
+  const int64_t next = ahead ? kTile * row_bytes(fmt, nb * 32) : 0;   // the next tile
   __m512 acc[MT], macc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps(), macc[m] = _mm512_setzero_ps();
   __m512i w[8];
@@ -123,6 +127,7 @@ static void tile_kernel(const uint8_t* t, int64_t fmt, int64_t R, int64_t nb, co
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = t + b * 20 * R;
+      for (int64_t o = 0; next && o < 20 * R; o += 64) prefetch(blk + next + o);
       const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(rm, blk));
       const __m512 mw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(rm, blk + 2 * R));
       for (int c = 0; c < 4; ++c) {
@@ -147,6 +152,7 @@ static void tile_kernel(const uint8_t* t, int64_t fmt, int64_t R, int64_t nb, co
     const uint8_t* base = q8 ? t : t + 4 * R;      // int8x16: the row scales come first
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = base + b * bb;
+      for (int64_t o = 0; next && o < bb; o += 64) prefetch(blk + next + o);
       const uint8_t* qs = q8 ? blk + 2 * R : blk;
       const __m512 dw = q8 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(rm, blk)) : _mm512_set1_ps(1.f);
       for (int g = 0; g < 8; ++g) w[g] = _mm512_maskz_loadu_epi8(bm, qs + g * chunk);
@@ -193,11 +199,11 @@ at::Tensor a8_linear(at::Tensor x, at::Tensor w, int64_t fmt) {
       for (; m + kRowsPerPass <= M; m += kRowsPerPass)
         tile_kernel<kRowsPerPass>(t, fmt, R, xq.nb, xq.q.data() + m * xq.kp, xq.kp,
                                   xq.d.data() + m * xq.nb, xq.s.data() + m * xq.nb,
-                                  yp + m * N + i * kTile, N);
+                                  yp + m * N + i * kTile, N, m == 0);
       for (; m < M; ++m)
         tile_kernel<1>(t, fmt, R, xq.nb, xq.q.data() + m * xq.kp, xq.kp,
                        xq.d.data() + m * xq.nb, xq.s.data() + m * xq.nb,
-                       yp + m * N + i * kTile, N);
+                       yp + m * N + i * kTile, N, m == 0);
     }
   });
   return y;

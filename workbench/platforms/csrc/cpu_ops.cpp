@@ -91,22 +91,22 @@ std::vector<at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual,
   return {out, sum};
 }
 
-// silu(g) * u; in bf16 torch stores silu(g) before the multiply.
+// silu(g) * u; in bf16 torch stores silu(g) before the multiply. silu(g) is torch's own
+// (at::silu_out into `out`): its exp is not the compiler's, and the two differ in the last
+// bit now and then, which bf16's rounding turns into a whole unit (on a Sapphire Rapids VM
+// one element in 60k did, and that moved a tied greedy token). The multiply is ours.
 template <class T>
 static void silu_and_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+  at::silu_out(out, gate_up.narrow(1, 0, n));
   const T* gp = cptr<T>(gate_up);
   T* op = mptr<T>(out);
   at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t end) {
     for (int64_t t = b; t < end; ++t) {
-      const T* g = gp + t * 2 * n;
-      const T* u = g + n;
+      const T* u = gp + t * 2 * n + n;
       T* o = op + t * n;
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) {
-        const float gi = to_f(g[i]);
-        o[i] = from_f<T>(rnd<T>(gi / (1.f + std::exp(-gi))) * to_f(u[i]));
-      }
+      for (int64_t i = 0; i < n; ++i) o[i] = from_f<T>(to_f(o[i]) * to_f(u[i]));
     }
   });
 }
@@ -210,7 +210,10 @@ static inline void gemv_rows(const float* __restrict w, const float* __restrict 
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
     const __m512 xv = _mm512_loadu_ps(x + k);
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(w + r * K + k), xv, acc[r]);
+    for (int r = 0; r < R; ++r) {
+      prefetch(w + (R + r) * K + k);             // the next group's same line
+      acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(w + r * K + k), xv, acc[r]);
+    }
   }
   if (k < K) {
     const __mmask16 m = static_cast<__mmask16>((1u << (K - k)) - 1);
@@ -233,8 +236,10 @@ static inline void gemv_rows_bf16(const bf16_t* __restrict w, const bf16_t* __re
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
     const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
-    for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r) {
+      prefetch(w + (R + r) * K + k);
       acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(w + r * K + k), xv);
+    }
   }
   if (k < K) {
     const __mmask32 m = static_cast<__mmask32>((1ull << (K - k)) - 1);

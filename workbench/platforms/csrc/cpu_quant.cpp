@@ -117,6 +117,7 @@ static inline void q4_1_rows(const uint8_t* w, int64_t rb, const float* x, int64
     const __m512 x01 = _mm512_add_ps(x0, x1);
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = w + r * rb + b * 20;
+      prefetch(blk + R * rb);                    // the next group's same block
       const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
       const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low)));
       const __m512 hi = _mm512_cvtepi32_ps(
@@ -138,6 +139,7 @@ static inline void q8_0_rows(const uint8_t* w, int64_t rb, const float* x, int64
     const __m512 x0 = _mm512_loadu_ps(x + b * 32), x1 = _mm512_loadu_ps(x + b * 32 + 16);
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = w + r * rb + b * 34;
+      prefetch(blk + R * rb);
       const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2))));
       const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
@@ -158,6 +160,7 @@ static inline void int8_rows(const uint8_t* w, int64_t rb, const float* x, int64
   for (; k + 16 <= K; k += 16) {
     const __m512 xv = _mm512_loadu_ps(x + k);
     for (int r = 0; r < R; ++r) {
+      prefetch(w + (R + r) * rb + 4 + k);
       const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * rb + 4 + k));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), xv, acc[r]);
     }
