@@ -145,6 +145,14 @@ def test_space_domains_come_from_the_engine():
     assert pts[0] == s.defaults(EngineConfig(device="cpu"))          # the defaults first
     assert len({json.dumps(p, sort_keys=True) for p in pts}) == 12
     assert all(p["max_num_batched_tokens"] >= p["max_num_seqs"] for p in pts)
+    # a first rung of six (the defaults, then five drawn) tries every value of a knob that
+    # has five, whatever the seed (a Latin hypercube, not independent draws)
+    cpu = Space.default("cpu", knobs=("max_num_seqs", "max_num_batched_tokens",
+                                      "prefill_interval", "enable_chunked_prefill", "block_size"))
+    assert len(cpu.knobs["max_num_seqs"]) == 5 and cpu.size > 4 * 6
+    for seed in range(20):
+        drawn = cpu.sample(6, EngineConfig(device="cpu"), seed=seed)[1:]
+        assert {p["max_num_seqs"] for p in drawn} == set(cpu.knobs["max_num_seqs"]), seed
     assert Space.parse(["max_num_seqs=4,8", "graph_mode=eager", "block_size"], "cpu").knobs == {
         "max_num_seqs": (4, 8), "graph_mode": ("eager",), "block_size": block_sizes("cpu")}
 

@@ -162,9 +162,17 @@ class Space:
 
     def sample(self, n: int, base: EngineConfig | None = None, seed: int = 0,
                include_defaults: bool = True) -> list[dict]:
-        """Up to n distinct points EngineConfig accepts over `base`, drawn uniformly at
-        random from the product (not a grid walk); the base config's own values first when
-        `include_defaults` (they need not be in the domains)."""
+        """Up to n distinct points EngineConfig accepts over `base`, drawn at random from
+        the product (not a grid walk); the base config's own values first when
+        `include_defaults` (they need not be in the domains).
+
+        A small space is shuffled whole. A large one is drawn as a Latin hypercube over the
+        knobs' discrete domains (McKay, Beckman and Conover, 1979): each knob's column of the
+        draw goes through its domain in a shuffled order, over and over, so that n points
+        try every value of a knob that has at most n of them (independent uniform draws
+        would leave some out: five draws from five values miss one 2 times in 3), and a
+        small first rung still sees the whole range of each knob. Points EngineConfig refuses
+        are skipped and the draw goes on."""
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"n_trials: must be an integer >= 1 (got {n!r})")
         base = base or EngineConfig()
@@ -189,13 +197,26 @@ class Space:
                     break
                 take(p)
         else:
-            for _ in range(50 * n):
-                if len(out) >= n:
+            for _ in range(50):
+                want = n - len(out)
+                if want <= 0:
                     break
-                take({k: rng.choice(v) for k, v in self.knobs.items()})
+                columns = {k: _latin_column(v, want, rng) for k, v in self.knobs.items()}
+                for i in range(want):
+                    take({k: col[i] for k, col in columns.items()})
         if not out:
             raise ValueError("space: no point of it is a valid EngineConfig over the base config")
         return out[:n]
 
     def __repr__(self) -> str:
         return f"Space({self.knobs!r})"
+
+
+def _latin_column(values: tuple, m: int, rng: random.Random) -> list:
+    """m values: the domain shuffled, again and again, as many times as it takes."""
+    out: list = []
+    while len(out) < m:
+        perm = list(values)
+        rng.shuffle(perm)
+        out.extend(perm)
+    return out[:m]
