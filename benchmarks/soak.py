@@ -1,7 +1,7 @@
 """Soak: mixed traffic against `workbench serve` for a bounded time; nothing but caches may grow.
 
     python benchmarks/soak.py --minutes 30 --output soak.json     # a real soak (docs/soak.md)
-    python benchmarks/soak.py --minutes 1                         # what the test suite runs
+    python benchmarks/soak.py --minutes 0.5                       # what the test suite runs
 
 It starts the server itself (its own session, stopped at the end, process tree and all),
 warms it up, then records the server process's RSS, open file descriptors and threads, and
