@@ -23,7 +23,7 @@ import torch
 from workbench import Engine
 from workbench.bench.formats import FORMATS, llama_cpp_b1, llama_cpp_bf16_copy
 from workbench.bench.offline import make_workload, run_engine_b1
-from workbench.platforms.cpu import ensure_kernel_built
+from workbench.platforms.cpu_kernels import ensure_kernel_built
 
 OURS = ("bf16", "gguf-a8", "gguf")
 PEERS = {"bf16": "llama.cpp BF16", "gguf-a8": "llama.cpp Q4_1", "gguf": "llama.cpp Q4_1"}

@@ -18,7 +18,7 @@ def main(dtypes: list[str]) -> dict:
     torch.set_num_threads(1)
     from workbench import Engine
     from workbench.bench.offline import make_workload, run_engine
-    from workbench.platforms.cpu import ensure_kernel_built
+    from workbench.platforms.cpu_kernels import ensure_kernel_built
     ensure_kernel_built(lambda s: print(s, file=sys.stderr))
     wl = make_workload(32, (16, 256), (16, 128), 49152, 0)
     out = {}
