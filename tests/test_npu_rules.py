@@ -43,15 +43,19 @@ def test_bf16_greedy_tokens_match_the_cpu_reference(checkpoints, monkeypatch, ki
     """bf16 throughout, with the ops' own dtype rules. The graph modes give eager's tokens
     exactly (same ops, same dtype); against the CPU's bf16 reference, which rounds in other
     places (fused norms, attention), greedy tokens agree up to a near-tie: the first token
-    of every prompt; at each prompt's first difference, the reference's logits (recomputed
-    by a prefill, which rounds differently from its decode step again) put the two choices
-    within 4% of the largest logit of each other: bf16 keeps 8 bits, and a logit here has
-    been rounded a few dozen times, so a few percent is its usual error (benchmarks/npu.py
-    allows 2% relative L2 error on a whole row of logits)."""
+    of every prompt, and at each prompt's first difference the NPU's token is not worse than
+    the reference's by more than 4% of the largest logit, judged by fp32 (the same model
+    without bf16's rounding, recomputed by a prefill). Two bf16 runs cannot judge each other:
+    on these random models bf16's logits are 8-17% (relative L2) from fp32's, the bf16 and
+    fp32 references part within 1-8 tokens, and on a Sapphire Rapids VM the bf16
+    reference's own prefill preferred the NPU's token by 10% of the largest logit at a
+    point where its decode step had chosen the other."""
     path, prompts = str(checkpoints[kind]), random_prompts(4, 5, 300, 1000, seed=3)
     ref = Engine(model=path, **KW, device="cpu", dtype="bfloat16", attention_backend="reference",
                  block_size=128)
     want = _greedy(ref, prompts, 16)
+    judge = Engine(model=path, **KW, device="cpu", dtype="float32", attention_backend="reference",
+                   block_size=128)
     fake_torch_npu.install(monkeypatch, fp32=False)
     runs = {}
     for mode in ("eager", None, "decode"):
@@ -64,9 +68,9 @@ def test_bf16_greedy_tokens_match_the_cpu_reference(checkpoints, monkeypatch, ki
         i = next((i for i, (a, b) in enumerate(zip(got, wanted)) if a != b), None)
         if i is None:
             continue
-        theirs = ref.core.prompt_logits(prompt + wanted[:i])
-        margin = abs(float(theirs[wanted[i]] - theirs[got[i]]))
-        assert margin <= 0.04 * float(theirs.abs().max()), (i, margin)
+        fp32 = judge.core.prompt_logits(prompt + wanted[:i]).float()
+        worse_by = float(fp32[wanted[i]] - fp32[got[i]])
+        assert worse_by <= 0.04 * float(fp32.abs().max()), (i, worse_by)
 
 
 def test_fake_refuses_fp32_where_the_ops_do(checkpoints, monkeypatch):
