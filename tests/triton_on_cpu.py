@@ -50,21 +50,69 @@ def triton_on_cpu(gemv: bool = True):
         engine_build.get_platform = orig
 
 
-def run_interpreted(code: str | None = None, script=None, *args: str, timeout: float = 900) -> str:
-    """Run `code` (python -c) or `script` with args in a fresh interpreter under Triton's
-    interpreter (TRITON_INTERPRET=1 must be set before triton is imported, hence a subprocess),
-    with tests/ on its path so it can import this module. Returns its stdout (stripped); a
-    failing run fails the calling test with the end of its stderr."""
-    import os
-    import subprocess
+class Interpreted:
+    """A script running under Triton's interpreter in a subprocess of its own (process
+    group too), started at once, so that two runs of single-threaded numpy share the two
+    cores: `output()` waits for it; `stop()` ends it and its group, run or not."""
+
+    def __init__(self, cmd: list[str], timeout: float):
+        import os
+        import subprocess
+        import time
+
+        here = os.path.dirname(os.path.abspath(__file__))
+        self.deadline = time.monotonic() + timeout
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,
+            env={**os.environ, "TRITON_INTERPRET": "1",
+                 "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])})
+
+    def output(self) -> str:
+        """Its stdout (stripped); a failing run fails the calling test with the end of its
+        stderr."""
+        import subprocess
+        import time
+        try:
+            out, err = self.proc.communicate(timeout=max(self.deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise
+        assert self.proc.returncode == 0, err[-3000:]
+        return out.strip()
+
+    def stop(self) -> None:
+        import os
+        import signal
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.communicate()
+        try:                                   # nothing of its group may be left either
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def start_interpreted(code: str | None = None, script=None, *args: str,
+                      timeout: float = 900) -> Interpreted:
+    """Start `code` (python -c) or `script` with args in a fresh interpreter under Triton's
+    interpreter (TRITON_INTERPRET=1 must be set before triton is imported, hence a
+    subprocess), with tests/ on its path so it can import this module."""
     import sys
 
     import pytest
     pytest.importorskip("triton")
-    here = os.path.dirname(os.path.abspath(__file__))
     cmd = [sys.executable, "-c", code] if code is not None else [sys.executable, str(script)]
-    r = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout,
-                       env={**os.environ, "TRITON_INTERPRET": "1",
-                            "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])})
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r.stdout.strip()
+    return Interpreted([*cmd, *args], timeout)
+
+
+def run_interpreted(code: str | None = None, script=None, *args: str, timeout: float = 900) -> str:
+    """start_interpreted, then its output."""
+    run = start_interpreted(code, script, *args, timeout=timeout)
+    try:
+        return run.output()
+    finally:
+        run.stop()
