@@ -17,8 +17,8 @@ How it checks, before saving anything:
   prefill of the eight prompts, a decode at each batch size from 8 to 1); then the recording,
   each of whose steps must take within --factor of its kind's median, either way;
 - its batch-1 TPOT (`Trace.batch1_tpot()`) is within --tpot-factor (2) of what `workbench bench
-  --num-requests 0` measures on the same engine right after (what tests/test_trace_recording.py
-  holds the shipped trace to on the machine running the tests).
+  --num-requests 0` measures on the same engine right after (kept in the trace, and what
+  tests/test_trace_recording.py holds the shipped trace to).
 A recording that fails says which steps were off, and another calibration and recording follow,
 up to --attempts; then it gives up with exit status 1, having saved nothing. A saved trace keeps
 what it was checked against (`Trace.calibration`) and names no local path (`Trace.model_sha256`

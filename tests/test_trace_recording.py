@@ -1,8 +1,9 @@
 """The recorder of the shipped trace (benchmarks/record_trace.py) end to end on the embedded
 model: it refuses a busy machine and a recording whose steps stray from its calibration, saving
 nothing; what it saves carries what it was checked against and names no local path. And the
-shipped trace against the machine running the tests: its batch-1 TPOT within 2x of what
-`workbench bench --num-requests 0` measures here, so a stale or unrepresentative trace fails."""
+shipped trace against its own recording and today's engine: its batch-1 TPOT within 2x of what
+`workbench bench --num-requests 0` measured in the same recording, its weights the embedded
+model's, its config resolving to the kernels it ran."""
 from __future__ import annotations
 
 import gzip
@@ -87,33 +88,40 @@ def test_recorder_refuses_a_busy_machine_and_a_stray_recording(tmp_path, smollm2
     assert "Nothing saved" in r.stderr and not out.exists()
 
 
-def test_shipped_trace_shows_this_machines_tpot(smollm2_dir):
-    """TPOT defined as `workbench bench` defines it on both sides (time after a lone request's
-    first token over the tokens after it): the trace's longest batch-1 stretch, against the
-    batch-1 part of `workbench bench --num-requests 0` (its prompt and length) on an engine
-    with the trace's config. The C++ CPU kernel is built first (a background build from an
-    earlier test is waited for), so both sides decode through it: an engine that decoded in
-    plain torch meanwhile would not be like with like."""
+def test_shipped_trace_is_checked_and_current(smollm2_dir):
+    """The shipped trace against what it was checked against when it was recorded, and against
+    the engine it claims to show. Its batch-1 TPOT (time after a lone request's first token
+    over the tokens after it) is within 2x of `workbench bench --num-requests 0`'s, measured on
+    the recording machine in the same run (`Calibration.bench_batch1_tpot_s`); its weights are
+    the embedded model's; and its config, loaded here with the C++ CPU kernel built, resolves to
+    the dtype, attention and ops it recorded. Its speed is not held to this machine's: CI runs
+    on machines up to 2.3x apart, and speed targets belong to benchmarks (record_trace.py
+    checks the live ratio when it records)."""
     trace = Trace.load(SHIPPED)
     got = trace.batch1_tpot()
     assert got is not None and got[1] >= 5, "the shipped trace has no batch-1 stretch to compare"
     tpot_trace, n = got
+    cal = trace.calibration
+    assert cal is not None and cal.bench_batch1_tpot_s, "the shipped trace was not recorded by " \
+        "benchmarks/record_trace.py (it has no calibration)"
+    ratio = tpot_trace / cal.bench_batch1_tpot_s
+    assert 0.5 <= ratio <= 2, (
+        f"the shipped trace's batch-1 TPOT is {tpot_trace * 1e3:.1f} ms (over {n} tokens), "
+        f"{ratio:.2f}x the {cal.bench_batch1_tpot_s * 1e3:.1f} ms `workbench bench` measured "
+        f"in the same recording. Re-record it on a quiet machine: python benchmarks/record_trace.py")
+    assert cal.min_ratio >= 1 / cal.factor and cal.max_ratio <= cal.factor
+    assert trace.model_sha256 == model_digest("smollm2"), \
+        "the shipped trace shows other weights than the embedded model's: re-record it"
     if trace.info.device == "cpu":
         from workbench.platforms.cpu_kernels import load_cpu_kernels
         load_cpu_kernels()
-    bench = {k: p.default for k, p in inspect.signature(offline.run).parameters.items()}
     engine = Engine(trace.info.config)
     try:
         info = engine.info()
-        prompt = offline.make_workload(1, (bench["b1_prompt"],) * 2, (1, 1), info.vocab_size,
-                                       bench["seed"] + 1).prompts[0]
-        b1 = offline.run_engine_b1(engine, prompt, bench["b1_new"])
     finally:
         engine.close()
-    ratio = tpot_trace * 1e3 / b1["tpot_ms"]
-    assert 0.5 <= ratio <= 2, (
-        f"the shipped trace's batch-1 TPOT is {tpot_trace * 1e3:.1f} ms (over {n} tokens), "
-        f"{ratio:.2f}x the {b1['tpot_ms']} ms `workbench bench --num-requests 0` measures here "
-        f"(this engine: {info.dtype}, attention {info.attention}, ops {info.ops}; the trace's: "
-        f"{trace.info.dtype}, attention {trace.info.attention}, ops {trace.info.ops}). Re-record "
-        f"it on a quiet machine: python benchmarks/record_trace.py")
+    here = (info.dtype, info.attention, info.ops)
+    there = (trace.info.dtype, trace.info.attention, trace.info.ops)
+    assert here == there, (f"the shipped trace's engine ran (dtype, attention, ops) = {there}; "
+                           f"its config gives {here} today. Re-record it: "
+                           f"python benchmarks/record_trace.py")
