@@ -10,14 +10,16 @@
 """
 from __future__ import annotations
 
+import json
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
 from workbench import Engine, SamplingParams
 from workbench.modelled.cost import step_time
-from workbench.modelled.fit import StepTrace, fit_cpu_steps
+from workbench.modelled.fit import CPU_PARAMS, StepTrace, fit_cpu_steps
 from workbench.modelled.profiles import Coefficients, get_profile, profile_names
 from workbench.telemetry import percentile
 
@@ -78,7 +80,7 @@ def test_uncalibrated_profiles_say_so():
     finally:
         e.close()
     h = get_profile("h200")
-    assert h.calibrated and h.coefficients != get_profile("h100").coefficients or True
+    assert h.calibrated and not get_profile("h100").calibrated
     assert set(profile_names()) == {"cpu", "h200", "h100", "a100", "910b", "910c"}
 
 
@@ -147,32 +149,64 @@ def test_modelled_requests_refuse_what_needs_logits_and_draw_uniformly():
 
 
 def test_cpu_fit_recovers_known_coefficients():
-    """Steps timed by the cost model with known coefficients: the fit gets them back."""
+    """Steps timed by the CPU's cost form with known coefficients: the fit gets every one of
+    them back, and no coefficient it does not fit moves off 0."""
     from workbench.telemetry import StepEvent
     e = Engine(model="random:smollm2-135m", device="model:a100", num_kv_blocks=65,
                max_model_len=1024)
     info = e.info()
     e.close()
-    known = Coefficients(host_step=2e-3, host_per_request=1e-4, matmul_scale=1.7,
-                         attention_scale=2.5, launch_prefill_per_layer=4e-4)
+    zero = Coefficients(**{f: 0.0 for f in Coefficients.__dataclass_fields__})
+    known = replace(zero, weight_scale=0.28, matmul_scale=0.3, attention_scale=1.7,
+                    rows_log2=0.013)
+    assert set(CPU_PARAMS) == {k for k, v in known.as_dict().items() if v}
     peak, bw = 2e11, 2e10
+    prof = get_profile("a100").__class__("x", "x", "cpu", peak, bw, None, "float32", known,
+                                         True, "test")
     r = random.Random(1)
     steps = []
     for i in range(40):
-        n = r.randint(1, 12)
-        tok = {f"q{j}": (1 if r.random() < 0.7 else r.randint(2, 300)) for j in range(n)}
+        n = 1 if i % 5 == 0 else r.randint(1, 12)        # some batch-1 decodes
+        tok = {f"q{j}": (1 if i % 5 == 0 or r.random() < 0.7 else r.randint(2, 300))
+               for j in range(n)}
         ctx = {k: r.randint(0, 800) for k in tok}
         kinds = {k: "decode" if v == 1 else "prefill" for k, v in tok.items()}
-        prof = get_profile("a100").__class__(
-            "x", "x", "cpu", peak, bw, None, "float32", known, True, "test")
         d = step_time(prof, info, tok, ctx, kinds, None, False).seconds
         steps.append(StepEvent(i, 0.0, d, "mixed", 0, 0, 0, tok, kinds, 0, 0, 0, 0, 0, 0, [],
                                context_lens=ctx))
     k, fit = fit_cpu_steps(steps, info, peak, bw)
     assert fit["max_rel_err"] < 1e-6
-    for name in ("host_step", "host_per_request", "matmul_scale", "attention_scale",
-                 "launch_prefill_per_layer"):
-        assert getattr(k, name) == pytest.approx(getattr(known, name), rel=1e-4), name
+    for name, v in known.as_dict().items():
+        assert getattr(k, name) == pytest.approx(v, rel=1e-4, abs=1e-12), name
+
+
+def test_cpu_calibration_fits_the_real_engine_and_caches_it(tmp_path, monkeypatch):
+    """model:cpu on a machine with no profile yet: the real CPU engine runs every phase of the
+    calibration workload, the fit moves only the CPU form's coefficients, the profile is
+    cached, and the next model:cpu engine reads it rather than calibrating again."""
+    from workbench.engine import calibrate, modelled as engine_modelled
+    path = tmp_path / "cpu-profile.json"
+    monkeypatch.setattr(engine_modelled, "cpu_profile_path", lambda config, dtype: path)
+    monkeypatch.setattr(calibrate, "cpu_profile_path", lambda config, dtype: path)
+    knobs = dict(model="random:tiny", device="model:cpu", num_kv_blocks=64)
+    e = Engine(**knobs)
+    m = e.info().modelled
+    e.close()
+    d = json.loads(path.read_text())
+    assert m["profile"] == "cpu" and m["calibrated"] and m["source"] == d["source"]
+    phases = calibrate.cpu_calibration_workload(16, 1000, 2048)
+    batch1_steps = phases[0][0][1] - 1
+    decode_steps = sum(n - 1 for _, n in phases[1])          # the batch-2 phase's decodes
+    assert d["fit"]["steps"] >= batch1_steps + decode_steps + len(phases), d["fit"]
+    assert f"fitted to {d['fit']['steps']} steps of the real CPU engine" in d["source"]
+    k = Coefficients.from_dict(d["coefficients"])
+    assert {n for n, v in k.as_dict().items() if v} <= set(CPU_PARAMS), k
+    assert k.weight_scale > 0 and k.matmul_scale + k.rows_log2 > 0, k
+    stamp = path.stat().st_mtime_ns
+    e = Engine(**knobs)
+    assert e.info().modelled["source"] == d["source"]
+    e.close()
+    assert path.stat().st_mtime_ns == stamp
 
 
 def test_replayed_step_sequence_gives_the_engines_own_figures():

@@ -31,17 +31,21 @@ def needs_calibration(config: EngineConfig) -> bool:
 
 
 def cpu_calibration_workload(max_num_seqs: int, vocab: int, max_len: int
-                             ) -> list[tuple[list[int], int]]:
-    """(prompt ids, new tokens): batch-1 decode, a few prompts of unlike lengths (prefill,
-    chunks, mixed steps) and a wider decode batch; a few seconds on a small model."""
+                             ) -> list[list[tuple[list[int], int]]]:
+    """Phases of (prompt ids, new tokens), each run to its end before the next: decode at
+    batch 1, 2, 4, 8 and 16 (up to max_num_seqs), several steps each, so that every batch size
+    weighs alike in the fit; then prompts of unlike lengths together (prefill, chunks, mixed
+    steps). About 10 s for a 135M model on two cores."""
     r = random.Random(7)
 
     def prompt(n: int) -> list[int]:
         return [r.randrange(10, vocab) for _ in range(min(n, max_len - 40))]
-    work = [(prompt(64), 24)]
-    work += [(prompt(n), 16) for n in (24, 96, 200, 380)]
-    work += [(prompt(r.randint(24, 96)), 20) for _ in range(min(16, max_num_seqs))]
-    return work
+    phases = [[(prompt(64), 16)]]
+    phases += [[(prompt(r.randint(16, 48)), 10) for _ in range(b)]
+               for b in (2, 4, 8, 16) if b <= max_num_seqs]
+    phases.append([(prompt(n), 8) for n in (24, 96, 200, 380)]
+                  + [(prompt(r.randint(24, 96)), 12) for _ in range(4)])
+    return phases
 
 
 def calibrate_cpu(config: EngineConfig) -> DeviceProfile:
@@ -59,16 +63,13 @@ def calibrate_cpu(config: EngineConfig) -> DeviceProfile:
     try:
         info = real.info()
         roofs = real.device_roofs()
-        work = cpu_calibration_workload(16, info.vocab_size, real.max_model_len)
-        reqs = [real.make_request(p, p, SamplingParams(max_tokens=n, temperature=0,
-                                                       ignore_eos=True), f"cal-{i}")
-                for i, (p, n) in enumerate(work)]
-        real.add(reqs[:1])            # batch 1 first, alone
-        while real.has_unfinished_requests():
-            real.step()
-        real.add(reqs[1:])
-        while real.has_unfinished_requests():
-            real.step()
+        phases = cpu_calibration_workload(16, info.vocab_size, real.max_model_len)
+        for i, work in enumerate(phases):
+            real.add([real.make_request(p, p, SamplingParams(max_tokens=n, temperature=0,
+                                                             ignore_eos=True), f"cal-{i}-{j}")
+                      for j, (p, n) in enumerate(work)])
+            while real.has_unfinished_requests():
+                real.step()
         steps = real.telemetry.snapshot()[0][1:]       # the first step warms up
         k, fit = fit_cpu_steps(steps, info, roofs.peak_flops, roofs.bandwidth)
     finally:

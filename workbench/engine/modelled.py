@@ -38,7 +38,7 @@ from .sizing import eos_ids, fit_max_model_len, model_max_len, num_params, weigh
 
 log = logging.getLogger("workbench")
 
-CPU_FIT_VERSION = 2
+CPU_FIT_VERSION = 3
 
 
 class ModelledPipeline(StepPipeline):

@@ -3,12 +3,13 @@
 Two kinds of measurement:
 
 - A real engine's step records (the CPU): each StepEvent gives one step's duration and
-  everything its cost depends on, so the coefficients are a bounded least-squares fit of
-  the modelled durations (cost.combine, the roofline's max() included) to the recorded
-  ones, in relative error (a 5 ms decode step counts as much as a 500 ms prefill). On the
-  CPU, host and device take turns, so launches and host costs add; their per-step parts
-  are one intercept (`host_step`), and a token's host cost is not told apart from its
-  matmuls (host_per_token stays 0).
+  everything its cost depends on. On the CPU every term of cost.combine adds, so a step's
+  modelled time is linear in the coefficients: the fit is a non-negative least-squares
+  solve (exact, no start point), in relative error (a 30 ms decode step counts as much as a
+  500 ms prefill). The per-step intercept is the weights' read (`weight_scale`: their bytes
+  are the same every step, so host_step stays 0), a token's host cost is not told apart
+  from its matmuls (host_per_token stays 0), nor a request's from its rows (cost.py says
+  which terms were tried and left out).
 
 - Aggregate figures recorded on a device (the H200: TTFT and TPOT percentiles, throughput
   of whole workloads). The workloads are replayed on a modelled engine once to get their
@@ -21,22 +22,22 @@ Two kinds of measurement:
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from .cost import combine, step_features
 from .profiles import Coefficients
 
-CPU_PARAMS = ("host_step", "host_per_request", "matmul_scale", "attention_scale",
-              "launch_prefill_per_layer")
-CPU_START = Coefficients(host_step=5e-3, host_per_request=1e-4, matmul_scale=1.0,
-                         attention_scale=1.0, launch_prefill_per_layer=1e-4)
+CPU_PARAMS = ("weight_scale", "matmul_scale", "attention_scale", "rows_log2")
+"""What the CPU fit moves; every other coefficient is 0 there."""
 
 
 def fit_cpu_steps(steps, info, peak_flops: float, bandwidth: float
                   ) -> tuple[Coefficients, dict]:
     """Coefficients from a real CPU engine's StepEvents (see the module docstring), and the
     fit's own residuals (median and worst relative error over those steps)."""
-    from scipy.optimize import least_squares
+    from scipy.optimize import nnls
     feats, y = [], []
     for ev in steps:
         if ev.tokens_per_request and ev.duration > 0:
@@ -48,22 +49,16 @@ def fit_cpu_steps(steps, info, peak_flops: float, bandwidth: float
         raise ValueError(f"steps: {len(y)} steps that fed tokens; the fit needs at least "
                          f"{len(CPU_PARAMS)}")
     n = info.num_layers
+    zero = Coefficients(**{f: 0.0 for f in Coefficients.__dataclass_fields__})
 
-    def coeffs(x) -> Coefficients:
-        return Coefficients(**dict(zip(CPU_PARAMS, map(float, x * scale))))
-
-    def rel(x) -> np.ndarray:
-        k = coeffs(x)
-        return np.array([combine(k, f, None, n, False, False).seconds for f in feats]) / y - 1
-    best = None
-    for start in (CPU_START, Coefficients(host_step=float(y.min()) / 2, matmul_scale=0.3,
-                                          attention_scale=3.0)):
-        scale = np.array([max(getattr(start, p), 1e-6) for p in CPU_PARAMS])
-        res = least_squares(rel, np.ones(len(CPU_PARAMS)), bounds=(0, np.inf),
-                            x_scale="jac", max_nfev=2000)
-        if best is None or res.cost < best[1]:
-            best = (coeffs(res.x), res.cost, np.abs(rel(res.x)))
-    k, _, err = best
+    def seconds(k: Coefficients) -> np.ndarray:
+        return np.array([combine(k, f, None, n, False, False).seconds for f in feats])
+    # Column j: each step's time with coefficient j at 1 and the rest at 0 (the form is linear).
+    a = np.stack([seconds(replace(zero, **{p: 1.0})) for p in CPU_PARAMS], axis=1)
+    scale = np.maximum(np.abs(a).max(axis=0), 1e-30)        # columns of like size for nnls
+    x, _ = nnls(a / scale / y[:, None], np.ones(len(y)))
+    k = replace(zero, **dict(zip(CPU_PARAMS, map(float, x / scale))))
+    err = np.abs(seconds(k) / y - 1)
     return k, {"steps": int(len(y)), "median_rel_err": float(np.median(err)),
                "max_rel_err": float(err.max())}
 

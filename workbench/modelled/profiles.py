@@ -40,9 +40,17 @@ class Coefficients:
     """Host seconds per token fed (input preparation, embedding gather)."""
     matmul_scale: float = 1.0
     """The linear layers' time over their roofline bound (1 / the fraction of the roof they
-    reach)."""
+    reach); on the CPU, over their FLOPs' time at the peak."""
     attention_scale: float = 1.0
-    """Attention's time over its roofline bound (the KV it reads, the FLOPs it does)."""
+    """Attention's time over its roofline bound (the KV it reads, the FLOPs it does); on the
+    CPU, over its FLOPs' time at the peak."""
+    weight_scale: float = 1.0
+    """The CPU only: the weights' read time over its time at the bandwidth. Weight bytes are
+    the same every step, so this is also the CPU's per-step intercept (host_step stays 0
+    there: the same cores do both)."""
+    rows_log2: float = 0.0
+    """The CPU only: seconds per doubling of the rows (tokens) a step feeds, beyond their
+    FLOPs' time (a GEMM's rows get cheaper as there are more of them)."""
     attention_per_context_token: float = 0.0
     """Seconds per token of the longest context in the step: a floor under attention's
     time where one request's attention walks its context with too little parallelism to
