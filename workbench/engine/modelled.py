@@ -15,7 +15,7 @@ import json
 import logging
 import math
 import socket
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,7 +23,7 @@ from ..config import EngineConfig
 from ..core.block_manager import BlockManager
 from ..core.clock import VirtualClock
 from ..core.sampling_params import SamplingParams
-from ..core.scheduler import Scheduler
+from ..core.scheduler import Scheduler, SchedulerOutput
 from ..executor.kv_sizing import activation_reserve, kv_bytes_per_block, kv_bytes_per_token
 from ..executor.models import LlamaForCausalLM, load_checkpoint
 from ..executor.models.loader import generation_defaults
@@ -32,7 +32,7 @@ from ..modelled import DeviceProfile, ModelledRunner
 from ..modelled.profiles import cpu_profile, parse_device, spec_profile
 from ..platforms import get_platform
 from ..roofline import probe_roofs
-from ..telemetry import EngineInfo, MemoryStats, Telemetry
+from ..telemetry import FULL, EngineInfo, MemoryStats, Telemetry
 from .pipeline import StepPipeline, StepResult
 from .sizing import eos_ids, fit_max_model_len, model_max_len, num_params, weight_bytes
 
@@ -41,25 +41,62 @@ log = logging.getLogger("workbench")
 CPU_FIT_VERSION = 3
 
 
+@dataclass(slots=True)
+class ModelledStep:
+    """A modelled step, timed and its tokens drawn, not handed out yet."""
+    sched: SchedulerOutput
+    reqs: list
+    tokens: list[int]
+    graph: tuple[str, int] | None
+    t0: float
+    seconds: float
+    ahead: bool
+
+
 class ModelledPipeline(StepPipeline):
-    """One modelled step: schedule, time it, advance the clock, random tokens, hand out (the
-    same order and bookkeeping as StepPipeline's synchronous step; a run-ahead's overlap of
-    host and device is in the step's modelled time instead)."""
+    """One modelled step: schedule, time it, draw random tokens, move the clock to its end,
+    hand out, in StepPipeline's order and bookkeeping. With async scheduling, StepPipeline's
+    pipeline too: a replayed decode step stays in flight while the next one is scheduled
+    from it (Scheduler.schedule_next_decode), and its tokens are handed out by the call
+    after, so a request that ends frees its place a step later and a client that replaces
+    it is admitted a step later, as on the real device. The overlap of host and device
+    itself is in the step's modelled time (cost.py), so each step starts where the one
+    before it ended on the virtual clock."""
 
     def step(self, run_ahead) -> StepResult:
-        t0 = self.clock.now()
-        sched = self.scheduler.schedule(t0)
-        self.output.note_scheduled(sched, t0)
-        if sched.is_empty:
-            return self._hand_out(sched, [], [], None, None, t0)
+        pending, self.in_flight = self.in_flight, None
+        if pending is None:
+            t0 = self.clock.now()
+            sched = self.scheduler.schedule(t0)
+            self.output.note_scheduled(sched, t0)
+            if sched.is_empty:
+                return self._hand_out(sched, [], [], None, None, t0)
+            pending = self._run(sched, t0, ahead=False)
+            if not (self.async_scheduling and pending.graph is not None
+                    and pending.graph[0] == FULL):
+                self.clock.advance(pending.seconds)
+                self.scheduler.update_after_step(sched)
+                return self._hand_out_step(pending)
+        # Step N is in flight: its end on the clock; N+1 scheduled from it (not handed out).
+        self.clock.advance(pending.seconds)
+        self.scheduler.update_after_step(pending.sched)
+        if run_ahead():
+            nxt = self.scheduler.schedule_next_decode(pending.sched, lambda seq: True)
+            if nxt is not None:
+                self.in_flight = self._run(nxt[1], self.clock.now(), ahead=True)
+        return self._hand_out_step(pending)
+
+    def _run(self, sched: SchedulerOutput, t0: float, ahead: bool) -> ModelledStep:
         tokens, sampling, graph, cost = self.runner.execute(sched)
-        self.clock.advance(cost.seconds)
         reqs = self.output.requests_of(sampling)
         rows, reqs = _sampling_rows(reqs)
         if rows is not None:                 # n > 1: one token per choice from its row
             tokens = self.runner.tokens(len(reqs))
-        self.scheduler.update_after_step(sched)
-        return self._hand_out(sched, reqs, tokens, self._logprobs(reqs, tokens), graph, t0)
+        return ModelledStep(sched, reqs, tokens, graph, t0, cost.seconds, ahead)
+
+    def _hand_out_step(self, s: ModelledStep) -> StepResult:
+        return self._hand_out(s.sched, s.reqs, s.tokens, self._logprobs(s.reqs, s.tokens),
+                              s.graph, s.t0, s.ahead)
 
     def _logprobs(self, reqs, tokens: list[int]) -> LogprobsTensors | None:
         """The logprobs of the distribution the tokens were drawn from: uniform over the
@@ -192,7 +229,7 @@ def build_modelled_engine(config: EngineConfig, built_class):
         modelled=profile.summary())
     runner.info = info
     return built_class(config, platform, None, tokenizer, model, runner, block_manager,
-                       scheduler, telemetry, max_model_len, eos, False, info,
+                       scheduler, telemetry, max_model_len, eos, run_ahead, info,
                        clock=VirtualClock(), pipeline_class=ModelledPipeline)
 
 
