@@ -247,6 +247,8 @@ def test_gpu_script_runs_every_part_at_toy_sizes_on_the_cpu(tmp_path):
         assert name in parts, (name, sorted(parts))
     for mode in ("eager", "decode", "full"):
         assert parts[f"correctness_fp32_{mode}"]["equal"], parts[f"correctness_fp32_{mode}"]
+    w1 = parts["w1_ours"]              # a warm run; the first (cold) one is kept beside it
+    assert w1["cold_out_tok_s"] > 0 and w1["cold_ttft_p99_s"] > 0, w1
     for name in ("correctness_bf16_logits", "correctness_bf16_decode_b1", "release"):
         assert parts[name]["ok"], (name, parts[name])
     assert set(parts["sampled"]["w1_vs_greedy"]) == {"greedy", *SAMPLING_WORKLOADS,
