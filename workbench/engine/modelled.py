@@ -66,9 +66,7 @@ class ModelledPipeline(StepPipeline):
     def step(self, run_ahead) -> StepResult:
         pending, self.in_flight = self.in_flight, None
         if pending is None:
-            t0 = self.clock.now()
-            sched = self.scheduler.schedule(t0)
-            self.output.note_scheduled(sched, t0)
+            sched, t0 = self._schedule()
             if sched.is_empty:
                 return self._hand_out(sched, [], [], None, None, t0)
             pending = self._run(sched, t0, ahead=False)

@@ -110,9 +110,7 @@ class StepPipeline:
         and launches nothing."""
         pending, self.in_flight = self.in_flight, None
         if pending is None:
-            t0 = self.clock.now()
-            sched = self.scheduler.schedule(t0)
-            self.output.note_scheduled(sched, t0)
+            sched, t0 = self._schedule()
             if sched.is_empty:
                 return self._hand_out(sched, [], [], None, None, t0)
             logits, sampling, graph, spans = self.runner.execute(sched)
@@ -154,6 +152,14 @@ class StepPipeline:
         pending.ready.synchronize()
         return self._hand_out(pending.sched, pending.reqs, pending.host_ids.tolist(),
                               pending.host_logprobs, pending.graph, pending.t0, pending.ahead)
+
+    def _schedule(self) -> tuple[SchedulerOutput, float]:
+        """The next step, scheduled at the clock's time (and noted as scheduled), and that
+        time."""
+        t0 = self.clock.now()
+        sched = self.scheduler.schedule(t0)
+        self.output.note_scheduled(sched, t0)
+        return sched, t0
 
     def check_request(self, params) -> None:
         """Raise ValueError for what this pipeline cannot run (a real device runs anything
