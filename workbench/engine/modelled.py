@@ -70,15 +70,12 @@ class ModelledPipeline(StepPipeline):
             if sched.is_empty:
                 return self._hand_out(sched, [], [], None, None, t0)
             pending = self._run(sched, t0, ahead=False)
-            if not (self.async_scheduling and pending.graph is not None
-                    and pending.graph[0] == FULL):
-                self.clock.advance(pending.seconds)
-                self.scheduler.update_after_step(sched)
-                return self._hand_out_step(pending)
-        # Step N is in flight: its end on the clock; N+1 scheduled from it (not handed out).
+        # Step N ends on the clock; with async scheduling and a replayed graph, N+1 is
+        # scheduled from it and stays in flight (not handed out) before N is handed out.
         self.clock.advance(pending.seconds)
         self.scheduler.update_after_step(pending.sched)
-        if run_ahead():
+        if (self.async_scheduling and pending.graph is not None and pending.graph[0] == FULL
+                and run_ahead()):
             nxt = self.scheduler.schedule_next_decode(pending.sched, lambda seq: True)
             if nxt is not None:
                 self.in_flight = self._run(nxt[1], self.clock.now(), ahead=True)
