@@ -109,6 +109,13 @@ class TorchMetadata(AttentionMetadata):
     """Instead of rows and bias, for a decode kernel (CpuAttention): the block tables ..."""
     decode_lens: torch.Tensor | None = None
     """... and the context lengths."""
+    prefill_block_tables: torch.Tensor | None = None
+    """For a prefill kernel (CpuAttention), instead of prefill_context: the chunks' block
+    tables, ..."""
+    prefill_query_start: torch.Tensor | None = None
+    """... where each chunk's tokens start among the prefill tokens ([chunks + 1]) ..."""
+    prefill_lens: torch.Tensor | None = None
+    """... and their context lengths."""
     prefill_context: list[tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=list)
     """Per chunk: the pool rows holding its context [0, ctx_len) and its [n, ctx_len] causal
     mask, or None for a chunk with no cached prefix (its own K/V is the whole context)."""
@@ -189,7 +196,13 @@ class TorchAttention(AttentionBackend):
         if common.num_reqs == nd:
             return meta
         meta.prefills = common.prefill_bounds()
-        dev = common.block_table.device
+        self.build_prefill(meta, common)
+        return meta
+
+    def build_prefill(self, meta: TorchMetadata, common: CommonAttentionMetadata) -> None:
+        """Per prefill chunk with a cached prefix, the pool rows of its context and its
+        causal mask (TorchMetadata.prefill_context)."""
+        nd, dev = common.num_decode, common.block_table.device
         for i, (q_start, q_end, ctx) in enumerate(meta.prefills):
             start = ctx - (q_end - q_start)
             if start == 0:
@@ -199,7 +212,6 @@ class TorchAttention(AttentionBackend):
             q_pos = torch.arange(start, ctx, device=dev)
             mask = torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None]
             meta.prefill_context.append((self.pool_rows(blocks), mask))
-        return meta
 
     def build_decode(self, meta: TorchMetadata, tables: torch.Tensor, lens: torch.Tensor) -> None:
         """The gather path's decode inputs, made on the tables' device: pool rows, a padding
@@ -289,16 +301,23 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       scale: float) -> torch.Tensor:
     """Causal attention for one chunk at positions [start, start + n). q: [n, H, D], k/v:
     [n, kvH, D] (the chunk's own); context: the pool rows and mask of its whole context, or
-    None when start is 0."""
-    qt = q.transpose(0, 1)
+    None when start is 0.
+
+    On the CPU, bf16 and fp16 are computed in float64 and rounded once: attention to the
+    nearest bf16, which the C++ prefill kernel (csrc/cpu_attention.cpp) computes too. In
+    fp32, as torch computes a bf16 prefill, any other order of the sums rounds about 3 in
+    10,000 outputs to the neighbouring bf16 number, and where two logits tie in bf16 that
+    changes the greedy token."""
+    wide = torch.float64 if q.device.type == "cpu" and q.element_size() < 4 else q.dtype
+    qt = q.transpose(0, 1).to(wide)
     if context is None:
-        return F.scaled_dot_product_attention(
-            qt, k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale,
-            enable_gqa=True).transpose(0, 1)
-    rows, mask = context
-    kv_heads, d = k_cache.shape[0], k_cache.shape[-1]
-    ctx = start + q.shape[0]
-    kc = _gather(k_cache, rows).view(kv_heads, -1, d)[:, :ctx]               # [kvH, ctx, D]
-    vc = _gather(v_cache, rows).view(kv_heads, -1, d)[:, :ctx]
-    return F.scaled_dot_product_attention(qt, kc, vc, attn_mask=mask, scale=scale,
-                                          enable_gqa=True).transpose(0, 1)
+        kc, vc, mask = k.transpose(0, 1), v.transpose(0, 1), None
+    else:
+        rows, mask = context
+        kv_heads, d = k_cache.shape[0], k_cache.shape[-1]
+        ctx = start + q.shape[0]
+        kc = _gather(k_cache, rows).view(kv_heads, -1, d)[:, :ctx]           # [kvH, ctx, D]
+        vc = _gather(v_cache, rows).view(kv_heads, -1, d)[:, :ctx]
+    out = F.scaled_dot_product_attention(qt, kc.to(wide), vc.to(wide), attn_mask=mask,
+                                         is_causal=mask is None, scale=scale, enable_gqa=True)
+    return out.to(q.dtype).transpose(0, 1)

@@ -11,6 +11,9 @@
 // cpu_attention.cpp
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor context_lens, double scale);
+at::Tensor paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                   at::Tensor block_tables, at::Tensor query_start,
+                                   at::Tensor context_lens, double scale);   // where AVX-512 is
 // cpu_ops.cpp
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 std::vector<at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight,
@@ -53,6 +56,8 @@ TORCH_LIBRARY(workbench_cpu, m) {
   m.def("a8_quantize", &a8_quantize);             // fp32 [M, K] -> (int8 [M, K_pad], scales)
   m.def("a8_embedding", &a8_embedding);           // rows of a tiled packed table -> [T, K]
 #ifdef __AVX512F__
+  // Causal prefill attention for a step's chunks, read from the pool.
+  m.def("paged_prefill_attention", &paged_prefill_attention);
   m.def("gemv", &gemv);                           // x [1, K] @ weight [N, K]^T (+ bias)
   m.def("qgemv", &qgemv);                         // x [1, K] fp32 @ packed weight^T
 #endif
