@@ -256,7 +256,7 @@ static void prefill_impl(const at::Tensor& q, const at::Tensor& k_cache,
       const int64_t K = p0 + it.count, Kpad = (K + W - 1) / W * W;
       const int64_t* table = bt + it.req * MAXB;
       qf.assign(Mpad * D, A(0));
-      sc.assign(Mpad * Kpad, A(0));
+      sc.resize(Mpad * Kpad);    // every score a row reads is written below (finite elsewhere)
       vf.resize(K * D);
       for (int64_t m = 0; m < M; ++m) {
         const T* src = qp + ((qs[it.req] + it.first + m / G) * H + it.head * G + m % G) * D;
