@@ -29,8 +29,8 @@ def TritonOpsWithGemv():
     nothing), the shapes taking the candidate configs in turn, from the last: the widest
     tiles, the fewest programs, which is what the interpreter's time goes by (it runs a
     launch's programs one after another; CONFIGS[0] takes 16 times as many as the last).
-    Every config, with the fused norm and SiLU-and-mul too, is checked against torch
-    in test_fused_ops.py's CODE."""
+    test_fused_ops.py's CODE checks every config against torch, configs 0-5 with the
+    fused norm and SiLU-and-mul too (6-8 run those in its engines, through this plan)."""
     from workbench.platforms import triton_gemv
     from workbench.platforms.triton_ops import TritonOps
 
