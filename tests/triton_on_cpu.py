@@ -26,15 +26,19 @@ class TritonOnCpu(CpuPlatform):
 def TritonOpsWithGemv():
     """CUDA's fused ops with the batch-1 GEMV on for every weight shape of the model (CUDA
     turns it on per shape by timing it against cuBLAS; the interpreter's timings mean
-    nothing), the shapes taking the candidate configs in turn."""
+    nothing), the shapes taking the candidate configs in turn, from the last: the widest
+    tiles, the fewest programs, which is what the interpreter's time goes by (it runs a
+    launch's programs one after another; CONFIGS[0] takes 16 times as many as the last).
+    test_fused_ops.py's CODE checks every config against torch, configs 0-5 with the
+    fused norm and SiLU-and-mul too (6-8 run those in its engines, through this plan)."""
     from workbench.platforms import triton_gemv
     from workbench.platforms.triton_ops import TritonOps
 
     class Ops(TritonOps):
         def prepare(self, model, platform):
             shapes = triton_gemv.linear_weights(model)
-            self.gemv_plan = {s: triton_gemv.CONFIGS[i % len(triton_gemv.CONFIGS)]
-                              for i, s in enumerate(shapes)}
+            configs = triton_gemv.CONFIGS[::-1]
+            self.gemv_plan = {s: configs[i % len(configs)] for i, s in enumerate(shapes)}
     return Ops()
 
 
