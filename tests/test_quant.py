@@ -218,11 +218,12 @@ def test_activation_quantization_kernel_equals_reference(a8_kernels):
 @pytest.mark.parametrize("fmt,n,k", [("q4_1", 37, 96), ("q4_1", 5, 32), ("q4_1", 48, 1536),
                                      ("q8_0", 19, 160), ("q8_0", 64, 576), ("int8", 13, 75),
                                      ("int8", 8, 7), ("int8", 33, 1536)])
-@pytest.mark.parametrize("m", [1, 3, 4, 9])
+@pytest.mark.parametrize("m", [1, 3, 4, 9, 40])
 def test_a8_kernel_against_float64(a8_kernels, fmt, n, k, m):
     """a8_linear (through qlinear, as the model and decode_layers call it) against the
     float64 product of the quantized activations and the weights: N that fills no tile,
-    K with a padded block (int8), activation rows that fill no pass of 4; bf16 rows too."""
+    K with a padded block (int8), activation rows that fill no pass of 4 (VNNI) or of 16
+    (40 rows: AMX where the CPU has it); bf16 rows too."""
     from workbench.platforms.quant import a8_linear, dequantize_activations, quantize_activations
     w = random_packed(fmt, n, k, seed=n * k + m).tiled()
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
@@ -240,6 +241,23 @@ def test_a8_kernel_against_float64(a8_kernels, fmt, n, k, m):
     assert (yb.double() - xbd @ wd.T).abs().max().item() <= 2 ** -7 * (xbd.abs() @ wd.abs().T).max().item()
     ids = torch.tensor([0, n - 1, n // 3])
     assert torch.equal(a8_kernels.qembedding(ids, w.data, w.code, k, False), wd.float()[ids])
+
+
+@pytest.mark.parametrize("fmt,n,k", [("q4_1", 37, 96), ("q4_1", 64, 1536), ("q8_0", 19, 160),
+                                     ("q8_0", 48, 576), ("int8", 13, 75), ("int8", 33, 1536)])
+def test_a8_amx_gives_the_vnni_kernels_bits(a8_kernels, fmt, n, k):
+    """AMX-INT8 (several activation rows) sums the same int32 block products as VNNI and
+    scales them with the same fp32 operations in the same order: equal bits, whichever
+    path the row count picks, over rows that fill no 16-row pass, a last tile of fewer
+    than 16 weight rows (VNNI's, in the same call) and odd block counts."""
+    if not a8_kernels.a8_amx():
+        pytest.skip("no AMX-INT8 on this CPU (or the OS refused its tile state)")
+    w = random_packed(fmt, n, k, seed=n + k).tiled()
+    for m in (2, 16, 17, 40):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+        amx = a8_kernels.a8_linear(x, w.data, w.code, 1)
+        assert torch.equal(amx, a8_kernels.a8_linear(x, w.data, w.code, 0)), (fmt, m)
+        assert torch.equal(amx, a8_kernels.a8_linear(x, w.data, w.code)), (fmt, m)
 
 
 def test_a8_quantization_is_refused_where_it_cannot_load():

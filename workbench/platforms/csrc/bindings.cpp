@@ -39,7 +39,8 @@ at::Tensor qgemv(at::Tensor x, at::Tensor w, int64_t fmt);
 // cpu_a8.cpp
 std::vector<at::Tensor> a8_quantize(at::Tensor x);
 at::Tensor a8_embedding(at::Tensor ids, at::Tensor w, int64_t fmt, int64_t K, bool bf16);
-at::Tensor a8_linear(at::Tensor x, at::Tensor w, int64_t fmt);     // where VNNI is
+at::Tensor a8_linear(at::Tensor x, at::Tensor w, int64_t fmt, int64_t amx);  // where VNNI is
+bool a8_amx();                                                     // where VNNI is
 
 TORCH_LIBRARY(workbench_cpu, m) {
   // Paged decode attention over a head-major fp32 or bf16 KV pool.
@@ -62,6 +63,9 @@ TORCH_LIBRARY(workbench_cpu, m) {
   m.def("qgemv", &qgemv);                         // x [1, K] fp32 @ packed weight^T
 #endif
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  m.def("a8_linear", &a8_linear);                 // 8-bit activations @ tiled weight^T, VNNI
+  // 8-bit activations @ tiled weight^T: VNNI, or AMX-INT8 for several rows (amx: 1 forces
+  // it where the CPU has it, 0 VNNI, -1 by the rows).
+  m.def("a8_linear(Tensor x, Tensor w, int fmt, int amx=-1) -> Tensor", &a8_linear);
+  m.def("a8_amx", &a8_amx);                       // whether a8_linear can run AMX-INT8 here
 #endif
 }

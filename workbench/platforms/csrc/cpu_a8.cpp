@@ -14,7 +14,8 @@
 //   INT8:  y += d_x * (same), times the row's scale at the end
 // which is, up to fp32 rounding, the reference (quant.a8_linear): the dequantized
 // activations times the dequantized weights. Rows that do not fill a tile (the last N % 16)
-// are a tile of their own, interleaved R rows wide, read with masks.
+// are a tile of their own, interleaved R rows wide, read with masks. From 32 activation rows
+// the full tiles run on AMX-INT8 instead, to the same bits (below).
 #include "cpu_packed.h"
 
 #include <algorithm>
@@ -73,13 +74,15 @@ struct QuantizedRows {
   int64_t kp, nb;
 };
 
-static QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
+// `rows` >= M rows are allocated; those past M are zeros (whole AMX tiles of 16 rows).
+static QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t rows = 0) {
   QuantizedRows r;
   r.kp = padded(K);
   r.nb = r.kp / 32;
-  r.q.resize(M * r.kp);
-  r.d.resize(M * r.nb);
-  r.s.resize(M * r.nb);
+  rows = std::max(rows, M);
+  r.q.resize(rows * r.kp);
+  r.d.resize(rows * r.nb);
+  r.s.resize(rows * r.nb);
   at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m)
       quantize_row(x + m * K, K, r.q.data() + m * r.kp, r.d.data() + m * r.nb,
@@ -177,34 +180,245 @@ static constexpr int64_t kRowsPerPass = 4;
 // rows in registers beside the 8 weight registers); the tile (at most 16 x K bytes) stays in
 // L1 between passes.
 
-// x [M, K] fp32 @ tiled weight^T -> [M, N] fp32. Threads split the tiles.
-at::Tensor a8_linear(at::Tensor x, at::Tensor w, int64_t fmt) {
+// Tiles [i0, i1) of y = x @ w^T by VNNI, every activation row.
+static void vnni_tiles(const QuantizedRows& xq, int64_t M, const uint8_t* wp, int64_t fmt,
+                       int64_t N, int64_t rb, float* yp, int64_t i0, int64_t i1) {
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t R = std::min(kTile, N - i * kTile);
+    const uint8_t* t = wp + i * kTile * rb;
+    int64_t m = 0;
+    for (; m + kRowsPerPass <= M; m += kRowsPerPass)
+      tile_kernel<kRowsPerPass>(t, fmt, R, xq.nb, xq.q.data() + m * xq.kp, xq.kp,
+                                xq.d.data() + m * xq.nb, xq.s.data() + m * xq.nb,
+                                yp + m * N + i * kTile, N, m == 0);
+    for (; m < M; ++m)
+      tile_kernel<1>(t, fmt, R, xq.nb, xq.q.data() + m * xq.kp, xq.kp,
+                     xq.d.data() + m * xq.nb, xq.s.data() + m * xq.nb,
+                     yp + m * N + i * kTile, N, m == 0);
+  }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+// Several activation rows: AMX-INT8. One TDPBSSD multiplies 16 activation rows' block (16 x
+// 32 signed bytes, tile A) by a weight tile's block (B: 8 rows of 64 bytes, row g holding the
+// 16 output rows' weights 4g..4g+3, which is how a tile stores a block) into 16 x 16 int32
+// sums, the work of 128 vpdpbusd. Each block's sums are then scaled into fp32 by AVX-512
+// exactly as tile_kernel scales its own (the same int32 sums, the same fmas in the same
+// order), so both paths give the same bits and the engine's numbers do not depend on which
+// ran. The scaling, not the tile multiply, is the loop's cost: 3 vector ops a row a block.
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static constexpr int64_t kAmxMinRows = 32;
+// Activation rows from which AMX runs. Measured on SmolLM2's shapes (2 threads): below 16
+// rows VNNI is 1.5-5x faster (AMX pays a whole 16-row pass and its scaling whatever M is);
+// at 16 they are even; from 32 up AMX is 1.1-1.8x (docs/benchmarks.md).
+
+// Linux gives a process the tile registers' state only on request (once per process).
+static bool amx_ready() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0/1: C, 16 x 16 int32; tmm2/3: A, 16 activation rows x one 32-byte block; tmm4/5: B, a
+// block of a weight tile. Two of each, so one block's multiply overlaps the last's scaling.
+static void amx_configure() {
+  TileConfig c;
+  for (int t : {0, 1}) c.rows[t] = 16, c.colsb[t] = 64;
+  for (int t : {2, 3}) c.rows[t] = 16, c.colsb[t] = 32;
+  for (int t : {4, 5}) c.rows[t] = 8, c.colsb[t] = 64;
+  // GCC 12's intrinsic tells the compiler it reads 8 bytes of the 64, which then may store
+  // the rest after it (an invalid configuration: #GP): all stores are done before it.
+  asm volatile("" : : "r"(&c) : "memory");
+  _tile_loadconfig(&c);
+}
+
+// A full tile (16 rows) as AMX reads it: per block 512 signed bytes (B), 16 fp32 scales (1
+// for INT8, whose row scales come at the end) and Q4_1's 16 mins.
+struct UnpackedTile {
+  std::vector<int8_t> q;
+  std::vector<float> d, m;
+};
+
+static void unpack_tile(const uint8_t* t, int64_t fmt, int64_t nb, UnpackedTile& u) {
+  u.q.resize(nb * 512);
+  u.d.resize(nb * kTile);
+  u.m.resize(fmt == kQ4_1x16 ? nb * kTile : 0);
+  const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < nb; ++b) {
+    int8_t* q = u.q.data() + b * 512;
+    if (fmt == kQ4_1x16) {
+      const uint8_t* blk = t + b * 20 * kTile;
+      _mm512_storeu_ps(u.d.data() + b * kTile, _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(blk))));
+      _mm512_storeu_ps(u.m.data() + b * kTile, _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(blk + 2 * kTile))));
+      for (int c = 0; c < 4; ++c) {
+        const __m512i raw = _mm512_loadu_si512(blk + 4 * kTile + c * 64);
+        _mm512_storeu_si512(q + c * 64, _mm512_and_si512(raw, low));
+        _mm512_storeu_si512(q + (c + 4) * 64, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
+      }
+    } else {
+      const bool q8 = fmt == kQ8_0x16;
+      const uint8_t* blk = q8 ? t + b * 34 * kTile : t + 4 * kTile + b * 32 * kTile;
+      _mm512_storeu_ps(u.d.data() + b * kTile, q8 ? _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(blk))) : _mm512_set1_ps(1.f));
+      const uint8_t* qs = q8 ? blk + 2 * kTile : blk;
+      for (int g = 0; g < 8; ++g)       // stored q + 128 (for vpdpbusd): back to signed
+        _mm512_storeu_si512(q + g * 64, _mm512_xor_si512(_mm512_loadu_si512(qs + g * 64), flip));
+    }
+  }
+}
+
+// The activation rows as the passes read them: each 16 rows' block is 512 contiguous bytes
+// (`a`: [M / 16][nb][16][32], one stream a pass instead of 16 rows kp bytes apart), and
+// Q4_1's d_x * sum(q_x) per row and block (tile_kernel's product, computed once a call).
+struct AmxRows {
+  QuantizedRows rows;     // M rounded up to 16 rows, zeros past M
+  std::vector<int8_t> a;
+  std::vector<float> ds;
+};
+
+static AmxRows amx_rows(const float* x, int64_t M, int64_t K, bool q4) {
+  AmxRows r{quantize_rows(x, M, K, (M + 15) / 16 * 16), {}, {}};
+  const int64_t rows = r.rows.d.size() / r.rows.nb, nb = r.rows.nb, kp = r.rows.kp;
+  r.a.resize(rows * kp);
+  for (int64_t p = 0; p < rows / 16; ++p)
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t m = 0; m < 16; ++m)
+        std::memcpy(r.a.data() + ((p * nb + b) * 16 + m) * 32,
+                    r.rows.q.data() + (p * 16 + m) * kp + b * 32, 32);
+  if (q4) {
+    r.ds.resize(rows * nb);
+    for (int64_t i = 0; i < rows * nb; ++i)
+      r.ds[i] = r.rows.d[i] * static_cast<float>(r.rows.s[i]);
+  }
+  return r;
+}
+
+// One block's 16 x 16 sums into `out`, in tiles C, A, B (GCC's tile intrinsics are macros
+// that paste the register number: literals only).
+#define BLOCK_PRODUCT(C, A, B, a, lda, w, out) \
+  do {                                        \
+    _tile_zero(C);                            \
+    _tile_loadd(A, a, lda);                   \
+    _tile_loadd(B, w, 64);                    \
+    _tile_dpbssd(C, A, B);                    \
+    _tile_stored(C, out, 64);                 \
+  } while (0)
+
+// 16 activation rows from m0 (rows of them real) times one unpacked tile at t. First every
+// block's 16 x 16 sums into `c` (nb KB: the tile multiplies run back to back, and their
+// stores have reached L1 before the vector loads read them), then the scaling, with the 16
+// rows' sums in registers: acc[r] += sums[r] * (d_w * d_x[r]), tile_kernel's fma.
+static void amx_pass(const UnpackedTile& u, const uint8_t* t, int64_t fmt, int64_t nb,
+                     const AmxRows& x, int64_t m0, int64_t rows, int32_t* c, float* y,
+                     int64_t ldy) {
+  const int8_t* a = x.a.data() + m0 * nb * 32;
+  const int8_t* q = u.q.data();
+  int64_t b = 0;
+  for (; b + 1 < nb; b += 2) {
+    BLOCK_PRODUCT(0, 2, 4, a + b * 512, 32, q + b * 512, c + b * 256);
+    BLOCK_PRODUCT(1, 3, 5, a + b * 512 + 512, 32, q + b * 512 + 512, c + b * 256 + 256);
+  }
+  if (b < nb) BLOCK_PRODUCT(0, 2, 4, a + b * 512, 32, q + b * 512, c + b * 256);
+  const float* xd = x.rows.d.data() + m0 * nb;
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+  for (b = 0; b < nb; ++b) {
+    const __m512 dw = _mm512_loadu_ps(u.d.data() + b * kTile);
+    const int32_t* cb = c + b * 256;
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(cb + 16 * r)),
+                               _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * nb + b])), acc[r]);
+  }
+  if (fmt == kQ4_1x16) {          // + m_w * d_x * sum(q_x), summed apart as tile_kernel does
+    const float* ds = x.ds.data() + m0 * nb;
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+      __m512 macc = _mm512_setzero_ps();
+      for (int64_t k = 0; k < nb; ++k)
+        macc = _mm512_fmadd_ps(_mm512_loadu_ps(u.m.data() + k * kTile),
+                               _mm512_set1_ps(ds[r * nb + k]), macc);
+      acc[r] = _mm512_add_ps(acc[r], macc);
+    }
+  } else if (fmt == kInt8x16) {   // the rows' scales
+    const __m512 sw = _mm512_loadu_ps(reinterpret_cast<const float*>(t));
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) acc[r] = _mm512_mul_ps(acc[r], sw);
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r)
+    if (r < rows) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+
+// Full tiles [i0, i1) of y = x @ w^T, every activation row (xq has whole 16-row groups).
+static void amx_tiles(const AmxRows& x, int64_t M, const uint8_t* wp, int64_t fmt,
+                      int64_t N, int64_t rb, float* yp, int64_t i0, int64_t i1) {
+  amx_configure();
+  UnpackedTile u;
+  const int64_t nb = x.rows.nb;
+  std::vector<int32_t> c(nb * 256);
+  for (int64_t i = i0; i < i1; ++i) {
+    const uint8_t* t = wp + i * kTile * rb;
+    unpack_tile(t, fmt, nb, u);
+    for (int64_t m0 = 0; m0 < M; m0 += 16)
+      amx_pass(u, t, fmt, nb, x, m0, std::min<int64_t>(16, M - m0), c.data(),
+               yp + m0 * N + i * kTile, N);
+  }
+  _tile_release();
+}
+#undef BLOCK_PRODUCT
+#endif
+
+// Whether a8_linear can run AMX here (the CPU, the compiler and the OS allow it).
+bool a8_amx() {
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+  return amx_ready();
+#else
+  return false;
+#endif
+}
+
+// x [M, K] fp32 @ tiled weight^T -> [M, N] fp32. Threads split the tiles. `amx`: 1 forces
+// AMX (where the CPU and kernel allow it), 0 VNNI, -1 (the default) chooses by M.
+at::Tensor a8_linear(at::Tensor x, at::Tensor w, int64_t fmt, int64_t amx) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat ||
                                x.scalar_type() == at::kBFloat16), "a8_linear: fp32 or bf16 [M, K]");
   if (x.scalar_type() != at::kFloat)
-    return a8_linear(x.to(at::kFloat), w, fmt).to(x.scalar_type());
+    return a8_linear(x.to(at::kFloat), w, fmt, amx).to(x.scalar_type());
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), rb = w.size(1);
   check_packed(w, fmt, K, "a8_linear");
-  auto xq = quantize_rows(x.data_ptr<float>(), M, K);
   auto y = at::empty({M, N}, x.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t tiles = (N + kTile - 1) / kTile;
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+  if ((amx > 0 || (amx < 0 && M >= kAmxMinRows)) && amx_ready()) {
+    const auto xa = amx_rows(x.data_ptr<float>(), M, K, fmt == kQ4_1x16);
+    const int64_t full = N / kTile;   // a last tile of fewer rows: VNNI's masked loads
+    at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
+      if (std::min(e, full) > b) amx_tiles(xa, M, wp, fmt, N, rb, yp, b, std::min(e, full));
+      if (e > full) vnni_tiles(xa.rows, M, wp, fmt, N, rb, yp, std::max(b, full), e);
+    });
+    return y;
+  }
+#endif
+  const auto xq = quantize_rows(x.data_ptr<float>(), M, K);
   at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const int64_t R = std::min(kTile, N - i * kTile);
-      const uint8_t* t = wp + i * kTile * rb;
-      int64_t m = 0;
-      for (; m + kRowsPerPass <= M; m += kRowsPerPass)
-        tile_kernel<kRowsPerPass>(t, fmt, R, xq.nb, xq.q.data() + m * xq.kp, xq.kp,
-                                  xq.d.data() + m * xq.nb, xq.s.data() + m * xq.nb,
-                                  yp + m * N + i * kTile, N, m == 0);
-      for (; m < M; ++m)
-        tile_kernel<1>(t, fmt, R, xq.nb, xq.q.data() + m * xq.kp, xq.kp,
-                       xq.d.data() + m * xq.nb, xq.s.data() + m * xq.nb,
-                       yp + m * N + i * kTile, N, m == 0);
-    }
+    vnni_tiles(xq, M, wp, fmt, N, rb, yp, b, e);
   });
   return y;
 }
@@ -266,7 +480,7 @@ at::Tensor a8_embedding(at::Tensor ids, at::Tensor w, int64_t fmt, int64_t K, bo
 // cpu_quant.cpp's qlinear and qembedding hand the tiled formats (fmt >= 4) here.
 at::Tensor a8_dispatch_linear(at::Tensor x, at::Tensor w, int64_t fmt) {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  return a8_linear(x, w, fmt);
+  return a8_linear(x, w, fmt, -1);
 #else
   TORCH_CHECK(false, "a8_linear: this CPU has no AVX-512 VNNI (the torch reference runs it)");
   return x;
