@@ -211,8 +211,8 @@ static void vnni_tiles(const QuantizedRows& xq, int64_t M, const uint8_t* wp, in
 
 static constexpr int64_t kAmxMinRows = 32;
 // Activation rows from which AMX runs. Measured on SmolLM2's shapes (2 threads): below 16
-// rows VNNI is 1.5-5x faster (AMX pays a whole 16-row pass and its scaling whatever M is);
-// at 16 they are even; from 32 up AMX is 1.1-1.8x (docs/benchmarks.md).
+// rows VNNI is 1.5-4x faster (AMX pays a whole 16-row pass and its scaling whatever M is);
+// at 16 they are about even; from 32 up AMX is 1.0-1.55x (docs/benchmarks.md).
 
 // Linux gives a process the tile registers' state only on request (once per process).
 static bool amx_ready() {
