@@ -316,26 +316,31 @@ static AmxRows amx_rows(const float* x, int64_t M, int64_t K, bool q4) {
     _tile_stored(C, out, 64);                 \
   } while (0)
 
-// 16 activation rows from m0 (rows of them real) times one unpacked tile at t. First every
-// block's 16 x 16 sums into `c` (nb KB: the tile multiplies run back to back, and their
-// stores have reached L1 before the vector loads read them), then the scaling, with the 16
-// rows' sums in registers: acc[r] += sums[r] * (d_w * d_x[r]), tile_kernel's fma.
-static void amx_pass(const UnpackedTile& u, const uint8_t* t, int64_t fmt, int64_t nb,
-                     const AmxRows& x, int64_t m0, int64_t rows, int32_t* c, float* y,
-                     int64_t ldy) {
-  const int8_t* a = x.a.data() + m0 * nb * 32;
-  const int8_t* q = u.q.data();
+// One 16-row pass's tile products, every block's 16 x 16 sums into c (nb KB).
+static void amx_products(const int8_t* a, const int8_t* q, int64_t nb, int32_t* c) {
   int64_t b = 0;
   for (; b + 1 < nb; b += 2) {
     BLOCK_PRODUCT(0, 2, 4, a + b * 512, 32, q + b * 512, c + b * 256);
     BLOCK_PRODUCT(1, 3, 5, a + b * 512 + 512, 32, q + b * 512 + 512, c + b * 256 + 256);
   }
   if (b < nb) BLOCK_PRODUCT(0, 2, 4, a + b * 512, 32, q + b * 512, c + b * 256);
+}
+
+// The pass of 16 activation rows from m0 (rows of them real) times the unpacked tile at t,
+// from its products c: acc[r] += sums[r] * (d_w * d_x[r]), tile_kernel's fma, with the 16
+// rows' sums in registers. With `na`, the next pass's products go into nc a block at a time
+// in between, so the tile unit multiplies while the vector units scale.
+static void amx_scale(const UnpackedTile& u, const uint8_t* t, int64_t fmt, int64_t nb,
+                      const AmxRows& x, int64_t m0, int64_t rows, const int32_t* c, float* y,
+                      int64_t ldy, const int8_t* na, int32_t* nc) {
   const float* xd = x.rows.d.data() + m0 * nb;
+  const int8_t* q = u.q.data();
   __m512 acc[16];
 #pragma GCC unroll 16
   for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
-  for (b = 0; b < nb; ++b) {
+  for (int64_t b = 0; b < nb; ++b) {
+    if (na && (b & 1)) BLOCK_PRODUCT(1, 3, 5, na + b * 512, 32, q + b * 512, nc + b * 256);
+    else if (na) BLOCK_PRODUCT(0, 2, 4, na + b * 512, 32, q + b * 512, nc + b * 256);
     const __m512 dw = _mm512_loadu_ps(u.d.data() + b * kTile);
     const int32_t* cb = c + b * 256;
 #pragma GCC unroll 16
@@ -363,19 +368,24 @@ static void amx_pass(const UnpackedTile& u, const uint8_t* t, int64_t fmt, int64
     if (r < rows) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
-// Full tiles [i0, i1) of y = x @ w^T, every activation row (xq has whole 16-row groups).
+// Full tiles [i0, i1) of y = x @ w^T, every activation row (x has whole 16-row passes).
 static void amx_tiles(const AmxRows& x, int64_t M, const uint8_t* wp, int64_t fmt,
                       int64_t N, int64_t rb, float* yp, int64_t i0, int64_t i1) {
   amx_configure();
   UnpackedTile u;
-  const int64_t nb = x.rows.nb;
-  std::vector<int32_t> c(nb * 256);
+  const int64_t nb = x.rows.nb, passes = (M + 15) / 16, pass_bytes = 16 * nb * 32;
+  std::vector<int32_t> c(2 * nb * 256);     // this pass's products and the next one's
   for (int64_t i = i0; i < i1; ++i) {
     const uint8_t* t = wp + i * kTile * rb;
     unpack_tile(t, fmt, nb, u);
-    for (int64_t m0 = 0; m0 < M; m0 += 16)
-      amx_pass(u, t, fmt, nb, x, m0, std::min<int64_t>(16, M - m0), c.data(),
-               yp + m0 * N + i * kTile, N);
+    amx_products(x.a.data(), u.q.data(), nb, c.data());
+    for (int64_t p = 0; p < passes; ++p) {
+      int32_t* cur = c.data() + (p & 1) * nb * 256;
+      int32_t* next = c.data() + ((p + 1) & 1) * nb * 256;
+      const int8_t* na = p + 1 < passes ? x.a.data() + (p + 1) * pass_bytes : nullptr;
+      amx_scale(u, t, fmt, nb, x, p * 16, std::min<int64_t>(16, M - p * 16), cur,
+                yp + p * 16 * N + i * kTile, N, na, next);
+    }
   }
   _tile_release();
 }
