@@ -127,15 +127,15 @@ def tick_until(d, done, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
-def drawn(fig) -> None:
-    """What plotly's browser side sends once it has drawn a FigureWidget: its traces' deltas."""
-    fig._js2py_traceDeltas = {"trace_deltas": [], "trace_edit_id": -1}
+def drawn(plot) -> None:
+    """What a browser view sends once it has drawn a LivePlot."""
+    plot.drawn = True
 
 
 def test_replay_plays_when_a_browser_has_drawn_it(tiny_trace, monkeypatch):
     """The default (`workbench dashboard --replay`): nothing is released while no browser
-    has drawn the page's figures (what a plotly figure is sent before its script loads is
-    lost), and all of it once they are drawn, without a click; a second view does not start
+    has drawn the page's figures (a short recording would be over before anyone saw it),
+    and all of it once they are drawn, without a click; a second view does not start
     it again."""
     from widgets import Dashboard
     no_engine(monkeypatch)
@@ -144,9 +144,9 @@ def test_replay_plays_when_a_browser_has_drawn_it(tiny_trace, monkeypatch):
     d.pump.tick()
     assert not d.source.playing and d.streams.num_requests == 0
     d._view_count = 1                      # what the browser sets when it displays the page
-    drawn(d.timeline.fig)
-    assert not d.source.playing            # the roofline's script still loads
-    drawn(d.roofline.fig)
+    drawn(d.timeline.plot)
+    assert not d.source.playing            # the roofline is not drawn yet
+    drawn(d.roofline.plot)
     assert d.source.playing
     t = Trace.load(tiny_trace)
     deadline = time.monotonic() + 30
@@ -156,7 +156,7 @@ def test_replay_plays_when_a_browser_has_drawn_it(tiny_trace, monkeypatch):
     d.pump.tick()
     assert d.timeline.num_points == len(t.frames) and d.summary.num_finished == len(t.prompts)
     d._view_count = 2                      # another view of the same page: no restart
-    drawn(d.roofline.fig)
+    drawn(d.roofline.plot)
     d.pump.tick()
     assert d.timeline.num_points == len(t.frames)
     d.pump.stop()

@@ -146,14 +146,13 @@ def test_throttle_bounds_messages_however_fast_tokens_come(comms):
         # Never more than hz in any one second.
         worst = max(sum(1 for t in sent if s <= t < s + 1.0) for s in sent)
         assert worst <= hz + 1, f"{worst} messages in one second"
-    # One batch_update per tick with new steps; plotly's protocol spends 4 small messages on it
-    # (two edit ids, the update, its reset).
+    # One sync per tick with new steps: one message (what changed of its data and layout).
     assert timeline.num_updates <= live.pump.ticks
-    assert len(messages_for(comms, timeline.fig, t0)) <= 4 * timeline.num_updates
-    # All views together: a bounded number per tick (1 each for the HTML views, 4 for the
+    assert len(messages_for(comms, timeline.plot, t0)) <= timeline.plot.num_syncs
+    # All views together: a bounded number per tick (1 each for the HTML views and the
     # figure), so far fewer messages than tokens.
     total = sum(1 for t, _, _ in comms if t >= t0)
-    assert total <= 7 * live.pump.ticks + 10
+    assert total <= 4 * live.pump.ticks + 10
     assert total < tokens / 5, f"{total} comm messages for {tokens} tokens"
     live.close()
 
@@ -503,3 +502,40 @@ def test_dashboard_shades_real_engine_tokens():
             probs = [q for _, q in p.alternatives]
             assert probs == sorted(probs, reverse=True) and p.prob <= probs[0] + 1e-6
     dash.source.close()
+
+
+def test_a_live_plot_sends_the_whole_figure_and_only_what_changed(comms):
+    """The live panels' figures are LivePlots: each sync sends the kernel's figure whole
+    (the data and layout that changed, in one message), so a browser view that missed an
+    update, or drew late, shows the same figure as the kernel; nothing changed, nothing
+    sent. Its module is small (plotly.js loads in the view, not as the module anywidget
+    must load within 2 s before it handles any message), and it says when a view drew it."""
+    from widgets import BatchTimeline
+    from widgets.figures import when_drawn
+    from widgets.sources import Update
+    from workbench.telemetry import StepEvent
+    step = dict(start=0.0, duration=0.01, phase="decode", num_prefill_tokens=0,
+                num_decode_tokens=4, num_cached_tokens=0, tokens_per_request={"r0": 1},
+                kinds={"r0": "decode"}, num_running=1, num_waiting=0, kv_blocks_used=3,
+                kv_blocks_free=1, kv_blocks_cached=0, num_preempted=0, preempted=[],
+                graph=False, graph_size=None, graph_kind=None)
+    tl = BatchTimeline()
+    plot = tl.plot
+    assert len(plot._esm) < 4000 and len(plot._plotly) > 1_000_000
+    n = len(comms)
+    tl.update(Update(steps=[StepEvent(step=i, **step) for i in range(6)]))
+    sent = [d["state"] for _, c, d in comms[n:] if c == plot.comm.comm_id]
+    assert len(sent) == 1 and "traces" in sent[0]
+    assert sent[0]["traces"][1]["x"] == [0, 1, 2, 3, 4, 5] == list(tl.fig.data[1].x)
+    assert plot.traces[1]["y"] == [4] * 6
+    assert plot.figure_layout["xaxis3"]["title"]["text"] == tl.x_title
+    n = len(comms)
+    plot.sync()                                           # unchanged: nothing to send
+    assert [c for _, c, _ in comms[n:] if c == plot.comm.comm_id] == []
+    called = []
+    when_drawn([plot], lambda: called.append(1))
+    assert not called
+    plot.drawn = True                                     # what the browser view sets
+    assert called == [1]
+    when_drawn([plot], lambda: called.append(2))          # drawn already: at once
+    assert called == [1, 2]

@@ -156,7 +156,6 @@ class Dashboard(w.VBox):
             source = as_source(engine)
         elif running_loop() is None:
             source = LocalSource(Engine(local_config))
-        # Made with its model: a FigureWidget's page misses what changes before it is shown.
         self.roofline = RooflinePanel(*_roofline_model(source))
         """Each step by arithmetic intensity against achieved FLOP/s, under this device's roofs."""
         self.add_panel(self.roofline)
@@ -337,11 +336,10 @@ class Dashboard(w.VBox):
             p.clear()
 
     def _play_when_shown(self) -> None:
-        """Start the replay when a browser has drawn this page's figures. Not before: what a
-        plotly FigureWidget is sent before its script has loaded in the page is lost (see
-        figures.when_drawn), and a recording of a few seconds would be over before the page
-        appeared. Should a figure never report (a frontend without plotly), the replay starts
-        anyway PLAY_ANYWAY_S after the page first showed, so its text still plays."""
+        """Start the replay when a browser has drawn this page's figures (LivePlot.drawn):
+        a recording of a few seconds would otherwise be over before the page appeared.
+        Should a figure never report (a frontend without widgets), the replay starts anyway
+        PLAY_ANYWAY_S after the page first showed, so its text still plays."""
         started = False
 
         def start() -> None:
@@ -357,7 +355,7 @@ class Dashboard(w.VBox):
                 if loop is not None:
                     loop.call_later(PLAY_ANYWAY_S, start)
 
-        when_drawn([self.timeline.fig, self.roofline.fig], start)
+        when_drawn([self.timeline.plot, self.roofline.plot], start)
         self._view_count = 0
         self.observe(shown, "_view_count")
 

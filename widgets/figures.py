@@ -1,11 +1,13 @@
 """Static plotly figures for the notebooks, drawn from measurements the engine side makes
 (telemetry, `workbench.bench.offline`). Static on purpose: a saved notebook keeps each figure's
-data only (a few KB), where a live FigureWidget would keep plotly's whole 5 MB bundle in its
-widget state. The live panels (timeline, roofline) are for the dashboard.
+data only (a few KB), where a live figure keeps plotly.js (4.6 MB) in its widget state. The
+live panels (timeline, roofline, tuner) draw theirs with `LivePlot`, below.
 
     show(steps_figure(engine.telemetry.steps))
 """
 from __future__ import annotations
+
+import json
 
 import plotly.graph_objects as go
 
@@ -20,28 +22,124 @@ def show(fig: go.Figure) -> None:
     fig.show(renderer=RENDERER)
 
 
-def when_drawn(figures, callback) -> None:
-    """Call `callback()` once, when a browser has drawn every FigureWidget in `figures`.
+_ESM = r"""
+// plotly.js is evaluated here, in the view (once per page), not as this module: anywidget
+// handles no message for a model whose module has not loaded within 2 s, so a 5 MB module on
+// a busy machine left a figure frozen at its first state for good.
+function plotly(model) {
+  if (!globalThis.__workbenchPlotly) {
+    const src = model.get("_plotly");
+    globalThis.__workbenchPlotly = new Promise((resolve) => setTimeout(() => {
+      const m = { exports: {} };
+      new Function("module", "exports", "define", src)(m, m.exports, undefined);
+      resolve(m.exports);
+    }, 0));
+  }
+  return globalThis.__workbenchPlotly;
+}
+export default {
+  async render({ model, el }) {
+    const Plotly = await plotly(model);
+    let busy = false, again = false;
+    const draw = async () => {       // one Plotly.react at a time, the newest state last
+      if (busy) { again = true; return; }
+      busy = true;
+      do {
+        again = false;
+        await Plotly.react(el, model.get("traces"), model.get("figure_layout"), model.get("config"));
+      } while (again);
+      busy = false;
+    };
+    model.on("change:traces", draw);          // ("layout" is every DOM widget's CSS layout)
+    model.on("change:figure_layout", draw);
+    await draw();
+    if (!model.get("drawn")) { model.set("drawn", true); model.save_changes(); }
+    return () => Plotly.purge(el);
+  },
+};
+"""
 
-    Until its 5 MB script has loaded, a FigureWidget's browser side drops what it is sent:
-    plotly's model applies each edit from handlers that its `initialize` registers, and that
-    runs only once the script is in. A page that starts changing a figure as soon as it shows
-    can therefore leave it stuck at its first state on a slow browser. plotly has no public
-    "drawn" event; its view reports the drawn traces back (the `_js2py_traceDeltas` message)
-    when its first plot is done, in every plotly since 4, and that is the signal used here."""
-    pending = {id(fig): fig for fig in figures}
+_plotly_js: str | None = None
+
+
+def _plotly_source() -> str:
+    """plotly.py's own plotly.js bundle, read once (the version its figures are built for)."""
+    global _plotly_js
+    if _plotly_js is None:
+        from plotly.offline import get_plotlyjs
+        _plotly_js = get_plotlyjs()
+    return _plotly_js
+
+
+def _live_plot_class():
+    import anywidget
+    import traitlets
+
+    class LivePlot(anywidget.AnyWidget):
+        """A plotly figure drawn in the page, sent whole: `fig` (a go.Figure) is the state,
+        and `sync()` sends what changed of its data and layout (one message). Each browser
+        view draws it with Plotly.react, so a view shows the kernel's figure however many
+        updates it missed. Unlike plotly's FigureWidget, whose edits are deltas and whose
+        5 MB module must load within anywidget's 2 s or every later edit is dropped, its
+        module is small and plotly.js loads in the view."""
+        _esm = _ESM
+        _plotly = traitlets.Unicode().tag(sync=True)
+        traces = traitlets.List().tag(sync=True)
+        figure_layout = traitlets.Dict().tag(sync=True)
+        config = traitlets.Dict().tag(sync=True)
+        drawn = traitlets.Bool(False).tag(sync=True)
+        """Set by the first browser view that has drawn the figure."""
+
+        def __init__(self, fig, **kw):
+            super().__init__(_plotly=_plotly_source(),
+                             config=dict(displaylogo=False), **kw)
+            self.fig = fig
+            self.num_syncs = 0
+            self.sync()
+
+        def sync(self) -> None:
+            state = json.loads(self.fig.to_json(validate=False))
+            with self.hold_sync():
+                self.traces = state.get("data", [])
+                self.figure_layout = state.get("layout", {})
+            self.num_syncs += 1
+
+    return LivePlot
+
+
+def live_plot(fig):
+    """A LivePlot of `fig` (go.Figure): the live panels' figure in the page."""
+    global LivePlot
+    if LivePlot is None:
+        LivePlot = _live_plot_class()
+    return LivePlot(fig)
+
+
+LivePlot = None
+"""The widget class, made on first use (anywidget is imported where it is used)."""
+
+
+def when_drawn(plots, callback) -> None:
+    """Call `callback()` once, when a browser has drawn every LivePlot in `plots` (the
+    replay starts then, so that it plays where someone sees it)."""
+    pending = {id(p): p for p in plots}
 
     def drawn(change) -> None:
-        fig = change["owner"]
-        if change["new"] is None or id(fig) not in pending:
-            return                                  # plotly resets it to None after reading
-        fig.unobserve(drawn, names="_js2py_traceDeltas")
-        del pending[id(fig)]
+        plot = change["owner"]
+        if not change["new"] or id(plot) not in pending:
+            return
+        plot.unobserve(drawn, names="drawn")
+        del pending[id(plot)]
         if not pending:
             callback()
 
-    for fig in pending.values():
-        fig.observe(drawn, names="_js2py_traceDeltas")
+    for p in list(pending.values()):
+        if p.drawn:
+            del pending[id(p)]
+        else:
+            p.observe(drawn, names="drawn")
+    if not pending:
+        callback()
 
 
 def _layout(fig: go.Figure, title: str, height: int = 340) -> go.Figure:

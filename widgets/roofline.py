@@ -17,6 +17,7 @@ import traitlets
 from workbench.roofline import DeviceRoofs, roofline_points
 from workbench.telemetry import EngineInfo
 
+from .figures import live_plot
 from .style import DECODE, PREFILL, css_widget, esc, modelled_html, modelled_label
 
 MIXED = "#8e6bbf"
@@ -90,7 +91,7 @@ def formats_roofline_figure(roofs: DeviceRoofs, runs, height: int = 380) -> go.F
 
 
 def _fill(fig, pts, r: DeviceRoofs | None) -> None:
-    """Draw the roofs and the points into `fig` (a Figure or a FigureWidget)."""
+    """Draw the roofs and the points into `fig`."""
     data = fig.data
     with fig.batch_update():
         if r is not None:
@@ -123,12 +124,10 @@ class RooflinePanel(w.VBox):
         self.window = window
         self.points: list = []
         self.note = w.HTML()
-        # Drawn before it becomes a widget: a FigureWidget's browser side misses what changed
-        # before it was first displayed.
         self.fig = roofline_figure(height=height)
+        self.plot = live_plot(self.fig)
         self.set_model(info, roofs)
-        self.fig = go.FigureWidget(self.fig)
-        super().__init__([css_widget(), self.note, self.fig], **kw)
+        super().__init__([css_widget(), self.note, self.plot], **kw)
         self.add_class("wb-roofline")
 
     def set_model(self, info: EngineInfo | None, roofs: DeviceRoofs | None) -> None:
@@ -155,6 +154,7 @@ class RooflinePanel(w.VBox):
 
     def _draw(self) -> None:
         _fill(self.fig, self.points, self.roofs)
+        self.plot.sync()
         self.num_points = len(self.points)
 
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections import deque
 
 import ipywidgets as w
-import plotly.graph_objects as go
 import traitlets
 from plotly.subplots import make_subplots
 
+from .figures import live_plot
 from .sources import Update
 from .style import DECODE, KV, PREFILL, RUNNING, WAITING, css_widget, esc
 
@@ -95,9 +95,10 @@ class BatchTimeline(w.VBox):
         fig.update_yaxes(title_text="requests", row=3, col=1, rangemode="nonnegative")
         fig.update_yaxes(title_text="KV %", range=[0, 100], dtick=25, row=3, col=1,
                          secondary_y=True, showgrid=False)
-        self.fig = go.FigureWidget(fig)
+        self.fig = fig
+        self.plot = live_plot(fig)
         self.set_resolution(resolution)
-        super().__init__([css_widget(), self.fig], **kw)
+        super().__init__([css_widget(), self.plot], **kw)
 
     AXIS = {"step": "engine step", "poll": "/metrics poll",
             "client": "interval, as this client saw its streams (the server has no /metrics)"}
@@ -105,6 +106,7 @@ class BatchTimeline(w.VBox):
     def set_modelled(self, label: str) -> None:
         """Title the chart as a modelled run's ('' : a real device's)."""
         self.fig.update_layout(title_text=f"{self.title} · {label}" if label else self.title)
+        self.plot.sync()
 
     def set_resolution(self, resolution: str) -> None:
         """'step' (the in-process engine), 'poll' (a server's /metrics) or 'client' (a server
@@ -113,6 +115,7 @@ class BatchTimeline(w.VBox):
             raise ValueError(f"resolution: one of {', '.join(self.AXIS)} (got {resolution!r})")
         self.resolution = resolution
         self.fig.update_xaxes(title_text=self.AXIS[resolution], row=3, col=1)
+        self.plot.sync()
 
     @property
     def x_title(self) -> str:
@@ -178,6 +181,7 @@ class BatchTimeline(w.VBox):
                 self._refit = False
                 for axis in self.X_AXES + self.Y_AXES:
                     self.fig.layout[axis].autorange = True
+        self.plot.sync()
         self.num_points = len(pts)
         self.num_updates += 1
         self.last_step = x[-1] if x else -1

@@ -26,6 +26,7 @@ from workbench.config import EngineConfig
 from workbench.tune import SLO, Space, Trial, TuneResult, Workload, tune
 from workbench.tune.result import LATENCIES
 
+from .figures import live_plot
 from .style import DECODE, PREFILL, css_widget, esc
 
 WINNER = "#e15759"
@@ -173,16 +174,16 @@ class TunePanel(w.VBox):
                                     disabled=True)
         self.run_button.on_click(lambda _: self._clicked())
         self.stop_button.on_click(lambda _: self.stop())
-        fig = new_figure()
-        draw(fig, result)              # drawn before it becomes a widget (see roofline.py)
-        self.fig = go.FigureWidget(fig)
+        self.fig = new_figure()
+        draw(self.fig, result)
+        self.plot = live_plot(self.fig)
         self.view = w.HTML(winner_html(result) if result else "")
         controls = w.HBox([self.rate, self.num_requests, self.ttft, self.tpot, self.trials],
                           layout=w.Layout(flex_flow="row wrap",
                                           display="none" if base is None else None))
         super().__init__([css_widget(), controls,
                           w.HBox([self.run_button, self.stop_button, self.progress]),
-                          self.status, self.fig, self.view])
+                          self.status, self.plot, self.view])
         self.add_class("wb-tune")
 
     def settings(self) -> tuple[Workload, SLO, int]:
@@ -198,6 +199,7 @@ class TunePanel(w.VBox):
     def show(self, result: TuneResult) -> None:
         self.result = result
         draw(self.fig, result)
+        self.plot.sync()
         self.view.value = winner_html(result)
         self.progress.value = min(len(result.trials), self.progress.max)
 
