@@ -250,3 +250,99 @@ def test_paged_prefill_attention_over_a_bf16_pool_is_correctly_rounded(kern, see
     assert out.dtype == BF
     assert torch.equal(out, torch.cat(dense).to(BF))
     assert torch.equal(out, reference_prefill(inputs, chunks))
+
+
+def wild_bf16(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Weights a trained model's rows resemble, and rows that no palette covers: one row of
+    magnitudes from 1e-30 to 1e30, zeros of both signs, an infinity, subnormals."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * 0.02).to(BF)
+    if n > 2:
+        m = len(range(0, k, 3))
+        w[1, ::3] = (torch.randn(m, generator=g)
+                     * 10.0 ** torch.randint(-30, 30, (m,), generator=g).double()).float().to(BF)
+        w[2, :6] = torch.tensor([0.0, -0.0, float("inf"), 2.0 ** -130, -(2.0 ** -133), 1e-38])
+    return w
+
+
+@pytest.mark.parametrize("n,k", [(1, 64), (5, 128), (17, 576), (40, 1536), (203, 192)])
+def test_bf16c_holds_the_bf16_weights_bit_for_bit(kern, n, k):
+    """quantization='bf16c' is lossless: the torch decoder, the C++ dequantization and an
+    embedding lookup of the packed rows give back every bf16 exactly (escapes included:
+    the wild row holds far more distinct high bytes than a palette)."""
+    from workbench.platforms.quant import bf16c_pack, bf16c_unpack
+    w = wild_bf16(n, k)
+    p = bf16c_pack(w, max_escape_bytes=1.0)
+    assert p.format == "bf16c" and p.shape == (n, k)
+    assert (p.escapes > 0) == (n > 2)
+    bits = w.view(torch.int16)
+    assert torch.equal(bf16c_unpack(p.data, k).view(torch.int16), bits)
+    assert torch.equal(p.dequantize(BF).view(torch.int16), bits)
+    assert torch.equal(kern.dequantize(p.data, p.code, k).to(BF).view(torch.int16), bits)
+    ids = torch.tensor([n - 1, 0, min(1, n - 1), min(2, n - 1)])
+    rows = kern.qembedding(ids, p.data, p.code, k, True)
+    assert torch.equal(rows.view(torch.int16), bits[ids])
+    # 12 bits a weight and a 32-byte header a row (escapes aside): 0.78 of bf16 at K = 576.
+    assert p.nbytes == n * (32 + 1.5 * k + 2 * p.escapes)
+
+
+def test_bf16c_refuses_what_does_not_pay():
+    """Rows of K % 64 != 0, or a matrix whose escapes would need more room than 1/16 of
+    its bytes, stay plain bf16 (bf16c_pack returns None); bad bytes are refused."""
+    from workbench.platforms.quant import PackedWeight, bf16c_pack
+    assert bf16c_pack(wild_bf16(4, 96)) is None
+    assert bf16c_pack(wild_bf16(4, 576)) is None                  # the wild row
+    assert bf16c_pack(wild_bf16(4, 576).float()) is None          # not bf16
+    with pytest.raises(ValueError, match="multiple of 64"):
+        PackedWeight(torch.zeros(2, 32 + 48, dtype=torch.uint8), "bf16c", (2, 32))
+    with pytest.raises(ValueError, match="bf16c data"):
+        PackedWeight(torch.zeros(2, 32 + 96 + 1, dtype=torch.uint8), "bf16c", (2, 64))
+    with pytest.raises(ValueError, match="quantization: 'bf16c' keeps bf16 weights"):
+        Engine(model="random:tiny", device="cpu", quantization="bf16c")
+
+
+@pytest.mark.parametrize("n,k", [(1, 64), (7, 128), (17, 576), (40, 1536), (203, 192)])
+def test_bf16c_gemv_gives_the_plain_bf16_gemvs_bits(kern, n, k):
+    """The batch-1 kernel over bf16c rows computes the plain bf16 GEMV's sums in its order:
+    the same bits, with and without a bias, through qlinear too (what decode_layers calls),
+    for row counts that leave a partial group and rows that take the escape path."""
+    if not hasattr(kern, "bf16c_fast"):
+        pytest.skip("no AVX-512 BF16 and VBMI here: bf16c_gemv dequantizes instead")
+    from workbench.platforms.quant import bf16c_pack
+    w = wild_bf16(n, k, seed=n)
+    p = bf16c_pack(w, max_escape_bytes=1.0)
+    for seed in range(3):
+        x, b = rand(1, k, seed=seed), rand(n, seed=seed + 10)
+        same = lambda a, c: torch.equal(a.view(torch.int16), c.view(torch.int16))  # noqa: E731
+        assert same(kern.bf16c_gemv(x, p.data, None), kern.gemv(x, w, None))
+        assert same(kern.bf16c_gemv(x, p.data, b), kern.gemv(x, w, b))
+        assert same(kern.qlinear(x, p.data, p.code), kern.gemv(x, w, None))
+
+
+@pytest.mark.parametrize("model", ["smollm2", "random:tiny-qwen2"])
+def test_bf16c_engine_gives_the_plain_bf16_engines_outputs(kern, smollm2_dir, model):
+    """dtype=bfloat16 on a CPU whose kernel streams bf16c stores the weights that way by
+    default ('auto'): a quarter fewer bytes, and the same tokens and logprobs as the plain
+    bf16 engine, batched and alone (batch 1 runs decode_layers over the packed rows; qwen2's
+    biases take bf16c_gemv's bias)."""
+    if not hasattr(kern, "bf16c_fast"):
+        pytest.skip("no AVX-512 BF16 and VBMI here: 'auto' keeps plain bf16")
+    kw = dict(model=model, device="cpu", num_kv_blocks=96, dtype="bfloat16")
+    packed, plain = Engine(**kw), Engine(**kw, quantization=None)
+    try:
+        assert packed.info().quantization == "bf16c" and plain.info().quantization is None
+        assert packed.info().weight_formats == ("bf16c",)
+        ratio = packed.info().weight_bytes / plain.info().weight_bytes
+        assert ratio < (0.8 if model == "smollm2" else 1.0), ratio
+        prompts = (["The capital of France is", "def fibonacci(n):",
+                    "Write a haiku about the sea."] if model == "smollm2"
+                   else [[1, 2, 3], [7] * 20, [5, 9, 200, 31]])
+        p = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
+        for batch in (prompts, prompts[:1]):
+            a, b = packed.generate(batch, p), plain.generate(batch, p)
+            for x, y in zip(a, b):
+                assert x.token_ids == y.token_ids
+                assert x.outputs[0].logprobs == y.outputs[0].logprobs
+    finally:
+        packed.shutdown()
+        plain.shutdown()

@@ -338,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(qwen3_defaults, t0.7_top_p0.9, greedy_stop_string, greedy_logprobs5)")
     b.add_argument("--formats", default=None,
                    help="compare weight formats on the CPU instead (comma list of fp32, gguf, "
-                        "int8, gguf-a8, int8-a8, bf16): weight bytes, batch-1 TPOT, prefill, quality against "
+                        "int8, gguf-a8, int8-a8, bf16, bf16c): weight bytes, batch-1 TPOT, prefill, quality against "
                         "fp32, the --num-requests workload, and llama.cpp on the same GGUF "
                         "where llama-cpp-python is installed")
     b.add_argument("--output", default="bench.json", help="JSON report path ('' for none)")

@@ -13,7 +13,7 @@ BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
 GRAPH_MODES = ("eager", "decode", "full")
 """vLLM-Ascend's meanings (see executor/graphs.py)."""
 ATTENTION_BACKENDS = ("auto", "reference")
-QUANTIZATIONS = ("auto", "gguf", "int8", "gguf-a8", "int8-a8")
+QUANTIZATIONS = ("auto", "gguf", "int8", "gguf-a8", "int8-a8", "bf16c")
 """Low-bit weight storage (platforms/quant.py), on the CPU; None for none."""
 PREEMPTION_MODES = ("newest", "oldest", "largest")
 GENERATION_CONFIGS = ("auto", "none")
@@ -48,10 +48,13 @@ class EngineConfig:
     load, one scale per output row; 'gguf-a8' and 'int8-a8', the same weights interleaved 16
     rows at a time and multiplied with the activations quantized to int8 per 32-block (as
     llama.cpp does; AVX-512 VNNI integer dot products, the batch-1 speed of the file's
-    bytes, at a small cost in accuracy that docs/benchmarks.md measures); None, in `dtype`.
-    'auto': the checkpoint's own format
-    where the device runs it, as vLLM reads a GGUF's ('gguf' for smollm2 on the CPU in
-    fp32), else None. CPU only: its kernels stream the packed rows."""
+    bytes, at a small cost in accuracy that docs/benchmarks.md measures); 'bf16c', a bf16
+    model's weights kept losslessly in 12.3 bits instead of 16 (the same numbers and the same
+    outputs, a quarter fewer bytes for batch-1 decode to read; needs dtype='bfloat16'); None,
+    in `dtype`. 'auto': the checkpoint's own format where the device runs it, as vLLM reads a
+    GGUF's ('gguf' for smollm2 on the CPU in fp32), 'bf16c' for bf16 on a CPU whose kernel
+    streams it (AVX-512 BF16 and VBMI), else None. CPU only: its kernels stream the packed
+    rows."""
     seed: int = 0
     """Seeds random weights and the generator that requests without a seed of their own
     draw from."""

@@ -1,6 +1,7 @@
 """Weight formats on the CPU, measured in one run: the engine with its weights in fp32, in the
 GGUF's own blocks (quantization='gguf'), in int8, either of those with 8-bit activations
-('gguf-a8', 'int8-a8'), or in bf16, and llama.cpp on the same GGUF file where
+('gguf-a8', 'int8-a8'), or in bf16 (plain, or 'bf16c': the same numbers in 12.3 bits a
+weight), and llama.cpp on the same GGUF file where
 llama-cpp-python is installed (an optional peer, never a test dependency); with bf16,
 llama.cpp on a BF16 copy of that file too (made by llama.cpp's quantizer).
 
@@ -23,7 +24,8 @@ FORMATS = {"fp32": dict(dtype="float32", quantization=None), "gguf": dict(dtype=
            "int8": dict(dtype="float32", quantization="int8"),
            "gguf-a8": dict(dtype="float32", quantization="gguf-a8"),
            "int8-a8": dict(dtype="float32", quantization="int8-a8"),
-           "bf16": dict(dtype="bfloat16", quantization=None)}
+           "bf16": dict(dtype="bfloat16", quantization=None),
+           "bf16c": dict(dtype="bfloat16", quantization="bf16c")}
 """Name -> the engine knobs that give it."""
 CHECK_PROMPTS = ["The capital of France is", "def fibonacci(n):\n",
                  "Write a haiku about the sea.", "In 1905, Albert Einstein published",
@@ -182,7 +184,7 @@ def run(formats=("fp32", "gguf", "int8"), model: str = "smollm2", b1_prompt: int
             res["llama_cpp_gguf"] = min(runs, key=lambda r: r["tpot_ms"])
             res["llama_cpp_gguf"]["tpot_ms_runs"] = [r["tpot_ms"] for r in runs]
             log(f"llama.cpp on the GGUF as is: {res['llama_cpp_gguf']}")
-            if "bf16" in res and model_dir is not None:
+            if ("bf16" in res or "bf16c" in res) and model_dir is not None:
                 res["llama_cpp_bf16"] = llama_cpp_b1(llama_cpp_bf16_copy(gguf, model_dir), prompt, b1_new,
                                                      torch.get_num_threads())
                 log(f"llama.cpp on a BF16 copy of the GGUF: {res['llama_cpp_bf16']}")
@@ -197,9 +199,10 @@ def run(formats=("fp32", "gguf", "int8"), model: str = "smollm2", b1_prompt: int
         if "llama_cpp_gguf" in res and name in res:
             ratios[f"{name}_tpot_vs_llama_cpp"] = round(res[name]["b1"]["tpot_ms"]
                                                         / res["llama_cpp_gguf"]["tpot_ms"], 2)
-    if "llama_cpp_bf16" in res:
-        ratios["bf16_tpot_vs_llama_cpp_bf16"] = round(res["bf16"]["b1"]["tpot_ms"]
-                                                      / res["llama_cpp_bf16"]["tpot_ms"], 2)
+    for name in ("bf16", "bf16c"):
+        if "llama_cpp_bf16" in res and name in res:
+            ratios[f"{name}_tpot_vs_llama_cpp_bf16"] = round(res[name]["b1"]["tpot_ms"]
+                                                             / res["llama_cpp_bf16"]["tpot_ms"], 2)
     return dict(results=res, ratios=ratios, b1=dict(prompt=b1_prompt, new_tokens=b1_new))
 
 

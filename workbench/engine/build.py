@@ -67,8 +67,13 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
     quantization = config.quantization
     if quantization == "auto":          # the checkpoint's own format, where it runs here
         own = "gguf" if config.model == "smollm2" else None
-        quantization = own if (platform.packed_weights and dtype == torch.float32
-                               and config.attention_backend == "auto") else None
+        kernels = platform.packed_weights and config.attention_backend == "auto"
+        quantization = (own if kernels and dtype == torch.float32 else
+                        "bf16c" if kernels and dtype == torch.bfloat16
+                        and platform.streams_bf16c() else None)
+    if quantization == "bf16c" and dtype != torch.bfloat16:
+        raise ValueError(f"quantization: 'bf16c' keeps bf16 weights; it needs "
+                         f"dtype='bfloat16' (got {str(dtype).removeprefix('torch.')})")
     platform.check_config(config)
     backend.check_config(config, platform.name)
     if quantization is not None and not platform.packed_weights:

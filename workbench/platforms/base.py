@@ -139,6 +139,11 @@ class Platform:
     packed_weights = False
     """Whether this device's ops take low-bit weights (EngineConfig.quantization)."""
 
+    def streams_bf16c(self) -> bool:
+        """Whether this device's batch-1 kernel streams `bf16c` weights (what 'auto' stores
+        a bf16 model's weights as where it does)."""
+        return False
+
     def check_config(self, config) -> None:
         """Refuse knob values this device cannot run (ValueError naming the knob); the
         attention backend checks its own (AttentionBackend.check_config)."""

@@ -23,6 +23,10 @@ class CpuPlatform(Platform):
     def is_available(cls) -> bool:
         return True
 
+    def streams_bf16c(self) -> bool:
+        k = cpu_kernels.kernels()
+        return k is not None and hasattr(k, "bf16c_fast")
+
     def device_name(self) -> str:
         try:
             info = Path("/proc/cpuinfo").read_text()

@@ -16,9 +16,10 @@ import torch
 from . import cpu_kernels
 from .cpu_attention import CpuAttention
 from .ops import TorchOps
-from .quant import PackedWeight
+from .quant import FORMATS, UNTILED, PackedWeight
 
 _DTYPES = (torch.float32, torch.bfloat16)
+TILED_CODES = {FORMATS[f] for f in UNTILED}
 
 
 class CpuOps(TorchOps):
@@ -26,6 +27,13 @@ class CpuOps(TorchOps):
 
     def linear(self, x, weight, bias=None):
         k = cpu_kernels.kernels()
+        if isinstance(weight, PackedWeight) and weight.format == "bf16c":
+            if k and x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.bfloat16:
+                return k.bf16c_gemv(x, weight.data, bias)
+            if x.dtype == torch.bfloat16 and x.dim() == 2 and onednn_bf16():
+                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), prepacked(weight),
+                                                          bias, "none", [], "")
+            return super().linear(x, weight, bias)
         if isinstance(weight, PackedWeight):
             if not (k and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16)) or \
                     (weight.activation_bits == 8 and not hasattr(k, "a8_linear")):
@@ -61,8 +69,9 @@ class CpuOps(TorchOps):
             return None
         if self._layers is not model.layers:
             self._layers, self._weights = model.layers, _fusable_weights(model)
-        if self._weights is None or (max(self._weights[1]) >= 4 and not hasattr(k, "a8_linear")):
-            return None                  # tiled weights (fmt >= 4) need the VNNI kernel
+        if self._weights is None or (any(f in TILED_CODES for f in self._weights[1])
+                                     and not hasattr(k, "a8_linear")):
+            return None                  # tiled weights need the VNNI kernel
         attn = model.layers[0].self_attn
         weights, formats = self._weights
         return k.decode_layers(x, weights, formats, [c[0] for c in kv_caches],
@@ -112,14 +121,17 @@ def onednn_bf16() -> bool:
     return _onednn_bf16
 
 
-def prepacked(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 weight [N, K] in oneDNN's blocked layout, packed at its first batched use and
-    kept on the tensor itself, so it lives and dies with the weight (a copy: the layer
-    weights' bytes once more; the batch-1 kernels read the plain layout). The weights do not
-    change after loading; a weight changed in place would keep its old packing."""
+def prepacked(weight: torch.Tensor | PackedWeight) -> torch.Tensor:
+    """A bf16 weight [N, K] (or a `bf16c` one, decoded) in oneDNN's blocked layout, packed at
+    its first batched use and kept on the weight itself, so it lives and dies with it (a
+    copy: the layer weights' bf16 bytes once more; the batch-1 kernels read the plain or
+    bf16c layout). The weights do not change after loading; a weight changed in place would
+    keep its old packing."""
     packed = getattr(weight, "_onednn_packed", None)
     if packed is None:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
+        w = weight.dequantize(torch.bfloat16) if isinstance(weight, PackedWeight) \
+            else weight.detach()
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
         weight._onednn_packed = packed
     return packed
 

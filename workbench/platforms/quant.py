@@ -31,6 +31,23 @@ side (64 bytes: lane r holds row r's 4 weights). Per tile of R rows (16, the las
   32) 8 chunks of 4R bytes as in q8_0x16. R * (K_pad + 4) bytes.
 Row bytes are the row formats' (int8: K_pad + 4), so a tiled weight's `data` has one row of
 bytes per output row and the same size.
+
+And one lossless format, for a bf16 model's weights (`bf16c`, 12.3 bits a weight where bf16
+takes 16; what 'auto' stores a bf16 model's weights as on a CPU whose kernels run it). A
+bf16's high byte (sign and seven exponent bits) takes few values in a row: trained weights
+span a dozen binades. So a row keeps a palette of its 15 commonest high bytes, each weight's
+palette code (4 bits, 0 for a weight outside it) and its low byte as it is; the rare weights
+outside the palette are kept whole at the row's end. The batch-1 kernel rebuilds each bf16
+in registers (a byte lookup and an interleave: csrc/cpu_quant.cpp) and multiplies exactly
+what the plain bf16 kernel does, in its order: the same bits for a quarter fewer bytes. K is
+a multiple of 64; a row of `bf16c`:
+- 32 bytes of header: bytes 1..15 the palette (code c's high byte), bytes 16..19 the row's
+  escape count (int32); the rest 0.
+- K/64 superblocks of 96 bytes, weights 64s..64s+63 (A: the first 32, B: the last 32):
+  64 low bytes, byte 16j+i the low byte of A[8j+i] and byte 16j+8+i that of B[8j+i]
+  (i < 8: the order AVX-512's byte interleave restores), then 32 bytes of codes, byte q's
+  low nibble for low byte q and its high nibble for low byte 32+q.
+- E bf16 escapes (the matrix's most in a row; a row's own first, in weight order, then 0).
 """
 from __future__ import annotations
 
@@ -38,7 +55,7 @@ from dataclasses import dataclass
 
 import torch
 
-FORMATS = {"q4_1": 1, "q8_0": 2, "int8": 3, "q4_1x16": 4, "q8_0x16": 5, "int8x16": 6}
+FORMATS = {"q4_1": 1, "q8_0": 2, "int8": 3, "q4_1x16": 4, "q8_0x16": 5, "int8x16": 6, "bf16c": 7}
 """Format name -> the code the C++ kernels take."""
 TILED = {"q4_1": "q4_1x16", "q8_0": "q8_0x16", "int8": "int8x16"}
 """Row format -> its 16-row interleaved form for 8-bit activations."""
@@ -51,7 +68,9 @@ BITS = {"q4_1": 5.0, "q8_0": 8.5}
 """Bits a weight, scales included (int8: 8 + 32/K)."""
 
 
-def row_bytes(fmt: str, k: int) -> int:
+def row_bytes(fmt: str, k: int, escapes: int = 0) -> int:
+    if fmt == "bf16c":
+        return 32 + k // 64 * 96 + 2 * escapes
     if fmt in ("q4_1", "q4_1x16"):
         return k // 32 * 20
     if fmt in ("q8_0", "q8_0x16"):
@@ -79,18 +98,26 @@ class PackedWeight:
         n, k = self.shape
         if self.format not in FORMATS:
             raise ValueError(f"quantization: unknown weight format {self.format!r}")
-        if self.format not in ("int8", "int8x16") and k % 32:
-            raise ValueError(f"quantization: {self.format} needs rows of a multiple of 32 "
+        block = 64 if self.format == "bf16c" else 32
+        if self.format not in ("int8", "int8x16") and k % block:
+            raise ValueError(f"quantization: {self.format} needs rows of a multiple of {block} "
                              f"weights (got {k})")
-        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != (n, row_bytes(self.format, k)):
+        rb = row_bytes(self.format, k, self.escapes)
+        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != (n, rb):
             raise ValueError(f"quantization: {self.format} data for [{n}, {k}] is uint8 "
-                             f"[{n}, {row_bytes(self.format, k)}] (got {self.data.dtype} "
-                             f"{list(self.data.shape)})")
+                             f"[{n}, {rb}] (got {self.data.dtype} {list(self.data.shape)})")
         self.data = self.data.contiguous()
 
     @property
     def code(self) -> int:
         return FORMATS[self.format]
+
+    @property
+    def escapes(self) -> int:
+        """bf16c: the escapes a row has room for (its bytes beyond the codes); else 0."""
+        if self.format != "bf16c":
+            return 0
+        return max(0, (self.data.shape[-1] - row_bytes("bf16c", self.shape[1])) // 2)
 
     @property
     def nbytes(self) -> int:
@@ -155,6 +182,8 @@ class PackedWeight:
 def dequantize_rows(data: torch.Tensor, fmt: str, k: int) -> torch.Tensor:
     """uint8 [N, row bytes] -> fp32 [N, K], in plain torch."""
     n = data.shape[0]
+    if fmt == "bf16c":
+        return bf16c_unpack(data, k).float()
     if fmt == "int8":
         scale = data[:, :4].contiguous().view(torch.float32)                  # [N, 1]
         return data[:, 4:].contiguous().view(torch.int8).float() * scale
@@ -249,6 +278,66 @@ def quantize_int8(w: torch.Tensor) -> PackedWeight:
     q = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
     data = torch.cat((scale.contiguous().view(torch.uint8), q.view(torch.uint8)), dim=1)
     return PackedWeight(data, "int8", tuple(w.shape))
+
+
+_SRC = torch.tensor([8 * (p // 16) + p % 16 if p % 16 < 8 else 32 + 8 * (p // 16) + p % 16 - 8
+                     for p in range(64)])
+"""bf16c: the weight (within its superblock of 64) whose low byte is at byte p."""
+
+
+def bf16c_pack(w: torch.Tensor, max_escape_bytes: float = 1 / 16) -> PackedWeight | None:
+    """A bf16 [N, K] weight -> a `bf16c` PackedWeight holding the same numbers (module
+    docstring); None where it does not pay: K not a multiple of 64, or a row with so many
+    weights outside its palette that their room would exceed `max_escape_bytes` of the
+    row's bf16 bytes."""
+    n, k = w.shape
+    if w.dtype != torch.bfloat16 or k % 64:
+        return None
+    bits = w.detach().contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    high = bits >> 8
+    counts = torch.zeros(n, 256, dtype=torch.int32).scatter_add_(1, high, torch.ones_like(high))
+    palette = counts.topk(15, dim=1).indices                                    # [N, 15]
+    code_of = torch.zeros(n, 256, dtype=torch.uint8)
+    code_of.scatter_(1, palette, torch.arange(1, 16, dtype=torch.uint8).expand(n, 15))
+    codes = code_of.gather(1, high)                                             # [N, K]
+    outside = codes == 0
+    per_row = outside.sum(1)
+    e = int(per_row.max())
+    if 2 * e > max_escape_bytes * 2 * k:
+        return None
+    sb = k // 64
+    low = (bits & 0xFF).to(torch.uint8).view(n, sb, 64)[..., _SRC]
+    c = codes.view(n, sb, 64)[..., _SRC]
+    body = torch.cat((low, c[..., :32] | (c[..., 32:] << 4)), dim=2).view(n, sb * 96)
+    header = torch.zeros(n, 32, dtype=torch.uint8)
+    header[:, 1:16] = palette.to(torch.uint8)
+    header[:, 16:20] = per_row.to(torch.int32).unsqueeze(1).view(torch.uint8)
+    esc = torch.zeros(n, e, dtype=torch.int16)
+    if e:
+        rows, cols = outside.nonzero(as_tuple=True)                             # row-major
+        rank = outside.cumsum(1)[rows, cols] - 1
+        esc[rows, rank] = bits[rows, cols].to(torch.int16)
+    data = torch.cat((header, body, esc.view(torch.uint8).view(n, 2 * e)), dim=1)
+    return PackedWeight(data, "bf16c", (n, k))
+
+
+def bf16c_unpack(data: torch.Tensor, k: int) -> torch.Tensor:
+    """`bf16c` bytes [N, row bytes] -> the bf16 [N, K] they hold (the reference decoder)."""
+    n, sb = data.shape[0], k // 64
+    body = data[:, 32:32 + sb * 96].reshape(n, sb, 96)
+    cb = body[..., 64:]
+    c = torch.cat((cb & 0x0F, cb >> 4), dim=2)                                  # [N, sb, 64]
+    high = data[:, :16].gather(1, c.reshape(n, -1).long()).view(n, sb, 64)
+    out = torch.empty(n, sb, 64, dtype=torch.int32)
+    out[..., _SRC] = (high.to(torch.int32) << 8) | body[..., :64].to(torch.int32)
+    outside = torch.empty(n, sb, 64, dtype=torch.bool)
+    outside[..., _SRC] = c == 0
+    out, outside = out.view(n, k), outside.view(n, k)
+    if outside.any():
+        esc = data[:, 32 + sb * 96:].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+        rows, cols = outside.nonzero(as_tuple=True)
+        out[rows, cols] = esc[rows, outside.cumsum(1)[rows, cols] - 1]
+    return out.to(torch.int16).view(torch.bfloat16)
 
 
 def packed_weights(model: torch.nn.Module) -> list[PackedWeight]:

@@ -14,7 +14,7 @@ def build_model(ckpt: LoadedCheckpoint, dtype: torch.dtype, device: torch.device
     `ops`: the fusable ops it runs (a platform's fused kernels); None keeps the torch
     reference. quantization='int8': the weights quantized once loaded ('gguf' ones come
     packed in the checkpoint's state already); '-a8': then interleaved for 8-bit
-    activations (quant.py's tiled formats)."""
+    activations (quant.py's tiled formats); 'bf16c': the bf16 weights packed losslessly."""
     with torch.device("meta"):
         model = LlamaForCausalLM(ckpt.hf_config, max_positions)
     model = model.to_empty(device="cpu")
@@ -31,7 +31,10 @@ def build_model(ckpt: LoadedCheckpoint, dtype: torch.dtype, device: torch.device
         model.tile_packed_weights()
     if ops is not None:
         model.ops = ops
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    if quantization == "bf16c":
+        model.compress_bf16()
+    return model
 
 
 __all__ = ["LlamaForCausalLM", "build_model", "load_checkpoint", "LoadedCheckpoint",

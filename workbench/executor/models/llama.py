@@ -16,7 +16,7 @@ from torch import nn
 
 from ...platforms.attention import AttentionMetadata
 from ...platforms.ops import TorchOps
-from ...platforms.quant import PackedWeight, quantize_int8, set_weight
+from ...platforms.quant import PackedWeight, bf16c_pack, quantize_int8, set_weight
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -280,6 +280,20 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (nn.Linear, nn.Embedding)) and \
                     not isinstance(module.__dict__.get("weight"), PackedWeight):
                 set_weight(module, quantize_int8(module.weight))
+
+    def compress_bf16(self) -> None:
+        """quantization='bf16c': every bf16 linear weight, the embedding and the LM head (one
+        table when tied) as `bf16c` PackedWeights holding the same numbers; a matrix the
+        format does not pay for (quant.bf16c_pack) stays as it is."""
+        done: dict[int, PackedWeight | None] = {}
+        for module in [*self.modules()]:
+            w = module.weight if isinstance(module, (nn.Linear, nn.Embedding)) else None
+            if w is None or isinstance(w, PackedWeight):
+                continue
+            if id(w) not in done:
+                done[id(w)] = bf16c_pack(w)
+            if done[id(w)] is not None:
+                set_weight(module, done[id(w)])
 
     def tile_packed_weights(self) -> None:
         """The '-a8' quantizations: every PackedWeight in its 16-row interleaved form for

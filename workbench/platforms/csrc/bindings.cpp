@@ -36,11 +36,14 @@ at::Tensor dequantize(at::Tensor w, int64_t fmt, int64_t K);
 at::Tensor qlinear(at::Tensor x, at::Tensor w, int64_t fmt);
 at::Tensor qembedding(at::Tensor ids, at::Tensor w, int64_t fmt, int64_t K, bool bf16);
 at::Tensor qgemv(at::Tensor x, at::Tensor w, int64_t fmt);
+at::Tensor bf16c_gemv(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
 // cpu_a8.cpp
 std::vector<at::Tensor> a8_quantize(at::Tensor x);
 at::Tensor a8_embedding(at::Tensor ids, at::Tensor w, int64_t fmt, int64_t K, bool bf16);
 at::Tensor a8_linear(at::Tensor x, at::Tensor w, int64_t fmt, int64_t amx);  // where VNNI is
 bool a8_amx();                                                     // where VNNI is
+
+static bool bf16c_fast() { return true; }
 
 TORCH_LIBRARY(workbench_cpu, m) {
   // Paged decode attention over a head-major fp32 or bf16 KV pool.
@@ -54,6 +57,7 @@ TORCH_LIBRARY(workbench_cpu, m) {
   m.def("dequantize", &dequantize);               // packed weight [N, row bytes] -> fp32 [N, K]
   m.def("qlinear", &qlinear);                     // x [M, K] @ packed weight^T -> [M, N]
   m.def("qembedding", &qembedding);               // rows of a packed table -> [T, K]
+  m.def("bf16c_gemv", &bf16c_gemv);               // x [1, K] bf16 @ bf16c weight^T (+ bias)
   m.def("a8_quantize", &a8_quantize);             // fp32 [M, K] -> (int8 [M, K_pad], scales)
   m.def("a8_embedding", &a8_embedding);           // rows of a tiled packed table -> [T, K]
 #ifdef __AVX512F__
@@ -61,6 +65,10 @@ TORCH_LIBRARY(workbench_cpu, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention);
   m.def("gemv", &gemv);                           // x [1, K] @ weight [N, K]^T (+ bias)
   m.def("qgemv", &qgemv);                         // x [1, K] fp32 @ packed weight^T
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512VBMI2__) && \
+    defined(__BMI2__)
+  m.def("bf16c_fast", &bf16c_fast);               // bf16c_gemv streams the packed rows here
 #endif
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
   // 8-bit activations @ tiled weight^T: VNNI, or AMX-INT8 for several rows (amx: 1 forces

@@ -6,12 +6,17 @@
 //                 embedding (and tied LM head).
 //   INT8 (fmt 3): per output row a 4-byte fp32 scale s, then K int8; w = s * q. Any
 //                 checkpoint quantized at load (quantization="int8").
+//   BF16C (fmt 7): a bf16 model's weights, losslessly: a palette of each row's 15 commonest
+//                 high bytes, a 4-bit code and the low byte a weight, the rest whole at the
+//                 row's end (quant.py has the layout). Its batch-1 kernel, bf16c_gemv, gives
+//                 the plain bf16 gemv's bits.
 // At batch 1 a decode step reads every weight once, so the step costs the weights' bytes:
 // 98 MB for SmolLM2 in its GGUF formats against 540 MB in fp32. `qgemv` streams the packed
 // rows and dequantizes them in registers (fp32 arithmetic, so the only difference from the
 // dequantized reference is the order of the sums). Batched rows (prefill, batch decode)
 // dequantize a slice of weight rows at a time into a small buffer (about 1 MB: it stays in
 // cache) and multiply it with torch's GEMM, fp32 or, for bf16 activations, bf16 (AMX).
+#include "cpu_dtype.h"
 #include "cpu_packed.h"
 
 #include <cstring>
@@ -20,7 +25,31 @@
 // as gguf's numpy dequantization computes them).
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
+static void bf16c_row(const uint8_t* row, int64_t K, float* out) {
+  int32_t escapes;
+  std::memcpy(&escapes, row + 16, 4);
+  const uint8_t* esc = row + 32 + K / 64 * 96;
+  for (int64_t s = 0; s < K / 64; ++s) {
+    const uint8_t* low = row + 32 + s * 96;
+    const uint8_t* codes = low + 64;
+    for (int t = 0; t < 64; ++t) {           // weight 64s + t sits at byte p (quant._SRC)
+      const int u = t & 31, p = 16 * (u / 8) + (t < 32 ? 0 : 8) + u % 8;
+      const int c = p < 32 ? codes[p] & 0x0F : codes[p - 32] >> 4;
+      uint32_t v = static_cast<uint32_t>(row[c]) << 8 | low[p];
+      if (c == 0) {                          // outside the palette: the next escape
+        uint16_t e;
+        std::memcpy(&e, esc, 2);
+        esc += 2;
+        v = e;
+      }
+      v <<= 16;
+      std::memcpy(out + s * 64 + t, &v, 4);
+    }
+  }
+}
+
 static void dequant_row(const uint8_t* row, int64_t fmt, int64_t K, float* out) {
+  if (fmt == kBf16c) return bf16c_row(row, K, out);
 #ifdef __AVX512F__
   if (fmt == kQ4_1) {                    // d * q, then + m: two roundings, as the reference
     const __m128i low = _mm_set1_epi8(0x0F);
@@ -85,9 +114,8 @@ static void dequant_row(const uint8_t* row, int64_t fmt, int64_t K, float* out) 
 }
 #pragma GCC pop_options
 
-static void dequant_rows(const uint8_t* w, int64_t fmt, int64_t K, int64_t first, int64_t n,
-                         float* out) {
-  const int64_t rb = row_bytes(fmt, K);
+static void dequant_rows(const uint8_t* w, int64_t rb, int64_t fmt, int64_t K, int64_t first,
+                         int64_t n, float* out) {
   at::parallel_for(first, first + n, 64, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) dequant_row(w + r * rb, fmt, K, out + (r - first) * K);
   });
@@ -97,7 +125,7 @@ static void dequant_rows(const uint8_t* w, int64_t fmt, int64_t K, int64_t first
 at::Tensor dequantize(at::Tensor w, int64_t fmt, int64_t K) {
   check_packed(w, fmt, K, "dequantize");
   auto out = at::empty({w.size(0), K}, at::kFloat);
-  dequant_rows(w.data_ptr<uint8_t>(), fmt, K, 0, w.size(0), out.data_ptr<float>());
+  dequant_rows(w.data_ptr<uint8_t>(), w.size(1), fmt, K, 0, w.size(0), out.data_ptr<float>());
   return out;
 }
 
@@ -281,22 +309,134 @@ static at::Tensor qlinear_small(const at::Tensor& x, const at::Tensor& w, int64_
 }
 #endif
 
+// x [1, K] bf16 @ bf16c weight^T (+ bias) -> [1, N] bf16: the plain bf16 gemv's sums
+// (cpu_ops.cpp) over weights rebuilt in registers. Per superblock of 64 weights and row: one
+// 64-byte load of low bytes, one 32-byte load of codes, whose nibbles become 64 byte indices
+// (a shift and an insert) into the row's palette (vpermb: each index's low six bits pick a
+// byte of the palette repeated four times, so the shift's stray bits above the nibble do
+// not matter), and two byte interleaves of low and high bytes give the 32 + 32 bf16 that
+// the plain kernel's two vdpbf16ps take, into the same accumulator in the same order. Rows
+// with escapes (rare: trained weights' high bytes seldom need more than 15 values in a row)
+// take the same loop with the escaped lanes filled from the row's end (vpexpandw).
+// At batch 1 the step reads 0.78 of the plain bf16 bytes; two threads on this VM decode
+// about as fast as memory delivers the bytes, so the gain is less than the bytes'.
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512VBMI2__) && \
+    defined(__BMI2__)
+template <int R, bool kEscapes>
+static inline void bf16c_rows(const uint8_t* w, int64_t rb, const bf16_t* x,
+                              const bf16_t* bias, bf16_t* y, int64_t K) {
+  const int64_t ns = K / 64;
+  __m512 acc[R];
+  __m512i table[R];
+  const bf16_t* esc[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    table[r] = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * rb)));
+    esc[r] = reinterpret_cast<const bf16_t*>(w + r * rb + 32 + ns * 96);
+  }
+  for (int64_t s = 0; s < ns; ++s) {
+    const __m512bh xa = (__m512bh)_mm512_loadu_si512(x + 64 * s);
+    const __m512bh xb = (__m512bh)_mm512_loadu_si512(x + 64 * s + 32);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* sb = w + r * rb + 32 + s * 96;
+      prefetch(sb + R * rb);                   // the next group's same superblock
+      prefetch(sb + R * rb + 64);
+      const __m512i low = _mm512_loadu_si512(sb);
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 64));
+      const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(c), _mm256_srli_epi16(c, 4), 1);
+      const __m512i high = _mm512_permutexvar_epi8(idx, table[r]);
+      __m512i a = _mm512_unpacklo_epi8(low, high), b = _mm512_unpackhi_epi8(low, high);
+      if (kEscapes) {
+        const __mmask64 out = _mm512_testn_epi8_mask(idx, _mm512_set1_epi8(0x0F));
+        if (out) {
+          const __mmask32 ea = static_cast<__mmask32>(_pext_u64(out, 0x00FF00FF00FF00FFull));
+          const __mmask32 eb = static_cast<__mmask32>(_pext_u64(out, 0xFF00FF00FF00FF00ull));
+          a = _mm512_mask_expandloadu_epi16(a, ea, esc[r]);
+          esc[r] += __builtin_popcount(ea);
+          b = _mm512_mask_expandloadu_epi16(b, eb, esc[r]);
+          esc[r] += __builtin_popcount(eb);
+        }
+      }
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)a, xa);
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)b, xb);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    y[r] = to_bf16(_mm512_reduce_add_ps(acc[r]) + (bias ? to_f(bias[r]) : 0.f));
+}
+
+static inline bool bf16c_has_escapes(const uint8_t* w, int64_t rb, int64_t rows) {
+  for (int64_t r = 0; r < rows; ++r) {
+    int32_t e;
+    std::memcpy(&e, w + r * rb + 16, 4);
+    if (e) return true;
+  }
+  return false;
+}
+
+template <int R>
+static inline void bf16c_group(const uint8_t* w, int64_t rb, const bf16_t* x, const bf16_t* bias,
+                               bf16_t* y, int64_t K) {
+  if (bf16c_has_escapes(w, rb, R)) bf16c_rows<R, true>(w, rb, x, bias, y, K);
+  else bf16c_rows<R, false>(w, rb, x, bias, y, K);
+}
+
+at::Tensor bf16c_gemv(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) == 1,
+              "bf16c_gemv: x is one bf16 row");
+  x = x.contiguous();
+  const int64_t K = x.size(1), N = w.size(0), rb = w.size(1);
+  check_packed(w, kBf16c, K, "bf16c_gemv");
+  at::Tensor b;
+  if (bias.has_value()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == at::kBFloat16 && b.numel() == N, "bf16c_gemv: bias");
+  }
+  auto y = at::empty({1, N}, x.options());
+  const bf16_t* xp = cptr<bf16_t>(x);
+  const bf16_t* bp = b.defined() ? cptr<bf16_t>(b) : nullptr;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  bf16_t* yp = mptr<bf16_t>(y);
+  constexpr int64_t R = 4;
+  at::parallel_for(0, (N + R - 1) / R, 1, [&](int64_t g0, int64_t e) {
+    for (int64_t g = g0; g < e; ++g) {
+      const int64_t n = g * R;
+      if (n + R <= N) {
+        bf16c_group<R>(wp + n * rb, rb, xp, bp ? bp + n : nullptr, yp + n, K);
+      } else {
+        for (int64_t i = n; i < N; ++i)
+          bf16c_group<1>(wp + i * rb, rb, xp, bp ? bp + i : nullptr, yp + i, K);
+      }
+    }
+  });
+  return y;
+}
+#else
+// Without AVX-512 BF16 and VBMI: the weights dequantized, then torch's linear.
+at::Tensor bf16c_gemv(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
+  auto wt = dequantize(w, kBf16c, x.size(1)).to(at::kBFloat16);
+  return bias.has_value() ? at::linear(x, wt, *bias) : at::linear(x, wt);
+}
+#endif
+
 // x [M, K] (fp32 or bf16) @ packed weight^T -> [M, N] in x's dtype. One fp32 row takes
 // qgemv; more rows multiply slices of dequantized rows (about 1 MB each) with torch's GEMM.
 at::Tensor a8_dispatch_linear(at::Tensor x, at::Tensor w, int64_t fmt);   // cpu_a8.cpp
 at::Tensor a8_embedding(at::Tensor ids, at::Tensor w, int64_t fmt, int64_t K, bool bf16);
 
 at::Tensor qlinear(at::Tensor x, at::Tensor w, int64_t fmt) {
-  if (fmt >= 4) return a8_dispatch_linear(x, w, fmt);     // 8-bit activations (cpu_a8.cpp)
+  if (fmt == kBf16c && x.dim() == 2 && x.size(0) == 1) return bf16c_gemv(x, w, c10::nullopt);
+  if (fmt >= 4 && fmt != kBf16c) return a8_dispatch_linear(x, w, fmt);   // 8-bit activations
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat ||
                                x.scalar_type() == at::kBFloat16), "qlinear: fp32 or bf16 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   check_packed(w, fmt, K, "qlinear");
   x = x.contiguous();
 #ifdef __AVX512F__
-  if (M == 1 && x.scalar_type() == at::kFloat) return qgemv(x, w, fmt);
-  if (M <= kSmallRows && x.scalar_type() == at::kFloat) return qlinear_small(x, w, fmt);
-  if (M <= kSmallRows)        // bf16 rows: the same streaming kernels, on the rows in fp32
+  if (fmt == kBf16c) {}                     // batched: the dequantized slices below
+  else if (M == 1 && x.scalar_type() == at::kFloat) return qgemv(x, w, fmt);
+  else if (M <= kSmallRows && x.scalar_type() == at::kFloat) return qlinear_small(x, w, fmt);
+  else if (M <= kSmallRows)   // bf16 rows: the same streaming kernels, on the rows in fp32
     return qlinear(x.to(at::kFloat), w, fmt).to(x.scalar_type());
 #endif
   auto out = at::empty({M, N}, x.options());
@@ -305,7 +445,7 @@ at::Tensor qlinear(at::Tensor x, at::Tensor w, int64_t fmt) {
   const uint8_t* wp = w.data_ptr<uint8_t>();
   for (int64_t n0 = 0; n0 < N; n0 += chunk) {
     const int64_t nc = std::min(chunk, N - n0);
-    dequant_rows(wp, fmt, K, n0, nc, buf.data_ptr<float>());
+    dequant_rows(wp, w.size(1), fmt, K, n0, nc, buf.data_ptr<float>());
     auto wt = buf.narrow(0, 0, nc);
     if (x.scalar_type() != at::kFloat) wt = wt.to(x.scalar_type());
     out.narrow(1, n0, nc).copy_(at::mm(x, wt.t()));
@@ -316,7 +456,7 @@ at::Tensor qlinear(at::Tensor x, at::Tensor w, int64_t fmt) {
 // Embedding rows of a packed table: ids [T] -> [T, K], fp32 (bf16 with `bf16`).
 at::Tensor qembedding(at::Tensor ids, at::Tensor w, int64_t fmt, int64_t K,
                          bool bf16) {
-  if (fmt >= 4) return a8_embedding(ids, w, fmt, K, bf16);
+  if (fmt >= 4 && fmt != kBf16c) return a8_embedding(ids, w, fmt, K, bf16);
   check_packed(w, fmt, K, "qembedding");
   ids = ids.contiguous().to(at::kLong);
   const int64_t T = ids.numel(), N = w.size(0), rb = w.size(1);
