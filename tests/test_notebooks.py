@@ -85,6 +85,10 @@ def test_prefill_decode_step_by_step(tmp_path):
     assert text.count("right:") == 3 and "not quite" not in text
     assert plotly_figures(outputs) == 6       # batch scaling, roofline, formats, block table, KV, preemption
     assert re.search(r"gguf  \(q4_1\+q8_0\):  +\d+ MB of weights", text)
+    from workbench.platforms.cpu_kernels import load_cpu_kernels
+    if hasattr(load_cpu_kernels(), "bf16c_fast"):    # bf16's numbers in fewer bytes, shown
+        mb = dict(re.findall(r"^(bf16c?) +\((?:bfloat16|bf16c)\): +(\d+) MB", text, re.M))
+        assert int(mb["bf16c"]) < 0.8 * int(mb["bf16"]), mb
     m = re.search(r"balance ([\d.]+) FLOP/byte", text)
     assert m and float(m.group(1)) > 0
     assert "same tokens: True" in text                                 # cache vs recompute

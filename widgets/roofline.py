@@ -83,7 +83,7 @@ def formats_roofline_figure(roofs: DeviceRoofs, runs, height: int = 380) -> go.F
     fig.data[1].x, fig.data[1].y = [roofs.balance, hi], [roofs.peak_flops, roofs.peak_flops]
     fig.update_layout(height=height, template="plotly_white", margin=dict(l=60, r=20, t=40, b=50),
                       legend=dict(orientation="h", y=1.1, x=0),
-                      title=dict(text="One decode step, three weight formats", font=dict(size=14),
+                      title=dict(text="One decode step, weight formats compared", font=dict(size=14),
                                  x=0.01, y=0.99))
     fig.update_xaxes(type="log", title_text="arithmetic intensity (FLOP per byte read)")
     fig.update_yaxes(type="log", title_text="achieved FLOP/s", exponentformat="SI")
