@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 
+import anywidget
 import plotly.graph_objects as go
+import traitlets
 
 from .style import DECODE, PALETTE, PREFILL
 
@@ -71,52 +73,33 @@ def _plotly_source() -> str:
     return _plotly_js
 
 
-def _live_plot_class():
-    import anywidget
-    import traitlets
+class LivePlot(anywidget.AnyWidget):
+    """A plotly figure drawn in the page, sent whole: `fig` (a go.Figure) is the state, and
+    `sync()` sends what changed of its data and layout (one message). Each browser view
+    draws it with Plotly.react, so a view shows the kernel's figure however many updates it
+    missed. Unlike plotly's FigureWidget, whose edits are deltas and whose 5 MB module must
+    load within anywidget's 2 s or every later edit is dropped, its module is small and
+    plotly.js loads in the view."""
+    _esm = _ESM
+    _plotly = traitlets.Unicode().tag(sync=True)
+    traces = traitlets.List().tag(sync=True)
+    figure_layout = traitlets.Dict().tag(sync=True)
+    config = traitlets.Dict().tag(sync=True)
+    drawn = traitlets.Bool(False).tag(sync=True)
+    """Set by the first browser view that has drawn the figure."""
 
-    class LivePlot(anywidget.AnyWidget):
-        """A plotly figure drawn in the page, sent whole: `fig` (a go.Figure) is the state,
-        and `sync()` sends what changed of its data and layout (one message). Each browser
-        view draws it with Plotly.react, so a view shows the kernel's figure however many
-        updates it missed. Unlike plotly's FigureWidget, whose edits are deltas and whose
-        5 MB module must load within anywidget's 2 s or every later edit is dropped, its
-        module is small and plotly.js loads in the view."""
-        _esm = _ESM
-        _plotly = traitlets.Unicode().tag(sync=True)
-        traces = traitlets.List().tag(sync=True)
-        figure_layout = traitlets.Dict().tag(sync=True)
-        config = traitlets.Dict().tag(sync=True)
-        drawn = traitlets.Bool(False).tag(sync=True)
-        """Set by the first browser view that has drawn the figure."""
+    def __init__(self, fig, **kw):
+        super().__init__(_plotly=_plotly_source(), config=dict(displaylogo=False), **kw)
+        self.fig = fig
+        self.num_syncs = 0
+        self.sync()
 
-        def __init__(self, fig, **kw):
-            super().__init__(_plotly=_plotly_source(),
-                             config=dict(displaylogo=False), **kw)
-            self.fig = fig
-            self.num_syncs = 0
-            self.sync()
-
-        def sync(self) -> None:
-            state = json.loads(self.fig.to_json(validate=False))
-            with self.hold_sync():
-                self.traces = state.get("data", [])
-                self.figure_layout = state.get("layout", {})
-            self.num_syncs += 1
-
-    return LivePlot
-
-
-def live_plot(fig):
-    """A LivePlot of `fig` (go.Figure): the live panels' figure in the page."""
-    global LivePlot
-    if LivePlot is None:
-        LivePlot = _live_plot_class()
-    return LivePlot(fig)
-
-
-LivePlot = None
-"""The widget class, made on first use (anywidget is imported where it is used)."""
+    def sync(self) -> None:
+        state = json.loads(self.fig.to_json(validate=False))
+        with self.hold_sync():
+            self.traces = state.get("data", [])
+            self.figure_layout = state.get("layout", {})
+        self.num_syncs += 1
 
 
 def when_drawn(plots, callback) -> None:

@@ -17,7 +17,7 @@ import traitlets
 from workbench.roofline import DeviceRoofs, roofline_points
 from workbench.telemetry import EngineInfo
 
-from .figures import live_plot
+from .figures import LivePlot
 from .style import DECODE, PREFILL, css_widget, esc, modelled_html, modelled_label
 
 MIXED = "#8e6bbf"
@@ -125,7 +125,7 @@ class RooflinePanel(w.VBox):
         self.points: list = []
         self.note = w.HTML()
         self.fig = roofline_figure(height=height)
-        self.plot = live_plot(self.fig)
+        self.plot = LivePlot(self.fig)
         self.set_model(info, roofs)
         super().__init__([css_widget(), self.note, self.plot], **kw)
         self.add_class("wb-roofline")

@@ -21,7 +21,7 @@ import ipywidgets as w
 import traitlets
 from plotly.subplots import make_subplots
 
-from .figures import live_plot
+from .figures import LivePlot
 from .sources import Update
 from .style import DECODE, KV, PREFILL, RUNNING, WAITING, css_widget, esc
 
@@ -96,7 +96,7 @@ class BatchTimeline(w.VBox):
         fig.update_yaxes(title_text="KV %", range=[0, 100], dtick=25, row=3, col=1,
                          secondary_y=True, showgrid=False)
         self.fig = fig
-        self.plot = live_plot(fig)
+        self.plot = LivePlot(fig)
         self.set_resolution(resolution)
         super().__init__([css_widget(), self.plot], **kw)
 

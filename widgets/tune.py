@@ -26,7 +26,7 @@ from workbench.config import EngineConfig
 from workbench.tune import SLO, Space, Trial, TuneResult, Workload, tune
 from workbench.tune.result import LATENCIES
 
-from .figures import live_plot
+from .figures import LivePlot
 from .style import DECODE, PREFILL, css_widget, esc
 
 WINNER = "#e15759"
@@ -176,7 +176,7 @@ class TunePanel(w.VBox):
         self.stop_button.on_click(lambda _: self.stop())
         self.fig = new_figure()
         draw(self.fig, result)
-        self.plot = live_plot(self.fig)
+        self.plot = LivePlot(self.fig)
         self.view = w.HTML(winner_html(result) if result else "")
         controls = w.HBox([self.rate, self.num_requests, self.ttft, self.tpot, self.trials],
                           layout=w.Layout(flex_flow="row wrap",

@@ -433,11 +433,12 @@ at::Tensor qlinear(at::Tensor x, at::Tensor w, int64_t fmt) {
   check_packed(w, fmt, K, "qlinear");
   x = x.contiguous();
 #ifdef __AVX512F__
-  if (fmt == kBf16c) {}                     // batched: the dequantized slices below
-  else if (M == 1 && x.scalar_type() == at::kFloat) return qgemv(x, w, fmt);
-  else if (M <= kSmallRows && x.scalar_type() == at::kFloat) return qlinear_small(x, w, fmt);
-  else if (M <= kSmallRows)   // bf16 rows: the same streaming kernels, on the rows in fp32
-    return qlinear(x.to(at::kFloat), w, fmt).to(x.scalar_type());
+  if (fmt != kBf16c) {         // bf16c's batched rows: the dequantized slices below
+    if (M == 1 && x.scalar_type() == at::kFloat) return qgemv(x, w, fmt);
+    if (M <= kSmallRows && x.scalar_type() == at::kFloat) return qlinear_small(x, w, fmt);
+    if (M <= kSmallRows)       // bf16 rows: the same streaming kernels, on the rows in fp32
+      return qlinear(x.to(at::kFloat), w, fmt).to(x.scalar_type());
+  }
 #endif
   auto out = at::empty({M, N}, x.options());
   const int64_t chunk = std::min<int64_t>(N, std::max<int64_t>(64, (int64_t{1} << 18) / K));
