@@ -29,7 +29,6 @@ from pathlib import Path
 os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-import torch                                                  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode    # noqa: E402
 
 NO_KERNEL = {

@@ -28,14 +28,13 @@ import argparse
 import json
 import os
 import random
-import sys
 import time
 from pathlib import Path
 
 from workbench import Engine, SamplingParams
 from workbench.bench.device_run import anchor_workload, b1_prompt, random_prompts, w1_shape
 from workbench.modelled.fit import StepTrace, fit_figures
-from workbench.modelled.profiles import ACCURACY_FILE, CALIBRATION_FILE, Coefficients
+from workbench.modelled.profiles import ACCURACY_FILE, CALIBRATION_FILE
 from workbench.telemetry import percentile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -180,7 +179,7 @@ def write_accuracy(profile: str, rows: list[dict], target: float, extra: dict) -
 
 def print_table(rows: list[dict], target: float) -> None:
     noise = any("real_runs_differ_pct" in r for r in rows)
-    print(f"\n| workload | figure | real | modelled | error | fitted on |"
+    print("\n| workload | figure | real | modelled | error | fitted on |"
           + (" real run 1 vs 2 |" if noise else ""))
     print("|---|---|---:|---:|---:|---|" + ("---:|" if noise else ""))
     for r in rows:

@@ -266,7 +266,8 @@ def test_sampling_seeded_and_bounded(tiny_engine):
 
 
 def test_unseeded_sampling_repeats_across_processes():
-    """Requests without a seed draw from (engine seed, request id): the same in every run,
+    """Requests without a seed draw from one generator the engine seeds with
+    EngineConfig.seed: the same numbers in every run with the same requests in the same order,
     whatever PYTHONHASHSEED salts str hashes with."""
     import os
     import subprocess

@@ -7,7 +7,6 @@ model's, its config resolving to the kernels it ran."""
 from __future__ import annotations
 
 import gzip
-import inspect
 import os
 import pwd
 import re
@@ -15,10 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from workbench import Engine
-from workbench.bench import offline
 from workbench.cache import cache_root
 from workbench.executor.models.loader import model_digest
 from workbench.trace import Trace, step_kind

@@ -13,7 +13,7 @@ coefficients of its cost model (cost.py), with where each figure comes from.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from importlib import resources
 
 from ..telemetry import percentile
@@ -219,8 +219,3 @@ def get_profile(name: str) -> DeviceProfile:
         raise ValueError("device: the 'cpu' profile is calibrated against a model by a real "
                          "run; build Engine(device='model:cpu') to get it")
     return spec_profile(name)
-
-
-def with_error(profile: DeviceProfile) -> DeviceProfile:
-    """The profile with its current measured error (accuracy.json may change after import)."""
-    return replace(profile, error=profile_error(profile.name) if profile.calibrated else {})
