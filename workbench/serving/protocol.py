@@ -5,7 +5,6 @@ replies (responses.py)."""
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 from .schema import SUPPORTED, UNSUPPORTED, request_fields
@@ -273,10 +272,6 @@ def sampling_params_from(body: dict, default_max_tokens: int | None,
     except (ValueError, TypeError) as e:
         raise from_value_error(e, {"max_tokens": which, **(
             {"logprobs": "top_logprobs"} if kind == "chat" else {})}) from None
-    for name in ("temperature", "top_p"):   # the engine accepts inf/nan-free numbers only
-        v = getattr(params, name)
-        if isinstance(v, float) and not math.isfinite(v):
-            raise bad_request(name, f"{name}: must be a finite number (got {v!r})")
     return params, which
 
 
