@@ -98,7 +98,7 @@ def test_dashboard_replays_the_shipped_trace_with_no_model(monkeypatch):
     d = Dashboard(replay=SHIPPED_TRACE, speed=1000, autoplay=False)   # 1000× real time, paused
     assert d.replay_button.description == "Play the recording"
     d._view_count = 1                                      # a browser shows it: still paused
-    time.sleep(0.2)
+    assert not d.source.playing
     d.pump.tick()
     assert d.streams.num_requests == 0                     # nothing before Play
     d.replay_button.click()
@@ -167,14 +167,16 @@ def test_replay_plays_anyway_when_a_figure_never_draws(tiny_trace, monkeypatch):
     while after the page first shows."""
     import widgets.dashboard as dashboard
     no_engine(monkeypatch)
-    monkeypatch.setattr(dashboard, "PLAY_ANYWAY_S", 0.2)
+    monkeypatch.setattr(dashboard, "PLAY_ANYWAY_S", 0.05)
 
     async def show_and_wait():
         d = dashboard.Dashboard(replay=tiny_trace, speed=1000)
-        await asyncio.sleep(0.4)
+        await asyncio.sleep(0.1)           # twice the wait: no timer is armed before a view
         before = d.source.playing          # not shown yet: nothing starts on its own
         d._view_count = 1
-        await asyncio.sleep(0.4)
+        deadline = time.monotonic() + 30
+        while not d.source.playing and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         d.pump.stop()
         return before, d.source.playing
 

@@ -181,7 +181,10 @@ def test_knobs_validate_and_rebuild_the_dashboard_engine(comms):
         dash.prompts.value = "1 2 3 4\n5, 6, 7"         # random weights: token-id prompts
         rids = dash.send(4, SamplingParams(max_tokens=400, ignore_eos=True))
         assert len(rids) == 4
-        await asyncio.sleep(0.05)
+        deadline = time.monotonic() + 60             # the old engine is serving them
+        while not any(r.num_output_tokens for r in old.request_states()):
+            assert time.monotonic() < deadline, "the old engine produced no token"
+            await asyncio.sleep(0.02)
         knobs.set_values(model="random:tiny", block_size=32)
         new = await knobs.apply_async()      # builds in a thread while the old one serves
         assert await dash.wait(timeout=60)
@@ -459,7 +462,9 @@ def test_build_progress_follows_what_the_loader_reports():
         log = logging.getLogger("workbench")
         for i in range(1, 4):
             log.debug("t", extra={"progress": ("converting the model", i, 3)})
-            time.sleep(0.15)
+            deadline = time.monotonic() + 30           # the bar's loop shows it within a tick
+            while bar.bar.value < i / 3 - 1e-9 and time.monotonic() < deadline:
+                time.sleep(0.01)
             seen.append((bar.last_stage, bar.bar.value))
         return 42
 
