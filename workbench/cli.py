@@ -8,7 +8,8 @@ from pathlib import Path
 
 from .launch import notebooks_dir, run_jupyter
 from .config import (ATTENTION_BACKENDS, BLOCK_SIZES, DEVICES, DTYPES, GENERATION_CONFIGS,
-                     GRAPH_MODES, QUANTIZATIONS, TOOL_CALL_PARSERS, EngineConfig)
+                     GRAPH_MODES, QUANTIZATIONS, REASONING_PARSERS, TOOL_CALL_PARSERS,
+                     EngineConfig)
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -229,7 +230,8 @@ def cmd_serve(a) -> int:
         serve(engine, host=a.host, port=a.port, api_key=api_key, model_name=a.served_model_name,
               log_level=a.log_level, allow_missing_model=a.allow_missing_model,
               strict_fields=a.strict_fields, chat_template=chat_template,
-              tool_call_parser=a.tool_call_parser, **limits)
+              tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser,
+              **limits)
     finally:
         engine.close()       # the KV pool, graphs and weights, freed before the process ends
     return 0
@@ -382,6 +384,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tool-call-parser", default="hermes", choices=TOOL_CALL_PARSERS,
                    help="how tool_choice auto reads the model's calls (hermes: <tool_call> "
                         "JSON blocks, as Hermes, Qwen2.5/3 and SmolLM3 write them)")
+    s.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="split a reasoning model's <think> block from its answer: chat's "
+                        "reasoning_content, the Responses API's reasoning items (qwen3: Qwen3; "
+                        "deepseek_r1: models whose template opens the block); default: no split")
     s.add_argument("--header-timeout", type=float, default=None, metavar="S",
                    help="close a connection that has not sent a whole request head in S "
                         "seconds (default 10)")
