@@ -298,12 +298,13 @@ def test_bad_input_answers_openai_errors_and_server_keeps_serving(server):
 HI = [{"role": "user", "content": "hi"}]
 # Every field issue 12 found ignored, with a value that asks for something.
 # (tools, tool_choice and parallel_tool_calls are served now: tests/test_tool_calling.py; user
-# and metadata ask for nothing that changes what is computed.)
+# and metadata ask for nothing that changes what is computed; service_tier, verbosity,
+# prompt_cache_key and safety_identifier are accepted and warned about, and reasoning_effort
+# reaches the chat template: tests/test_responses.py.)
 UNSUPPORTED = [
     ("function_call", "auto"), ("functions", [{"name": "f"}]), ("modalities", ["audio"]),
     ("audio", {"voice": "alloy"}), ("prediction", {"type": "content", "content": "x"}),
-    ("service_tier", "flex"), ("web_search_options", {}), ("reasoning_effort", "low"),
-    ("store", True), ("use_beam_search", True), ("length_penalty", 0.5), ("echo", True),
+    ("web_search_options", {}), ("store", True), ("use_beam_search", True), ("length_penalty", 0.5), ("echo", True),
     ("guided_decoding_backend", "xgrammar"),
 ]
 # Supported ones are parsed: a bad value is a 400 that names the field.

@@ -31,7 +31,7 @@ RENAMED = {"messages": "input", "max_completion_tokens": "max_output_tokens",
 """Chat's names for the fields a Responses body sent under these names (for error messages)."""
 
 PASSED = ("model", "temperature", "top_p", "parallel_tool_calls", "user", "top_k", "min_p",
-          "repetition_penalty", "seed", "stop", "ignore_eos", "chat_template_kwargs")
+          "repetition_penalty", "seed", "stop", "ignore_eos", "logit_bias", "chat_template_kwargs")
 """Fields with the same name and meaning on chat."""
 
 

@@ -180,6 +180,8 @@ class ResponsesRequest(BaseModel):
     seed: int | None = field(ge=-2 ** 63, lt=2 ** 63)
     stop: Union[str, list[str], None] = field()
     ignore_eos: bool | None = field()
+    logit_bias: dict[str, float] | None = field(neutral=({},),
+                                                description="token id -> bias in [-100, 100]")
     chat_template_kwargs: dict[str, Any] | None = field()
 
 
