@@ -382,3 +382,23 @@ def test_a_400_logs_its_reason_and_models_root(thinking_server, qwen3_thinker):
     assert len(lines) == 1 and "tools[0].type: 'web_search' is not supported" in lines[0]
     assert "do-not-log" not in log.read_text()
     assert httpx.get(url + "/v1/models").json()["data"][0]["root"] == str(path)
+
+
+def test_bench_measures_a_server_through_responses(server, tmp_path):
+    """`workbench bench --url ... --endpoint responses`: the requests go to /v1/responses (the
+    server's counters see them) and the report has their timings and token counts."""
+    import subprocess
+    import sys
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "workbench.cli", "bench", "--url", server,
+                        "--api-key", KEY, "--endpoint", "responses", "--ignore-eos",
+                        "--num-requests", "4", "--concurrency", "2", "--input-words", "4:8",
+                        "--output-len", "5:5", "--output", str(out)],
+                       cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["workload"]["endpoint"] == "responses"
+    assert report["completed"] == 4 and report["failed"] == 0
+    assert report["total_output_tokens"] == 20 and report["total_input_tokens"] > 0
+    assert report["ttft_s"]["p50"] > 0 and report["tpot_s"]["p50"] > 0
+    assert report["server_counts"]["generation_tokens"] == 20

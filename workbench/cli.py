@@ -138,7 +138,8 @@ def cmd_bench_serving(a) -> int:
         report = bench(a.url, num_requests=a.num_requests, concurrency=a.concurrency,
                        request_rate=a.request_rate, input_words=_range(a.input_words),
                        output_len=_range(a.output_len), model=a.model, api_key=a.api_key,
-                       seed=a.seed, chat=a.chat, ignore_eos=bool(a.ignore_eos), progress=True)
+                       seed=a.seed, endpoint="chat" if a.chat else a.endpoint,
+                       ignore_eos=bool(a.ignore_eos), progress=True)
     except (RemoteError, httpx.HTTPError) as e:
         print(f"error: {a.url}: {e}", file=sys.stderr)
         return 2
@@ -357,7 +358,12 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--request-rate", type=float, default=float("inf"),
                          help="Poisson arrivals, requests/s (default: all at once)")
     serving.add_argument("--input-words", default="16:256", help="prompt length range in words")
-    serving.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
+    serving.add_argument("--endpoint", default="completions",
+                         choices=("completions", "chat", "responses"),
+                         help="the API to send the requests to: /v1/completions (default), "
+                              "/v1/chat/completions, or /v1/responses (for a server that "
+                              "speaks only the Responses API)")
+    serving.add_argument("--chat", action="store_true", help="the same as --endpoint chat")
     b.set_defaults(func=cmd_bench)
 
     add_tune_parser(sub, _engine_args, _engine_kwargs)

@@ -43,6 +43,9 @@ from .prometheus import parse_prometheus, summarize_metrics
 __all__ = ["RemoteEngine", "RemoteError", "RemoteTokenEvent", "RemoteStats", "ServerInfo",
            "VLLM_EXTENSIONS"]
 
+ENDPOINTS = ("completions", "chat", "responses")
+"""The APIs a request can go to: /v1/completions, /v1/chat/completions, /v1/responses."""
+
 VLLM_EXTENSIONS = ("ignore_eos", "min_tokens", "top_k", "min_p", "repetition_penalty",
                    "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output")
 """Request fields vLLM adds to OpenAI's. Strict servers refuse them (`transformers serve`
@@ -194,6 +197,8 @@ class _Tracker:
     def feed(self, data: str) -> RemoteTokenEvent | None:
         now = time.monotonic()
         obj = json.loads(data)
+        if isinstance(obj, dict) and isinstance(obj.get("type"), str):
+            return self._typed(obj, now)
         if isinstance(obj, dict) and obj.get("error"):
             err = obj["error"]
             if isinstance(err, dict):
@@ -212,6 +217,29 @@ class _Tracker:
                 text += choice["delta"].get("content") or ""
             else:
                 text += choice.get("text") or ""
+        return self._text(text, now)
+
+    def _typed(self, obj: dict, now: float) -> RemoteTokenEvent | None:
+        """One of the Responses API's typed events."""
+        st, kind = self.stats, obj["type"]
+        if kind == "error":
+            raise RemoteError(None, str(obj.get("message")), obj.get("param"), obj.get("code"), obj)
+        resp = obj.get("response") if isinstance(obj.get("response"), dict) else None
+        if resp is not None:
+            st.request_id = st.request_id or resp.get("id", "")
+            if kind in ("response.completed", "response.incomplete", "response.failed"):
+                usage = resp.get("usage") or {}
+                st.prompt_tokens = usage.get("input_tokens")
+                st.completion_tokens = usage.get("output_tokens")
+                st.finish_reason = {"completed": "stop", "incomplete": "length"}.get(
+                    resp.get("status"), resp.get("status"))
+        if kind in ("response.output_text.delta", "response.reasoning_text.delta",
+                    "response.function_call_arguments.delta"):
+            return self._text(obj.get("delta") or "", now)
+        return None
+
+    def _text(self, text: str, now: float) -> RemoteTokenEvent | None:
+        st = self.stats
         if not text:
             return None
         st.num_chunks += 1
@@ -371,13 +399,21 @@ class RemoteEngine:
 
     # ---- requests ----
     def _request(self, prompt, max_tokens: int, chat: bool | None, temperature: float,
-                 extra: dict) -> tuple[str, dict]:
-        if chat is None:
-            chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+                 extra: dict, endpoint: str | None = None) -> tuple[str, dict]:
+        if endpoint is None:
+            if chat is None:
+                chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+            endpoint = "chat" if chat else "completions"
+        if endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint: must be one of {', '.join(ENDPOINTS)} (got {endpoint!r})")
+        if endpoint == "responses":     # a text, or messages (which are Responses items too)
+            body = {"model": self.model, "input": prompt, "max_output_tokens": max_tokens,
+                    "temperature": temperature, "stream": True, **extra}
+            return "/v1/responses", body
         body: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens,
                                 "temperature": temperature, "stream": True,
                                 "stream_options": {"include_usage": True}}
-        if chat:
+        if endpoint == "chat":
             if isinstance(prompt, str):
                 prompt = [{"role": "user", "content": prompt}]
             body["messages"] = prompt
@@ -389,14 +425,17 @@ class RemoteEngine:
         return path, body
 
     def stream(self, prompt, max_tokens: int = 128, *, chat: bool | None = None,
-               temperature: float = 0.0, **params) -> Iterator[RemoteTokenEvent]:
+               temperature: float = 0.0, endpoint: str | None = None,
+               **params) -> Iterator[RemoteTokenEvent]:
         """Stream one request. `prompt`: text (completions; chat=True wraps it as a user turn),
-        chat messages (chat completions) or token ids. Extra keyword arguments go into the
+        chat messages (chat completions) or token ids. `endpoint` (ENDPOINTS) names the API
+        instead: "responses" sends the prompt as the Responses API's `input` and reads its
+        typed events (text and reasoning deltas are the chunks). Extra keyword arguments go into the
         request body as is, and nothing else is added (top_p, seed, stop; vLLM's top_k,
         ignore_eos, ...). Yields one event per text chunk, then a final event (finished=True)
         whose `stats` hold the timings.
         Closing the iterator early closes the connection (the server aborts the request)."""
-        path, body = self._request(prompt, max_tokens, chat, temperature, params)
+        path, body = self._request(prompt, max_tokens, chat, temperature, params, endpoint)
         tracker = _Tracker(time.monotonic())
         with self._client.stream("POST", path, json=body) as r:
             if r.status_code != 200:
@@ -411,9 +450,10 @@ class RemoteEngine:
         yield tracker.final()
 
     async def astream(self, prompt, max_tokens: int = 128, *, chat: bool | None = None,
-                      temperature: float = 0.0, **params) -> AsyncIterator[RemoteTokenEvent]:
+                      temperature: float = 0.0, endpoint: str | None = None,
+                      **params) -> AsyncIterator[RemoteTokenEvent]:
         """asyncio version of `stream` (many may run at once)."""
-        path, body = self._request(prompt, max_tokens, chat, temperature, params)
+        path, body = self._request(prompt, max_tokens, chat, temperature, params, endpoint)
         tracker = _Tracker(time.monotonic())
         async with self._async_client().stream("POST", path, json=body) as r:
             if r.status_code != 200:
