@@ -402,3 +402,32 @@ def test_bench_measures_a_server_through_responses(server, tmp_path):
     assert report["total_output_tokens"] == 20 and report["total_input_tokens"] > 0
     assert report["ttft_s"]["p50"] > 0 and report["tpot_s"]["p50"] > 0
     assert report["server_counts"]["generation_tokens"] == 20
+
+
+def test_remote_client_hands_on_the_thinking_in_its_tags(thinking_server, qwen3_thinker):
+    """The remote client (bench, dashboard --url) gets the thinking as reasoning_content or
+    reasoning deltas and hands it on between <think> tags, so its text splits as what the
+    model wrote does (the token panel then dims it)."""
+    from workbench.serving.client import RemoteEngine
+    url, _ = thinking_server
+    _, tok = qwen3_thinker
+    hi = [{"role": "user", "content": "Think first."}]
+    checked = 0
+    with httpx.Client(base_url=url, timeout=120) as c, RemoteEngine(url) as remote:
+        prompt = c.post("/tokenize", json={"messages": hi}).json()["tokens"]
+        for seed in range(12):
+            body = _sampled(tok, seed, prompt=prompt)
+            raw = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
+            if not raw.startswith("<think>"):
+                continue
+            params = {k: body[k] for k in ("seed", "ignore_eos", "logit_bias")}
+            for endpoint in ("chat", "responses"):
+                ev = list(remote.stream(hi, 14, endpoint=endpoint, temperature=1.0, **params))[-1]
+                text = ev.stats.text     # an empty block is gone; all else is as written
+                assert split_reasoning("qwen3", text) == split_reasoning("qwen3", raw), endpoint
+                assert text.startswith("<think>") == bool(split_reasoning("qwen3", raw)[0])
+                assert ev.stats.completion_tokens == 14
+            checked += 1
+            if checked == 2:
+                break
+    assert checked == 2

@@ -39,6 +39,7 @@ import httpx
 
 from ..telemetry import time_per_output_token
 from .prometheus import parse_prometheus, summarize_metrics
+from .reasoning import THINK_CLOSE, THINK_OPEN
 
 __all__ = ["RemoteEngine", "RemoteError", "RemoteTokenEvent", "RemoteStats", "ServerInfo",
            "VLLM_EXTENSIONS"]
@@ -193,6 +194,10 @@ class _Tracker:
         self.stats = RemoteStats("", start)
         self.last: float | None = None
         self.texts: list[str] = []
+        self.thinking = False
+        """Inside reasoning text (a reasoning parser's reasoning_content, or the Responses
+        API's reasoning deltas), which is handed on between <think> tags, as the model
+        wrote it."""
 
     def feed(self, data: str) -> RemoteTokenEvent | None:
         now = time.monotonic()
@@ -214,7 +219,9 @@ class _Tracker:
             if choice.get("finish_reason"):
                 st.finish_reason = choice["finish_reason"]
             if "delta" in choice:
-                text += choice["delta"].get("content") or ""
+                d = choice["delta"]
+                text += self._tagged(d.get("reasoning_content") or d.get("reasoning") or "",
+                                     d.get("content") or "")
             else:
                 text += choice.get("text") or ""
         return self._text(text, now)
@@ -233,10 +240,22 @@ class _Tracker:
                 st.completion_tokens = usage.get("output_tokens")
                 st.finish_reason = {"completed": "stop", "incomplete": "length"}.get(
                     resp.get("status"), resp.get("status"))
-        if kind in ("response.output_text.delta", "response.reasoning_text.delta",
-                    "response.function_call_arguments.delta"):
-            return self._text(obj.get("delta") or "", now)
+        delta = obj.get("delta") if isinstance(obj.get("delta"), str) else ""
+        if kind == "response.reasoning_text.delta":
+            return self._text(self._tagged(delta, ""), now)
+        if kind in ("response.output_text.delta", "response.function_call_arguments.delta"):
+            return self._text(self._tagged("", delta), now)
         return None
+
+    def _tagged(self, reasoning: str, content: str) -> str:
+        out = ""
+        if reasoning:
+            out += ("" if self.thinking else THINK_OPEN) + reasoning
+            self.thinking = True
+        if content:
+            out += (THINK_CLOSE if self.thinking else "") + content
+            self.thinking = False
+        return out
 
     def _text(self, text: str, now: float) -> RemoteTokenEvent | None:
         st = self.stats
