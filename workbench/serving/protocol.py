@@ -266,7 +266,7 @@ def sampling_params_from(body: dict, default_max_tokens: int | None,
         return default if v is None else v
 
     if isinstance(max_tokens, bool):
-        raise bad_request(which, f"{which}: must be an integer > 0 (got {max_tokens!r})")
+        raise bad_request(which, f"{which}: must be an integer >= 0 (got {max_tokens!r})")
     if max_tokens == 0 and not echo:
         raise bad_request(which, f"{which}: 0 is only for scoring a prompt (echo with logprobs)")
     if max_tokens == 0 and prompt_logprobs is None:
