@@ -1002,10 +1002,12 @@ def test_openapi_declares_both_request_bodies(server):
     fields, types and ranges; the same models decide which fields a request may send."""
     from workbench.serving.protocol import REQUEST_FIELDS
     doc = httpx.get(server + "/openapi.json", timeout=10).json()
-    for path, kind in (("/v1/completions", "completion"), ("/v1/chat/completions", "chat")):
+    for path, kind, required in (("/v1/completions", "completion", "prompt"),
+                                 ("/v1/chat/completions", "chat", "messages"),
+                                 ("/v1/responses", "responses", "input")):
         body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert set(body["properties"]) == set(REQUEST_FIELDS[kind])
-        assert body["required"] == (["messages"] if kind == "chat" else ["prompt"])
+        assert body["required"] == [required]
     temp = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"][
         "application/json"]["schema"]["properties"]["temperature"]
     assert {"type": "number", "minimum": 0.0} in temp["anyOf"]

@@ -20,7 +20,7 @@ import uuid
 from typing import AsyncIterator, Awaitable
 
 from .handler import OpenAIServing, unless_disconnected
-from .protocol import APIError, bad_request, body_field, check_fields, UNSET
+from .protocol import UNSET, APIError, bad_request, body_field, check_fields
 from .responses import ServedRequest
 
 MAX_STORED = 1000
@@ -46,7 +46,8 @@ class ResponseStore:
 
     def __init__(self, capacity: int = MAX_STORED):
         self.capacity = capacity
-        self._items: collections.OrderedDict[str, tuple[dict, list[dict]]] = collections.OrderedDict()
+        self._items: collections.OrderedDict[str, tuple[dict, list[dict]]] = \
+            collections.OrderedDict()
         self._lock = threading.Lock()
 
     def put(self, response: dict, messages: list[dict]) -> None:

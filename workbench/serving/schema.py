@@ -1,8 +1,9 @@
-"""The request bodies of /v1/completions, /v1/chat/completions and /v1/responses, declared once as pydantic
-models (as vLLM declares them): the fields, their JSON types and ranges, whether this server
-does what each asks for, and which of its values ask for nothing. The app serves them as
-/openapi.json (and /docs), so schema-driven tools have something to read; protocol.py's
-REQUEST_FIELDS, which every request's fields are checked against, is derived from them.
+"""The request bodies of /v1/completions, /v1/chat/completions and /v1/responses, declared
+once as pydantic models (as vLLM declares them): the fields, their JSON types and ranges,
+whether this server does what each asks for (or ignores it, warning), and which of its values
+ask for nothing. The app serves them as /openapi.json (and /docs), so schema-driven tools have
+something to read; protocol.py's REQUEST_FIELDS, which every request's fields are checked
+against, is derived from them.
 
 The handlers do not parse bodies through these models: they read the JSON themselves, so
 that each bad field gets OpenAI's error shape with a message that names it (see protocol.py).
