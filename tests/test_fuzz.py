@@ -1,5 +1,5 @@
-"""A bounded, seeded, property-based fuzz of `workbench serve` (issue 27): valid bodies of both
-endpoints, streamed and not, with one to three fields replaced by hostile values (wrong types,
+"""A bounded, seeded, property-based fuzz of `workbench serve` (issue 27): valid bodies of the
+endpoints (completions, chat, the Responses API, tokenize), streamed and not, with one to three fields replaced by hostile values (wrong types,
 numbers past their type, bare NaN/Infinity, lone surrogates, deep nesting, unknown fields),
 with an API key and without. No 5xx, no exception text in any body, ordinary requests
 running alongside all finish, and /health answers after."""
@@ -21,7 +21,7 @@ from conftest import start_server, stop_tree  # noqa: E402
 
 KEY = "sk-fuzz"
 EXAMPLES = 70
-"""Per endpoint and server (4 combinations): about 280 hostile requests a run."""
+"""Per endpoint and server (8 combinations): about 560 hostile requests a run."""
 
 NUMBERS = st.one_of(
     st.integers(min_value=2 ** 31, max_value=2 ** 80), st.integers(min_value=-2 ** 80, max_value=-1),
@@ -39,12 +39,26 @@ HOSTILE = st.one_of(
                          "type": "object", "properties": {"x": {"type": "nonsense"}}}}}],
                      [{"type": "function", "function": {"name": "\udfff"}}],
                      {"type": "function", "function": {"name": "f"}}, "required", "auto",
-                     ["Hello", [1, 2]], [[1, 2], [10 ** 30]], ["a"] * 2000]),
+                     ["Hello", [1, 2]], [[1, 2], [10 ** 30]], ["a"] * 2000,
+                     # shaped like the Responses API's items, tools and formats, broken inside
+                     [{"type": "function", "name": "f", "parameters": {
+                         "type": "object", "properties": {"x": {"type": "integer"}}}}],
+                     [{"type": "web_search"}], {"type": "function", "name": "nope"},
+                     [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}],
+                     [{"type": "function_call_output", "call_id": "c", "output": 3}],
+                     [{"role": "user", "content": [{"type": "input_text", "text": "\udfff"}]}],
+                     [{"role": "user", "content": [{"type": "input_image"}]}],
+                     [{"type": "reasoning", "summary": []}, {"role": "assistant", "content": 1}],
+                     {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}},
+                     {"format": {"type": "json_schema", "schema": {"type": "object"},
+                                 "strict": True}}, {"format": "text"}, {"effort": 5},
+                     "resp_" + "0" * 32]),
     st.lists(st.integers(min_value=-2 ** 70, max_value=2 ** 70), max_size=4),
     st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))
 
 COMPLETION = {"prompt": "Hello", "max_tokens": 2, "temperature": 0.7}
 CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
+RESPONSES = {"input": "Hello", "max_output_tokens": 2}
 FIELDS = {
     "/v1/completions": ["prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n",
                         "seed", "stop", "stop_token_ids", "logprobs", "echo", "logit_bias",
@@ -53,6 +67,10 @@ FIELDS = {
                         "truncate_prompt_tokens", "structured_outputs", "user", "an_unknown"],
     "/tokenize": ["prompt", "messages", "tools", "add_special_tokens", "return_token_strs",
                   "chat_template", "add_generation_prompt", "an_unknown"],
+    "/v1/responses": ["input", "instructions", "max_output_tokens", "temperature", "top_p",
+                      "tools", "tool_choice", "parallel_tool_calls", "text", "reasoning",
+                      "previous_response_id", "store", "include", "truncation", "background",
+                      "metadata", "service_tier", "logit_bias", "seed", "an_unknown"],
     "/v1/chat/completions": ["messages", "max_tokens", "max_completion_tokens", "temperature",
                              "top_p", "top_k", "n", "seed", "stop", "logprobs", "top_logprobs",
                              "logit_bias", "response_format", "min_tokens", "stream_options",
@@ -96,7 +114,7 @@ def _ordinary_alongside(url, headers, results):
 def test_hostile_bodies_get_4xx_and_the_server_serves_on(served, endpoint):
     url, headers, log = served
     base = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT,
-            "/tokenize": {"prompt": "Hello"}}[endpoint]
+            "/tokenize": {"prompt": "Hello"}, "/v1/responses": RESPONSES}[endpoint]
     seen = {"4xx": 0, "2xx": 0}
     ordinary: list = []
     alongside = threading.Thread(target=_ordinary_alongside, args=(url, headers, ordinary))

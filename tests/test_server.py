@@ -298,12 +298,13 @@ def test_bad_input_answers_openai_errors_and_server_keeps_serving(server):
 HI = [{"role": "user", "content": "hi"}]
 # Every field issue 12 found ignored, with a value that asks for something.
 # (tools, tool_choice and parallel_tool_calls are served now: tests/test_tool_calling.py; user
-# and metadata ask for nothing that changes what is computed.)
+# and metadata ask for nothing that changes what is computed; service_tier, verbosity,
+# prompt_cache_key and safety_identifier are accepted and warned about, and reasoning_effort
+# reaches the chat template: tests/test_responses.py.)
 UNSUPPORTED = [
     ("function_call", "auto"), ("functions", [{"name": "f"}]), ("modalities", ["audio"]),
     ("audio", {"voice": "alloy"}), ("prediction", {"type": "content", "content": "x"}),
-    ("service_tier", "flex"), ("web_search_options", {}), ("reasoning_effort", "low"),
-    ("store", True), ("use_beam_search", True), ("length_penalty", 0.5), ("echo", True),
+    ("web_search_options", {}), ("store", True), ("use_beam_search", True), ("length_penalty", 0.5), ("echo", True),
     ("guided_decoding_backend", "xgrammar"),
 ]
 # Supported ones are parsed: a bad value is a 400 that names the field.
@@ -1001,10 +1002,12 @@ def test_openapi_declares_both_request_bodies(server):
     fields, types and ranges; the same models decide which fields a request may send."""
     from workbench.serving.protocol import REQUEST_FIELDS
     doc = httpx.get(server + "/openapi.json", timeout=10).json()
-    for path, kind in (("/v1/completions", "completion"), ("/v1/chat/completions", "chat")):
+    for path, kind, required in (("/v1/completions", "completion", "prompt"),
+                                 ("/v1/chat/completions", "chat", "messages"),
+                                 ("/v1/responses", "responses", "input")):
         body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert set(body["properties"]) == set(REQUEST_FIELDS[kind])
-        assert body["required"] == (["messages"] if kind == "chat" else ["prompt"])
+        assert body["required"] == [required]
     temp = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"][
         "application/json"]["schema"]["properties"]["temperature"]
     assert {"type": "number", "minimum": 0.0} in temp["anyOf"]

@@ -544,3 +544,36 @@ def test_a_live_plot_sends_the_whole_figure_and_only_what_changed(comms):
     assert called == [1]
     when_drawn([plot], lambda: called.append(2))          # drawn already: at once
     assert called == [1, 2]
+
+
+def test_stream_cards_dim_a_reasoning_models_thinking():
+    """A reply that opens with a <think> block (Qwen3's): the thinking is drawn dimmed apart
+    from the answer and the tags are not shown, while it streams and after; with logprobs,
+    the shaded tokens of the thinking are dimmed too."""
+    from widgets import TokenStreamPanel
+    from widgets.sources import Update
+    from workbench.engine import TokenEvent
+
+    panel = TokenStreamPanel()
+    pieces = ["<think>", "Let", " me", " see", "</think>", "\n\n", "Paris", "."]
+    panel.update(Update(submitted=[("r", 0.0, "q")], events=[
+        TokenEvent("r", i, t, i + 1, float(i)) for i, t in enumerate(pieces[:3])]))
+    assert '<div class="txt"><div><span class="think">Let me</span></div>' in panel.view.value
+    panel.update(Update(events=[TokenEvent("r", i, t, i + 1, float(i))
+                                for i, t in enumerate(pieces) if i >= 3]))
+    html_ = panel.view.value
+    assert '<span class="think">Let me see</span>\n\nParis.</div>' in html_
+    assert "think&gt;" not in html_ and "&lt;/think" not in html_
+
+    Event = TokenEvent
+    if "logprobs" not in {f.name for f in dataclasses.fields(TokenEvent)}:
+        Event = dataclasses.make_dataclass(
+            "Event", [("logprobs", dict, dataclasses.field(default=None))], bases=(TokenEvent,))
+    shaded = TokenStreamPanel()
+    events = [Event("s", i, t, i + 1, float(i), logprobs={i: Logprob(math.log(0.5), 1, t)})
+              for i, t in enumerate(pieces)]
+    shaded.update(Update(submitted=[("s", 0.0, "q")], events=events))
+    html_ = shaded.view.value
+    assert re.search(r'<span class="tk think" [^>]*> see</span>', html_)
+    assert re.search(r'<span class="tk" [^>]*>Paris</span>', html_)
+    assert "think&gt;" not in html_

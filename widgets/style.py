@@ -52,6 +52,7 @@ CSS = """
                  background: var(--jp-layout-color2, #f6f7f9); border-radius: 4px;
                  padding: 0 4px; }
 .wb .card .txt .tk { border-radius: 2px; }
+.wb .card .txt .think { color: var(--jp-ui-font-color3, #999); font-style: italic; }
 .wb .card .st { font-size: 11px; color: var(--jp-ui-font-color2, #555); margin-top: 2px;
                 white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
 .wb .stats { display: flex; flex-wrap: wrap; gap: 6px; }

@@ -9,6 +9,10 @@ Where the engine streams log-probabilities (`TokenEvent.logprobs`: token id -> L
 `SamplingParams(logprobs=k)`), each token is shaded by how unlikely it was (darker = the
 model was less sure) and its hover text lists the top alternatives with their
 probabilities. Events without them (a remote server, an engine not asked) show plain text.
+
+A reasoning model's thinking (the `<think>` block Qwen3 opens its reply with; from a server
+with a reasoning parser, its reasoning_content, which the remote client hands on in the same
+tags) is shown dimmed and in italics, apart from the answer, without the tags.
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ from dataclasses import dataclass, field
 
 import ipywidgets as w
 import traitlets
+
+from workbench.serving.reasoning import THINK_CLOSE, THINK_OPEN
 
 from .sources import Update
 from .style import css_widget, esc, modelled_html, ms
@@ -174,17 +180,55 @@ class TokenStreamPanel(w.VBox):
                 f'{ms(s.tpot, 1 if (s.tpot or 0) < 0.1 else 0)} · {s.num_tokens} tok</div></div>')
 
 
+def thinking_regions(text: str) -> list[tuple[int, int, str]]:
+    """(start, end, kind) over `text`: "think" for a reasoning model's thinking (a block the
+    text opens with `<think>`, as Qwen3 writes it, up to `</think>` or the end so far), "tag"
+    for the tags themselves, "text" for the rest."""
+    if not text.lstrip().startswith(THINK_OPEN):
+        return [(0, len(text), "text")]
+    t0 = text.index(THINK_OPEN)
+    a = t0 + len(THINK_OPEN)
+    b = text.find(THINK_CLOSE, a)
+    b, c = (len(text), len(text)) if b < 0 else (b, b + len(THINK_CLOSE))
+    return [(0, t0, "text"), (t0, a, "tag"), (a, b, "think"), (b, c, "tag"),
+            (c, len(text), "text")]
+
+
 def _text_html(s: StreamState) -> str:
+    """The card's text: the thinking dimmed (its tags not shown), then the answer; with
+    logprobs, the last SHADED_TOKENS tokens shaded."""
+    regions = thinking_regions(s.text)
     if not s.pieces:
-        return esc(s.text)
+        return _spans(s.text, 0, regions)
     head = s.pieces[:-SHADED_TOKENS]
     plain = s.text[:s.plain] + "".join(p.text for p in head)
-    return esc(plain) + "".join(_piece_html(p) for p in s.pieces[len(head):])
+    out, at = [_spans(plain, 0, regions)], len(plain)
+    for p in s.pieces[len(head):]:
+        out.append(_piece_html(p, at, regions))
+        at += len(p.text)
+    return "".join(out)
 
 
-def _piece_html(p: Piece) -> str:
+def _parts(text: str, at: int, regions) -> list[tuple[str, str]]:
+    """(kind, part) of `text`, which starts at character `at` of the card's text."""
+    end = at + len(text)
+    return [(kind, text[max(a, at) - at:min(b, end) - at]) for a, b, kind in regions
+            if a < end and b > at and kind != "tag"]
+
+
+def _spans(text: str, at: int, regions) -> str:
+    return "".join(f'<span class="think">{esc(part)}</span>' if kind == "think" else esc(part)
+                   for kind, part in _parts(text, at, regions))
+
+
+def _piece_html(p: Piece, at: int, regions) -> str:
     if not p.alternatives:
-        return esc(p.text)
+        return _spans(p.text, at, regions)
+    parts = _parts(p.text, at, regions)
+    if not parts:
+        return ""
+    text = "".join(part for _, part in parts)
+    cls = "tk think" if parts[0][0] == "think" else "tk"
     tip = f"p = {p.prob:.2f}\n" + "\n".join(f"{t!r}  {q:.2f}" for t, q in p.alternatives)
-    return (f'<span class="tk" style="background: rgba(242, 142, 43, {0.75 * (1 - p.prob):.2f})"'
-            f' title="{esc(tip)}">{esc(p.text)}</span>')
+    return (f'<span class="{cls}" style="background: rgba(242, 142, 43, {0.75 * (1 - p.prob):.2f})"'
+            f' title="{esc(tip)}">{esc(text)}</span>')

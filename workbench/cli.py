@@ -8,7 +8,8 @@ from pathlib import Path
 
 from .launch import notebooks_dir, run_jupyter
 from .config import (ATTENTION_BACKENDS, BLOCK_SIZES, DEVICES, DTYPES, GENERATION_CONFIGS,
-                     GRAPH_MODES, QUANTIZATIONS, TOOL_CALL_PARSERS, EngineConfig)
+                     GRAPH_MODES, QUANTIZATIONS, REASONING_PARSERS, TOOL_CALL_PARSERS,
+                     EngineConfig)
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -137,7 +138,8 @@ def cmd_bench_serving(a) -> int:
         report = bench(a.url, num_requests=a.num_requests, concurrency=a.concurrency,
                        request_rate=a.request_rate, input_words=_range(a.input_words),
                        output_len=_range(a.output_len), model=a.model, api_key=a.api_key,
-                       seed=a.seed, chat=a.chat, ignore_eos=bool(a.ignore_eos), progress=True)
+                       seed=a.seed, endpoint="chat" if a.chat else a.endpoint,
+                       ignore_eos=bool(a.ignore_eos), progress=True)
     except (RemoteError, httpx.HTTPError) as e:
         print(f"error: {a.url}: {e}", file=sys.stderr)
         return 2
@@ -229,7 +231,8 @@ def cmd_serve(a) -> int:
         serve(engine, host=a.host, port=a.port, api_key=api_key, model_name=a.served_model_name,
               log_level=a.log_level, allow_missing_model=a.allow_missing_model,
               strict_fields=a.strict_fields, chat_template=chat_template,
-              tool_call_parser=a.tool_call_parser, **limits)
+              tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser,
+              **limits)
     finally:
         engine.close()       # the KV pool, graphs and weights, freed before the process ends
     return 0
@@ -355,7 +358,12 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--request-rate", type=float, default=float("inf"),
                          help="Poisson arrivals, requests/s (default: all at once)")
     serving.add_argument("--input-words", default="16:256", help="prompt length range in words")
-    serving.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
+    serving.add_argument("--endpoint", default="completions",
+                         choices=("completions", "chat", "responses"),
+                         help="the API to send the requests to: /v1/completions (default), "
+                              "/v1/chat/completions, or /v1/responses (for a server that "
+                              "speaks only the Responses API)")
+    serving.add_argument("--chat", action="store_true", help="the same as --endpoint chat")
     b.set_defaults(func=cmd_bench)
 
     add_tune_parser(sub, _engine_args, _engine_kwargs)
@@ -382,6 +390,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tool-call-parser", default="hermes", choices=TOOL_CALL_PARSERS,
                    help="how tool_choice auto reads the model's calls (hermes: <tool_call> "
                         "JSON blocks, as Hermes, Qwen2.5/3 and SmolLM3 write them)")
+    s.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="split a reasoning model's <think> block from its answer: chat's "
+                        "reasoning_content, the Responses API's reasoning items (qwen3: Qwen3; "
+                        "deepseek_r1: models whose template opens the block); default: no split")
     s.add_argument("--header-timeout", type=float, default=None, metavar="S",
                    help="close a connection that has not sent a whole request head in S "
                         "seconds (default 10)")

@@ -19,6 +19,9 @@ PREEMPTION_MODES = ("newest", "oldest", "largest")
 GENERATION_CONFIGS = ("auto", "none")
 TOOL_CALL_PARSERS = ("hermes",)
 """How `workbench serve` reads a model's tool calls under tool_choice auto (serving/tools.py)."""
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+"""How `workbench serve` splits a reasoning model's thinking from its answer (vLLM's names;
+serving/reasoning.py)."""
 
 
 def field_checker(obj):

@@ -31,7 +31,7 @@ async def bench_async(url: str, num_requests: int = 64, concurrency: int = 16,
                       model: str | None = None, api_key: str | None = None, seed: int = 0,
                       chat: bool = False, ignore_eos: bool = False,
                       metrics_interval: float = 0.5, request_rate: float = math.inf,
-                      progress: bool = False) -> dict:
+                      progress: bool = False, endpoint: str | None = None) -> dict:
     """Send `num_requests` streamed requests, at most `concurrency` at a time, with random word
     prompts of `input_words` words and `output_len` max_tokens. `ignore_eos` (vLLM's extension,
     sent only when True) makes each run to its length on servers that take it. `request_rate`
@@ -42,8 +42,11 @@ async def bench_async(url: str, num_requests: int = 64, concurrency: int = 16,
     (`server_counts`: requests finished by reason, prompt and generated tokens, and the
     latency histograms' sample counts, all as the server counted them, which sees every
     request whatever the polling caught; None where it has no /metrics). `progress` shows a
-    progress bar on stderr. Returns a JSON-able report; `errors` maps each distinct error to its count.
+    progress bar on stderr. `endpoint` ("completions", "chat" or "responses"; default: chat
+    if `chat`, else completions) is the API the requests go to. Returns a JSON-able report;
+    `errors` maps each distinct error to its count.
     A server that lists no models, with no `model` given, raises RemoteError."""
+    endpoint = endpoint or ("chat" if chat else "completions")
     if concurrency < 1 or num_requests < 1 or not request_rate > 0:
         raise ValueError("num_requests and concurrency must be >= 1, request_rate > 0")
     rng = random.Random(seed)
@@ -74,7 +77,7 @@ async def bench_async(url: str, num_requests: int = 64, concurrency: int = 16,
             await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
             async with sem:
                 try:
-                    async for ev in remote.astream(prompt, n, chat=chat, **extra):
+                    async for ev in remote.astream(prompt, n, endpoint=endpoint, **extra):
                         if ev.stats is not None:
                             results.append(ev.stats)
                 except (RemoteError, httpx.HTTPError) as e:
@@ -121,7 +124,8 @@ async def bench_async(url: str, num_requests: int = 64, concurrency: int = 16,
         "workload": {"num_requests": num_requests, "concurrency": concurrency,
                      "request_rate": request_rate if math.isfinite(request_rate) else "inf",
                      "input_words": list(input_words), "output_len": list(output_len),
-                     "seed": seed, "chat": chat, "ignore_eos": ignore_eos},
+                     "seed": seed, "chat": endpoint == "chat", "endpoint": endpoint,
+                     "ignore_eos": ignore_eos},
         "completed": len(results), "failed": sum(errors.values()), "errors": errors,
         "duration_s": duration,
         "arrival_span_s": arrivals[-1],

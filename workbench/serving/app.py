@@ -5,6 +5,8 @@ does is handler.py's; bodies are read by protocol.py and replies written by resp
 Endpoints
     POST /v1/completions        text or token-id prompt (or a batch of them), streamed (SSE) or not
     POST /v1/chat/completions   chat messages through the tokenizer's chat template, with tools
+    POST /v1/responses          OpenAI's Responses API, run as chat (responses_api.py)
+    GET  /v1/responses/{id}     a stored response
     POST /tokenize              vLLM's: text or messages -> token ids
     POST /detokenize            vLLM's: token ids -> text
     GET  /tokenizer_info        vLLM's: special tokens, chat template, max length
@@ -36,11 +38,13 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..config import TOOL_CALL_PARSERS
+from ..config import REASONING_PARSERS, TOOL_CALL_PARSERS
 from ..engine import Engine
 from .handler import OpenAIServing
 from .metrics import EngineMetrics
 from .protocol import MAX_BODY_BYTES, APIError, parse_body
+from .responses import dumps
+from .responses_api import ResponsesServing
 from .schema import REQUESTS
 
 log = logging.getLogger("workbench.server")
@@ -98,7 +102,7 @@ def request_body(kind: str) -> dict:
     """An endpoint's body for the OpenAPI document, from schema.py's model (the handlers read
     the JSON themselves, so FastAPI does not see the model in their signatures)."""
     schema = REQUESTS[kind].model_json_schema()
-    schema["required"] = {"chat": ["messages"], "completion": ["prompt"],
+    schema["required"] = {"chat": ["messages"], "completion": ["prompt"], "responses": ["input"],
                           "detokenize": ["tokens"]}.get(kind, [])
     return {"requestBody": {"required": True,
                             "content": {"application/json": {"schema": schema}}}}
@@ -106,19 +110,27 @@ def request_body(kind: str) -> dict:
 
 def create_app(engine: Engine, model_name: str | None = None, api_key: str | None = None,
                allow_missing_model: bool = False, strict_fields: bool = False,
-               chat_template: str | None = None, tool_call_parser: str = "hermes") -> FastAPI:
+               chat_template: str | None = None, tool_call_parser: str = "hermes",
+               reasoning_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (started on app start-up, shut down on exit).
     `allow_missing_model`: a request without `model` gets the served one (else 400).
     `strict_fields`: a field this server does not know is a 400 (by default it is ignored,
     warned about and named in a response header, as vLLM does). `chat_template`: the
     template text chat requests use unless they send their own (vLLM's --chat-template).
-    `tool_call_parser`: how tool_choice auto reads the model's calls (TOOL_CALL_PARSERS)."""
+    `tool_call_parser`: how tool_choice auto reads the model's calls (TOOL_CALL_PARSERS).
+    `reasoning_parser`: how chat replies' thinking is split off (REASONING_PARSERS; None:
+    not split)."""
     if tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool_call_parser: must be one of {', '.join(TOOL_CALL_PARSERS)} "
                          f"(got {tool_call_parser!r})")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser: must be one of {', '.join(REASONING_PARSERS)} "
+                         f"(got {reasoning_parser!r})")
     served = model_name or engine.config.model
     metrics = EngineMetrics(engine, served)
-    serving = OpenAIServing(engine, served, allow_missing_model, strict_fields, chat_template)
+    serving = OpenAIServing(engine, served, allow_missing_model, strict_fields, chat_template,
+                            reasoning_parser)
+    responses = ResponsesServing(serving)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -136,6 +148,9 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
+        if exc.status == 400:   # the reason, beside the access line (never the body)
+            log.info("%s %s: 400 %s", request.method, request.url.path,
+                     " ".join(exc.message.split())[:500])
         return error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
@@ -186,6 +201,27 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
     async def chat_completions(request: Request):
         return await generate("chat", request)
 
+    @app.post("/v1/responses", openapi_extra=request_body("responses"))
+    async def create_response(request: Request):
+        """OpenAI's Responses API, run on the chat path (responses_api.py)."""
+        check_auth(request)
+        body = await read_json(request)
+        ctx = await off_the_loop(responses.prepare, body)
+        headers = ignored_header(ctx.req.ignored, request.url.path)
+        if ctx.req.stream:
+            async def events():
+                async for ev in responses.events(ctx):
+                    yield {"event": ev["type"], "data": dumps(ev)}
+            return EventSourceResponse(events(), headers={**STREAM_HEADERS, **headers}, sep="\n")
+        return JSONResponse(await responses.reply(ctx, _wait_for_disconnect(request)),
+                            headers=headers)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, request: Request):
+        """A stored response (store was not false), while the store still holds it."""
+        check_auth(request)
+        return responses.retrieve(response_id)
+
     @app.post("/tokenize", openapi_extra=request_body("tokenize"))
     async def tokenize(request: Request):
         """vLLM's /tokenize: a text or a conversation -> its token ids (and their strings)."""
@@ -207,10 +243,13 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
         return serving.tokenizer_info()
 
     engine_started = time.time()
+    # vLLM's root is the checkpoint's path: where a client (lm-eval's tokenizer=) loads the
+    # same tokenizer from.
+    root = getattr(engine.tokenizer, "name_or_path", None) or engine.config.model
 
     def model_card() -> dict:
         return {"id": served, "object": "model", "created": int(engine_started),
-                "owned_by": "workbench", "root": engine.config.model,
+                "owned_by": "workbench", "root": root,
                 "max_model_len": engine.max_model_len,
                 "generation_defaults": engine.info().generation_defaults}
 
@@ -297,12 +336,20 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, api_key: st
           header_timeout: float = HEADER_TIMEOUT_S,
           limit_concurrency: int = LIMIT_CONCURRENCY, allow_missing_model: bool = False,
           strict_fields: bool = False, chat_template: str | None = None,
-          tool_call_parser: str = "hermes") -> None:
+          tool_call_parser: str = "hermes", reasoning_parser: str | None = None) -> None:
     """Run the server in this thread until SIGINT/SIGTERM (then the engine is shut down)."""
     import uvicorn
 
+    # The server's own lines (a refusal's reason, ignored fields) at the level asked for,
+    # beside uvicorn's access lines.
+    wb_log = logging.getLogger("workbench")
+    if not wb_log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+        wb_log.addHandler(handler)
+    wb_log.setLevel(log_level.upper())
     app = create_app(engine, model_name, api_key, allow_missing_model, strict_fields,
-                     chat_template, tool_call_parser)
+                     chat_template, tool_call_parser, reasoning_parser)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             http=_h11_with_header_timeout(header_timeout),
                             limit_concurrency=limit_concurrency,

@@ -39,9 +39,13 @@ import httpx
 
 from ..telemetry import time_per_output_token
 from .prometheus import parse_prometheus, summarize_metrics
+from .reasoning import THINK_CLOSE, THINK_OPEN
 
 __all__ = ["RemoteEngine", "RemoteError", "RemoteTokenEvent", "RemoteStats", "ServerInfo",
            "VLLM_EXTENSIONS"]
+
+ENDPOINTS = ("completions", "chat", "responses")
+"""The APIs a request can go to: /v1/completions, /v1/chat/completions, /v1/responses."""
 
 VLLM_EXTENSIONS = ("ignore_eos", "min_tokens", "top_k", "min_p", "repetition_penalty",
                    "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output")
@@ -190,10 +194,16 @@ class _Tracker:
         self.stats = RemoteStats("", start)
         self.last: float | None = None
         self.texts: list[str] = []
+        self.thinking = False
+        """Inside reasoning text (a reasoning parser's reasoning_content, or the Responses
+        API's reasoning deltas), which is handed on between <think> tags, as the model
+        wrote it."""
 
     def feed(self, data: str) -> RemoteTokenEvent | None:
         now = time.monotonic()
         obj = json.loads(data)
+        if isinstance(obj, dict) and isinstance(obj.get("type"), str):
+            return self._typed(obj, now)
         if isinstance(obj, dict) and obj.get("error"):
             err = obj["error"]
             if isinstance(err, dict):
@@ -209,9 +219,46 @@ class _Tracker:
             if choice.get("finish_reason"):
                 st.finish_reason = choice["finish_reason"]
             if "delta" in choice:
-                text += choice["delta"].get("content") or ""
+                d = choice["delta"]
+                text += self._tagged(d.get("reasoning_content") or d.get("reasoning") or "",
+                                     d.get("content") or "")
             else:
                 text += choice.get("text") or ""
+        return self._text(text, now)
+
+    def _typed(self, obj: dict, now: float) -> RemoteTokenEvent | None:
+        """One of the Responses API's typed events."""
+        st, kind = self.stats, obj["type"]
+        if kind == "error":
+            raise RemoteError(None, str(obj.get("message")), obj.get("param"), obj.get("code"), obj)
+        resp = obj.get("response") if isinstance(obj.get("response"), dict) else None
+        if resp is not None:
+            st.request_id = st.request_id or resp.get("id", "")
+            if kind in ("response.completed", "response.incomplete", "response.failed"):
+                usage = resp.get("usage") or {}
+                st.prompt_tokens = usage.get("input_tokens")
+                st.completion_tokens = usage.get("output_tokens")
+                st.finish_reason = {"completed": "stop", "incomplete": "length"}.get(
+                    resp.get("status"), resp.get("status"))
+        delta = obj.get("delta") if isinstance(obj.get("delta"), str) else ""
+        if kind == "response.reasoning_text.delta":
+            return self._text(self._tagged(delta, ""), now)
+        if kind in ("response.output_text.delta", "response.function_call_arguments.delta"):
+            return self._text(self._tagged("", delta), now)
+        return None
+
+    def _tagged(self, reasoning: str, content: str) -> str:
+        out = ""
+        if reasoning:
+            out += ("" if self.thinking else THINK_OPEN) + reasoning
+            self.thinking = True
+        if content:
+            out += (THINK_CLOSE if self.thinking else "") + content
+            self.thinking = False
+        return out
+
+    def _text(self, text: str, now: float) -> RemoteTokenEvent | None:
+        st = self.stats
         if not text:
             return None
         st.num_chunks += 1
@@ -371,13 +418,21 @@ class RemoteEngine:
 
     # ---- requests ----
     def _request(self, prompt, max_tokens: int, chat: bool | None, temperature: float,
-                 extra: dict) -> tuple[str, dict]:
-        if chat is None:
-            chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+                 extra: dict, endpoint: str | None = None) -> tuple[str, dict]:
+        if endpoint is None:
+            if chat is None:
+                chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+            endpoint = "chat" if chat else "completions"
+        if endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint: must be one of {', '.join(ENDPOINTS)} (got {endpoint!r})")
+        if endpoint == "responses":     # a text, or messages (which are Responses items too)
+            body = {"model": self.model, "input": prompt, "max_output_tokens": max_tokens,
+                    "temperature": temperature, "stream": True, **extra}
+            return "/v1/responses", body
         body: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens,
                                 "temperature": temperature, "stream": True,
                                 "stream_options": {"include_usage": True}}
-        if chat:
+        if endpoint == "chat":
             if isinstance(prompt, str):
                 prompt = [{"role": "user", "content": prompt}]
             body["messages"] = prompt
@@ -389,14 +444,17 @@ class RemoteEngine:
         return path, body
 
     def stream(self, prompt, max_tokens: int = 128, *, chat: bool | None = None,
-               temperature: float = 0.0, **params) -> Iterator[RemoteTokenEvent]:
+               temperature: float = 0.0, endpoint: str | None = None,
+               **params) -> Iterator[RemoteTokenEvent]:
         """Stream one request. `prompt`: text (completions; chat=True wraps it as a user turn),
-        chat messages (chat completions) or token ids. Extra keyword arguments go into the
+        chat messages (chat completions) or token ids. `endpoint` (ENDPOINTS) names the API
+        instead: "responses" sends the prompt as the Responses API's `input` and reads its
+        typed events (text and reasoning deltas are the chunks). Extra keyword arguments go into the
         request body as is, and nothing else is added (top_p, seed, stop; vLLM's top_k,
         ignore_eos, ...). Yields one event per text chunk, then a final event (finished=True)
         whose `stats` hold the timings.
         Closing the iterator early closes the connection (the server aborts the request)."""
-        path, body = self._request(prompt, max_tokens, chat, temperature, params)
+        path, body = self._request(prompt, max_tokens, chat, temperature, params, endpoint)
         tracker = _Tracker(time.monotonic())
         with self._client.stream("POST", path, json=body) as r:
             if r.status_code != 200:
@@ -411,9 +469,10 @@ class RemoteEngine:
         yield tracker.final()
 
     async def astream(self, prompt, max_tokens: int = 128, *, chat: bool | None = None,
-                      temperature: float = 0.0, **params) -> AsyncIterator[RemoteTokenEvent]:
+                      temperature: float = 0.0, endpoint: str | None = None,
+                      **params) -> AsyncIterator[RemoteTokenEvent]:
         """asyncio version of `stream` (many may run at once)."""
-        path, body = self._request(prompt, max_tokens, chat, temperature, params)
+        path, body = self._request(prompt, max_tokens, chat, temperature, params, endpoint)
         tracker = _Tracker(time.monotonic())
         async with self._async_client().stream("POST", path, json=body) as r:
             if r.status_code != 200:

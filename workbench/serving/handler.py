@@ -21,6 +21,7 @@ from ..engine.request import TokenEvent
 from .protocol import (UNSET, APIError, bad_request, body_field, chat_messages, check_fields,
                        completion_prompts, from_value_error, is_template_error, max_token_bytes,
                        sampling_params_from, structured_error, structured_outputs_from)
+from .reasoning import reasoning_parser as reasoning_parser_cls
 from .responses import ResponseWriter, ServedRequest, dumps
 from .tools import (ToolChoice, check_tool_messages, fallback_messages, template_takes_tools,
                     tool_choice_from)
@@ -30,14 +31,34 @@ log = logging.getLogger("workbench.server")
 ENGINE_FAILED = "the engine failed while running this request"
 
 
+async def unless_disconnected(work: Awaitable, disconnected: Awaitable[None]):
+    """`work`'s result; if `disconnected` completes first (the client went away), `work` is
+    cancelled (closing its engine streams aborts the requests) and this raises a 499."""
+    work = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(disconnected)
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (work, gone):
+            if not t.done():
+                t.cancel()
+    if not work.done() or work.cancelled():
+        await asyncio.wait({work})      # let the engine stream close (it aborts the request)
+        raise APIError(499, "client closed the request", code="client_closed_request")
+    return work.result()
+
+
 class OpenAIServing:
     def __init__(self, engine: Engine, served: str, allow_missing_model: bool = False,
-                 strict_fields: bool = False, chat_template: str | None = None):
+                 strict_fields: bool = False, chat_template: str | None = None,
+                 reasoning_parser: str | None = None):
         self.engine, self.served = engine, served
         self.allow_missing_model = allow_missing_model
         self.strict_fields = strict_fields
         self.chat_template = chat_template
         """The server's template (--chat-template) for chat requests that send none."""
+        self.reasoning = reasoning_parser and reasoning_parser_cls(reasoning_parser)
+        """--reasoning-parser: splits chat replies' thinking off (None: no split)."""
         tok = engine.tokenizer
         self.has_tokenizer = tok is not None
         self.token_bytes = max_token_bytes(tok) if tok is not None else None
@@ -80,6 +101,11 @@ class OpenAIServing:
                                   ("chat_template", (str,), "a Jinja template text"),
                                   ("chat_template_kwargs", (dict,), "an object")):
             options[name] = body_field(body, name, kinds, what)
+        effort = body_field(body, "reasoning_effort", (str,), "a string (low, medium, high...)")
+        if effort is not UNSET:     # a template variable, as vLLM passes it
+            kwargs = options["chat_template_kwargs"]
+            options["chat_template_kwargs"] = {"reasoning_effort": effort,
+                                               **({} if kwargs is UNSET else kwargs)}
         if options["chat_template"] is UNSET and self.chat_template is not None:
             options["chat_template"] = self.chat_template
         template = (options["chat_template"] if options["chat_template"] is not UNSET
@@ -192,7 +218,9 @@ class OpenAIServing:
         return ServedRequest(kind, f"{prefix}-{uuid.uuid4().hex}", ids, params, stream,
                              bool(stream_options.get("include_usage")),
                              bool(stream_options.get("continuous_usage_stats")), echoes,
-                             body.get("prompt_logprobs") is not None, tools, ignored)
+                             body.get("prompt_logprobs") is not None, tools, ignored,
+                             # a grammar decides the whole output: no thinking to split off
+                             self.reasoning if kind == "chat" and structured is None else None)
 
     # ---- running ----------------------------------------------------------------------------
     async def events_of(self, req: ServedRequest) -> AsyncIterator[tuple[int, TokenEvent]]:
@@ -229,9 +257,17 @@ class OpenAIServing:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def stream(self, req: ServedRequest) -> AsyncIterator[str]:
-        """The SSE data of one streamed request: each choice's chunks carry its index, and
-        each choice ends with its own finish_reason. Closing or cancelling it (a client
-        disconnect) closes the engine streams, which aborts the requests."""
+        """The SSE data of one streamed request: its chunks, then [DONE]."""
+        async with contextlib.aclosing(self.chunks(req)) as chunks:
+            async for chunk in chunks:
+                yield dumps(chunk)
+        yield "[DONE]"
+
+    async def chunks(self, req: ServedRequest) -> AsyncIterator[dict]:
+        """The chunks of one streamed request: each choice's chunks carry its index, and
+        each choice ends with its own finish_reason; an engine failure ends it with an error
+        object ({"error": ...}). Closing or cancelling it (a client disconnect) closes the
+        engine streams, which aborts the requests."""
         w, choices, n = self.writer, req.choices(), req.params.n
         failed = False
         want_lp = req.params.logprobs is not None
@@ -243,44 +279,44 @@ class OpenAIServing:
         try:
             if req.kind == "chat":
                 for i in range(len(choices)):
-                    yield dumps(w.chunk(req, "", None, role=True, index=i, n_out=0))
+                    yield w.chunk(req, "", None, role=True, index=i, n_out=0)
             elif req.params.prompt_logprobs is None:
                 for i, c in enumerate(choices):
                     if req.echoes[c.prompt] is not None:
-                        yield dumps(w.chunk(req, req.echoes[c.prompt], None, index=i, n_out=0))
+                        yield w.chunk(req, req.echoes[c.prompt], None, index=i, n_out=0)
             async for p, ev in events:
                 index = p * n + ev.choice
                 c = choices[index]
                 if ev.prompt_logprobs is not None and req.echoes[p] is not None:
                     for i in range(p * n, p * n + n):    # the echoed prompt, now scored
-                        yield dumps(w.chunk(req, req.echoes[p], None, index=i, n_out=n_out(),
-                                            logprobs=w.logprobs(req, choices[i], [],
-                                                                ev.prompt_logprobs)))
+                        yield w.chunk(req, req.echoes[p], None, index=i, n_out=n_out(),
+                                      logprobs=w.logprobs(req, choices[i], [],
+                                                          ev.prompt_logprobs))
                 if ev.token_id is not None:
                     c.n_out = ev.index
                 if ev.finished and ev.finish_reason == "error":
                     failed = True
                     break
-                text, calls = c.parse(ev.text, ev.finished)
+                thought, text, calls = c.parse(ev.text, ev.finished)
                 entries = [(ev.token_id, ev.logprobs)] if want_lp and ev.token_id is not None else []
-                if text or calls or entries or (ev.token_id is not None and not self.has_tokenizer):
-                    yield dumps(w.chunk(req, text, None, index=index, tool_calls=calls,
-                                        logprobs=w.logprobs(req, c, entries) if entries else None,
-                                        n_out=n_out()))
+                if (thought or text or calls or entries
+                        or (ev.token_id is not None and not self.has_tokenizer)):
+                    yield w.chunk(req, text, None, index=index, tool_calls=calls,
+                                  reasoning=thought, n_out=n_out(),
+                                  logprobs=w.logprobs(req, c, entries) if entries else None)
                 if ev.finished:
-                    yield dumps(w.chunk(req, None if req.kind == "chat" else "",
-                                        w.finish_reason(req, c, ev.finish_reason), index=index,
-                                        stop_reason=ev.stop_reason, n_out=n_out()))
+                    yield w.chunk(req, None if req.kind == "chat" else "",
+                                  w.finish_reason(req, c, ev.finish_reason), index=index,
+                                  stop_reason=ev.stop_reason, n_out=n_out())
         except Exception:    # not a disconnect (that is a CancelledError): tell the client
             log.exception("stream %s failed", req.rid)
             failed = True
         finally:
             await events.aclose()
         if failed:
-            yield dumps(APIError(500, ENGINE_FAILED, type="server_error").body())
+            yield APIError(500, ENGINE_FAILED, type="server_error").body()
         elif req.include_usage:
-            yield dumps(w.usage_chunk(req, n_out()))
-        yield "[DONE]"
+            yield w.usage_chunk(req, choices)
 
     async def reply(self, req: ServedRequest, disconnected: Awaitable[None]) -> dict:
         """A non-streamed request's whole reply; aborted (499) if `disconnected` completes
@@ -303,18 +339,7 @@ class OpenAIServing:
                         c.finish, c.stop_reason = ev.finish_reason, ev.stop_reason
             return choices, prompt_lps
 
-        work = asyncio.ensure_future(collect())
-        gone = asyncio.ensure_future(disconnected)
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in (work, gone):
-                if not t.done():
-                    t.cancel()
-        if not work.done() or work.cancelled():
-            await asyncio.wait({work})      # let the engine stream close (it aborts the request)
-            raise APIError(499, "client closed the request", code="client_closed_request")
-        choices, prompt_lps = work.result()
+        choices, prompt_lps = await unless_disconnected(collect(), disconnected)
         if any(c.finish == "error" for c in choices):
             raise APIError(500, ENGINE_FAILED, type="server_error")
         return self.writer.reply(req, choices, prompt_lps)

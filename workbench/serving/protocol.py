@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .schema import SUPPORTED, UNSUPPORTED, request_fields
+from .schema import IGNORED, SUPPORTED, UNSUPPORTED, request_fields
 from ..core.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 MAX_BODY_BYTES = 16 * 2**20
@@ -87,7 +87,9 @@ def _asks_nothing(v: Any, neutral: tuple) -> bool:
 def check_fields(kind: str, body: dict, strict: bool = False) -> list[str]:
     """No field asks for something this server does not do (a 400 naming it). A field this
     endpoint does not know is taken out of `body` and its name returned, to be warned about,
-    as vLLM does (clients send fields of their own); with `strict`, it is refused instead."""
+    as vLLM does (clients send fields of their own); with `strict`, it is refused instead. A
+    field this server knows and ignores (schema.IGNORED) is taken out and named the same way,
+    strict or not."""
     unknown = []
     for name, value in body.items():
         entry = REQUEST_FIELDS[kind].get(name)
@@ -97,6 +99,10 @@ def check_fields(kind: str, body: dict, strict: bool = False) -> list[str]:
             unknown.append(name)
             continue
         status, neutral = entry
+        if status == IGNORED:
+            if value is not None:
+                unknown.append(name)
+            continue
         if status != OURS and not _asks_nothing(value, neutral):
             what = "not supported by this server"
             if name in ("functions", "function_call"):
@@ -125,6 +131,25 @@ def structured_outputs_from(body: dict) -> tuple[StructuredOutputsParams | None,
     return _structured_outputs(body, name), name
 
 
+def closed_schema(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` on each object that lists its properties
+    and says nothing of others, as OpenAI's strict mode has it (json_schema with `strict: true`,
+    and every tool's arguments): what validates still validates against the schema given, and
+    a model cannot go on inventing keys until max_tokens."""
+    if isinstance(schema, list):
+        return [closed_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed_schema(v) if k in ("items", "anyOf", "oneOf", "allOf", "prefixItems") else v
+           for k, v in schema.items()}
+    for key in ("properties", "$defs", "definitions"):     # name -> schema
+        if isinstance(out.get(key), dict):
+            out[key] = {k: closed_schema(v) for k, v in out[key].items()}
+    if isinstance(out.get("properties"), dict):
+        out.setdefault("additionalProperties", False)
+    return out
+
+
 def _structured_outputs(body: dict, name: str) -> StructuredOutputsParams:
     rf = body.get("response_format")
     try:
@@ -140,8 +165,13 @@ def _structured_outputs(body: dict, name: str) -> StructuredOutputsParams:
                 extra = set(js) - {"name", "schema", "strict", "description"}
                 if extra:
                     raise bad_request(name, f"response_format.json_schema: unknown field {sorted(extra)[0]!r}")
-                # No schema: any JSON value.
-                return StructuredOutputsParams(json=js.get("schema", {}))
+                strict = js.get("strict")
+                if strict is not None and not isinstance(strict, bool):
+                    raise bad_request(name, f"response_format.json_schema.strict: must be true "
+                                      f"or false (got {strict!r})")
+                # No schema: any JSON value. strict: no keys past those listed.
+                schema = js.get("schema", {})
+                return StructuredOutputsParams(json=closed_schema(schema) if strict else schema)
             raise bad_request(name, "response_format: must be {'type': 'text'}, {'type': 'json_object'} "
                              "or {'type': 'json_schema', 'json_schema': {...}}")
         if name == "structured_outputs":
@@ -235,7 +265,7 @@ def sampling_params_from(body: dict, default_max_tokens: int | None,
         return default if v is None else v
 
     if isinstance(max_tokens, bool):
-        raise bad_request(which, f"{which}: must be an integer > 0 (got {max_tokens!r})")
+        raise bad_request(which, f"{which}: must be an integer >= 0 (got {max_tokens!r})")
     if max_tokens == 0 and not echo:
         raise bad_request(which, f"{which}: 0 is only for scoring a prompt (echo with logprobs)")
     if max_tokens == 0 and prompt_logprobs is None:

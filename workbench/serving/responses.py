@@ -9,6 +9,7 @@ import time
 from typing import Callable
 
 from ..core.sampling_params import SamplingParams
+from .reasoning import ReasoningParser
 from .tool_parsers import ToolCallParser, assemble, valid_calls
 from .tools import ToolChoice
 
@@ -32,7 +33,8 @@ class ServedRequest:
     def __init__(self, kind: str, rid: str, prompts: list[list[int]], params: SamplingParams,
                  stream: bool, include_usage: bool, continuous_usage: bool,
                  echoes: list[str | None], vllm_prompt_logprobs: bool,
-                 tools: ToolChoice | None, ignored: list[str]):
+                 tools: ToolChoice | None, ignored: list[str],
+                 reasoning: type[ReasoningParser] | None = None):
         self.kind, self.rid, self.prompts, self.params = kind, rid, prompts, params
         self.stream, self.include_usage = stream, include_usage
         self.continuous_usage = continuous_usage
@@ -42,6 +44,8 @@ class ServedRequest:
         self.vllm_prompt_logprobs = vllm_prompt_logprobs
         """The body asked for vLLM's `prompt_logprobs` field by name."""
         self.tools = tools
+        self.reasoning = reasoning
+        """Chat with --reasoning-parser: the parser that splits thinking from the answer."""
         self.ignored = ignored
         """Fields (and message keys) the request sent that this server does not know."""
         self.created = int(time.time())
@@ -52,14 +56,16 @@ class ServedRequest:
 
     def choices(self) -> list["Choice"]:
         n = self.params.n
-        return [Choice(i // n, self.tools.parser() if self.tools is not None else None)
+        return [Choice(i // n, self.tools.parser() if self.tools is not None else None,
+                       self.reasoning() if self.reasoning is not None else None)
                 for i in range(len(self.prompts) * n)]
 
 
 class Choice:
     """What one choice has produced so far."""
 
-    def __init__(self, prompt: int, parser: ToolCallParser | None):
+    def __init__(self, prompt: int, parser: ToolCallParser | None,
+                 reasoner: ReasoningParser | None = None):
         self.prompt = prompt
         """Which of the request's prompts it answers."""
         self.texts: list[str] = []
@@ -70,22 +76,41 @@ class Choice:
         """(token id, {id: Logprob}) per output token, when asked."""
         self.offset = 0
         """Characters returned so far (completions' text_offset)."""
+        self.reasoner = reasoner
+        """With a reasoning parser: splits the thinking off first."""
         self.parser = parser
-        """With tools: turns the text into content and tool_call deltas."""
+        """With tools: turns the answer into content and tool_call deltas."""
+        self.reasoning: list[str] = []
+        self.n_reasoning = 0
+        """Pieces of text fed (tokens) while thinking."""
+        self.answer: list[str] = []
+        """The text after the reasoning split (what the tool parser reads)."""
         self.content: list[str] = []
         self.tool_deltas: list[dict] = []
 
-    def parse(self, text: str, final: bool) -> tuple[str, list[dict]]:
-        """The content and tool_call deltas of new text (the text itself without tools)."""
-        if self.parser is None:
-            return text, []
-        content, deltas = self.parser.feed(text)
-        if final:
-            more, rest = self.parser.finish()
-            content, deltas = content + more, deltas + rest
+    def parse(self, text: str, final: bool) -> tuple[str, str, list[dict]]:
+        """The reasoning, content and tool_call deltas of new text (without a reasoning
+        parser or tools: "", the text itself, [])."""
+        reasoning = ""
+        if self.reasoner is not None:
+            before = self.reasoner.state
+            reasoning, text = self.reasoner.feed(text)
+            if "reasoning" in (before, self.reasoner.state):
+                self.n_reasoning += 1   # a token of the thinking (its tags included)
+            if final:
+                more_r, more_t = self.reasoner.finish()
+                reasoning, text = reasoning + more_r, text + more_t
+            self.reasoning.append(reasoning)
+        self.answer.append(text)
+        content, deltas = text, []
+        if self.parser is not None:
+            content, deltas = self.parser.feed(text)
+            if final:
+                more, rest = self.parser.finish()
+                content, deltas = content + more, deltas + rest
         self.content.append(content)
         self.tool_deltas += deltas
-        return content, deltas
+        return reasoning, content, deltas
 
 
 class ResponseWriter:
@@ -96,9 +121,14 @@ class ResponseWriter:
         self.served = served
         self.token_text = token_text
 
-    def usage(self, req: ServedRequest, n_out: int) -> dict:
+    def usage(self, req: ServedRequest, n_out: int, choices: list["Choice"] = ()) -> dict:
+        """With a reasoning parser, OpenAI's completion_tokens_details.reasoning_tokens too."""
         n_in = sum(len(x) for x in req.prompts)
-        return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+        out = {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+        if req.reasoning is not None:
+            out["completion_tokens_details"] = {
+                "reasoning_tokens": sum(c.n_reasoning for c in choices)}
+        return out
 
     def logprobs(self, req: ServedRequest, c: Choice, entries: list,
                  prompt_lps=None) -> dict | None:
@@ -115,14 +145,17 @@ class ResponseWriter:
 
     def chunk(self, req: ServedRequest, text: str | None, finish: str | None, role: bool = False,
               index: int = 0, logprobs: dict | None = None, tool_calls: list | None = None,
-              stop_reason: int | str | None = None, n_out: int | None = None) -> dict:
+              stop_reason: int | str | None = None, n_out: int | None = None,
+              reasoning: str = "") -> dict:
         """One streamed chunk of one choice (`n_out`: the request's tokens so far, for
-        continuous usage)."""
+        continuous usage; `reasoning`: thinking, as vLLM's `reasoning_content` delta)."""
         if req.kind == "chat":
             delta: dict = {}
             if role:
                 delta["role"] = "assistant"
-            if text is not None and (text or not tool_calls):
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if text is not None and (text or not (tool_calls or reasoning)):
                 delta["content"] = text
             if tool_calls:
                 delta["tool_calls"] = tool_calls
@@ -139,10 +172,11 @@ class ResponseWriter:
             out["usage"] = None
         return out
 
-    def usage_chunk(self, req: ServedRequest, n_out: int) -> dict:
+    def usage_chunk(self, req: ServedRequest, choices: list["Choice"]) -> dict:
         """The stream's last chunk with include_usage: no choices, the request's usage."""
         chunk = self.chunk(req, "", None)
-        return {**chunk, "choices": [], "usage": self.usage(req, n_out)}
+        return {**chunk, "choices": [],
+                "usage": self.usage(req, sum(c.n_out for c in choices), choices)}
 
     def finish_reason(self, req: ServedRequest, c: Choice, engine_reason: str | None) -> str | None:
         return (req.tools.finish_reason(engine_reason, bool(c.tool_deltas))
@@ -150,16 +184,18 @@ class ResponseWriter:
 
     def chat_message(self, req: ServedRequest, c: Choice) -> tuple[dict, str | None]:
         """The reply's message and finish_reason: with tools, the calls the parser found
-        (a call cut short, whose arguments do not parse, is given back as text)."""
-        text = "".join(c.texts)
+        (a call cut short, whose arguments do not parse, is given back as text); with a
+        reasoning parser, the thinking as `reasoning_content` (vLLM's)."""
+        message: dict = {"role": "assistant"}
+        if req.reasoning is not None:
+            message["reasoning_content"] = "".join(c.reasoning) or None
         if req.tools is None:
-            return {"role": "assistant", "content": text}, c.finish
+            return {**message, "content": "".join(c.content)}, c.finish
         calls = assemble(c.tool_deltas)
         content = "".join(c.content)
         if not valid_calls(calls):
-            calls, content = [], text
-        message = {"role": "assistant", "content": content if content or not calls else None,
-                   "tool_calls": calls}
+            calls, content = [], "".join(c.answer)
+        message.update(content=content if content or not calls else None, tool_calls=calls)
         return message, req.tools.finish_reason(c.finish, bool(calls))
 
     def reply(self, req: ServedRequest, choices: list[Choice], prompt_lps: list) -> dict:
@@ -178,7 +214,7 @@ class ResponseWriter:
                 if req.vllm_prompt_logprobs:
                     out[-1]["prompt_logprobs"] = vllm_prompt_logprobs(prompt_lps[c.prompt])
         resp = {"id": req.rid, "object": req.object, "created": req.created, "model": self.served,
-                "choices": out, "usage": self.usage(req, sum(c.n_out for c in choices))}
+                "choices": out, "usage": self.usage(req, sum(c.n_out for c in choices), choices)}
         if req.kind == "chat" and req.vllm_prompt_logprobs:
             resp["prompt_logprobs"] = vllm_prompt_logprobs(prompt_lps[0])
         return resp

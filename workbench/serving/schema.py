@@ -1,8 +1,9 @@
-"""The request bodies of /v1/completions and /v1/chat/completions, declared once as pydantic
-models (as vLLM declares them): the fields, their JSON types and ranges, whether this server
-does what each asks for, and which of its values ask for nothing. The app serves them as
-/openapi.json (and /docs), so schema-driven tools have something to read; protocol.py's
-REQUEST_FIELDS, which every request's fields are checked against, is derived from them.
+"""The request bodies of /v1/completions, /v1/chat/completions and /v1/responses, declared
+once as pydantic models (as vLLM declares them): the fields, their JSON types and ranges,
+whether this server does what each asks for (or ignores it, warning), and which of its values
+ask for nothing. The app serves them as /openapi.json (and /docs), so schema-driven tools have
+something to read; protocol.py's REQUEST_FIELDS, which every request's fields are checked
+against, is derived from them.
 
 The handlers do not parse bodies through these models: they read the JSON themselves, so
 that each bad field gets OpenAI's error shape with a message that names it (see protocol.py).
@@ -13,7 +14,10 @@ from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SUPPORTED, UNSUPPORTED = "supported", "unsupported"
+SUPPORTED, UNSUPPORTED, IGNORED = "supported", "unsupported", "ignored"
+"""IGNORED: accepted whatever its value and not used (it changes nothing this server
+computes), but warned about as an unknown field is: named in the X-Workbench-Ignored-Fields
+header and the log."""
 
 
 def field(status: str = SUPPORTED, neutral: tuple = (), description: str = "", **range_) -> Any:
@@ -115,16 +119,71 @@ class ChatCompletionRequest(_Common):
     modalities: list[str] | None = field(UNSUPPORTED, (["text"],))
     audio: dict[str, Any] | None = field(UNSUPPORTED)
     prediction: dict[str, Any] | None = field(UNSUPPORTED)
-    service_tier: str | None = field(UNSUPPORTED, ("auto", "default"))
+    service_tier: str | None = field(IGNORED, description="accepted, ignored (as vLLM)")
     web_search_options: dict[str, Any] | None = field(UNSUPPORTED)
-    reasoning_effort: str | None = field(UNSUPPORTED)
-    verbosity: str | None = field(UNSUPPORTED)
+    reasoning_effort: str | None = field(description="passed to the chat template as the "
+                                         "variable reasoning_effort (as vLLM)")
+    verbosity: str | None = field(IGNORED, description="accepted, ignored")
     store: bool | None = field(UNSUPPORTED, (False,))
     metadata: dict[str, Any] | None = field(description="tags (accepted, not used)")
-    prompt_cache_key: str | None = field(UNSUPPORTED)
-    safety_identifier: str | None = field(UNSUPPORTED)
+    prompt_cache_key: str | None = field(IGNORED, description="accepted, ignored (the "
+                                         "prefix cache needs no key)")
+    safety_identifier: str | None = field(IGNORED, description="accepted, ignored")
     documents: list[Any] | None = field(UNSUPPORTED)
     mm_processor_kwargs: dict[str, Any] | None = field(UNSUPPORTED)
+
+
+class ResponsesRequest(BaseModel):
+    """POST /v1/responses (OpenAI's Responses API), run as a chat request (responses_api.py)."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = field(description="the served model's id")
+    input: Union[str, list[dict[str, Any]], None] = field(
+        description="a text, or items: messages, function_call, function_call_output "
+                    "(reasoning items sent back are accepted and not read)")
+    instructions: str | None = field(description="a system message, first (not carried "
+                                     "over by previous_response_id)")
+    previous_response_id: str | None = field(description="continue a stored response's "
+                                             "conversation")
+    store: bool | None = field(description="keep the response for previous_response_id and "
+                               "GET /v1/responses/{id} (default true; in memory, bounded)")
+    stream: bool | None = field(description="typed server-sent events")
+    max_output_tokens: int | None = field(ge=1)
+    temperature: float | None = field(ge=0)
+    top_p: float | None = field(gt=0, le=1)
+    tools: list[dict[str, Any]] | None = field(description="function tools (at most 128); "
+                                               "built-in tools are refused", max_length=128)
+    tool_choice: Union[str, dict[str, Any], None] = field(
+        description="none, auto, required, or {'type': 'function', 'name': ...}")
+    parallel_tool_calls: bool | None = field()
+    text: dict[str, Any] | None = field(description="format: text, json_object or json_schema "
+                                        "(verbosity is ignored)")
+    reasoning: dict[str, Any] | None = field(description="effort: passed to the chat template "
+                                             "as reasoning_effort (summary is ignored)")
+    metadata: dict[str, Any] | None = field(description="tags, returned with the response")
+    user: str | None = field(description="the end user's id (accepted, not used)")
+    safety_identifier: str | None = field(IGNORED)
+    prompt_cache_key: str | None = field(IGNORED)
+    prompt_cache_retention: str | None = field(IGNORED)
+    service_tier: str | None = field(IGNORED)
+    include: list[str] | None = field(IGNORED, description="extra output to include (none "
+                                      "is produced here)")
+    stream_options: dict[str, Any] | None = field(IGNORED)
+    truncation: str | None = field(UNSUPPORTED, ("disabled",))
+    background: bool | None = field(UNSUPPORTED, (False,))
+    max_tool_calls: int | None = field(UNSUPPORTED)
+    top_logprobs: int | None = field(UNSUPPORTED, (0,))
+    prompt: dict[str, Any] | None = field(UNSUPPORTED, description="stored prompt templates")
+    conversation: Union[str, dict[str, Any], None] = field(UNSUPPORTED)
+    # vLLM's sampling extras, as on chat
+    top_k: int | None = field(ge=-1)
+    min_p: float | None = field(neutral=(0,), ge=0, le=1)
+    repetition_penalty: float | None = field(neutral=(1,), gt=0, le=100)
+    seed: int | None = field(ge=-2 ** 63, lt=2 ** 63)
+    stop: Union[str, list[str], None] = field()
+    ignore_eos: bool | None = field()
+    logit_bias: dict[str, float] | None = field(neutral=({},),
+                                                description="token id -> bias in [-100, 100]")
+    chat_template_kwargs: dict[str, Any] | None = field()
 
 
 class TokenizeRequest(BaseModel):
@@ -151,7 +210,8 @@ class DetokenizeRequest(BaseModel):
 
 
 REQUESTS = {"completion": CompletionRequest, "chat": ChatCompletionRequest,
-            "tokenize": TokenizeRequest, "detokenize": DetokenizeRequest}
+            "responses": ResponsesRequest, "tokenize": TokenizeRequest,
+            "detokenize": DetokenizeRequest}
 """Each endpoint's body, by the name protocol.py gives the endpoint."""
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.sampling_params import StructuredOutputsParams
-from .protocol import bad_request
+from .protocol import bad_request, closed_schema
 from .tool_parsers import (CALL_CLOSE, CALL_OPEN, HermesCallParser, NamedCallParser,
                            RequiredCallParser, TextParser, ToolCallParser)
 
@@ -63,11 +63,11 @@ class ToolChoice:
         """The grammar that makes the output a call: for `required` an array of calls, for a
         named function its arguments; None where the model may answer in text."""
         if self.mode == "named":
-            return StructuredOutputsParams(json=_closed(self.functions[self.name]["parameters"]))
+            return StructuredOutputsParams(json=closed_schema(self.functions[self.name]["parameters"]))
         if self.mode != "required":
             return None
         calls = [{"type": "object", "properties": {"name": {"const": n},
-                                                   "arguments": _closed(f["parameters"])},
+                                                   "arguments": closed_schema(f["parameters"])},
                   "required": ["name", "arguments"], "additionalProperties": False}
                  for n, f in self.functions.items()]
         schema: dict = {"type": "array", "minItems": 1,
@@ -86,24 +86,6 @@ class ToolChoice:
         if engine_reason == "stop" and made_calls and self.mode != "named":
             return "tool_calls"
         return engine_reason
-
-
-def _closed(schema: Any) -> Any:
-    """The schema with `additionalProperties: false` on each object that lists its properties
-    and says nothing of others (as OpenAI's strict mode has it): the arguments still validate
-    against the tool's schema, and a model cannot go on inventing keys until max_tokens."""
-    if isinstance(schema, list):
-        return [_closed(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: _closed(v) if k in ("items", "anyOf", "oneOf", "allOf", "prefixItems") else v
-           for k, v in schema.items()}
-    for key in ("properties", "$defs", "definitions"):     # name -> schema
-        if isinstance(out.get(key), dict):
-            out[key] = {k: _closed(v) for k, v in out[key].items()}
-    if isinstance(out.get("properties"), dict):
-        out.setdefault("additionalProperties", False)
-    return out
 
 
 def tool_choice_from(body: dict) -> ToolChoice | None:
