@@ -161,16 +161,24 @@ def steps_figure(steps, title: str = "Tokens fed per engine step") -> go.Figure:
 
 def batch_scaling_figure(rows) -> go.Figure:
     """Time per token against batch size, prefill and decode (rows from
-    `bench.offline.time_per_token_by_batch`)."""
+    `bench.offline.time_per_token_by_batch`): the medians, with bars from the fastest run to
+    the slowest where it ran several."""
     b = [r["batch"] for r in rows]
     fig = go.Figure()
-    fig.add_scatter(x=b, y=[r["prefill_s_per_token"] * 1e3 for r in rows], name="prefill",
-                    mode="lines+markers", line_color=PREFILL)
-    fig.add_scatter(x=b, y=[r["decode_s_per_token"] * 1e3 for r in rows], name="decode",
-                    mode="lines+markers", line_color=DECODE)
+    for phase, color in (("prefill", PREFILL), ("decode", DECODE)):
+        med = [r[f"{phase}_s_per_token"] * 1e3 for r in rows]
+        runs = [r.get(f"{phase}_runs") for r in rows]
+        err = None
+        if all(x is not None and len(x.values) > 1 for x in runs):
+            err = dict(type="data", symmetric=False,
+                       array=[x.max * 1e3 - m for x, m in zip(runs, med)],
+                       arrayminus=[m - x.min * 1e3 for x, m in zip(runs, med)])
+        fig.add_scatter(x=b, y=med, name=phase, mode="lines+markers", line_color=color,
+                        error_y=err)
     fig.update_xaxes(title_text="requests in the step (batch size)", type="log", tickvals=b)
-    fig.update_yaxes(title_text="ms per token", type="log")
-    return _layout(fig, "Time per token: decode gets cheaper with batch size, prefill barely")
+    fig.update_yaxes(title_text="ms per token (median; bars: fastest to slowest run)",
+                     type="log")
+    return _layout(fig, "Time per token against batch size, prefill and decode")
 
 
 def kv_cache_figure(result: dict) -> go.Figure:
