@@ -123,3 +123,34 @@ def test_dashboard_notebook(tmp_path):
     _, outputs = run_notebook("dashboard.ipynb", tmp_path, max_saved=None)
     assert [o for o in outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
     assert not [o for o in outputs if o.output_type == "error"]
+
+
+def test_streaming(tmp_path):
+    """A real `workbench serve` started and stopped by the notebook, read by its SSE client,
+    through the buffering proxy and around it; a client that hangs up frees its blocks."""
+    import psutil
+    text, outputs = run_notebook("04_streaming.ipynb", tmp_path, answers={
+        "answer_ttft": "ex_arrivals[0] - ex_sent",
+        "answer_tpot": "(ex_arrivals[-1] - ex_arrivals[0]) / (len(ex_arrivals) - 1)"})
+    assert text.count("right:") == 1 and "not quite" not in text
+    pid = int(re.search(r"\(pid (\d+)\)", text).group(1))
+    assert "server stopped: True" in text and not psutil.pid_exists(pid)
+    m = re.search(r"(\d+) tokens; 1 request finished", text)
+    assert m and int(m.group(1)) == 48
+    ttft = re.search(r"TTFT +([\d.]+) ms +([\d.]+) ms", text)
+    tpot = re.search(r"TPOT +([\d.]+) ms +([\d.]+) ms", text)
+    assert ttft and float(ttft.group(1)) >= float(ttft.group(2)) > 0   # the client's holds the engine's
+    assert tpot and float(tpot.group(2)) > 0
+    bursts = {name: int(n) for name, n in
+              re.findall(r"^(direct|proxy, 4 KiB buffer|proxy, buffering off) +48 tokens in +(\d+) bursts",
+                         text, re.M)}
+    assert len(bursts) == 3
+    # Bytes decide the buffered bursts (48 events of ~250 B through a 4 KiB buffer), whatever
+    # the machine's speed; the sentence under the chart says what the figures show.
+    assert bursts["proxy, 4 KiB buffer"] <= 5 < bursts["direct"]
+    assert (f"in {bursts['proxy, 4 KiB buffer']} bursts instead of {bursts['direct']}" in text) == \
+        (bursts["proxy, 4 KiB buffer"] < bursts["direct"] / 3)
+    m = re.search(r"got 10 tokens, then hung up; at most (\d+) of (\d+) KV blocks were in use, "
+                  r"(\d+) now; requests the server aborted: 1\b", text)
+    assert m and int(m.group(1)) > 0 and int(m.group(3)) == 0
+    assert plotly_figures(outputs) == 3

@@ -161,16 +161,24 @@ def steps_figure(steps, title: str = "Tokens fed per engine step") -> go.Figure:
 
 def batch_scaling_figure(rows) -> go.Figure:
     """Time per token against batch size, prefill and decode (rows from
-    `bench.offline.time_per_token_by_batch`)."""
+    `bench.offline.time_per_token_by_batch`): the medians, with bars from the fastest run to
+    the slowest where it ran several."""
     b = [r["batch"] for r in rows]
     fig = go.Figure()
-    fig.add_scatter(x=b, y=[r["prefill_s_per_token"] * 1e3 for r in rows], name="prefill",
-                    mode="lines+markers", line_color=PREFILL)
-    fig.add_scatter(x=b, y=[r["decode_s_per_token"] * 1e3 for r in rows], name="decode",
-                    mode="lines+markers", line_color=DECODE)
+    for phase, color in (("prefill", PREFILL), ("decode", DECODE)):
+        med = [r[f"{phase}_s_per_token"] * 1e3 for r in rows]
+        runs = [r.get(f"{phase}_runs") for r in rows]
+        err = None
+        if all(x is not None and len(x.values) > 1 for x in runs):
+            err = dict(type="data", symmetric=False,
+                       array=[x.max * 1e3 - m for x, m in zip(runs, med)],
+                       arrayminus=[m - x.min * 1e3 for x, m in zip(runs, med)])
+        fig.add_scatter(x=b, y=med, name=phase, mode="lines+markers", line_color=color,
+                        error_y=err)
     fig.update_xaxes(title_text="requests in the step (batch size)", type="log", tickvals=b)
-    fig.update_yaxes(title_text="ms per token", type="log")
-    return _layout(fig, "Time per token: decode gets cheaper with batch size, prefill barely")
+    fig.update_yaxes(title_text="ms per token (median; bars: fastest to slowest run)",
+                     type="log")
+    return _layout(fig, "Time per token against batch size, prefill and decode")
 
 
 def kv_cache_figure(result: dict) -> go.Figure:
@@ -211,3 +219,30 @@ def block_table_figure(state, block_size: int) -> go.Figure:
     fig.update_yaxes(visible=False, range=[-0.05, 1.05])
     return _layout(fig, f"{state.request_id}'s block table: {n_tok} tokens in "
                         f"{len(table)} blocks of {block_size}", height=200)
+
+
+def arrivals_figure(runs: dict[str, list[float]]) -> go.Figure:
+    """When each token of a stream reached the client (seconds since the request was sent),
+    one line per way of reading it: a smooth stream climbs steadily, a buffered one in steps."""
+    fig = go.Figure()
+    for (name, times), color in zip(runs.items(), PALETTE):
+        fig.add_scatter(x=times, y=list(range(1, len(times) + 1)), name=name,
+                        mode="lines+markers", line_shape="hv", line_color=color,
+                        marker_size=4)
+    fig.update_xaxes(title_text="seconds since the request was sent")
+    fig.update_yaxes(title_text="tokens received")
+    return _layout(fig, "When each token reached the client")
+
+
+def kv_in_use_figure(samples: list[tuple[float, int]], pool: int,
+                     hung_up: float | None = None) -> go.Figure:
+    """KV blocks in use over time (polled from a server's /metrics), with the moment the
+    client hung up marked."""
+    fig = go.Figure()
+    fig.add_scatter(x=[t for t, _ in samples], y=[u for _, u in samples], mode="lines",
+                    line_shape="hv", name="KV blocks in use", line_color=DECODE)
+    if hung_up is not None:
+        fig.add_vline(x=hung_up, line_dash="dot", annotation_text="the client hangs up")
+    fig.update_xaxes(title_text="seconds")
+    fig.update_yaxes(title_text=f"blocks in use (of {pool})", rangemode="tozero")
+    return _layout(fig, "The server frees a request's KV blocks when its client goes")

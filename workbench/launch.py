@@ -92,3 +92,66 @@ def run_jupyter(module: str, args: list[str], env: dict[str, str], url: str) -> 
     finally:
         for s, handler in previous.items():
             signal.signal(getattr(signal, s), handler)
+
+
+class ServeProcess:
+    """`workbench serve` in a child process on a free loopback port, for a notebook or a
+    script that wants a real server beside it: started on construction (waits until /health
+    answers), stopped with everything below it by `stop()`, by leaving a `with` block, or when
+    this process exits. `url` is its root; `log` the file its output goes to.
+
+        with ServeProcess("--model", "smollm2", "--device", "cpu") as server:
+            RemoteEngine(server.url).stream(...)
+    """
+
+    def __init__(self, *args: str, timeout: float = 300.0):
+        import atexit
+        import os
+        import socket
+        import subprocess
+        import tempfile
+        import time
+        import urllib.request
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        fd, name = tempfile.mkstemp(prefix="workbench-serve-", suffix=".log")
+        self.log = Path(name)
+        with os.fdopen(fd, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "workbench.cli", "serve", *args, "--host", "127.0.0.1",
+                 "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True)
+        atexit.register(self.stop)
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.25)
+        self.stop()
+        tail = self.log.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"workbench serve did not come up within {timeout:g} s; its log "
+                           f"({self.log}) ends:\n{tail}")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        """Stop the server and everything it started (idempotent)."""
+        if self.proc.poll() is None:
+            stop_tree(self.proc.pid, timeout=15)
+        self.proc.wait(timeout=15)
+
+    def __enter__(self) -> "ServeProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

