@@ -74,7 +74,8 @@ def test_strict_json_schema_closes_every_object():
     """response_format json_schema strict: every object that lists properties and says
     nothing of others gets additionalProperties false (nested ones too); one that says
     otherwise keeps it; without strict the schema is as sent."""
-    from workbench.serving.protocol import APIError, structured_outputs_from
+    from workbench.serving.protocol import APIError
+    from workbench.serving.structured import structured_outputs_from
     schema = {"type": "object", "properties": {
         "name": {"type": "string"},
         "address": {"type": "object", "properties": {"city": {"type": "string"}}},

@@ -20,8 +20,9 @@ from ..engine import Engine
 from ..engine.request import TokenEvent
 from .protocol import (UNSET, APIError, bad_request, body_field, chat_messages, check_fields,
                        completion_prompts, from_value_error, is_template_error, max_token_bytes,
-                       sampling_params_from, structured_error, structured_outputs_from)
+                       sampling_params_from)
 from .reasoning import reasoning_parser as reasoning_parser_cls
+from .structured import structured_error, structured_outputs_from
 from .responses import ResponseWriter, ServedRequest, dumps
 from .tools import (ToolChoice, check_tool_messages, fallback_messages, template_takes_tools,
                     tool_choice_from)

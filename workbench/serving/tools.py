@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.sampling_params import StructuredOutputsParams
-from .protocol import bad_request, closed_schema
+from .protocol import bad_request
+from .structured import closed_schema
 from .tool_parsers import (CALL_CLOSE, CALL_OPEN, HermesCallParser, NamedCallParser,
                            RequiredCallParser, TextParser, ToolCallParser)
 
