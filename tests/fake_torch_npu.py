@@ -282,29 +282,32 @@ class Entry:
         make (the graph's pool keeps what it allocated; anything else is the caller's to keep
         alive, as on hardware, where freed memory is reused and a replay reads whatever is
         there)."""
+        what = self.name or str(self.fn)
+
         def weaken(t):
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in made:
                 base = t if t._base is None else t._base
                 if base.dtype == t.dtype:
-                    return _Weak(t, base)
+                    return _Weak(t, base, what)
             return t
         self.args, self.kwargs = tree_map(weaken, self.args), tree_map(weaken, self.kwargs)
 
 
 class _Weak:
     """A tensor a graph read at capture, held by a weak reference to its base."""
-    __slots__ = ("ref", "shape", "stride", "offset")
+    __slots__ = ("ref", "shape", "stride", "offset", "what")
 
-    def __init__(self, t, base):
-        self.ref = weakref.ref(base)
+    def __init__(self, t, base, what=""):
+        self.ref, self.what = weakref.ref(base), what
         self.shape, self.stride, self.offset = t.shape, t.stride(), t.storage_offset()
 
     def get(self) -> torch.Tensor:
         base = self.ref()
         if base is None:
-            raise RuntimeError("fake NPU: use after free: a replay reads a tensor the graph "
-                               "used at capture that has been freed since (on hardware its "
-                               "memory is reused: keep it alive as long as the graph)")
+            raise RuntimeError(f"fake NPU: use after free: a replay reads a tensor the graph "
+                               f"used at capture ({self.what}: {tuple(self.shape)}) that has "
+                               "been freed since (on hardware its memory is reused: keep it "
+                               "alive as long as the graph)")
         return base.as_strided(self.shape, self.stride, self.offset)
 
 
@@ -401,7 +404,7 @@ class NpuRuntime(types.SimpleNamespace):
         self.syncs = 0
         self.capture_collects = 0
         """gc.collect() runs at a capture's start (each costs a full collection)."""
-        self.empty_caches = 0
+        self.capture_empty_caches = 0
         self.captured = 0
         self.max_graphs: int | None = None
         """Graphs the driver lets this process capture (None: no limit)."""
@@ -441,7 +444,7 @@ class NpuRuntime(types.SimpleNamespace):
         pass
 
     def empty_cache(self):
-        self.empty_caches += 1
+        return True
 
     def Stream(self):
         return FakeStream(self, "side")
@@ -473,9 +476,10 @@ class NpuRuntime(types.SimpleNamespace):
         # what torch_npu/npu/graphs.py's __enter__ does first (Ascend/pytorch 9e73e70, lines
         # 902-906), through the same module attributes, so that skipping them shows here
         self.synchronize()
-        if gc.collect() is not None:
+        if gc.collect() is not None:           # an int, unless patched out
             self.capture_collects += 1
-        self.empty_cache()
+        if self.empty_cache():                 # True, unless patched out
+            self.capture_empty_caches += 1
         if self.max_graphs is not None and self.captured >= self.max_graphs:
             raise RuntimeError(self.capture_error)
         self.captured += 1
@@ -522,8 +526,9 @@ class NpuRuntime(types.SimpleNamespace):
         self.updating, self.update_issued = handle, False
 
     def graph_task_update_end(self, stream):
-        assert self.updating is not None and self.update_issued, "an empty task update"
-        self.updating = None
+        issued, open_ = self.update_issued, self.updating is not None
+        self.updating = None                   # the update scope ends either way
+        assert open_ and issued, "an empty task update"
 
     def Event(self, enable_timing=False):
         return CopyEvent(self)
@@ -721,10 +726,11 @@ class FakeTorchNpu(types.ModuleType):
         if set(kwargs) != set(e.kwargs):
             raise RuntimeError(f"fake NPU: task update passes {sorted(kwargs)}, the captured "
                                f"task {sorted(e.kwargs)}")
-        for key, value in _strong(e.kwargs).items():
+        for key, value in e.kwargs.items():
             new = kwargs[key]
             if key == "workspace":
                 continue          # re-queried per step; its size is checked when the task runs
+            value = _strong(value)
             if key == "context_lens" or not isinstance(value, torch.Tensor):
                 if key == "context_lens" and new.shape != value.shape:
                     raise RuntimeError(f"fake NPU: task update's context_lens has shape "
@@ -745,7 +751,8 @@ class FakeTorchNpu(types.ModuleType):
         # the task keeps: the caller must keep it alive until the replay has run
         ws = kwargs["workspace"]
         e.kwargs = {**e.kwargs, "context_lens": kwargs["context_lens"].clone(),
-                    "workspace": _Weak(ws, ws if ws._base is None else ws._base)}
+                    "workspace": _Weak(ws, ws if ws._base is None else ws._base,
+                                       f"{name} workspace")}
         rt.update_issued = True
 
     # ---- ops -----------------------------------------------------------------------------
