@@ -4,7 +4,17 @@ torch_npu cannot be installed here (without CANN it breaks `import torch`), so `
 puts this module object into `sys.modules["torch_npu"]` and its runtime at `torch.npu`.
 Everything below was written from torch_npu's and op-plugin's sources and docs and from how
 vLLM-Ascend calls them (see shared/notes/torch_npu.md); none of it was checked against
-hardware. It models:
+hardware. It takes a release (RELEASES: torch_npu 2.5.1, 2.5.1.post1, 2.6.0, 2.7.1, 2.8.0
+and later, each with its CANN and the op-plugin commit read) and models:
+
+- what that release's ops take (tnd_rules: TND head sizes, GQA and paged KV per CANN, bf16
+  only; the ATB flash-attention and splitfuse ops with vLLM-Ascend's masks, checked causal;
+  `out` contiguous; table widths covering the lengths, at capture too; workspace= only where
+  the release has it);
+- that a captured graph holds the tensors it did not allocate itself only weakly: a replay
+  after one was freed fails as a use after free (the graph's pool keeps only its own);
+- the first steps of torch_npu's graph context (synchronize, gc.collect, empty_cache),
+  through the module attributes the platform may patch out, counted;
 
 - the ops, computing what their docs say on CPU tensors, with the argument rules they state
   (keyword names, int32 slots/tables, host int32 context lengths, TND cumulative ends,
@@ -49,6 +59,7 @@ hardware. It models:
 """
 from __future__ import annotations
 
+import gc
 import importlib.machinery
 import math
 import sys
@@ -60,16 +71,24 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 RELEASES = {
-    # version: CANN it pairs with, whether _npu_paged_attention has workspace= (op-plugin
-    # 7.2.0 on), whether auto_dispatch_capture records _npu_paged_attention (issue 15).
-    "2.5.1.post1": dict(cann="8.2.RC1", workspace=False, records_pa=False),
-    "2.8.0": dict(cann="8.3.RC1", workspace=True, records_pa=False),
-    "2.8.0.post2": dict(cann="8.5.0", workspace=True, records_pa=True),
-    "2.9.0.post4": dict(cann="9.0.0", workspace=True, records_pa=True),
+    # version: the CANN it pairs with (Ascend/pytorch README at 9e73e70, the release table),
+    # the op-plugin commit its ops were read at, whether _npu_paged_attention has workspace=
+    # and _npu_paged_attention_get_workspace exists (op-plugin 691bf15,
+    # op_plugin/ops/atb/PagedAttentionAtb.cpp lines 91-92; absent at 480bc43 and 8abaa31),
+    # whether auto_dispatch_capture records _npu_paged_attention (issue 15).
+    "2.5.1": dict(cann="8.1.RC1", op_plugin="8abaa31", workspace=False, records_pa=False),
+    "2.5.1.post1": dict(cann="8.2.RC1", op_plugin="480bc43", workspace=False, records_pa=False),
+    "2.6.0": dict(cann="8.2.RC1", op_plugin="480bc43", workspace=False, records_pa=False),
+    "2.7.1": dict(cann="8.3.RC1", op_plugin="691bf15", workspace=True, records_pa=False),
+    "2.8.0": dict(cann="8.3.RC1", op_plugin="691bf15", workspace=True, records_pa=False),
+    "2.8.0.post2": dict(cann="8.5.0", op_plugin=None, workspace=True, records_pa=True),
+    "2.9.0.post4": dict(cann="9.0.0", op_plugin=None, workspace=True, records_pa=True),
 }
+LISTED = ("2.5.1", "2.6.0", "2.7.1", "2.8.0")
+"""The releases issue 38 names: every one must give the CPU reference's greedy tokens."""
 NO_STREAM_RESOURCE = ("capture_begin:NPUGraph.cpp NPU function error: "
                       "c10_npu::acl::AclmdlRICaptureBegin(capture_stream_, capture_mode), error "
                       "code is 207008\n[Error]: Stream resources are insufficient.")
@@ -84,10 +103,18 @@ OP_DTYPES = {
     # block tables int32 on the device, context lengths int32 on the host.
     "_npu_reshape_and_cache": HALF,
     "_npu_paged_attention": HALF,
+    # the same ATB operations behind (op-plugin 8abaa31, op_plugin/ops/atb/
+    # PagedAttentionSplitfuse.cpp:58 PagedAttentionOperation with MASK_TYPE_SPEC;
+    # SelfAttentionAtb.cpp:63 SelfAttentionOperation PA_ENCODER): float16/bf16, the mask
+    # in the query's dtype (vLLM-Ascend's AttentionMaskBuilder at v0.10.1rc1)
+    "_npu_paged_attention_splitfuse": HALF,
+    "_npu_flash_attention": HALF,
     # op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_fused_infer_attention_score.md:
     # query float16/bfloat16, key/value those (or int8/int4 quantised), contiguous;
     # atten_mask bool/int8/uint8; block_table int32, two-dimensional.
     "npu_fused_infer_attention_score": HALF,
+    # ... and in TND layout bfloat16 only (691bf15 line 224, 480bc43 line 234): _fia
+    "npu_fused_infer_attention_score TND": (torch.bfloat16,),
     # op-plugin (beta)torch_npu-npu_swiglu.md, torch_npu-npu_add_rms_norm.md: float32,
     # float16 or bfloat16; swiglu's input must be contiguous; add_rms_norm's gamma has x1's
     # dtype.
@@ -103,21 +130,68 @@ H2D_DURING_CAPTURE = ("fake NPU: synchronous host-to-device copy while capturing
                       "into static buffers before capture, or non_blocking from pinned memory")
 
 
-def tnd_head_sizes(cann: str) -> tuple[int, ...]:
-    """The head sizes TND layout takes on this CANN: 64, 128 and 192 from 8.3.RC2 on (where
-    vLLM-Ascend's CI runs a head size 64 model through it), 128 alone before."""
+def _cann(cann: str) -> tuple:
+    """'8.3.RC1' -> (8, 3, 0, 1); '8.5.0' -> (8, 5, 1, 0) (candidates before releases)."""
     major, minor, *rest = cann.upper().split(".")
-    line = (int(major), int(minor))
-    late = line > (8, 3) or (line == (8, 3) and rest[:1] not in ([], ["RC1"]))
-    return (64, 128, 192) if late else (128,)
+    tail = rest[0] if rest else "RC0"
+    rc = tail.startswith("RC")
+    n = int("".join(ch for ch in tail if ch.isdigit()) or 0)
+    return (int(major), int(minor), 0 if rc else 1, n)
 
 
-def _attend(q, keys, values, scale, causal=False):
-    """q [n, H, D] over keys/values [L, kvH, D]; causal aligned to the end when asked."""
+def tnd_rules(cann: str) -> dict:
+    """What npu_fused_infer_attention_score takes in TND layout (query D != 512, no rope) on
+    this CANN, from op-plugin's doc of the op (docs/context/torch_npu-npu_fused_infer_
+    attention_score.md):
+    - before 8.3.RC1 (480bc43, lines 231-236; 8abaa31 has no doc): Q_D = K_D = 192, equal
+      query/key/value head counts, bfloat16 only, no page attention;
+    - 8.3.RC1 (691bf15, lines 221-227): also Q_D = K_D = V_D = 128, no equal-heads rule,
+      bfloat16 only. The doc still lists page attention as unsupported, but vLLM-Ascend ran
+      paged TND calls on exactly this CANN (f1f2c8f5e5's `startswith("8.3")` gate), so the
+      fake follows the run, not that line;
+    - 8.3.RC2 on: head size 64 too (vLLM-Ascend's CI runs Llama-3.2-1B through it from
+      e11ff8e535b7 on the 8.3.rc2 image)."""
+    c = _cann(cann)
+    if c < (8, 3, 0, 1):
+        return dict(head_sizes=(192,), gqa=False, paged=False)
+    if c < (8, 3, 0, 2):
+        return dict(head_sizes=(128, 192), gqa=True, paged=True)
+    return dict(head_sizes=(64, 128, 192), gqa=True, paged=True)
+
+
+def tnd_head_sizes(cann: str) -> tuple[int, ...]:
+    return tnd_rules(cann)["head_sizes"]
+
+
+def _check_out(op, out, shape) -> None:
+    """An ATB op writes `out` in place as one dense block: a strided view would be written
+    past its rows (the ATB doc leaves contiguity to the caller)."""
+    if tuple(out.shape) != tuple(shape) or not out.is_contiguous():
+        raise RuntimeError(f"fake NPU: {op}: out must be contiguous {tuple(shape)}, got "
+                           f"{tuple(out.shape)} strides {out.stride()}")
+
+
+def _check_causal(rows, offset, op, additive) -> None:
+    """The mask rows of n query tokens whose first sits at position `offset`: zero up to and
+    including each token's position, masked after it (additive: very negative; else nonzero,
+    as vLLM-Ascend's masks are). Anything else is a mask the kernel would misread."""
+    n, width = rows.shape
+    future = torch.arange(width)[None, :] > (torch.arange(n)[:, None] + offset)
+    masked = rows < -1000 if additive else rows != 0
+    if not torch.equal(masked, future) or bool(rows[~future].any()):
+        raise RuntimeError(f"fake NPU: {op}: the mask is not causal for these positions "
+                           f"(rows from position {offset}, width {width})")
+
+
+def _attend(q, keys, values, scale, causal=False, bias=None):
+    """q [n, H, D] over keys/values [L, kvH, D]; causal aligned to the end when asked, or an
+    additive [n, L] bias."""
     n, L = q.shape[0], keys.shape[0]
     mask = None
     if causal:
         mask = torch.arange(L)[None, :] <= (torch.arange(n)[:, None] + L - n)
+    elif bias is not None:
+        mask = bias.to(q.dtype)
     return F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1),
                                           values.transpose(0, 1), attn_mask=mask, scale=scale,
                                           enable_gqa=True).transpose(0, 1)
@@ -198,10 +272,47 @@ class Entry:
                       for o in tree_flatten(out)[0]]
 
     def run(self):
-        res = self.fn(*self.args, **self.kwargs)
+        res = self.fn(*_strong(self.args), **_strong(self.kwargs))
         for o, r, fresh in zip(tree_flatten(self.out)[0], tree_flatten(res)[0], self.fresh):
             if fresh:
                 o.copy_(r)
+
+    def hold_weakly(self, made: set[int]) -> None:
+        """Keep only weak references to the tensors this op read that the capture did not
+        make (the graph's pool keeps what it allocated; anything else is the caller's to keep
+        alive, as on hardware, where freed memory is reused and a replay reads whatever is
+        there)."""
+        what = self.name or str(self.fn)
+
+        def weaken(t):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in made:
+                base = t if t._base is None else t._base
+                if base.dtype == t.dtype:
+                    return _Weak(t, base, what)
+            return t
+        self.args, self.kwargs = tree_map(weaken, self.args), tree_map(weaken, self.kwargs)
+
+
+class _Weak:
+    """A tensor a graph read at capture, held by a weak reference to its base."""
+    __slots__ = ("ref", "shape", "stride", "offset", "what")
+
+    def __init__(self, t, base, what=""):
+        self.ref, self.what = weakref.ref(base), what
+        self.shape, self.stride, self.offset = t.shape, t.stride(), t.storage_offset()
+
+    def get(self) -> torch.Tensor:
+        base = self.ref()
+        if base is None:
+            raise RuntimeError(f"fake NPU: use after free: a replay reads a tensor the graph "
+                               f"used at capture ({self.what}: {tuple(self.shape)}) that has "
+                               "been freed since (on hardware its memory is reused: keep it "
+                               "alive as long as the graph)")
+        return base.as_strided(self.shape, self.stride, self.offset)
+
+
+def _strong(tree):
+    return tree_map(lambda x: x.get() if isinstance(x, _Weak) else x, tree)
 
 
 class NPUGraph:
@@ -291,6 +402,9 @@ class NpuRuntime(types.SimpleNamespace):
         """A replay has run to its end and the host has not synchronized since."""
         self.capture_kwargs: list[dict] = []
         self.syncs = 0
+        self.capture_collects = 0
+        """gc.collect() runs at a capture's start (each costs a full collection)."""
+        self.capture_empty_caches = 0
         self.captured = 0
         self.max_graphs: int | None = None
         """Graphs the driver lets this process capture (None: no limit)."""
@@ -330,7 +444,7 @@ class NpuRuntime(types.SimpleNamespace):
         pass
 
     def empty_cache(self):
-        pass
+        return True
 
     def Stream(self):
         return FakeStream(self, "side")
@@ -359,7 +473,13 @@ class NpuRuntime(types.SimpleNamespace):
     @contextmanager
     def graph(self, g, pool=None, stream=None, auto_dispatch_capture=False):
         self.capture_kwargs.append(dict(auto_dispatch_capture=auto_dispatch_capture))
+        # what torch_npu/npu/graphs.py's __enter__ does first (Ascend/pytorch 9e73e70, lines
+        # 902-906), through the same module attributes, so that skipping them shows here
         self.synchronize()
+        if gc.collect() is not None:           # an int, unless patched out
+            self.capture_collects += 1
+        if self.empty_cache():                 # True, unless patched out
+            self.capture_empty_caches += 1
         if self.max_graphs is not None and self.captured >= self.max_graphs:
             raise RuntimeError(self.capture_error)
         self.captured += 1
@@ -373,6 +493,11 @@ class NpuRuntime(types.SimpleNamespace):
         finally:
             self.current, self.capturing = prev, None
             self.host_made = set()
+            made = {o.untyped_storage().data_ptr() for e in g.entries if isinstance(e, Entry)
+                    for o, fresh in zip(tree_flatten(e.out)[0], e.fresh) if fresh}
+            for e in g.entries:
+                if isinstance(e, Entry):
+                    e.hold_weakly(made)
 
     def graph_task_group_begin(self, stream):
         assert self.capturing is not None and stream is self.capturing.capture_stream
@@ -401,8 +526,9 @@ class NpuRuntime(types.SimpleNamespace):
         self.updating, self.update_issued = handle, False
 
     def graph_task_update_end(self, stream):
-        assert self.updating is not None and self.update_issued, "an empty task update"
-        self.updating = None
+        issued, open_ = self.update_issued, self.updating is not None
+        self.updating = None                   # the update scope ends either way
+        assert open_ and issued, "an empty task update"
 
     def Event(self, enable_timing=False):
         return CopyEvent(self)
@@ -548,6 +674,7 @@ class FakeTorchNpu(types.ModuleType):
         self.release = release
         self.npu = NpuRuntime(cann or release["cann"], soc)
         self.calls = Counter()
+        self._masks_seen: set[int] = set()
         self.fp32 = False
         """Let the ATB and FIA ops take float32 too (install(fp32=True)); their docs do not."""
         if release["workspace"]:
@@ -603,6 +730,7 @@ class FakeTorchNpu(types.ModuleType):
             new = kwargs[key]
             if key == "workspace":
                 continue          # re-queried per step; its size is checked when the task runs
+            value = _strong(value)
             if key == "context_lens" or not isinstance(value, torch.Tensor):
                 if key == "context_lens" and new.shape != value.shape:
                     raise RuntimeError(f"fake NPU: task update's context_lens has shape "
@@ -619,7 +747,12 @@ class FakeTorchNpu(types.ModuleType):
         if kwargs.get("workspace") is None:
             raise RuntimeError("fake NPU: _npu_paged_attention updated without a workspace: "
                                "it would allocate one on the update stream at every step")
-        e.kwargs = {**kwargs, "context_lens": kwargs["context_lens"].clone()}
+        # the lengths are host data the update consumes; the workspace is a device address
+        # the task keeps: the caller must keep it alive until the replay has run
+        ws = kwargs["workspace"]
+        e.kwargs = {**e.kwargs, "context_lens": kwargs["context_lens"].clone(),
+                    "workspace": _Weak(ws, ws if ws._base is None else ws._base,
+                                       f"{name} workspace")}
         rt.update_issued = True
 
     # ---- ops -----------------------------------------------------------------------------
@@ -668,7 +801,16 @@ class FakeTorchNpu(types.ModuleType):
                 or context_lens.shape != (b,):
             raise TypeError(f"fake NPU: {op}: context_lens must be a host int32 [{b}], got "
                             f"{context_lens.dtype} {tuple(context_lens.shape)}")
-        assert out.shape == query.shape
+        _check_out(op, out, query.shape)
+        if self.npu.capturing is not None and not self.npu.in_op:
+            # the capture fixes tiling and workspace for these lengths: they must fit the
+            # table rows the task will read through
+            for i, length in enumerate(context_lens.tolist()):
+                need = math.ceil(length / key_cache.shape[1])
+                if need > block_table.shape[1]:
+                    raise RuntimeError(
+                        f"fake NPU: {op} captured with context length {length} for row {i}, "
+                        f"{need} blocks, through a table {block_table.shape[1]} blocks wide")
         return self._call(op, self._paged_attention, (),
                           dict(query=query, key_cache=key_cache, value_cache=value_cache,
                                num_kv_heads=num_kv_heads, num_heads=num_heads,
@@ -702,6 +844,86 @@ class FakeTorchNpu(types.ModuleType):
             out[i] = _attend(query[i:i + 1], keys, values, scale_value)[0]
         self.calls["paged"] += 1
 
+    def _npu_paged_attention_splitfuse(self, query, key_cache, value_cache, block_table,
+                                       context_lens, mask, seq_len, num_kv_heads, num_heads,
+                                       scale_value, out):
+        op = "_npu_paged_attention_splitfuse"
+        self._dtype(op, query=query, key_cache=key_cache, value_cache=value_cache, mask=mask)
+        if len({query.dtype, key_cache.dtype, value_cache.dtype, out.dtype, mask.dtype}) > 1:
+            raise TypeError(f"fake NPU: {op}: query, caches, mask and out must share a dtype")
+        b = context_lens.shape[0]
+        for name, t in (("context_lens", context_lens), ("seq_len", seq_len)):
+            if t.dtype != torch.int32 or t.device.type != "cpu" or t.shape != (b,):
+                raise TypeError(f"fake NPU: {op}: {name} must be a host int32 [{b}], got "
+                                f"{t.dtype} {tuple(t.shape)} on {t.device}")
+        if block_table.dtype != torch.int32 or block_table.shape[0] != b:
+            raise TypeError(f"fake NPU: {op}: block_table must be int32 [{b}, max_blocks]")
+        q_lens, ctx = seq_len.tolist(), context_lens.tolist()
+        if sum(q_lens) != query.shape[0] or any(q > c for q, c in zip(q_lens, ctx)):
+            raise RuntimeError(f"fake NPU: {op}: seq_len {q_lens} must sum to the query's "
+                               f"{query.shape[0]} tokens, each within its context {ctx}")
+        if tuple(mask.shape) != (query.shape[0], max(ctx)):
+            raise RuntimeError(f"fake NPU: {op}: mask must be [tokens, max context] = "
+                               f"[{query.shape[0]}, {max(ctx)}], got {tuple(mask.shape)}")
+        _check_out(op, out, query.shape)
+        return self._call(op, self._splitfuse, (), dict(
+            query=query, key_cache=key_cache, value_cache=value_cache, block_table=block_table,
+            context_lens=context_lens, mask=mask, seq_len=seq_len, num_kv_heads=num_kv_heads,
+            num_heads=num_heads, scale_value=scale_value, out=out), inplace=True)
+
+    def _splitfuse(self, query, key_cache, value_cache, block_table, context_lens, mask,
+                   seq_len, num_kv_heads, num_heads, scale_value, out):
+        nb, bs, kvh, d = key_cache.shape
+        if bs % 16 or bs * d > 128 * 128:
+            raise RuntimeError(f"fake NPU: splitfuse refuses block_size {bs} x head size {d}")
+        assert (num_kv_heads, num_heads) == (kvh, query.shape[1])
+        start = 0
+        for i, (n, length) in enumerate(zip(seq_len.tolist(), context_lens.tolist())):
+            blocks = _table_row(block_table, i, length, bs, nb, "_npu_paged_attention_splitfuse")
+            keys = key_cache[blocks].reshape(-1, kvh, d)[:length]
+            values = value_cache[blocks].reshape(-1, kvh, d)[:length]
+            rows = mask[start:start + n, :length].float()
+            _check_causal(rows, length - n, "_npu_paged_attention_splitfuse", additive=True)
+            out[start:start + n] = _attend(query[start:start + n], keys, values, scale_value,
+                                           bias=rows)
+            start += n
+        self.calls["splitfuse"] += 1
+
+    def _npu_flash_attention(self, query, key, value, mask, seq_len, scale_value, num_heads,
+                             num_kv_heads, out):
+        op = "_npu_flash_attention"
+        self._dtype(op, query=query, key=key, value=value, mask=mask)
+        if len({query.dtype, key.dtype, value.dtype, out.dtype, mask.dtype}) > 1:
+            raise TypeError(f"fake NPU: {op}: query, key, value, mask and out must share a dtype")
+        if seq_len.dtype != torch.int32 or seq_len.device.type != "cpu" or seq_len.dim() != 1:
+            raise TypeError(f"fake NPU: {op}: seq_len must be a host int32 [batch]")
+        lens = seq_len.tolist()
+        if sum(lens) != query.shape[0] or key.shape[0] != query.shape[0]:
+            raise RuntimeError(f"fake NPU: {op}: seq_len {lens} must sum to the tokens of "
+                               f"query {query.shape[0]} and key {key.shape[0]}")
+        if mask.dim() != 2 or mask.shape[0] != mask.shape[1] or mask.shape[0] < max(lens):
+            raise RuntimeError(f"fake NPU: {op}: mask must be square, at least the longest "
+                               f"sequence ({max(lens)}), got {tuple(mask.shape)}")
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if not t.is_contiguous():
+                raise RuntimeError(f"fake NPU: {op} takes no non-contiguous {name}")
+        _check_out(op, out, query.shape)
+        return self._call(op, self._flash_attention, (), dict(
+            query=query, key=key, value=value, mask=mask, seq_len=seq_len,
+            scale_value=scale_value, num_heads=num_heads, num_kv_heads=num_kv_heads, out=out),
+            inplace=True)
+
+    def _flash_attention(self, query, key, value, mask, seq_len, scale_value, num_heads,
+                         num_kv_heads, out):
+        assert (num_heads, num_kv_heads) == (query.shape[1], key.shape[1])
+        start = 0
+        for n in seq_len.tolist():
+            _check_causal(mask[:n, :n].float(), 0, "_npu_flash_attention", additive=False)
+            out[start:start + n] = _attend(query[start:start + n], key[start:start + n],
+                                           value[start:start + n], scale_value, causal=True)
+            start += n
+        self.calls["flash"] += 1
+
     def npu_fused_infer_attention_score(self, q, k, v, **kw):
         return self._call("npu_fused_infer_attention_score", self._fia, (q, k, v), kw)
 
@@ -714,6 +936,8 @@ class FakeTorchNpu(types.ModuleType):
                                "Ascend310P")
         assert input_layout == "TND" and sparse_mode == 3
         self._dtype(op, query=q, key=k, value=v)
+        self._dtype(op + " TND", query=q)
+        rules = tnd_rules(self.npu.cann)
         if k.dtype != q.dtype or v.dtype != q.dtype:
             raise TypeError(f"fake NPU: {op}: key/value {k.dtype} with query {q.dtype}")
         if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
@@ -721,6 +945,11 @@ class FakeTorchNpu(types.ModuleType):
         assert atten_mask.shape == (2048, 2048)
         if atten_mask.dtype not in (torch.bool, torch.int8, torch.uint8):
             raise TypeError(f"fake NPU: {op}: atten_mask bool/int8/uint8, got {atten_mask.dtype}")
+        if id(atten_mask) not in self._masks_seen:
+            if not torch.equal(atten_mask.bool(), torch.ones(2048, 2048, dtype=torch.bool).triu(1)):
+                raise RuntimeError(f"fake NPU: {op}: sparse_mode 3 wants the 2048 x 2048 "
+                                   "upper-triangle mask (1 = masked)")
+            self._masks_seen.add(id(atten_mask))
         ends, kv_lens = actual_seq_lengths, actual_seq_lengths_kv
         assert all(isinstance(x, int) for x in ends + kv_lens)
         if not 0 < len(ends) == len(kv_lens) <= 4096 or ends[-1] != q.shape[0] or any(
@@ -735,10 +964,18 @@ class FakeTorchNpu(types.ModuleType):
         nb, bs, width = k.shape
         kvh = num_key_value_heads
         d = width // kvh
-        allowed = tnd_head_sizes(self.npu.cann)
-        if d not in allowed:
+        cann = self.npu.cann
+        if d not in rules["head_sizes"]:
             raise RuntimeError(f"fake NPU: aclnnFusedInferAttentionScore error 561002: TND "
-                               f"layout with head size {d}")
+                               f"layout with head size {d} (CANN {cann} takes "
+                               f"{rules['head_sizes']})")
+        if not rules["gqa"] and kvh != num_heads:
+            raise RuntimeError(f"fake NPU: aclnnFusedInferAttentionScore error 561002: TND "
+                               f"layout needs Q_N = K_N = V_N on CANN {cann} (got {num_heads} "
+                               f"query heads, {kvh} KV heads)")
+        if not rules["paged"]:
+            raise RuntimeError(f"fake NPU: aclnnFusedInferAttentionScore error 561002: TND "
+                               f"layout takes no page attention (block_table) on CANN {cann}")
         assert bs == block_size and num_heads == q.shape[1]
         out, start = torch.empty_like(q), 0
         for i, (end, length) in enumerate(zip(ends, kv_lens)):
@@ -792,13 +1029,16 @@ class FakeTorchNpu(types.ModuleType):
         return F.silu(a) * b
 
 
-def install(monkeypatch, version="2.8.0", soc=223, cann=None, fp32=True) -> FakeTorchNpu:
+def install(monkeypatch, version="2.8.0", soc=223, cann=None, fp32=False) -> FakeTorchNpu:
     """Make `import torch_npu` and `torch.npu` the fake for one test, and let the real
-    NpuPlatform allocate on the CPU; with fp32, in fp32 (so tokens compare exactly with the
-    CPU reference path; the ATB and FIA ops then take float32, which their docs do not),
-    else in bf16 with the real backend's dtype rule and the ops' own."""
+    NpuPlatform allocate on the CPU. By default in bf16, with the real backend's dtype rules
+    and the ops' own. With fp32 (asked for by name, for exact token comparisons with the CPU
+    reference path): the NPU's default dtype is float32 and every attention path and op
+    takes it too, which their docs do not; every other rule still holds."""
+    from dataclasses import replace
+
+    from workbench.platforms import npu as npu_platform
     from workbench.platforms.npu import NpuPlatform
-    from workbench.platforms.npu_attention import NpuAttention
     fake = FakeTorchNpu(version, soc, cann)
     fake.fp32 = fp32
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
@@ -807,6 +1047,8 @@ def install(monkeypatch, version="2.8.0", soc=223, cann=None, fp32=True) -> Fake
     _patch_copies(monkeypatch, fake.npu.host_copies)
     if fp32:
         monkeypatch.setattr(NpuPlatform, "default_dtype", torch.float32)
-        monkeypatch.setattr(NpuAttention, "supported_dtypes",
-                            (torch.float32, *NpuAttention.supported_dtypes))
+        for name in ("ATB_PATH", "FIA_PA_PATH", "FIA_PATH"):
+            path = getattr(npu_platform, name)
+            monkeypatch.setattr(npu_platform, name,
+                                replace(path, dtypes=(torch.float32, *path.dtypes)))
     return fake

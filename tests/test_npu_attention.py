@@ -42,7 +42,7 @@ def _params(*ns):
 
 
 def test_npu_backend_tokens_equal_the_reference(qwen3_d128, reference_tokens, monkeypatch):
-    fake = fake_torch_npu.install(monkeypatch)
+    fake = fake_torch_npu.install(monkeypatch, fp32=True)
     prompts = random_prompts(5, 5, 300, 1000, seed=4)
     prompts.append(prompts[2][:260] + [7, 8, 9])            # a cached prefix, then a chunk
     params = _params(20, 20, 20, 20, 20, 20)
@@ -59,9 +59,10 @@ def test_npu_backend_tokens_equal_the_reference(qwen3_d128, reference_tokens, mo
     assert got == want
     steps = npu.telemetry.snapshot()[0]
     assert any(s.phase == "mixed" for s in steps) and any(s.num_cached_tokens for s in steps)
-    # eager decode runs the fused infer-attention op, as vLLM-Ascend's does: paged attention
-    # only inside whole-step decode graphs
-    assert set(fake.calls) == {"cache", "fia", "rms_norm", "add_rms_norm", "swiglu"}
+    # torch_npu 2.8.0 pairs with CANN 8.3.RC1: chunks and mixed steps through the fused
+    # infer-attention op, decode-only steps through eager paged attention, as vLLM-Ascend
+    # v0.11.0 ran them (npu.FIA_PA_PATH; test_npu_releases.py covers every release)
+    assert set(fake.calls) == {"cache", "fia", "paged", "rms_norm", "add_rms_norm", "swiglu"}
     # Every step's inputs went through the pinned staging: one copy a step, none from
     # pageable memory (which the fake reads late, as the copy engine would).
     copies = fake.npu.host_copies.counts
@@ -81,7 +82,7 @@ def test_npu_decode_graphs_hand_every_replay_its_lengths(qwen3_d128, reference_t
     lengths. Whole decode graphs are opt-in on the NPU: 'decode' by name (at
     cudagraph_capture_sizes), or pa_shape_list under 'full', which adds piecewise graphs
     around the fused prefill."""
-    fake = fake_torch_npu.install(monkeypatch, version=release)
+    fake = fake_torch_npu.install(monkeypatch, version=release, fp32=True)
     sizes = dict(cudagraph_capture_sizes=[1, 2, 4, 6]) if mode == "decode" else \
         dict(pa_shape_list=[1, 2, 4, 6])
     npu = Engine(model=str(qwen3_d128), device="npu", **KW, graph_mode=mode, **sizes)
@@ -100,8 +101,8 @@ def test_npu_decode_graphs_hand_every_replay_its_lengths(qwen3_d128, reference_t
                                                              for s in full)
     assert sum(g.graph.replays for g in graphs.values()) == len(full)
     piecewise = [s for s in steps if s.graph_kind == "PIECEWISE"]
-    assert bool(piecewise) == (mode == "full")
-    assert all(s.num_prefill_tokens for s in piecewise)
+    assert bool(npu.info().piecewise_sizes) == (mode == "full")
+    assert all(s.num_prefill_tokens for s in piecewise) and (mode == "full" or not piecewise)
     assert fake.npu.host_copies.counts["unpinned"] == 0
 
 
@@ -113,7 +114,7 @@ def test_the_fake_catches_staging_from_pageable_memory(qwen3_d128, reference_tok
     the embedding and the metadata's int32 conversions have by then read the device buffer
     as the step before left it: the tokens go wrong, or a stale block id is out of range."""
     from workbench.platforms.npu import NpuPlatform
-    fake = fake_torch_npu.install(monkeypatch)
+    fake = fake_torch_npu.install(monkeypatch, fp32=True)
     monkeypatch.setattr(NpuPlatform, "pinned", lambda self, t: t)
     npu = Engine(model=str(qwen3_d128), device="npu", **KW, graph_mode="eager")
     prompts = random_prompts(3, 5, 100, 1000, seed=5)
@@ -130,7 +131,7 @@ def test_npu_graph_update_order_does_not_rest_on_the_sampler(qwen3_d128, monkeyp
     """replay_graph synchronizes itself: two replays back to back, with nothing reading
     their output in between, are fine; the orders the fake refuses would be wrong on
     hardware (an update landing in the previous replay, or a replay that waits forever)."""
-    fake_torch_npu.install(monkeypatch)
+    fake_torch_npu.install(monkeypatch, fp32=True)
     npu = Engine(model=str(qwen3_d128), device="npu", **KW, graph_mode="decode",
                  cudagraph_capture_sizes=[2])
     platform, g = npu.core.platform, npu.core.runner.graphs.graphs[2]
@@ -159,7 +160,7 @@ def test_fake_models_a_release_whose_auto_dispatch_misses_paged_attention(monkey
     paged attention on 2.9.0.post4 and silently misses it on 2.8.0."""
     results = {}
     for release in ("2.8.0", "2.9.0.post4"):
-        fake = fake_torch_npu.install(monkeypatch, version=release)
+        fake = fake_torch_npu.install(monkeypatch, version=release, fp32=True)
         torch.manual_seed(0)
         k_cache, v_cache = torch.randn(2, 2, 128, 1, 128).unbind(0)
         q, out = torch.randn(1, 2, 128), torch.zeros(1, 2, 128)
@@ -183,7 +184,7 @@ def test_fake_models_a_release_whose_auto_dispatch_misses_paged_attention(monkey
 def test_npu_refuses_head_sizes_the_chip_does_not_take(tiny_checkpoints, tmp_path, monkeypatch):
     """Checked at engine build, naming the size: the fused prefill would otherwise fail at
     the first prompt with error 561002."""
-    fake_torch_npu.install(monkeypatch)
+    fake_torch_npu.install(monkeypatch, fp32=True)
     path, _ = tiny_checkpoints["qwen3"]                        # head size 48
     with pytest.raises(ValueError, match="head size 48 .* takes 128"):
         Engine(model=str(path), device="npu", **KW)
@@ -192,27 +193,29 @@ def test_npu_refuses_head_sizes_the_chip_does_not_take(tiny_checkpoints, tmp_pat
         Engine(model=str(tmp_path), device="npu", **KW)
     # 64 as well from CANN 8.3.RC2 on, as vLLM-Ascend runs it (npu.HEAD_SIZE_64_FROM)
     for release, cann in (("2.8.0", "8.3.RC2"), ("2.8.0.post2", None), ("2.9.0.post4", None)):
-        fake_torch_npu.install(monkeypatch, version=release, cann=cann)
+        fake_torch_npu.install(monkeypatch, version=release, cann=cann, fp32=True)
         e = Engine(model=str(tmp_path), device="npu", **KW)
         assert len(e.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].token_ids) == 3
         assert e.core.platform.report.head_sizes == (64, 128)
     from workbench.platforms.npu import supported_head_sizes
-    for cann, sizes in (("8.2.RC1", (128,)), ("8.3.RC1", (128,)), ("8.3.RC1.alpha002", (128,)),
+    # before 8.3.RC1 the ATB path (vLLM-Ascend ran head size 64 there), 8.3.RC1's TND 128
+    # only (test_npu_releases.py)
+    for cann, sizes in (("8.2.RC1", (64, 128)), ("8.3.RC1", (128,)), ("8.3.RC1.alpha002", (128,)),
                         ("8.3.RC2", (64, 128)), ("8.5.0", (64, 128)), ("9.0.T102", (64, 128)),
-                        ("9.1.0", (64, 128)), (None, (128,)), ("unknown", (128,))):
+                        ("9.1.0", (64, 128)), (None, (64, 128)), ("unknown", (64, 128))):
         assert supported_head_sizes(cann) == sizes, cann
 
 
 @pytest.mark.parametrize("soc,chip", [(202, "310P"), (260, "950"), (100, "unknown")])
 def test_npu_refuses_chips_it_was_not_written_for(qwen3_d128, monkeypatch, soc, chip):
-    fake_torch_npu.install(monkeypatch, soc=soc)
+    fake_torch_npu.install(monkeypatch, soc=soc, fp32=True)
     with pytest.raises(ValueError, match=f"soc_version {soc} is an Ascend {chip} chip"):
         Engine(model=str(qwen3_d128), device="npu", **KW)
 
 
 def test_npu_graphs_need_the_workspace_api(qwen3_d128, monkeypatch):
     """2.5.1.post1 has no workspace for _npu_paged_attention: graph modes run eager, said so."""
-    fake_torch_npu.install(monkeypatch, version="2.5.1.post1")
+    fake_torch_npu.install(monkeypatch, version="2.5.1.post1", fp32=True)
     e = Engine(model=str(qwen3_d128), device="npu", **KW, graph_mode="decode")
     assert e.info().graph_mode == "eager" and "not available on npu" in e.notices[0]
     assert not e.core.platform.supports_graphs and "_npu_paged_attention_get_workspace" in \
@@ -221,13 +224,13 @@ def test_npu_graphs_need_the_workspace_api(qwen3_d128, monkeypatch):
 
 def test_doctor_reports_and_refuses(monkeypatch, capsys):
     from workbench.cli import main
-    fake_torch_npu.install(monkeypatch, version="2.8.0")
+    fake_torch_npu.install(monkeypatch, version="2.8.0", fp32=True)
     assert main(["doctor", "--device", "npu"]) == 0
     out = capsys.readouterr().out
     for text in ("2.8.0", "8.3.RC1", "Ascend910B3", "soc_version 223 (A2)", "head sizes     128",
                  "task groups", "auto_dispatch_capture", "usable"):
         assert text in out, text
-    fake_torch_npu.install(monkeypatch, version="2.5.1.post1", soc=202)
+    fake_torch_npu.install(monkeypatch, version="2.5.1.post1", soc=202, fp32=True)
     assert main(["doctor", "--device", "npu"]) == 1
     out = capsys.readouterr().out
     assert "REFUSED" in out and "310P" in out and "decode graphs  no" in out
@@ -239,7 +242,7 @@ def test_npu_config_rules(qwen3_d128, monkeypatch):
     """The NPU backend's knob domains, enforced at build, before any weights load."""
     fake_torch_npu.install(monkeypatch, fp32=False)
     kw = dict(model=str(qwen3_d128), device="npu", **KW)
-    with pytest.raises(ValueError, match="dtype: npu's attention .npu. takes bfloat16 or float16"):
+    with pytest.raises(ValueError, match="dtype: float32 is refused .*bfloat16 only"):
         Engine(**kw, dtype="float32")
     with pytest.raises(ValueError, match="attention_backend"):
         Engine(**kw, attention_backend="reference")
@@ -252,7 +255,7 @@ def test_npu_refuses_graphs_under_launch_blocking(qwen3_d128, monkeypatch):
     """ASCEND_LAUNCH_BLOCKING=1 makes every launch synchronous, which graph capture does not
     work with (vLLM-Ascend refuses the pair too): refused at build, before any weights load,
     naming graph_mode; the device's default counts, since it would capture; eager runs."""
-    fake_torch_npu.install(monkeypatch)
+    fake_torch_npu.install(monkeypatch, fp32=True)
     kw = dict(model=str(qwen3_d128), device="npu", **KW)
     monkeypatch.setenv("ASCEND_LAUNCH_BLOCKING", "1")
     for mode in ("decode", "full", None):
@@ -262,10 +265,10 @@ def test_npu_refuses_graphs_under_launch_blocking(qwen3_d128, monkeypatch):
     e = Engine(**kw, graph_mode="eager")
     assert e.info().graph_mode == "eager" and not e.core.runner.graphs
     assert len(e.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].token_ids) == 3
-    fake_torch_npu.install(monkeypatch, version="2.5.1.post1")    # no graphs: default is eager
+    fake_torch_npu.install(monkeypatch, version="2.5.1.post1", fp32=True)    # no graphs: default is eager
     assert Engine(**kw).info().graph_mode == "eager"
     monkeypatch.setenv("ASCEND_LAUNCH_BLOCKING", "0")
-    fake_torch_npu.install(monkeypatch)
+    fake_torch_npu.install(monkeypatch, fp32=True)
     assert Engine(**kw, graph_mode="decode", cudagraph_capture_sizes=[1]).info().graph_mode \
         == "decode"
 
@@ -277,7 +280,7 @@ def test_npu_capture_out_of_stream_resources_names_the_fix(qwen3_d128, monkeypat
     an HDK before 25.5.1) fails the build with what to change, the driver's error chained;
     any other capture failure passes through as it was. With 'full' the budget runs out in
     the piecewise captures, after the 4 decode graphs."""
-    fake = fake_torch_npu.install(monkeypatch)
+    fake = fake_torch_npu.install(monkeypatch, fp32=True)
     fake.npu.max_graphs = limit
     kw = dict(model=str(qwen3_d128), device="npu", **KW, graph_mode=mode,
               cudagraph_capture_sizes=[1, 2, 4, 6])
@@ -345,6 +348,6 @@ def test_npu_benchmark_reports_a_failing_part_and_carries_on(monkeypatch, capsys
     assert bench.main(["--small", "--parts", "w1"]) == 1
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     doctor, w1 = lines
-    assert not doctor["ok"] and doctor["ops"][2]["name"] == "FIA prefill"
+    assert not doctor["ok"] and doctor["ops"][2]["name"] == "chunk"
     assert "ascend-toolkit/set_env.sh" in doctor["ops"][2]["fix"]
     assert not w1["ok"] and "aclnnFusedInferAttentionScore failed" in w1["error"]

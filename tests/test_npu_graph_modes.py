@@ -31,7 +31,9 @@ def reference(qwen3_d128):
 
 
 def test_npu_default_is_piecewise_with_fused_attention(qwen3_d128, reference, monkeypatch):
-    fake = fake_torch_npu.install(monkeypatch)
+    """On CANN 8.3.RC2 and later ('fia' path; 8.3.RC1 decodes eager through paged attention,
+    test_npu_releases.py)."""
+    fake = fake_torch_npu.install(monkeypatch, version="2.8.0.post2", fp32=True)
     prompts, params, want = reference
     e = Engine(model=str(qwen3_d128), device="npu", **KW)
     info = e.info()
@@ -49,7 +51,7 @@ def test_npu_pa_shape_list_opts_batch_sizes_into_paged_decode_graphs(qwen3_d128,
                                                                       monkeypatch):
     """Under the default mode, only the listed batch sizes replay whole-step graphs (FULL);
     every other decode step replays piecewise, as vLLM-Ascend's pa_shape_list switches."""
-    fake = fake_torch_npu.install(monkeypatch)
+    fake = fake_torch_npu.install(monkeypatch, fp32=True)
     prompts, params, want = reference
     e = Engine(model=str(qwen3_d128), device="npu", **KW, pa_shape_list=[2])
     assert e.info().graph_mode == "full" and e.info().capture_sizes == (2,)
@@ -70,25 +72,27 @@ def test_npu_decode_graphs_capture_at_the_maximum_and_requery_the_workspace(
     """vLLM-Ascend's FULL_DECODE_ONLY capture: every row's length and the workspace at 6144
     (model_runner_v1.py, SEQ_LEN_WITH_MAX_PA_WORKSPACE); its update queries the workspace
     for the step's lengths (update_graph_params since #6041/#6231)."""
-    fake_torch_npu.install(monkeypatch)
+    fake_torch_npu.install(monkeypatch, fp32=True)
     prompts, params, want = reference
     e = Engine(model=str(qwen3_d128), device="npu", **KW, graph_mode="decode",
                cudagraph_capture_sizes=[1, 2, 4])
     graphs = e.core.runner.graphs.graphs
     for size, g in graphs.items():
-        longest = torch.full((size,), SEQ_LEN_WITH_MAX_PA_WORKSPACE, dtype=torch.int32)
+        # 6144, or what the 8-block tables of max_model_len 1024 hold (npu_attention.capture_lens)
+        longest = torch.full((size,), min(SEQ_LEN_WITH_MAX_PA_WORKSPACE, 8 * 128),
+                             dtype=torch.int32)
         for task in g.tasks:
             assert torch.equal(task.handle.kwargs["context_lens"], longest)
         assert g.workspace.numel() == fake_torch_npu.pa_workspace_bytes(longest)
     assert [o.token_ids for o in e.generate(prompts, params)] == want
     g = graphs[4]
-    used = g.tasks[0].handle.kwargs
-    assert used["workspace"] is g.step_workspace and used["workspace"] is not g.workspace
+    used = fake_torch_npu._strong(g.tasks[0].handle.kwargs)   # held weakly by the task
+    assert used["workspace"].data_ptr() == g.step_workspace.data_ptr() != g.workspace.data_ptr()
     assert g.step_workspace.numel() == fake_torch_npu.pa_workspace_bytes(used["context_lens"])
 
 
 def test_npu_default_counts_as_capturing_under_launch_blocking(qwen3_d128, monkeypatch):
-    fake_torch_npu.install(monkeypatch)
+    fake_torch_npu.install(monkeypatch, fp32=True)
     monkeypatch.setenv("ASCEND_LAUNCH_BLOCKING", "1")
     with pytest.raises(ValueError, match=r"the device's choice, which is 'full' here"):
         Engine(model=str(qwen3_d128), device="npu", **KW)
@@ -99,23 +103,26 @@ def test_doctor_runs_one_op_of_each_kind(monkeypatch, capsys):
     fake = fake_torch_npu.install(monkeypatch, fp32=False)
     assert main(["doctor", "--device", "npu"]) == 0
     out = capsys.readouterr().out
-    for name in ("cache write", "paged decode", "FIA prefill", "graph"):
+    for name in ("kv write", "decode", "chunk", "prefill", "graph", "refusals"):
         assert f"  {name:<14} ran" in out, out
-    assert fake.calls["cache"] == 1 and fake.calls["paged"] == 2 and fake.calls["fia"] == 1
+    # 2.8.0 / CANN 8.3.RC1: decode through paged attention, chunk and prefill through FIA;
+    # the graph: two widths, three replays each, one task update a replay
+    assert fake.calls["paged"] == 1 + 6 and fake.calls["fia"] == 2
+    assert "fp16 refused" in out and "head size 64 refused" in out
     assert fake.npu.syncs and not fake.npu.pending
     # a torch_npu without the graph task API: the graph check is skipped, not failed (the
     # engine runs eager there and says so)
     fake_torch_npu.install(monkeypatch, version="2.5.1.post1", fp32=False)
     assert main(["doctor", "--device", "npu"]) == 0
     out = capsys.readouterr().out
-    assert "  graph          skipped: " in out and "  paged decode   ran" in out
+    assert "  graph          skipped: " in out and "  decode         ran" in out
 
 
 @pytest.mark.parametrize("op,error,check,fix", [
     ("_npu_paged_attention", OSError("libatb.so: cannot open shared object file"),
-     "paged decode", "nnal/atb/set_env.sh"),
+     "decode", "nnal/atb/set_env.sh"),
     ("npu_fused_infer_attention_score", RuntimeError("aclnnFusedInferAttentionScore failed"),
-     "FIA prefill", "ascend-toolkit/set_env.sh"),
+     "chunk", "ascend-toolkit/set_env.sh"),
 ])
 def test_doctor_names_the_failed_op_and_the_fix(monkeypatch, capsys, op, error, check, fix):
     from workbench.cli import main
@@ -129,7 +136,7 @@ def test_doctor_names_the_failed_op_and_the_fix(monkeypatch, capsys, op, error, 
     line = next(i for i, text in enumerate(out.splitlines()) if text.startswith(f"  {check}"))
     failed, fixed = out.splitlines()[line:line + 2]
     assert "FAILED" in failed and str(error) in failed and fix in fixed, out
-    assert "  cache write    ran" in out
+    assert "  kv write       ran" in out
 
 
 def test_doctor_explains_a_capture_the_driver_refuses(monkeypatch, capsys):
@@ -139,4 +146,4 @@ def test_doctor_explains_a_capture_the_driver_refuses(monkeypatch, capsys):
     assert main(["doctor", "--device", "npu"]) == 1
     out = capsys.readouterr().out
     assert "  graph          FAILED" in out and "error 207008" in out and "HDK" in out
-    assert "  FIA prefill    ran" in out
+    assert "  prefill        ran" in out

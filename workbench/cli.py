@@ -293,14 +293,22 @@ def cmd_lab(a) -> int:
 def cmd_doctor(a) -> int:
     """What the device offers and what the engine would do there, then one tiny op of each
     kind (platforms/npu_doctor.py); exit 1 where the chip is refused or an op failed."""
-    from .platforms.npu_doctor import doctor
+    import json
+
+    from .platforms.npu_doctor import as_json, doctor
     report, checks = doctor()
     print("\n".join(report.lines()))
+    if not report.refusal:
+        print("checks         the default path's calls on this release, against torch (bf16, "
+              "head size 128, 16 query / 2 KV heads, block size 128)")
+        for c in checks:
+            print("\n".join(c.lines()))
+    if a.report:
+        with open(a.report, "w") as f:
+            json.dump(as_json(report, checks), f, indent=1, default=str)
+        print(f"report         written to {a.report} (attach it to a bug report)")
     if report.refusal:
         return 1
-    print("ops            one tiny call of each kind the engine makes (bf16, head size 128)")
-    for c in checks:
-        print("\n".join(c.lines()))
     return 0 if all(c.ok for c in checks) else 1
 
 
@@ -434,6 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         "tiny op of each kind (ran / failed, with the fix)")
     doc.add_argument("--device", required=True, choices=["npu"],
                      help="the device to check (only npu so far)")
+    doc.add_argument("--report", metavar="FILE",
+                     help="also write everything found and every check's outcome as JSON")
     doc.set_defaults(func=cmd_doctor)
 
     lab = sub.add_parser("lab", help="JupyterLab on the notebooks (needs 'ui')")

@@ -162,8 +162,12 @@ class ModelRunner:
         if decode_sizes is None:
             decode_sizes = (config.cudagraph_capture_sizes
                             or default_capture_sizes(config.max_num_seqs))
-        piecewise = (default_piecewise_sizes(config.max_num_batched_tokens)
-                     if asked == "full" else [])
+        piecewise = []
+        if asked == "full":
+            piecewise = self.platform.piecewise_graph_sizes(config, self.model.num_layers,
+                                                            len(decode_sizes))
+            if piecewise is None:
+                piecewise = default_piecewise_sizes(config.max_num_batched_tokens)
         total = len(decode_sizes) + len(piecewise) * (self.model.num_layers + 1)
         t0 = time.perf_counter()
         from tqdm.auto import tqdm
@@ -173,6 +177,7 @@ class ModelRunner:
                 self.capture_decode_graphs(decode_sizes, max_model_len, tick)
             if piecewise:
                 self.capture_piecewise_graphs(piecewise, tick)
+        self.platform.synchronize()     # platforms may skip it between captures
         log.info("captured %d graphs in %.1f s: decode batch sizes %s, piecewise token "
                  "buckets %s", total, time.perf_counter() - t0, decode_sizes, piecewise)
         notices = []

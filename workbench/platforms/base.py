@@ -83,6 +83,13 @@ class Platform:
         ops that read them from host memory (which a graph would otherwise keep as captured)."""
         graph.replay()
 
+    def piecewise_graph_sizes(self, config, num_layers: int, decode_graphs: int
+                              ) -> list[int] | None:
+        """The token buckets to capture piecewise under graph_mode 'full' (each takes
+        num_layers + 1 graphs), given decode_graphs whole-step graphs besides; None: the
+        runner's default (graphs.default_piecewise_sizes)."""
+        return None
+
     def decode_graph_sizes(self, config, mode: str) -> list[int] | None:
         """The decode batch sizes to capture as whole-step graphs under graph_mode `mode`;
         None: the runner's default (cudagraph_capture_sizes, or 1, 2, 4, 8, then every 16)."""

@@ -13,8 +13,10 @@ cannot serve (310P, 950) with a message, rather than failing at the first step.
 
 The default graph mode is 'full' (`default_graph_mode`), which on the NPU is vLLM-Ascend's
 default PIECEWISE: every step, decode included, replays captured pieces with attention run
-eager between them through npu_fused_infer_attention_score (TND), so no host-side length is
-baked into any graph. Whole-step decode graphs with `_npu_paged_attention` are opt-in, as in
+eager between them, on the ops vLLM-Ascend ran on the CANN release found (attention_path:
+the ATB ops before CANN 8.3.RC1, npu_fused_infer_attention_score in TND layout after, decode-
+only steps on _npu_paged_attention until 8.3.RC2), so no host-side length is baked into any
+graph. Whole-step decode graphs with `_npu_paged_attention` are opt-in, as in
 vLLM-Ascend (FULL_DECODE_ONLY, only for the batch sizes in its `pa_shape_list`, empty by
 default): graph_mode 'decode', or EngineConfig.pa_shape_list (`decode_graph_sizes`).
 
@@ -29,11 +31,14 @@ attention and replay plainly.
 """
 from __future__ import annotations
 
+import gc
 import importlib.util
 import logging
 import os
 import re
+from contextlib import ExitStack
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 
@@ -82,6 +87,33 @@ REFUSED_CHIPS = {
 }
 
 
+MAX_GRAPHS = 1800
+"""The graphs one process captures at most: vLLM-Ascend's MAX_CAPTURE_SIZE (utils.py
+update_aclgraph_sizes at v0.11.0, 2f1aed98cc, lines 381-387: bounded by the 2048 streams,
+248 kept spare), which it meets by sampling its capture sizes uniformly, first and last kept
+(lines 462-470). NpuPlatform.piecewise_graph_sizes does the same."""
+
+
+def vllm_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
+    """vLLM's default capture sizes, which vLLM-Ascend captures (piecewise, by token count)
+    as vLLM picks them (its set_cudagraph_sizes docstring quotes vLLM's rule): 1, 2, 4, every
+    8 up to 248, then every 16, up to min(2 * max_num_seqs, 512); here also no more than the
+    step's token budget. A step with more tokens runs eager, as in vLLM."""
+    top = min(2 * max_num_seqs, 512, max_num_batched_tokens)
+    sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16))
+    return [s for s in sizes if s <= top]
+
+
+def sample_sizes(sizes: list[int], keep: int) -> list[int]:
+    """`keep` of `sizes`, spread uniformly, first and last kept (vLLM-Ascend's sampling)."""
+    if keep >= len(sizes):
+        return sizes
+    if keep <= 1:
+        return sizes[-1:] if keep == 1 else []
+    step = (len(sizes) - 1) / (keep - 1)
+    return sorted({sizes[round(i * step)] for i in range(keep)})
+
+
 STREAM_RESOURCE_ERROR = re.compile(r"\b207008\b|stream resources are insufficient|"
                                    r"insufficient_stream_resources", re.IGNORECASE)
 """ACL_ERROR_RT_NO_STREAM_RESOURCE (207008), as a failed NPUGraph capture reports it."""
@@ -123,21 +155,100 @@ def cann_release(text: str | None) -> tuple[int, ...]:
     return (int(major), int(minor), 0 if rc or n is None else 1, int(n or 0))
 
 
-HEAD_SIZE_64_FROM = (8, 3, 0, 2)
-"""CANN 8.3.RC2. vLLM-Ascend runs all attention but FULL_DECODE_ONLY graphs' paged decode
-through npu_fused_infer_attention_score in TND layout since b4bf01ead169 (PR #4531, its
-Dockerfile then on CANN 8.3.rc2), with no head-size gate but 512 (attention/utils.py:178 at
-182b75ea84ff); its A2 CI ran Llama-3.2-1B (head size 64, eager, so every step on TND) on the
-cann:8.3.rc2-910b image from e11ff8e535b7 (tests/e2e/singlecard/test_ilama_lora.py,
-.github/workflows/_e2e_test.yaml:108), then on 8.5.x. It paired no earlier CANN with that
-path, so 64 stays unproven before 8.3.RC2."""
+FIA_FROM = (8, 3, 0, 1)
+"""CANN 8.3.RC1: the first release whose npu_fused_infer_attention_score takes our call (TND,
+head size 128, paged KV, fewer KV heads than query heads). Before it, op-plugin's doc of the
+op allows TND only with Q_D = K_D = 192, equal query/key/value head counts and no page
+attention, bf16 only (docs/context/torch_npu-npu_fused_infer_attention_score.md at 480bc43,
+the 7.1.0 line of torch_npu 2.5.1.post1 / 2.6.0, lines 231-236; op-plugin 8abaa31, the 7.0.0
+line of 2.5.1, has no doc and the same kernels' generation); at 691bf15 (7.2.0: torch_npu
+2.7.1 / 2.8.0, CANN 8.3.RC1) the same section takes Q_D = K_D = V_D = 128 and no longer asks
+for equal head counts (lines 221-224), still bf16 only, and still lists page attention as
+unsupported (line 227), which vLLM-Ascend's paged call on 8.3 contradicts.
+vLLM-Ascend gated its first paged TND call on `torch.version.cann.startswith("8.3")`
+(f1f2c8f5e5, PR #2962) and dropped its older path with the CANN 8.3.RC1 upgrade (#3945)."""
+
+FIA_DECODE_FROM = (8, 3, 0, 2)
+"""CANN 8.3.RC2. vLLM-Ascend decodes through npu_fused_infer_attention_score (TND) since
+b4bf01ead169 (PR #4531, v0.12.0rc1: torch_npu 2.8.0, its Dockerfile on cann:8.3.rc2), and
+its A2 CI ran Llama-3.2-1B (head size 64) through that path on the 8.3.rc2 image from
+e11ff8e535b7. Up to v0.11.0 (torch_npu 2.7.1) a decode-only step ran eager
+`_npu_paged_attention` (vllm_ascend/attention/attention_v1.py _forward_decode_only at
+v0.11.0, 2f1aed98cc, lines 397-499). No earlier CANN was paired with a head size 64 TND call."""
+
+
+@dataclass(frozen=True)
+class AttentionPath:
+    """Which torch_npu ops run a step's attention on a CANN release: the path vLLM-Ascend
+    ran there (module docstring of npu_attention.py; README, Ascend NPU)."""
+    name: str
+    """'atb' (CANN before 8.3.RC1), 'fia+pa' (8.3.RC1), 'fia' (8.3.RC2 and later)."""
+    prompt: str
+    """The op of a step whose requests are all prompts with nothing cached."""
+    chunked: str
+    """The op of any other step holding a prefill chunk (mixed steps included)."""
+    decode: str
+    """The op of an eager decode-only step."""
+    head_sizes: tuple[int, ...]
+    dtypes: tuple[torch.dtype, ...]
+    why_dtypes: str
+    """Why dtypes is what it is (the refusal's reason)."""
+    source: str
+    """What it was read from."""
+
+
+ATB_PATH = AttentionPath(
+    "atb", "_npu_flash_attention", "_npu_paged_attention_splitfuse", "_npu_paged_attention",
+    (64, 128), (torch.bfloat16, torch.float16), "",
+    "vLLM-Ascend v0.9.1-v0.11.0rc0 (torch_npu 2.5.1.post1 / 2.7.1.dev, CANN 8.2.RC1): "
+    "attention_v1.py at v0.10.1rc1 (7e16b4a7cd) _forward_prefill_no_cache (flash attention, "
+    "lines 282-313), _forward_decode_only (paged attention, 365-412) and _forward_v1_style "
+    "(splitfuse, 414-464); head size 64 ran there in its CI (Qwen2.5-0.5B-Instruct, "
+    "tests/e2e/singlecard/test_chunked.py:30); _npu_paged_attention needs block_size x head "
+    "size <= 128 x 128")
+FIA_TND_BF16 = ("npu_fused_infer_attention_score takes TND layout in bfloat16 only (op-plugin "
+                "docs/context/torch_npu-npu_fused_infer_attention_score.md at 691bf15, line "
+                "224: 数据类型仅支持bfloat16); use dtype='bfloat16'")
+FIA_PA_PATH = AttentionPath(
+    "fia+pa", "npu_fused_infer_attention_score", "npu_fused_infer_attention_score",
+    "_npu_paged_attention", (128,), (torch.bfloat16,), FIA_TND_BF16,
+    "vLLM-Ascend v0.11.0 (2f1aed98cc, torch_npu 2.7.1): attention_v1.py _forward_v1_style "
+    "(FIA TND, lines 501-563) and _forward_decode_only (lines 397-499); TND head size 128 "
+    "only (op-plugin 691bf15 doc, lines 221-224)")
+FIA_PATH = AttentionPath(
+    "fia", "npu_fused_infer_attention_score", "npu_fused_infer_attention_score",
+    "npu_fused_infer_attention_score", (64, 128), (torch.bfloat16,), FIA_TND_BF16,
+    "vLLM-Ascend v0.12.0rc1 on (b4bf01ead169, PR #4531; torch_npu 2.8.0, CANN 8.3.RC2): "
+    "forward_fused_infer_attention for every step")
+
+
+def attention_path(cann: str | None) -> AttentionPath:
+    """The attention path for a CANN version (unknown: the oldest, whose ops every release
+    has)."""
+    release = cann_release(cann)
+    if release >= FIA_DECODE_FROM:
+        return FIA_PATH
+    if release >= FIA_FROM:
+        return FIA_PA_PATH
+    return ATB_PATH
 
 
 def supported_head_sizes(cann: str | None) -> tuple[int, ...]:
-    """Head sizes both attention ops take with block_size 128. The fused prefill in TND
-    layout takes 128 everywhere, and 64 (and 192) from CANN 8.3.RC2 on (HEAD_SIZE_64_FROM);
-    paged attention needs block_size x head_size <= 128 x 128, which rules out 192."""
-    return (64, 128) if cann_release(cann) >= HEAD_SIZE_64_FROM else (128,)
+    """Head sizes the attention path of this CANN takes with block_size 128."""
+    return attention_path(cann).head_sizes
+
+
+def head_size_refusal(head_dim: int, cann: str | None, device: str = "NPU",
+                      chip: str = "") -> str:
+    path = attention_path(cann)
+    sizes = " or ".join(map(str, path.head_sizes))
+    more = ("; head size 64 needs CANN 8.3.RC2 or later (torch_npu 2.8.0 with CANN 8.3.RC2, "
+            "or 2.8.0.post2 with 8.5.0)" if head_dim == 64 and path.name == "fia+pa" else "")
+    return (f"model: head size {head_dim} is not supported by the NPU's attention on "
+            f"{device}{f' ({chip})' if chip else ''} with CANN {cann or 'unknown'}: its path "
+            f"({path.name!r}: {path.chunked}, {path.decode}) takes {sizes}{more} "
+            "(npu_fused_infer_attention_score in TND layout per op-plugin's doc of that release; "
+            "_npu_paged_attention needs block_size x head size <= 128 x 128)")
 
 
 @dataclass
@@ -149,6 +260,8 @@ class NpuReport:
     device_name: str
     chip: str
     head_sizes: tuple[int, ...]
+    attention: str
+    """The attention path on this CANN (AttentionPath.name) and its ops."""
     graphs: bool
     """Whether decode graphs can be captured (else every graph_mode runs eager)."""
     graph_update: str
@@ -162,6 +275,7 @@ class NpuReport:
                f"chip           {self.device_name}, soc_version {self.soc_version} "
                f"({self.chip})",
                f"head sizes     {', '.join(map(str, self.head_sizes))}",
+               f"attention      {self.attention}",
                f"decode graphs  {'yes' if self.graphs else 'no'}: {self.graph_update}"]
         out.append(f"verdict        {'REFUSED: ' + self.refusal if self.refusal else 'usable'}")
         return out
@@ -189,20 +303,28 @@ def probe(torch_npu) -> NpuReport:
                   "with the 7.2.0 release line: 2.6.0.post3, 2.7.1, 2.8.0); graph modes run eager")
     else:
         update = ("default graph mode 'full': piecewise, attention (decode included) eager "
-                  "through npu_fused_infer_attention_score between the pieces; opt-in "
+                  "between the pieces, on the attention path above; opt-in "
                   "whole-step decode graphs (graph_mode 'decode' or pa_shape_list) capture "
                   "_npu_paged_attention as task groups (graph_task_group_begin/end behind an "
-                  "ExternalEvent per layer) with lengths and workspace at 6144 tokens; each "
+                  "ExternalEvent per layer) with lengths and workspace at 6144 tokens or as "
+                  "many as their tables hold (npu_attention.capture_lens); each "
                   "step synchronizes, replays, then re-issues each task with its lengths and "
                   "a workspace queried for them on an update stream "
                   "(graph_task_update_begin/end) and records its event. Not "
                   "auto_dispatch_capture: 2.5.1.post1, 2.7.1, 2.8.0 and 2.8.0.post1 record no "
                   "_npu_paged_attention that way, and NPUGraph.update then silently keeps the "
                   "capture-time lengths")
+    path = attention_path(cann)
+    ops = (f"{path.name}: prompts {path.prompt}, chunks and mixed steps {path.chunked}, "
+           f"eager decode {path.decode}; {'/'.join(str(d)[6:] for d in path.dtypes)}")
     return NpuReport(torch_npu=str(torch_npu.__version__), cann=cann, soc_version=soc,
                      device_name=str(npu.get_device_name(0)), chip=chip,
-                     head_sizes=supported_head_sizes(cann), graphs=not missing,
+                     head_sizes=path.head_sizes, attention=ops, graphs=not missing,
                      graph_update=update, refusal=refusal)
+
+
+def _no_op(*args, **kwargs):
+    return None
 
 
 class NpuPlatform(AcceleratorPlatform):
@@ -242,6 +364,20 @@ class NpuPlatform(AcceleratorPlatform):
     def supports_graphs(self) -> bool:
         return self.report.graphs
 
+    def piecewise_graph_sizes(self, config, num_layers: int, decode_graphs: int) -> list[int]:
+        """Token buckets as vLLM picks capture sizes (vllm_capture_sizes: 1, 2, 4, 8, 16, 24,
+        ...), so a batch-1 decode replays a 1-token graph, not one padded to 16; then thinned
+        uniformly until every graph (num_layers + 1 per bucket, and the decode graphs) fits
+        MAX_GRAPHS."""
+        sizes = vllm_capture_sizes(config.max_num_seqs, config.max_num_batched_tokens)
+        keep = max(0, (MAX_GRAPHS - decode_graphs) // (num_layers + 1))
+        thinned = sample_sizes(sizes, keep)
+        if len(thinned) < len(sizes):
+            log.info("NPU: %d piecewise buckets of %d graphs each would pass %d graphs; "
+                     "capturing %d of them: %s", len(sizes), num_layers + 1, MAX_GRAPHS,
+                     len(thinned), thinned)
+        return thinned
+
     def decode_graph_sizes(self, config, mode: str) -> list[int] | None:
         """The batch sizes captured whole with _npu_paged_attention: pa_shape_list where it is
         set; else none under 'full' (every decode step then replays piecewise) and the
@@ -277,11 +413,7 @@ class NpuPlatform(AcceleratorPlatform):
     def check_model(self, model) -> None:
         r = self.report
         if model.head_dim not in r.head_sizes:
-            raise ValueError(
-                f"model: head size {model.head_dim} is not supported by the NPU's fused attention "
-                f"on {r.device_name} ({r.chip}) with CANN {r.cann or 'unknown'}: it takes "
-                f"{' or '.join(map(str, r.head_sizes))} (npu_fused_infer_attention_score in TND "
-                "layout; _npu_paged_attention needs block_size x head size <= 128 x 128)")
+            raise ValueError(head_size_refusal(model.head_dim, r.cann, r.device_name, r.chip))
 
     def capture_graph(self, fn, pool):
         """Capture `fn`; the decode attention it runs is recorded as updatable task groups
@@ -295,7 +427,22 @@ class NpuPlatform(AcceleratorPlatform):
         if self._attention is not None:
             self._attention.graph_tasks = tasks
         try:
-            with self.api.graph(graph, pool=pool):
+            with ExitStack() as stack:
+                if self._captured:
+                    # torch_npu's graph context synchronizes, runs gc.collect() and empties
+                    # the caching allocator at every capture (torch_npu/npu/graphs.py
+                    # __enter__, Ascend/pytorch 9e73e70 lines 898-906); vLLM-Ascend lets
+                    # only its first capture do gc and empty_cache (compilation/
+                    # acl_graph.py at v0.11.0, lines 139-149). Here the synchronize goes
+                    # too: warm_up has queued its runs on a stream the capture stream
+                    # follows, and the runner synchronizes once after its last capture.
+                    stack.enter_context(mock.patch.object(gc, "collect", _no_op))
+                    for name in ("empty_cache", "synchronize"):
+                        stack.enter_context(mock.patch.object(self.api, name, _no_op))
+                    if hasattr(self.torch_npu.npu, "host_empty_cache"):
+                        stack.enter_context(mock.patch.object(
+                            self.torch_npu.npu, "host_empty_cache", _no_op))
+                stack.enter_context(self.api.graph(graph, pool=pool))
                 out = fn()
         except RuntimeError as e:
             hint = capture_failure(e, self._captured)
@@ -305,7 +452,8 @@ class NpuPlatform(AcceleratorPlatform):
         finally:
             if self._attention is not None:
                 self._attention.graph_tasks = None
-        self.api.synchronize()
+        if not self._captured:
+            self.api.synchronize()
         self._captured += 1
         return (tasks if tasks.tasks else graph), out
 
@@ -326,7 +474,22 @@ class NpuPlatform(AcceleratorPlatform):
         # then update each task on the update stream and record its event.
         self.api.current_stream().synchronize()
         graph.graph.replay()
-        graph.update(self.torch_npu, self._update_stream, context_lens)
+        try:
+            graph.update(self.torch_npu, self._update_stream, context_lens)
+        except Exception as e:
+            # The replay now waits on the ExternalEvents of the tasks not yet updated: record
+            # them (the tasks run with their last arguments, over blocks their tables name)
+            # so it finishes, then fail this step only: the engine fails its requests and
+            # serves on (EngineCore's loop), the graph replays again at the next step.
+            errors = graph.release(self.torch_npu, self._update_stream)
+            try:
+                self.api.synchronize()
+            except Exception as sync_error:
+                errors.append(f"synchronize: {sync_error}")
+            raise RuntimeError(
+                f"NPU decode graph: the task update after replay failed ({type(e).__name__}: "
+                f"{e}); the replay was released and this step's output discarded"
+                + (f"; releasing also failed: {'; '.join(errors)}" if errors else "")) from e
 
     def model_ops(self, dtype):
         from .npu_ops import NpuOps
@@ -337,7 +500,7 @@ class NpuPlatform(AcceleratorPlatform):
             raise ValueError("attention_backend: the NPU runs its fused ops; 'reference' is "
                              "the CPU/CUDA plain-torch path")
         from .npu_attention import NpuAttention
-        self._attention = NpuAttention(dtype, self.torch_npu)
+        self._attention = NpuAttention(dtype, self.torch_npu, attention_path(self.report.cann))
         return self._attention
 
     @classmethod
