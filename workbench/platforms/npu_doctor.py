@@ -147,7 +147,7 @@ class _Pool:
         or all prefill chunks: fills each one's cached K/V straight into its blocks, returns the
         step's CommonAttentionMetadata, its q/k/v and what torch says each request's
         attention is."""
-        from ..core.block_manager import NULL_BLOCK
+        null = 0      # the block pool's null block (core.block_manager.NULL_BLOCK): padding
         from .attention import CommonAttentionMetadata
         self.pool.zero_()
         rows, slots, qs, ks, vs, want, nxt = [], [], [], [], [], [], 1
@@ -170,7 +170,7 @@ class _Pool:
             qs.append(q), ks.append(keys[cached:]), vs.append(values[cached:])
             want.append(_attend(q, keys, values))
         width = width or max(map(len, rows))
-        table = torch.full((len(reqs), width), NULL_BLOCK, dtype=torch.long)
+        table = torch.full((len(reqs), width), null, dtype=torch.long)
         for i, r in enumerate(rows):
             table[i, :len(r)] = torch.tensor(r)
         counts = torch.tensor([new for _, new in reqs])
