@@ -1047,8 +1047,9 @@ def install(monkeypatch, version="2.8.0", soc=223, cann=None, fp32=False) -> Fak
     _patch_copies(monkeypatch, fake.npu.host_copies)
     if fp32:
         monkeypatch.setattr(NpuPlatform, "default_dtype", torch.float32)
+        from workbench.platforms import npu_releases
         for name in ("ATB_PATH", "FIA_PA_PATH", "FIA_PATH"):
-            path = getattr(npu_platform, name)
-            monkeypatch.setattr(npu_platform, name,
+            path = getattr(npu_releases, name)
+            monkeypatch.setattr(npu_releases, name,
                                 replace(path, dtypes=(torch.float32, *path.dtypes)))
     return fake
