@@ -294,11 +294,8 @@ def cmd_lab(a) -> int:
         args.append("--no-browser")
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         args.append("--allow-root")    # containers often run as root; Jupyter refuses without it
-    # A server extension (not this command: it sets IdentityProvider's token) reads the
-    # deprecated ServerApp.token, and Python prints that warning on the user's terminal.
-    quiet = ("-W", "ignore:ServerApp.token config is deprecated:DeprecationWarning")
     return run_jupyter("jupyterlab", args, {"JUPYTER_TOKEN": token},
-                       f"JupyterLab on {d}: http://{a.host}:{a.port}/lab?token={token}", quiet)
+                       f"JupyterLab on {d}: http://{a.host}:{a.port}/lab?token={token}")
 
 
 def cmd_doctor(a) -> int:

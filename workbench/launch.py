@@ -68,8 +68,7 @@ def _children(p) -> list:
         return []
 
 
-def run_jupyter(module: str, args: list[str], env: dict[str, str], url: str,
-                python_flags: tuple[str, ...] = ()) -> int:
+def run_jupyter(module: str, args: list[str], env: dict[str, str], url: str) -> int:
     """Run a Jupyter server until it exits or this process gets SIGINT, SIGTERM or SIGHUP;
     then stop it with its kernels and everything else it started."""
     import importlib.util
@@ -92,7 +91,7 @@ def run_jupyter(module: str, args: list[str], env: dict[str, str], url: str,
     try:
         # Its own session: a terminal's Ctrl-C reaches us only, and we stop the whole tree
         # (Jupyter would otherwise ask "Shutdown this server (y/[n])?" on SIGINT).
-        proc = subprocess.Popen([sys.executable, *python_flags, "-m", module, *args],
+        proc = subprocess.Popen([sys.executable, "-m", module, *args],
                                 env={**os.environ, **env}, start_new_session=True)
         try:
             return proc.wait()
