@@ -171,3 +171,23 @@ def test_dashboard_notebook(tmp_path):
     _, outputs, _ = run_notebook("dashboard.ipynb", tmp_path, max_saved=None)
     assert [o for o in outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
     assert not [o for o in outputs if o.output_type == "error"]
+
+
+def test_an_interrupt_ends_a_cell_in_one_line(capsys):
+    """What the notebooks set up (widgets.notebook.interrupts_in_one_line): Kernel >
+    Interrupt during a cell prints one line, not a traceback through the engine."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from widgets.notebook import interrupts_in_one_line
+    shell = InteractiveShell.instance()
+    try:
+        interrupts_in_one_line()
+        shell.run_cell("def deep(n):\n    return deep(n - 1) if n else (_ for _ in ()).throw("
+                       "KeyboardInterrupt())\ndeep(20)")
+        out, err = capsys.readouterr()
+        assert "Traceback" not in out + err and "deep" not in out + err
+        assert err.strip().splitlines() == [
+            "Interrupted: this cell stopped (run it again to start it over)."]
+        assert shell.run_cell("1 + 1").result == 2       # the next cell runs
+    finally:
+        InteractiveShell.clear_instance()
