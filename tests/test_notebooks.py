@@ -87,6 +87,7 @@ def test_notebooks_are_committed_without_outputs():
     assert cfg["template"] == "lab" and cfg["strip_sources"] is True
 
 
+@pytest.mark.timeout(BOUND_S["01_quickstart.ipynb"] + 120)
 def test_quickstart(tmp_path):
     text, outputs, _ = run_notebook("01_quickstart.ipynb", tmp_path)
     assert "Paris" in text
@@ -100,6 +101,7 @@ def test_quickstart(tmp_path):
     assert plotly_figures(outputs) == 1                 # the batch's steps
 
 
+@pytest.mark.timeout(BOUND_S["02_prefill_decode_step_by_step.ipynb"] + 120)
 def test_prefill_decode_step_by_step(tmp_path):
     # The exercises answered right, the first from the model's shape: its check compares it
     # with the FLOP/byte model of the decode steps measured in the notebook.
@@ -143,6 +145,7 @@ def test_prefill_decode_step_by_step(tmp_path):
     assert "notice above" not in markdown(nb)
 
 
+@pytest.mark.timeout(BOUND_S["03_tuning.ipynb"] + 120)
 def test_tuning(tmp_path):
     text, outputs, nb = run_notebook("03_tuning.ipynb", tmp_path)
     assert "at once:" in text and "x the throughput" in text
@@ -166,6 +169,7 @@ def test_tuning(tmp_path):
     assert "rises a little" not in markdown(nb) and "QUICK" not in markdown(nb)
 
 
+@pytest.mark.timeout(BOUND_S["dashboard.ipynb"] + 120)
 def test_dashboard_notebook(tmp_path):
     # Voila's page, never saved with outputs: its live plotly panels carry plotly's bundle.
     _, outputs, _ = run_notebook("dashboard.ipynb", tmp_path, max_saved=None)

@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from .launch import notebooks_dir, run_jupyter, trust_notebooks
+from .launch import notebooks_dir, run_jupyter, run_lab
 from .config import (ATTENTION_BACKENDS, BLOCK_SIZES, DEVICES, DTYPES, GENERATION_CONFIGS,
                      GRAPH_MODES, QUANTIZATIONS, TOOL_CALL_PARSERS, EngineConfig)
 
@@ -277,25 +277,7 @@ def cmd_dashboard(a) -> int:
 
 
 def cmd_lab(a) -> int:
-    import os
-    import secrets
-    d = notebooks_dir()
-    trust_notebooks(d)
-    # The token travels in the environment (not argv, which `ps` shows everyone), and the
-    # URL printed first carries it, so opening that URL opens the Lab, not a login page.
-    token = os.environ.get("JUPYTER_TOKEN") or secrets.token_urlsafe(24)
-    args = [f"--ServerApp.root_dir={d}", f"--ServerApp.ip={a.host}", f"--ServerApp.port={a.port}",
-            "--ServerApp.port_retries=0"]     # the port printed is the port served, or an error
-    if os.name == "posix":
-        # Kernels over Unix sockets: over TCP, ipykernel warns (per kernel) that anyone on
-        # the machine could read the traffic unencrypted.
-        args.append("--KernelManager.transport=ipc")
-    if not a.browser:
-        args.append("--no-browser")
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        args.append("--allow-root")    # containers often run as root; Jupyter refuses without it
-    return run_jupyter("jupyterlab", args, {"JUPYTER_TOKEN": token},
-                       f"JupyterLab on {d}: http://{a.host}:{a.port}/lab?token={token}")
+    return run_lab(a.host, a.port, a.browser)
 
 
 def cmd_doctor(a) -> int:
