@@ -96,6 +96,17 @@ def outside_viewport(page, size) -> dict:
             or b["bottom"] > size["height"]}
 
 
+def streams_header(page) -> dict:
+    """The "Token streams" header's text, whether it is cut, and its height, measured in one
+    script turn (the panel rewrites it every tick)."""
+    return page.evaluate("""() => {
+        const h = [...document.querySelectorAll('.wb h3')]
+            .find(e => e.textContent.includes('Token streams'));
+        return {text: h.innerText, cut: h.scrollWidth > h.clientWidth + 1,
+                height: h.getBoundingClientRect().height};
+    }""")
+
+
 def knob(page, label: str):
     """The widget whose description is `label`."""
     return page.locator(".widget-inline-hbox", has=page.locator("label", has_text=label))
@@ -147,10 +158,9 @@ def test_dashboard_at_a_glance_streams_and_rebuilds_in_chromium(dashboard, tiny_
             wait_for(lambda: text_length(page) > first + 40, 120, "the text to grow", page,
                      "no-growth.png")
             wait_for(lambda: bar_points(page) >= 3, 60, "timeline bars", page, "no-bars.png")
-            head = page.locator(".wb h3", has_text="Token streams")
-            assert "8 requests" in head.inner_text()
-            assert head.evaluate("h => h.scrollWidth <= h.clientWidth"), "streams header cut"
-            assert head.bounding_box()["height"] < 30, "the streams header wraps"
+            head = streams_header(page)
+            assert "8 requests" in head["text"]
+            assert not head["cut"] and head["height"] < 30, f"streams header cut or wrapped: {head}"
             # Every card's footer shows whole: each figure inside its card, none cut.
             cut = page.evaluate("""() => [...document.querySelectorAll('.wb .card .st span')]
                 .filter(s => s.scrollWidth > s.clientWidth + 1 || s.getBoundingClientRect().right
@@ -193,7 +203,7 @@ def test_dashboard_at_a_glance_streams_and_rebuilds_in_chromium(dashboard, tiny_
             # The old engine's stream cards went with it, like its stats and timeline.
             wait_for(lambda: page.locator(".wb .card").count() == 0, 10, "the old cards to go",
                      page, "old-cards.png")
-            assert "0 requests" in head.inner_text()
+            assert "0 requests" in streams_header(page)["text"]
             wait_for(lambda: bar_points(page) == 0 and max(x_ticks(page), default=0) <= 10, 10,
                      "the old axes to go", page, "old-axes.png")
             assert max(old_ticks) >= 12
