@@ -177,7 +177,7 @@ def test_dashboard_at_a_glance_streams_and_rebuilds_in_chromium(dashboard, tiny_
             old_ticks = x_ticks(page)
             page.get_by_role("button", name="Abort all").click()
 
-            # A refused knob: the error shows right above Apply, inside the view.
+            # A refused knob: the error shows right under Apply, inside the view.
             budget = knob(page, "Step budget (tokens)").locator("input")
             budget.fill("1")
             budget.press("Enter")
@@ -187,7 +187,7 @@ def test_dashboard_at_a_glance_streams_and_rebuilds_in_chromium(dashboard, tiny_
             refusal.wait_for(timeout=30_000)
             err, btn = refusal.bounding_box(), apply.bounding_box()
             assert 0 <= err["y"] and err["y"] + err["height"] <= size["height"], err
-            assert 0 <= btn["y"] - (err["y"] + err["height"]) < 24, (err, btn)
+            assert 0 <= err["y"] - (btn["y"] + btn["height"]) < 24, (err, btn)
             page.screenshot(path=str(ARTIFACTS / "dashboard-refused.png"))
             budget.fill("2048")
             budget.press("Enter")

@@ -132,13 +132,13 @@ class KnobPanel(w.VBox):
         engine_knobs = [self.model, self.device, self.block_size, self.num_kv_blocks,
                         self.max_num_seqs, self.max_num_batched_tokens, self.graph_mode,
                         self.enable_prefix_caching]
-        super().__init__([css_widget(), w.HTML("<b>Engine</b> <span style='opacity:.7'>(Apply "
-                                               "rebuilds it)</span>"), *engine_knobs,
+        # Apply and its outcome first: at the foot of the knobs, a refusal fell below a
+        # 900-px fold; here it shows right under the button that was clicked.
+        super().__init__([css_widget(), self.apply_button, self.progress, self.status,
+                          w.HTML("<b>Engine</b> <span style='opacity:.7'>(Apply "
+                                 "rebuilds it)</span>"), *engine_knobs,
                           w.HTML("<b>Requests</b>"), self.temperature, self.max_tokens,
-                          self.seed,
-                          # The outcome right above the button, so a refusal shows where
-                          # the click was (below it, it fell under a 900-px fold).
-                          self.status, self.apply_button, self.progress], **kw)
+                          self.seed], **kw)
 
     def _device_changed(self, change) -> None:
         """Offer only the block sizes the new device's attention takes; a size it does not
