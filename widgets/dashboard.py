@@ -52,9 +52,9 @@ LOGPROBS = 5 if "logprobs" in SamplingParams.__dataclass_fields__ else 0
 engine has it), for the token stream's shading and hover."""
 
 DEMO_SEED = 0
-"""The page's default seed: with it, the first Send on a fresh page samples the replies that
-were read before EXAMPLE_PROMPTS shipped (a page shown to an audience says nothing unread).
-`seed=None` draws a new seed per page."""
+"""The page's default seed: with it, the first Send on a fresh page samples the same replies
+each time on a machine, so a page shown to an audience says nothing its presenter has not
+read. `seed=None` draws a new seed per page."""
 
 DASHBOARD_DEFAULTS = dict(max_num_seqs=32, num_kv_blocks=384)
 """A pool small enough that a burst of long replies fills it and preemption shows."""
