@@ -96,6 +96,17 @@ def outside_viewport(page, size) -> dict:
             or b["bottom"] > size["height"]}
 
 
+def streams_header(page) -> dict:
+    """The "Token streams" header's text, whether it is cut, and its height, measured in one
+    script turn (the panel rewrites it every tick)."""
+    return page.evaluate("""() => {
+        const h = [...document.querySelectorAll('.wb h3')]
+            .find(e => e.textContent.includes('Token streams'));
+        return {text: h.innerText, cut: h.scrollWidth > h.clientWidth + 1,
+                height: h.getBoundingClientRect().height};
+    }""")
+
+
 def knob(page, label: str):
     """The widget whose description is `label`."""
     return page.locator(".widget-inline-hbox", has=page.locator("label", has_text=label))
@@ -122,7 +133,10 @@ def test_dashboard_at_a_glance_streams_and_rebuilds_in_chromium(dashboard, tiny_
             page = browser.new_page(viewport=size)
             errors: list[str] = []
             urls: list[str] = []
+            console: list[str] = []
             page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("console", lambda m: console.append(f"{m.type}: {m.text}")
+                    if m.type in ("warning", "error") else None)
             page.on("request", lambda r: urls.append(r.url))
             page.goto(url, timeout=240_000)
             send = page.get_by_role("button", name="Send")
@@ -133,13 +147,26 @@ def test_dashboard_at_a_glance_streams_and_rebuilds_in_chromium(dashboard, tiny_
             assert not page.locator(".wb .notice").count()      # a default CPU start: no banner
             assert "eager" in knob(page, "Graph capture").locator("select") \
                 .input_value()
+            # The block-size options read as sizes, the device's choice first, one selected.
+            block = knob(page, "KV block (tokens)").locator("select")
+            labels = [x.replace("\xa0", " ") for x in block.locator("option").all_inner_texts()]
+            assert labels[0] == "device's choice" and all(x.isdigit() for x in labels[1:]), labels
+            assert block.evaluate("s => s.options[s.selectedIndex].text") == "16"
 
             send.click()                            # 8 requests, cycling through 8 prompts
             first = wait_for(lambda: text_length(page), 120, "streamed text", page, "no-text.png")
             wait_for(lambda: text_length(page) > first + 40, 120, "the text to grow", page,
                      "no-growth.png")
             wait_for(lambda: bar_points(page) >= 3, 60, "timeline bars", page, "no-bars.png")
-            assert "8 requests" in page.locator(".wb h3", has_text="Token streams").inner_text()
+            head = streams_header(page)
+            assert "8 requests" in head["text"]
+            assert not head["cut"] and head["height"] < 30, f"streams header cut or wrapped: {head}"
+            # Every card's footer shows whole: each figure inside its card, none cut.
+            cut = page.evaluate("""() => [...document.querySelectorAll('.wb .card .st span')]
+                .filter(s => s.scrollWidth > s.clientWidth + 1 || s.getBoundingClientRect().right
+                             > s.closest('.card').getBoundingClientRect().right + 1)
+                .map(s => s.innerText)""")
+            assert not cut, f"card footers cut at 1440x900: {cut}"
             hidden = outside_viewport(page, size)
             if hidden:
                 page.screenshot(path=str(ARTIFACTS / "outside.png"))
@@ -150,6 +177,21 @@ def test_dashboard_at_a_glance_streams_and_rebuilds_in_chromium(dashboard, tiny_
             old_ticks = x_ticks(page)
             page.get_by_role("button", name="Abort all").click()
 
+            # A refused knob: the error shows right under Apply, inside the view.
+            budget = knob(page, "Step budget (tokens)").locator("input")
+            budget.fill("1")
+            budget.press("Enter")
+            apply = page.get_by_role("button", name="Apply (rebuild engine)")
+            apply.click()
+            refusal = page.locator(".wb .error", has_text="Not applied")
+            refusal.wait_for(timeout=30_000)
+            err, btn = refusal.bounding_box(), apply.bounding_box()
+            assert 0 <= err["y"] and err["y"] + err["height"] <= size["height"], err
+            assert 0 <= err["y"] - (btn["y"] + btn["height"]) < 24, (err, btn)
+            page.screenshot(path=str(ARTIFACTS / "dashboard-refused.png"))
+            budget.fill("2048")
+            budget.press("Enter")
+
             # Apply a tiny model with 32-token blocks: the header reports it, and the
             # timeline starts over with fresh axes (no old step numbers left).
             knob(page, "Model").locator("input").fill(str(tiny_chat_model))
@@ -158,6 +200,10 @@ def test_dashboard_at_a_glance_streams_and_rebuilds_in_chromium(dashboard, tiny_
             wait_for(lambda: "block size 32" in info.inner_text(), 180, "the rebuilt engine",
                      page, "no-rebuild.png")
             assert "Engine rebuilt" in page.locator(".wb .ok").inner_text()
+            # The old engine's stream cards went with it, like its stats and timeline.
+            wait_for(lambda: page.locator(".wb .card").count() == 0, 10, "the old cards to go",
+                     page, "old-cards.png")
+            assert "0 requests" in streams_header(page)["text"]
             wait_for(lambda: bar_points(page) == 0 and max(x_ticks(page), default=0) <= 10, 10,
                      "the old axes to go", page, "old-axes.png")
             assert max(old_ticks) >= 12
@@ -168,12 +214,19 @@ def test_dashboard_at_a_glance_streams_and_rebuilds_in_chromium(dashboard, tiny_
             readout.press("Enter")
             page.get_by_role("button", name="Clear").click()
             send.click()
-            wait_for(lambda: max(x_ticks(page), default=0) >= 300, 120, "300 steps", page,
+            wait_for(lambda: max(x_ticks(page), default=0) >= 300, 300, "300 steps", page,
                      "no-300-steps.png")
             assert len(x_ticks(page)) <= 20, x_ticks(page)
             page.screenshot(path=str(ARTIFACTS / "dashboard-300-steps.png"))
             page.get_by_role("button", name="Abort all").click()
             assert not errors, errors
+            # A clean console, but for one known, open item: Voila 0.5.13 bundles JupyterLab
+            # 4.2.5's packages while ipywidgets 8.1.9's manager (jupyterlab_widgets 3.0.17)
+            # asks for ^4.6.2 and warns "Unsatisfied version" / "No satisfying version";
+            # nothing newer of Voila exists.
+            noise = [m for m in console
+                     if not ("Unsatisfied version" in m or "No satisfying version" in m)]
+            assert not noise, noise
             outside = {u for u in urls if not u.startswith((url, "blob:" + url, "data:"))}
             assert not outside, f"requests beyond {url}: {sorted(outside)}"
         finally:

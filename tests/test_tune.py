@@ -75,12 +75,14 @@ def test_a_failing_trial_is_recorded_and_the_search_goes_on():
     space = Space(SPACE)
     out = successive_halving(space.sample(54, EngineConfig(), include_defaults=False),
                              refuses_64, n_trials=80, max_budget=27,
-                             progress=lambda t, done, total: seen.append((done, total)))
+                             progress=lambda t, done, total: seen.append((t.number, done, total)))
     failed = [t for t in out.trials if not t.ok]
     assert len(failed) == 18 and all(t.rung == 0 for t in failed)
     assert all(t.error == "RuntimeError: the device refuses block_size 64" for t in failed)
     assert out.best().knobs == BEST
-    assert seen[-1] == (len(out.trials), 80) and len(seen) == len(out.trials)
+    assert seen[-1] == (len(out.trials), len(out.trials), 80) and len(seen) == len(out.trials)
+    # A trial's number is what progress counted it as ("trial 3/80" is trial 3 in the table).
+    assert all(number == done for number, done, _ in seen)
     result = result_of(out, space)
     assert "failed: RuntimeError" in result.format()
     assert result.to_dict()["trials"][0]["knobs"]

@@ -51,6 +51,11 @@ LOGPROBS = 5 if "logprobs" in SamplingParams.__dataclass_fields__ else 0
 """Top candidates asked for per token (issue 12's `SamplingParams.logprobs`, where this
 engine has it), for the token stream's shading and hover."""
 
+DEMO_SEED = 0
+"""The page's default seed: with it, the first Send on a fresh page samples the same replies
+each time on a machine, so a page shown to an audience says nothing its presenter has not
+read. `seed=None` draws a new seed per page."""
+
 DASHBOARD_DEFAULTS = dict(max_num_seqs=32, num_kv_blocks=384)
 """A pool small enough that a burst of long replies fills it and preemption shows."""
 
@@ -81,15 +86,12 @@ class Dashboard(w.VBox):
     def __init__(self, engine: Engine | None = None, *, config: EngineConfig | None = None,
                  url: str | None = None, api_key: str | None = None, model: str | None = None,
                  replay: str | Path | None = None, speed: float = 1.0, autoplay: bool = True,
-                 hz: float = 20.0, seed: int | None = None):
+                 hz: float = 20.0, seed: int | None = DEMO_SEED):
         if sum(x is not None for x in (engine, config, url, replay)) > 1:
             raise ValueError("give one of engine, config, url or replay")
         if url is None and (api_key is not None or model is not None):
             raise ValueError("api_key, model: only with url= (a local engine's model is in its "
                              "config)")
-        self.seed = random.randrange(2**31) if seed is None else seed
-        """Seeds of sampled requests count up from here: a new page gets new replies, while
-        `seed=` (or a seed in the SamplingParams) makes them repeat."""
         self.header = w.HTML()
         self.notices = w.HTML()
         self.loading = BuildProgress(layout=w.Layout(width="100%", max_width="720px"))
@@ -121,7 +123,8 @@ class Dashboard(w.VBox):
         self.clear_button.on_click(lambda _: self.clear())
         local_config = config or (engine.config if engine is not None else
                                   EngineConfig(**DASHBOARD_DEFAULTS))
-        self.knobs = KnobPanel(local_config, on_apply=self.swap_engine)
+        self.knobs = KnobPanel(local_config, on_apply=self.swap_engine,
+                               seed=random.randrange(2**31) if seed is None else seed)
         self.knobs_title = w.HTML('<div class="wb"><h3>Knobs</h3></div>')
         self.replay_button = w.Button(
             description="Replay from the start" if autoplay else "Play the recording",
@@ -156,7 +159,9 @@ class Dashboard(w.VBox):
             source = as_source(engine)
         elif running_loop() is None:
             source = LocalSource(Engine(local_config))
-        self.roofline = RooflinePanel(*_roofline_model(source))
+        self.roofline = RooflinePanel(*_roofline_model(source),
+                                      missing="waiting for the engine to load" if
+                                      source is None else None)
         """Each step by arithmetic intensity against achieved FLOP/s, under this device's roofs."""
         self.add_panel(self.roofline)
         if replay is not None and autoplay:
@@ -252,7 +257,7 @@ class Dashboard(w.VBox):
         if isinstance(self.source, LocalSource):
             p = self.knobs.sampling_params()
             if not p.greedy:     # what the Send button's sampling costs against greedy
-                described[f"sampling at T {p.temperature:g}"] = self.source.sampling_cost(
+                described[f"sampling at temperature {p.temperature:g}"] = self.source.sampling_cost(
                     p, self.n.value)
         items = " · ".join(f'<span class="muted">{esc(k)}</span> <b>{esc(v)}</b>'
                            for k, v in described.items())
@@ -286,8 +291,10 @@ class Dashboard(w.VBox):
         return [[{"role": "user", "content": ln}] if chat else ln for ln in lines]
 
     def send(self, n: int | None = None, params: SamplingParams | None = None) -> list[str]:
-        """Send n requests (default: the slider), cycling through the prompt lines, each with
-        its own seed so sampled replies differ. Bad input shows an error and sends nothing."""
+        """Send n requests (default: the slider), cycling through the prompt lines. Sampled
+        requests are seeded from the Seed knob (or `params.seed`) counting up, one per request
+        sent from this page, so replies differ between requests and repeat on a fresh page.
+        Bad input shows an error and sends nothing."""
         n = self.n.value if n is None else n
         if self.source is None:
             self.message.value = ('<div class="wb"><div class="error">The engine is still '
@@ -314,7 +321,7 @@ class Dashboard(w.VBox):
         rids = []
         for i in range(n):
             seed = None if base.greedy else \
-                (self.seed if base.seed is None else base.seed) + self.num_sent + i
+                (self.knobs.seed.value if base.seed is None else base.seed) + self.num_sent + i
             rids.append(self.source.submit(prompts[i % len(prompts)], replace(base, seed=seed)))
         self.num_sent += n
         self.pump.start()
@@ -377,8 +384,10 @@ class Dashboard(w.VBox):
         self.streams.update(old.poll())       # show those aborts
         old.engine.close()                    # its KV pool, graphs and weights, freed now: a
                                               # GPU needs that memory for the new engine
-        self.timeline.clear()                 # step numbers restart with the new engine
-        self.summary.clear()
+        # One engine's run everywhere: step numbers restart, and the cards of the old engine's
+        # requests (finished or just aborted) go with its statistics.
+        for p in (self.timeline, self.summary, self.streams, self.errors):
+            p.clear()
         self.roofline.set_model(*_roofline_model(self.source))
         self.num_rebuilds += 1
         self._describe()

@@ -8,6 +8,7 @@ live panels (timeline, roofline, tuner) draw theirs with `LivePlot`, below.
 from __future__ import annotations
 
 import json
+import math
 
 import anywidget
 import plotly.graph_objects as go
@@ -125,11 +126,32 @@ def when_drawn(plots, callback) -> None:
         callback()
 
 
+TITLE_AND_LEGEND = dict(
+    margin=dict(l=60, r=20, t=72, b=50),
+    title=dict(font=dict(size=14), x=0.01, xanchor="left", y=0.99, yanchor="top"),
+    legend=dict(orientation="h", x=0, xanchor="left", y=1.02, yanchor="bottom"))
+"""The title on the top line, the legend on the line below it, just above the plot: a legend
+placed by a fixed fraction of the height overlapped the title when the figure was short."""
+
+
 def _layout(fig: go.Figure, title: str, height: int = 340) -> go.Figure:
-    fig.update_layout(title=dict(text=title, font=dict(size=14), x=0.01), height=height,
-                      template="plotly_white", margin=dict(l=60, r=20, t=50, b=50),
-                      legend=dict(orientation="h", y=1.12, x=0))
+    fig.update_layout(TITLE_AND_LEGEND, title_text=title, height=height, template="plotly_white")
     return fig
+
+
+def log_ticks(values) -> dict:
+    """A log axis labelled at whole decades (1, 10, 100 …) where `values` span two or more,
+    else at 1, 2 and 5 of each decade. Plotly's own choice on a short range labels every
+    minor tick (… 7, 8, 9), which crowds into an unreadable row."""
+    vals = [v for v in values if v is not None and v > 0]
+    if not vals:
+        return dict(type="log")
+    lo, hi = min(vals), max(vals)
+    e0, e1 = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+    decades = [10.0 ** e for e in range(e0, e1 + 1)]
+    if sum(lo <= d <= hi for d in decades) < 2:
+        decades = [m * 10.0 ** e for e in range(e0, e1 + 1) for m in (1, 2, 5)]
+    return dict(type="log", tickvals=decades, tickmode="array")
 
 
 def steps_figure(steps, title: str = "Tokens fed per engine step") -> go.Figure:
@@ -154,8 +176,9 @@ def steps_figure(steps, title: str = "Tokens fed per engine step") -> go.Figure:
                                    for s in pre], hoverinfo="text")
     fig.update_layout(barmode="stack")
     fig.update_xaxes(title_text="engine step")
-    fig.update_yaxes(title_text="tokens", type="log" if any(
-        s.num_prefill_tokens > 20 * max(1, s.num_decode_tokens) for s in steps) else "linear")
+    if any(s.num_prefill_tokens > 20 * max(1, s.num_decode_tokens) for s in steps):
+        fig.update_yaxes(log_ticks([s.num_tokens for s in steps]))
+    fig.update_yaxes(title_text="tokens")
     return _layout(fig, title)
 
 
@@ -176,8 +199,14 @@ def batch_scaling_figure(rows) -> go.Figure:
         fig.add_scatter(x=b, y=med, name=phase, mode="lines+markers", line_color=color,
                         error_y=err)
     fig.update_xaxes(title_text="requests in the step (batch size)", type="log", tickvals=b)
-    fig.update_yaxes(title_text="ms per token (median; bars: fastest to slowest run)",
-                     type="log")
+    lo = [(x.min if x is not None else r[k]) * 1e3 for r in rows
+          for k, x in (("prefill_s_per_token", r.get("prefill_runs")),
+                       ("decode_s_per_token", r.get("decode_runs")))]
+    hi = [(x.max if x is not None else r[k]) * 1e3 for r in rows
+          for k, x in (("prefill_s_per_token", r.get("prefill_runs")),
+                       ("decode_s_per_token", r.get("decode_runs")))]
+    fig.update_yaxes(log_ticks(lo + hi),
+                     title_text="ms per token (median; bars: fastest to slowest run)")
     return _layout(fig, "Time per token against batch size, prefill and decode")
 
 

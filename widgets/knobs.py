@@ -35,9 +35,16 @@ def _block_sizes(device: str) -> tuple[int, ...]:
     return BLOCK_SIZES if device.startswith("model:") else block_sizes(device)
 
 
+DEVICE_CHOICE = 0
+"""The block-size option that leaves the size to the device (config block_size=None): a
+Dropdown reads the value None as "nothing selected" and shows a blank box."""
+
+
 def _block_size_options(device: str) -> list:
-    """The block sizes the device's attention backend takes (platforms.block_sizes)."""
-    return [("device's choice", None), *_block_sizes(device)]
+    """The block sizes the device's attention backend takes (platforms.block_sizes), as
+    (label, value) pairs: a Dropdown given a mix of pairs and bare values labels each pair with
+    its repr."""
+    return [("device's choice", DEVICE_CHOICE), *((str(b), b) for b in _block_sizes(device))]
 
 
 def _label(text: str, tip: str, width: str = "150px") -> dict:
@@ -58,7 +65,8 @@ class KnobPanel(w.VBox):
 
     def __init__(self, config: EngineConfig | None = None,
                  on_apply: Callable[[Engine], None] | None = None,
-                 engine_factory: Callable[[EngineConfig], Engine] = Engine, **kw):
+                 engine_factory: Callable[[EngineConfig], Engine] = Engine, seed: int = 0,
+                 **kw):
         self.config = config or EngineConfig()
         self.on_apply = on_apply
         self.engine_factory = engine_factory
@@ -76,7 +84,7 @@ class KnobPanel(w.VBox):
                                           "cpu; model:<profile> is a modelled device (its "
                                           "times modelled, its tokens random)"))
         self.block_size = w.Dropdown(options=_block_size_options(self.device.value),
-                                     value=c.block_size,
+                                     value=c.block_size or DEVICE_CHOICE,
                                      **_label("KV block (tokens)", "block_size: tokens per KV "
                                               "block. Small blocks waste less memory at the end "
                                               "of each request; big ones mean shorter block "
@@ -111,6 +119,10 @@ class KnobPanel(w.VBox):
         self.max_tokens = w.IntSlider(value=128, min=1, max=1024,
                                       **_label("Max output (tokens)", "max_tokens: the most "
                                                "tokens one reply may have"))
+        self.seed = w.IntText(value=seed, **_label("Seed", "seed: sampled requests are seeded "
+                                                   "from here, one more per request sent, so a "
+                                                   "fresh page repeats its replies; change it "
+                                                   "for others"))
         self.apply_button = w.Button(description="Apply (rebuild engine)", button_style="primary",
                                      icon="refresh", layout=w.Layout(width="100%"))
         self.progress = BuildProgress()
@@ -120,22 +132,25 @@ class KnobPanel(w.VBox):
         engine_knobs = [self.model, self.device, self.block_size, self.num_kv_blocks,
                         self.max_num_seqs, self.max_num_batched_tokens, self.graph_mode,
                         self.enable_prefix_caching]
-        super().__init__([css_widget(), w.HTML("<b>Engine</b> <span style='opacity:.7'>(Apply "
-                                               "rebuilds it)</span>"), *engine_knobs,
+        # Apply and its outcome first: at the foot of the knobs, a refusal fell below a
+        # 900-px fold; here it shows right under the button that was clicked.
+        super().__init__([css_widget(), self.apply_button, self.progress, self.status,
+                          w.HTML("<b>Engine</b> <span style='opacity:.7'>(Apply "
+                                 "rebuilds it)</span>"), *engine_knobs,
                           w.HTML("<b>Requests</b>"), self.temperature, self.max_tokens,
-                          self.apply_button, self.progress, self.status], **kw)
+                          self.seed], **kw)
 
     def _device_changed(self, change) -> None:
         """Offer only the block sizes the new device's attention takes; a size it does not
         take falls back to the device's choice."""
         keep = self.block_size.value
         self.block_size.options = _block_size_options(change["new"])
-        self.block_size.value = keep if keep in _block_sizes(change["new"]) else None
+        self.block_size.value = keep if keep in _block_sizes(change["new"]) else DEVICE_CHOICE
 
     # ---- reading the knobs ----------------------------------------------------------------
     def values(self) -> dict:
         return dict(model=self.model.value.strip(), device=self.device.value,
-                    block_size=self.block_size.value,
+                    block_size=self.block_size.value or None,
                     num_kv_blocks=self.num_kv_blocks.value or None,
                     max_num_seqs=self.max_num_seqs.value,
                     max_num_batched_tokens=self.max_num_batched_tokens.value,
@@ -162,7 +177,7 @@ class KnobPanel(w.VBox):
             widget = getattr(self, name, None)
             if not isinstance(widget, w.ValueWidget):
                 raise ValueError(f"{name}: not a knob of this panel")
-            widget.value = 0 if (name == "num_kv_blocks" and v is None) else v
+            widget.value = 0 if (name in ("num_kv_blocks", "block_size") and v is None) else v
 
     # ---- applying -------------------------------------------------------------------------
     def _clicked(self) -> None:

@@ -32,6 +32,8 @@ class _Listener(logging.Handler):
         if progress is not None:
             stage, done, total = progress
             self.stage, self.fraction = stage, done / max(total, 1)
+            if done >= total:           # what follows a loader's last tensor, until it says
+                self.stage, self.fraction = "building the engine (KV pool, kernels)", None
         elif record.levelno >= logging.INFO:
             self.stage, self.fraction = record.getMessage(), None
 
@@ -65,6 +67,7 @@ class BuildProgress(w.VBox):
         logger.setLevel(logging.DEBUG)
         logger.propagate = False
         t0 = time.monotonic()
+        shown = 0.0
         fut = asyncio.get_running_loop().run_in_executor(None, build)
         try:
             while not fut.done():
@@ -74,7 +77,8 @@ class BuildProgress(w.VBox):
                 if stage:
                     self.last_stage = stage
                 fraction = listener.fraction if listener.fraction is not None else guess
-                self.show(f"{title}: {stage}" if stage else title, max(0.02, fraction), el)
+                shown = max(shown, fraction) if listener.fraction is None else fraction
+                self.show(f"{title}: {stage}" if stage else title, max(0.02, shown), el)
                 await asyncio.wait([fut], timeout=0.1)
             return fut.result()
         finally:
@@ -82,3 +86,4 @@ class BuildProgress(w.VBox):
             logger.setLevel(level)
             logger.propagate = propagate
             self.hide()
+

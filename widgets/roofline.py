@@ -17,7 +17,7 @@ import traitlets
 from workbench.roofline import DeviceRoofs, roofline_points
 from workbench.telemetry import EngineInfo
 
-from .figures import LivePlot
+from .figures import TITLE_AND_LEGEND, LivePlot, log_ticks
 from .style import DECODE, PREFILL, css_widget, esc, modelled_html, modelled_label
 
 MIXED = "#8e6bbf"
@@ -44,11 +44,9 @@ def roofline_figure(info: EngineInfo | None = None, roofs: DeviceRoofs | None = 
         fig.add_scatter(name=phase, mode="markers", hoverinfo="text",
                         marker=dict(color=colour, size=8, opacity=0.75,
                                     line=dict(width=0.5, color="#fff")))
-    fig.update_layout(height=height, template="plotly_white", uirevision="keep",
-                      margin=dict(l=60, r=20, t=40, b=50), hoverlabel=dict(align="left"),
-                      legend=dict(orientation="h", y=1.1, x=0),
-                      title=dict(text="Roofline: each step's FLOP/s against its intensity",
-                                 font=dict(size=14), x=0.01, y=0.99))
+    fig.update_layout(TITLE_AND_LEGEND, height=height, template="plotly_white",
+                      uirevision="keep", hoverlabel=dict(align="left"),
+                      title_text="Roofline: each step's FLOP/s against its intensity")
     fig.update_xaxes(type="log", title_text="arithmetic intensity (FLOP per byte read)")
     fig.update_yaxes(type="log", title_text="achieved FLOP/s", exponentformat="SI")
     points = roofline_points(steps, info) if info is not None and steps else []
@@ -81,13 +79,20 @@ def formats_roofline_figure(roofs: DeviceRoofs, runs, height: int = 380) -> go.F
     hi = max([p.intensity for p in everything] + [roofs.balance]) * 4
     fig.data[0].x, fig.data[0].y = [lo, roofs.balance], [lo * roofs.bandwidth, roofs.peak_flops]
     fig.data[1].x, fig.data[1].y = [roofs.balance, hi], [roofs.peak_flops, roofs.peak_flops]
-    fig.update_layout(height=height, template="plotly_white", margin=dict(l=60, r=20, t=40, b=50),
-                      legend=dict(orientation="h", y=1.1, x=0),
-                      title=dict(text="One decode step, weight formats compared", font=dict(size=14),
-                                 x=0.01, y=0.99))
+    fig.update_layout(TITLE_AND_LEGEND, height=height, template="plotly_white",
+                      title_text="One decode step, weight formats compared")
     fig.update_xaxes(type="log", title_text="arithmetic intensity (FLOP per byte read)")
     fig.update_yaxes(type="log", title_text="achieved FLOP/s", exponentformat="SI")
+    _label_decades(fig)
     return fig
+
+
+def _label_decades(fig) -> None:
+    """Tick labels at decades (figures.log_ticks) over what the figure holds."""
+    xs = [x for t in fig.data for x in (t.x or ())]
+    ys = [y for t in fig.data for y in (t.y or ())]
+    fig.update_xaxes(log_ticks(xs))
+    fig.update_yaxes(log_ticks(ys))
 
 
 def _fill(fig, pts, r: DeviceRoofs | None) -> None:
@@ -112,6 +117,7 @@ def _fill(fig, pts, r: DeviceRoofs | None) -> None:
                 + (f" ({p.flops_per_s / r.attainable(p.intensity):.0%} of the roof)"
                    if r is not None else "")
                 + f"<br>{p.duration * 1e3:.1f} ms" for p in mine]
+        _label_decades(fig)
 
 
 class RooflinePanel(w.VBox):
@@ -120,21 +126,23 @@ class RooflinePanel(w.VBox):
     num_points = traitlets.Int(0, help="Steps drawn.")
 
     def __init__(self, info: EngineInfo | None = None, roofs: DeviceRoofs | None = None,
-                 window: int = 2000, height: int = 380, **kw):
+                 window: int = 2000, height: int = 380, missing: str | None = None, **kw):
         self.window = window
         self.points: list = []
         self.note = w.HTML()
         self.fig = roofline_figure(height=height)
         self.plot = LivePlot(self.fig)
-        self.set_model(info, roofs)
+        self.set_model(info, roofs, missing)
         super().__init__([css_widget(), self.note, self.plot], **kw)
         self.add_class("wb-roofline")
 
-    def set_model(self, info: EngineInfo | None, roofs: DeviceRoofs | None) -> None:
-        """A new engine (or trace): its info counts the FLOPs, its device gives the roofs."""
+    def set_model(self, info: EngineInfo | None, roofs: DeviceRoofs | None,
+                  missing: str | None = None) -> None:
+        """A new engine (or trace): its info counts the FLOPs, its device gives the roofs.
+        `missing` says why there are none yet (an engine still loading)."""
         self.info, self.roofs = info, roofs
         self.points = []
-        self.note.value = modelled_html(modelled_label(info)) + roofs_note(info, roofs)
+        self.note.value = modelled_html(modelled_label(info)) + roofs_note(info, roofs, missing)
         self._draw()
 
     def clear(self) -> None:
@@ -158,9 +166,13 @@ class RooflinePanel(w.VBox):
         self.num_points = len(self.points)
 
 
-def roofs_note(info: EngineInfo | None, roofs: DeviceRoofs | None) -> str:
-    """The measured roofs and the machine balance, in a sentence (HTML)."""
+def roofs_note(info: EngineInfo | None, roofs: DeviceRoofs | None,
+               missing: str | None = None) -> str:
+    """The measured roofs and the machine balance, in a sentence (HTML); without them, why
+    (`missing`, else: a remote server's are unknown)."""
     if info is None or roofs is None:
+        if missing:
+            return f'<div class="wb muted">Roofline: {esc(missing)}.</div>'
         return ('<div class="wb muted">No roofline: the model\'s shape or the device\'s roofs '
                 'are unknown (a remote server).</div>')
     how = "modelled" if getattr(info, "modelled", None) else "measured"

@@ -145,9 +145,10 @@ class LocalSource:
         key = (params.temperature, params.top_p, params.top_k, params.min_p, batch)
         if self._cost_key != key:
             c = self.engine.sampler_cost(params, batch)
+            extra = max(0.0, c['sampled_ms'] - c['greedy_ms'])
             self._cost_key, self._cost = key, (
-                f"{c['sampled_ms']:.1f} ms a step of {batch} (greedy {c['greedy_ms']:.1f}), "
-                "measured here")
+                f"adds {extra:.1f} ms to a step of {batch} requests on this machine "
+                f"({c['sampled_ms']:.1f} ms sampled, {c['greedy_ms']:.1f} ms greedy)")
         return self._cost
 
     def submit(self, prompt: Any, params: SamplingParams) -> str:

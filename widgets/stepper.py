@@ -28,7 +28,7 @@ from workbench.trace import Trace
 from .kv_map import KVBlockMap
 from .replay import load_trace
 from .sources import describe_engine
-from .style import css_widget, esc, modelled_html, modelled_label
+from .style import CSS, css_widget, esc, modelled_html, modelled_label
 
 
 @dataclass
@@ -253,6 +253,15 @@ class Stepper(w.VBox):
         if self.trace is None:
             return self.engine.kv_blocks()
         return next((f.kv for f in reversed(self.trace.frames[:self._frame]) if f.kv), None)
+
+    def snapshot(self, history: bool = True):
+        """What the Stepper shows now (the step, the KV blocks after it and, with `history`,
+        the recent steps) as static HTML: a notebook section keeps the step it talks about
+        after later cells have moved the live Stepper on, and a saved notebook keeps it
+        without widget state."""
+        from IPython.display import HTML
+        return HTML(CSS + self.view.value + self.kv.view.value
+                    + (self.history_view.value if history else ""))
 
     # ---- drawing --------------------------------------------------------------------------
     def _render(self, rec: StepRecord | None = None) -> None:

@@ -53,8 +53,12 @@ CSS = """
                  padding: 0 4px; }
 .wb .card .txt .tk { border-radius: 2px; }
 .wb .card .txt .think { color: var(--jp-ui-font-color3, #999); font-style: italic; }
+/* The footer's figures wrap as whole items where a card is narrow, never cut off. */
 .wb .card .st { font-size: 11px; color: var(--jp-ui-font-color2, #555); margin-top: 2px;
-                white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
+                display: flex; flex-wrap: wrap; column-gap: 7px; }
+.wb .card .st span { white-space: nowrap; }
+.wb h3.one-line { white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
+.wb h3.one-line .muted { font-size: 12px; font-weight: 500; }
 .wb .stats { display: flex; flex-wrap: wrap; gap: 6px; }
 .wb .stat { border: 1px solid var(--jp-border-color2, #ddd); border-radius: 6px;
             padding: 2px 8px; min-width: 70px; background: var(--jp-layout-color1, #fff); }
@@ -120,9 +124,11 @@ def modelled_html(label: str) -> str:
 
 
 def ms(seconds: float | None, digits: int = 0) -> str:
-    """Seconds -> '123 ms' (or '—')."""
+    """Seconds -> '123 ms', '4.6 s' from 10 s on (or '—')."""
     if seconds is None or (isinstance(seconds, float) and math.isnan(seconds)):
         return "—"
+    if seconds >= 10:
+        return f"{seconds:.1f} s"
     return f"{seconds * 1e3:.{digits}f} ms"
 
 

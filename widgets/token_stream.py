@@ -152,9 +152,12 @@ class TokenStreamPanel(w.VBox):
         streams = list(self.streams.values())
         live = sum(s.status == "streaming" for s in streams)
         waiting = sum(s.status == "waiting" for s in streams)
-        head = (f'<h3>{esc(self.title)} <span class="muted">· {len(streams)} requests · '
-                f'{live} streaming · {waiting} waiting · {self.num_finished} done · '
-                f'{self.num_tokens} tokens</span></h3>')
+        # One line at 1440 px: the states no request is in are left out.
+        counts = [f"{len(streams)} requests", *(f"{n} {what}" for n, what in (
+            (live, "streaming"), (waiting, "waiting"), (self.num_finished, "done")) if n),
+            f"{self.num_tokens} tokens"]
+        head = (f'<h3 class="one-line">{esc(self.title)} <span class="muted">· '
+                f'{" · ".join(counts)}</span></h3>')
         label = getattr(self, "modelled", "")
         if label:
             head += modelled_html(f"{label} · tokens are random")
@@ -176,8 +179,9 @@ class TokenStreamPanel(w.VBox):
                 f'<span class="badge b-{esc(s.status)}">{esc(s.status)}</span></div>'
                 f'<div class="prompt" title="{esc(s.label)}">{esc(s.label)}</div>'
                 f'<div class="txt"><div>{_text_html(s)}</div></div>'
-                f'<div class="st">TTFT {ms(s.ttft)} · TPOT '
-                f'{ms(s.tpot, 1 if (s.tpot or 0) < 0.1 else 0)} · {s.num_tokens} tok</div></div>')
+                f'<div class="st"><span>TTFT {ms(s.ttft)}</span><span>TPOT '
+                f'{ms(s.tpot, 1 if (s.tpot or 0) < 0.1 else 0)}</span>'
+                f'<span>{s.num_tokens} tok</span></div></div>')
 
 
 def thinking_regions(text: str) -> list[tuple[int, int, str]]:

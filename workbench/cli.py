@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from .launch import notebooks_dir, run_jupyter
+from .launch import notebooks_dir, run_jupyter, run_lab
 from .config import (ATTENTION_BACKENDS, BLOCK_SIZES, DEVICES, DTYPES, GENERATION_CONFIGS,
                      GRAPH_MODES, QUANTIZATIONS, REASONING_PARSERS, TOOL_CALL_PARSERS,
                      EngineConfig)
@@ -280,14 +280,7 @@ def cmd_dashboard(a) -> int:
 
 
 def cmd_lab(a) -> int:
-    import os
-    d = notebooks_dir()
-    args = [f"--notebook-dir={d}", f"--ServerApp.ip={a.host}", f"--port={a.port}"]
-    if not a.browser:
-        args.append("--no-browser")
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        args.append("--allow-root")    # containers often run as root; Jupyter refuses without it
-    return run_jupyter("jupyterlab", args, {}, f"JupyterLab on {d}: http://{a.host}:{a.port}/lab")
+    return run_lab(a.host, a.port, a.browser)
 
 
 def cmd_doctor(a) -> int:

@@ -223,3 +223,8 @@ def _build_main() -> None:
 def build_failed() -> bool:
     """This process tried to build or load the module and could not (no compiler, no ninja)."""
     return _kernels is False
+
+
+def kernel_is_building() -> bool:
+    """A build this process started is still running (`kernels()` loads it once it is done)."""
+    return _kernels is None and _builder is not None and _builder.poll() is None

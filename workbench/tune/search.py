@@ -25,6 +25,7 @@ from .slo import Measurement
 @dataclass
 class Trial:
     number: int
+    """1, 2, … in the order run: what progress reports as `done` for it."""
     knobs: dict
     rung: int
     budget: int
@@ -117,7 +118,7 @@ def successive_halving(points: list[dict], evaluate: Callable[[dict, int], Measu
             if should_stop is not None and should_stop():
                 out.stopped = True
                 return out
-            trial = Trial(len(out.trials), dict(knobs), rung, budget)
+            trial = Trial(len(out.trials) + 1, dict(knobs), rung, budget)
             t0 = time.perf_counter()
             try:
                 trial.measurement = evaluate(dict(knobs), budget)

@@ -258,8 +258,8 @@ def gguf_llama_checkpoint(path: Path, packed: bool = False):
         else:
             hf = GGUF_TO_HF[base]
         state[f"{hf}.{suffix}"] = w if keep else w.float().contiguous()
-        log.debug("dequantized %s", name, extra={"progress": ("converting the model", i + 1,
-                                                              len(tensors))})
+        log.debug("read %s", name, extra={"progress": (
+            "reading the GGUF weights" if packed else "converting the model", i + 1, len(tensors))})
     return config, state
 
 
