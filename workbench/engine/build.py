@@ -99,7 +99,8 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
     block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
     max_model_len = fit_max_model_len(config, max_model_len, block_manager.num_usable_blocks * bs)
 
-    scheduler = Scheduler(config, block_manager, max_model_len)
+    eos = eos_ids(hf_config, tokenizer, model_path)
+    scheduler = Scheduler(config, block_manager, max_model_len, eos)
     runner = ModelRunner(model, num_blocks, bs, platform, backend,
                          max_num_tokens=config.max_num_batched_tokens,
                          max_num_seqs=config.max_num_seqs,
@@ -135,8 +136,7 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
         generation_defaults=(generation_defaults(model_path)
                              if config.generation_config == "auto" else {}))
     built = BuiltEngine(config, platform, backend, tokenizer, model, runner, block_manager,
-                        scheduler, telemetry, max_model_len,
-                        eos_ids(hf_config, tokenizer, model_path), run_ahead, info)
+                        scheduler, telemetry, max_model_len, eos, run_ahead, info)
     if len(sys.modules) > modules and not gc.isenabled():
         # A library imported for the first time above may leave a reference cycle that
         # holds one of its import-time frames (trio, which transformers pulls in through

@@ -55,8 +55,8 @@ class EngineCore:
         """Where every timestamp of this engine comes from (core/clock.py): the wall's, or
         a modelled device's virtual time."""
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size)
-        self.output = OutputProcessor(self.tokenizer, b.eos_token_ids, self.max_model_len,
-                                      self.scheduler, self.telemetry, self.clock)
+        self.output = OutputProcessor(self.tokenizer, self.scheduler.finish, self.telemetry,
+                                      self.clock)
         pipeline = b.pipeline_class or StepPipeline
         self.pipeline = pipeline(self.scheduler, self.runner, self.platform, self.output,
                                  self.structured_output, self.telemetry, b.eos_token_ids,

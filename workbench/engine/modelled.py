@@ -183,8 +183,8 @@ def build_modelled_engine(config: EngineConfig, built_class):
                                                     // per_block))
     block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
     max_model_len = fit_max_model_len(config, max_model_len, block_manager.num_usable_blocks * bs)
-    scheduler = Scheduler(config, block_manager, max_model_len)
     eos = eos_ids(hf_config, tokenizer, model_path)
+    scheduler = Scheduler(config, block_manager, max_model_len, eos)
     runner = ModelledRunner(profile, hf_config.vocab_size, eos, num_blocks * per_block,
                             config.seed)
     telemetry = Telemetry(config.max_step_events, config.max_request_records)

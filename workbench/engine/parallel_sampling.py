@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 from ..core.sequence import SequenceStatus
 
 if TYPE_CHECKING:
-    from ..core.scheduler import Scheduler
     from .request import Request
 
 
@@ -33,14 +32,13 @@ class ParentRequest:
         """The choices the scheduler holds: the first, and the others once forked."""
         return self.choices if self.forked else self.choices[:1]
 
-    def fork(self, scheduler: Scheduler) -> list[Request]:
-        """The first choice's prompt is computed: start the others on its blocks (they
-        stream to its listener). Returns them."""
+    def fork(self) -> list[Request]:
+        """The first choice's prompt is computed: the others start now (the pipeline puts
+        them on its blocks with Scheduler.fork; they stream to its listener). Returns them."""
         first, others = self.choices[0], self.choices[1:]
         self.forked = True
         for c in others:
             c.listener = first.listener
-            scheduler.fork(first.seq, c.seq)
         return others
 
     def end(self, r: Request) -> list[Request]:

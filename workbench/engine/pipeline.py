@@ -232,11 +232,29 @@ class StepPipeline:
         return InFlightStep(sched, reqs, ids, host, lp, self.platform.record_event(), graph, t0,
                             ahead)
 
+    def _fork(self, reqs: list[Request]) -> None:
+        """Start the other choices of each n > 1 request whose first choice samples its
+        first token now, on its blocks (Scheduler.fork; ParentRequest.sampling_rows gave
+        them their rows of this step)."""
+        for r in reqs:
+            parent = r.parent
+            if (parent is None or parent.forked or r.seq.is_finished
+                    or r.seq.params.max_tokens == 0):
+                continue
+            started = parent.fork()
+            for c in started:
+                self.scheduler.fork(r.seq, c.seq)
+            self.output.adopt(started)
+
     def _hand_out(self, sched: SchedulerOutput, reqs: list[Request], tokens: list[int],
                   logprobs: LogprobsTensors | None, graph, t0: float,
                   ahead: bool = False, held_back: dict[str, str] | None = None) -> StepResult:
-        """One step's tokens to the output processor, and the step into telemetry."""
-        events, finished = self.output.process(reqs, tokens, logprobs, self.clock.now())
+        """One step's tokens into the scheduler (the stop rule, finishing), then to the
+        output processor (text, text stops, logprobs, events), and the step into telemetry.
+        An n > 1 request whose prompt this step computed starts its other choices first."""
+        self._fork(reqs)
+        outs = self.scheduler.update_from_output([r.seq for r in reqs], [[t] for t in tokens])
+        events, finished = self.output.process(reqs, outs, logprobs, self.clock.now())
         bstats = self.scheduler.block_manager.stats()
         self.telemetry.add_step(StepEvent(
             step=self.telemetry.num_steps, start=t0, duration=self.clock.now() - t0,
