@@ -134,7 +134,7 @@ class EngineCore:
                                     "prompt-logits")
             self.add([req])
             self._drain_inbox()
-            logits = self.runner.execute(self.scheduler.schedule())[0][0].float()
+            logits = self.runner.execute(self.scheduler.schedule()).logits[0].float()
         self.abort(req.seq.request_id)
         return logits
 

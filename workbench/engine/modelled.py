@@ -82,12 +82,12 @@ class ModelledPipeline(StepPipeline):
         return self._hand_out_step(pending)
 
     def _run(self, sched: SchedulerOutput, t0: float, ahead: bool) -> ModelledStep:
-        tokens, sampling, graph, cost = self.runner.execute(sched)
-        reqs = self.output.requests_of(sampling)
-        rows, reqs = _sampling_rows(reqs)
+        ran = self.runner.execute(sched)
+        tokens = ran.sampled_token_ids
+        rows, reqs = _sampling_rows(self.output.requests_of(ran.req_ids))
         if rows is not None:                 # n > 1: one token per choice from its row
             tokens = self.runner.tokens(len(reqs))
-        return ModelledStep(sched, reqs, tokens, graph, t0, cost.seconds, ahead)
+        return ModelledStep(sched, reqs, tokens, ran.graph, t0, ran.seconds, ahead)
 
     def _hand_out_step(self, s: ModelledStep) -> StepResult:
         return self._hand_out(s.sched, s.reqs, s.tokens, self._logprobs(s.reqs, s.tokens),

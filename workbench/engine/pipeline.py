@@ -113,14 +113,15 @@ class StepPipeline:
             sched, t0 = self._schedule()
             if sched.is_empty:
                 return self._hand_out(sched, [], [], None, None, t0)
-            logits, sampling, graph, spans = self.runner.execute(sched)
-            reqs = self.output.requests_of(sampling)
+            ran = self.runner.execute(sched)
+            logits, graph, spans = ran.logits, ran.graph, ran.prompt_spans
+            reqs = self.output.requests_of(ran.req_ids)
             held = ({r.request_id: why for r in reqs if (why := held_back_by(r))}
                     if self.async_scheduling and graph is not None and graph[0] == FULL else {})
             if not (self.async_scheduling and graph is not None and graph[0] == FULL
                     and not held):
                 if spans:
-                    self.output.add_prompt_logprobs(spans, logits[len(sampling):])
+                    self.output.add_prompt_logprobs(spans, logits[len(ran.req_ids):])
                 rows, reqs = ParentRequest.sampling_rows(reqs)
                 if rows is not None:
                     logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
@@ -144,8 +145,9 @@ class StepPipeline:
                 if rows != list(range(len(rows))) or len(rows) != ids.shape[0]:
                     ids = ids.index_select(0, to_device(torch.tensor(rows), ids.device))
                 # No larger than the step before it, so a captured size holds it.
-                logits, sampling, graph, _ = self.runner.execute(nsched, input_ids=ids)
-                reqs = self.output.requests_of(sampling)
+                ran = self.runner.execute(nsched, input_ids=ids)
+                logits, graph = ran.logits, ran.graph
+                reqs = self.output.requests_of(ran.req_ids)
                 # ids: each row's token of step N, not yet in its Sequence (penalties count it)
                 self.in_flight = self._copy_to_host(nsched, self._sample(logits, reqs, ids),
                                                     reqs, graph, t1, ahead=True)
