@@ -34,6 +34,7 @@ from ..platforms import get_platform
 from ..roofline import probe_roofs
 from ..telemetry import FULL, EngineInfo, MemoryStats, Telemetry
 from .pipeline import StepPipeline, StepResult
+from .request import ParentRequest
 from .sizing import eos_ids, fit_max_model_len, model_max_len, num_params, weight_bytes
 
 log = logging.getLogger("workbench")
@@ -84,7 +85,7 @@ class ModelledPipeline(StepPipeline):
     def _run(self, sched: SchedulerOutput, t0: float, ahead: bool) -> ModelledStep:
         ran = self.runner.execute(sched)
         tokens = ran.sampled_token_ids
-        rows, reqs = _sampling_rows(self.output.requests_of(ran.req_ids))
+        rows, reqs = ParentRequest.sampling_rows(self.requests.requests_of(ran.req_ids))
         if rows is not None:                 # n > 1: one token per choice from its row
             tokens = self.runner.tokens(len(reqs))
         return ModelledStep(sched, reqs, tokens, ran.graph, t0, ran.seconds, ahead)
@@ -113,11 +114,6 @@ class ModelledPipeline(StepPipeline):
             if getattr(params, name) is not None:
                 raise ValueError(f"{name}: a modelled device emits random tokens, without "
                                  "logits; run this request on a real device")
-
-
-def _sampling_rows(reqs):
-    from .parallel_sampling import ParentRequest
-    return ParentRequest.sampling_rows(reqs)
 
 
 # ---- the CPU profile: fitted to a short real run (engine/calibrate.py), cached -----------------

@@ -12,7 +12,6 @@ registry the engine core's add, abort and read API look in.
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Callable
 
 import torch
@@ -22,72 +21,33 @@ from ..core.scheduler import EngineCoreOutput, SchedulerOutput
 from ..core.sequence import Logprob, Sequence
 from ..executor.sampler import LogprobsTensors, compute_logprobs
 from ..telemetry import Telemetry
-from .request import Request, TokenEvent
+from .request import Request, RequestRegistry, TokenEvent
 
 log = logging.getLogger("workbench")
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, finish: Callable[[Sequence, str], None],
-                 telemetry: Telemetry, clock: Clock | None = None):
+    def __init__(self, tokenizer, requests: RequestRegistry,
+                 finish: Callable[[Sequence, str], None], telemetry: Telemetry,
+                 clock: Clock | None = None):
         self.tokenizer = tokenizer
+        self.requests = requests
+        """The engine's requests by sequence id (it lets go of the ones that end)."""
         self.finish = finish
         """Scheduler.finish: how a request the output processor ends (a stop string, its
         grammar, an abort, an error) is reported to the one place that finishes requests."""
         self.telemetry = telemetry
         self.clock = clock if clock is not None else WallClock()
-        self._requests: dict[str, Request] = {}
-        """Every request from `add` to its end, by sequence id (a first choice stays until
-        its last choice ends, so an abort finds it)."""
-        self._lock = threading.Lock()     # guards _requests (added to from other threads)
         self._token_texts: dict[int, str] = {}
         """Each token's text on its own (for Logprob.decoded_token)."""
-
-    # ---- the registry ---------------------------------------------------------------------
-    def add(self, reqs: list[Request]) -> None:
-        """Hold new requests; a request id in use (or twice in reqs) is a ValueError and adds
-        none of them."""
-        with self._lock:
-            dup = [r.seq.request_id for r in reqs if r.seq.request_id in self._requests]
-            if dup or len({r.seq.request_id for r in reqs}) < len(reqs):
-                raise ValueError(f"request_id: {dup[0] if dup else 'duplicate'} is already in use")
-            for r in reqs:
-                self._requests[r.seq.request_id] = r
-
-    def adopt(self, choices: list[Request]) -> None:
-        """Hold the choices an n > 1 request started (their ids are '<id>#<i>')."""
-        with self._lock:
-            for c in choices:
-                self._requests[c.seq.request_id] = c
-
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._requests
-
-    def get(self, request_id: str) -> Request | None:
-        return self._requests.get(request_id)
-
-    def requests_of(self, request_ids: list[str]) -> list[Request]:
-        """The Request of each id, in order (the stepping thread alone removes requests, so
-        it reads without the lock)."""
-        reqs = self._requests
-        return [reqs[rid] for rid in request_ids]
-
-    def requests(self) -> list[Request]:
-        """Every request held now, in arrival order."""
-        with self._lock:
-            return list(self._requests.values())
-
-    def has_unfinished(self) -> bool:
-        with self._lock:
-            return bool(self._requests)
 
     # ---- one step's output ----------------------------------------------------------------
     def note_scheduled(self, sched: SchedulerOutput, now: float) -> None:
         """What the scheduler did to each request, into its metrics."""
         for rid in sched.preempted:
-            self._requests[rid].metrics.num_preemptions += 1
+            self.requests.get(rid).metrics.num_preemptions += 1
         for s in sched.scheduled:
-            r = self._requests[s.req_id]
+            r = self.requests.get(s.req_id)
             if r.metrics.first_scheduled_time is None:
                 r.metrics.first_scheduled_time = now
                 r.metrics.cached_tokens = r.seq.num_cached_tokens
@@ -186,7 +146,7 @@ class OutputProcessor:
         """Logprobs of prompt tokens from the rows of a prefill (see ModelRunner.prepare):
         the row at position p scores prompt token p + 1. One batched pass for the step.
         spans: (request id, first position, count)."""
-        reqs = [(self._requests[rid], first, count) for rid, first, count in spans]
+        reqs = [(self.requests.get(rid), first, count) for rid, first, count in spans]
         targets = [t for r, first, count in reqs
                    for t in r.seq.prompt_token_ids[first + 1:first + 1 + count]]
         k = max(r.seq.params.prompt_logprobs for r, _, _ in reqs)
@@ -213,7 +173,7 @@ class OutputProcessor:
     def abort(self, request_id: str, now: float | None = None, reason: str = "abort") -> None:
         """End a request now (each of its started choices; a choice's own id ends just it),
         freeing its blocks and telling its listener."""
-        r = self._requests.get(request_id)
+        r = self.requests.get(request_id)
         if r is None:
             return
         now = self.clock.now() if now is None else now
@@ -233,11 +193,7 @@ class OutputProcessor:
         first = r.first
         ended = r.parent.end(r) if r.parent is not None else [r]
         all_ended = r.parent is None or r.parent.num_unfinished == 0
-        with self._lock:   # the first choice stays findable (abort) until the last ends
-            if r is not first:
-                self._requests.pop(r.seq.request_id, None)
-            if all_ended:
-                self._requests.pop(first.seq.request_id, None)
+        self.requests.let_go(r, all_ended)
         if all_ended:
             m = first.metrics
             m.finished_time = now
@@ -248,9 +204,10 @@ class OutputProcessor:
         if deliver:   # an abort: tell the listener, with any text still held back
             for c in ended:
                 self._deliver(c, TokenEvent(
-                    c.request_id, None, c.detok.take(final=True), c.seq.num_output_tokens, now,
-                    True, c.seq.finish_reason, None, c.choice,
-                    c.prompt_logprobs if c.seq.num_output_tokens == 0 else None))
+                    request_id=c.request_id, token_id=None, text=c.detok.take(final=True),
+                    index=c.seq.num_output_tokens, time=now, finished=True,
+                    finish_reason=c.seq.finish_reason, choice=c.choice,
+                    prompt_logprobs=c.prompt_logprobs if c.seq.num_output_tokens == 0 else None))
             if all_ended:
                 first.done.set()
         return all_ended

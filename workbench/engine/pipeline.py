@@ -26,8 +26,7 @@ from ..executor.sampler import (LogprobsTensors, SamplerOutput, apply_token_bitm
                                to_device)
 from ..telemetry import FULL, StepEvent, Telemetry
 from .output_processor import OutputProcessor
-from .parallel_sampling import ParentRequest
-from .request import Request, TokenEvent
+from .request import ParentRequest, Request, RequestRegistry, TokenEvent
 
 log = logging.getLogger("workbench")
 
@@ -83,8 +82,11 @@ class StepPipeline:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, platform,
                  output: OutputProcessor, structured_output: StructuredOutputManager,
                  telemetry: Telemetry, eos_token_ids: set[int], async_scheduling: bool,
-                 max_num_seqs: int, seed: int = 0, clock: Clock | None = None):
+                 max_num_seqs: int, seed: int = 0, clock: Clock | None = None, *,
+                 requests: RequestRegistry):
         self.scheduler = scheduler
+        self.requests = requests
+        """Where a step's rows find their requests (by sequence id)."""
         self.clock = clock if clock is not None else WallClock()
         """Where the step's timestamps come from (the engine core's clock)."""
         self.runner = runner
@@ -115,8 +117,8 @@ class StepPipeline:
                 return self._hand_out(sched, [], [], None, None, t0)
             ran = self.runner.execute(sched)
             logits, graph, spans = ran.logits, ran.graph, ran.prompt_spans
-            reqs = self.output.requests_of(ran.req_ids)
-            held = ({r.request_id: why for r in reqs if (why := held_back_by(r))}
+            reqs = self.requests.requests_of(ran.req_ids)
+            held = ({r.seq_id: why for r in reqs if (why := held_back_by(r))}
                     if self.async_scheduling and graph is not None and graph[0] == FULL else {})
             if not (self.async_scheduling and graph is not None and graph[0] == FULL
                     and not held):
@@ -137,7 +139,7 @@ class StepPipeline:
         self.scheduler.update_after_step(pending.sched)
         if run_ahead():
             nxt = self.scheduler.schedule_next_decode(
-                pending.sched, lambda seq: may_run_ahead(self.output.get(seq.request_id)))
+                pending.sched, lambda seq: may_run_ahead(self.requests.get(seq.request_id)))
             if nxt is not None:
                 t1 = self.clock.now()
                 rows, nsched = nxt
@@ -147,7 +149,7 @@ class StepPipeline:
                 # No larger than the step before it, so a captured size holds it.
                 ran = self.runner.execute(nsched, input_ids=ids)
                 logits, graph = ran.logits, ran.graph
-                reqs = self.output.requests_of(ran.req_ids)
+                reqs = self.requests.requests_of(ran.req_ids)
                 # ids: each row's token of step N, not yet in its Sequence (penalties count it)
                 self.in_flight = self._copy_to_host(nsched, self._sample(logits, reqs, ids),
                                                     reqs, graph, t1, ahead=True)
@@ -246,7 +248,7 @@ class StepPipeline:
             started = parent.fork()
             for c in started:
                 self.scheduler.fork(r.seq, c.seq)
-            self.output.adopt(started)
+            self.requests.adopt(started)
 
     def _hand_out(self, sched: SchedulerOutput, reqs: list[Request], tokens: list[int],
                   logprobs: LogprobsTensors | None, graph, t0: float,
