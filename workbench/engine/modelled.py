@@ -10,11 +10,8 @@ step's modelled time, so every TTFT, TPOT and ITL the engine records is a modell
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
-import socket
 from dataclasses import dataclass, replace
 
 import torch
@@ -29,18 +26,15 @@ from ..executor.models import LlamaForCausalLM, load_checkpoint
 from ..executor.models.loader import generation_defaults
 from ..executor.sampler import LogprobsTensors
 from ..modelled import DeviceProfile, ModelledRunner
-from ..modelled.profiles import cpu_profile, parse_device, spec_profile
+from ..modelled.cpu_cache import cached_cpu_profile, cpu_dtype
+from ..modelled.profiles import parse_device, spec_profile
 from ..platforms import get_platform
-from ..roofline import probe_roofs
 from ..telemetry import FULL, EngineInfo, MemoryStats, Telemetry
 from .pipeline import StepPipeline, StepResult
 from .request import ParentRequest
 from .sizing import eos_ids, fit_max_model_len, model_max_len, num_params, weight_bytes
 
 log = logging.getLogger("workbench")
-
-CPU_FIT_VERSION = 3
-
 
 @dataclass(slots=True)
 class ModelledStep:
@@ -116,35 +110,6 @@ class ModelledPipeline(StepPipeline):
                                  "logits; run this request on a real device")
 
 
-# ---- the CPU profile: fitted to a short real run (engine/calibrate.py), cached -----------------
-def cpu_cache_key(config: EngineConfig, dtype: str) -> str:
-    parts = [socket.gethostname(), config.model, dtype, str(config.block_size),
-             config.attention_backend, torch.__version__, str(torch.get_num_threads()),
-             str(CPU_FIT_VERSION)]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
-
-
-def cpu_profile_path(config: EngineConfig, dtype: str):
-    from ..cache import cache_root
-    return cache_root() / "modelled" / f"cpu-{cpu_cache_key(config, dtype)}.json"
-
-
-def cpu_dtype(config: EngineConfig) -> str:
-    return "float32" if config.dtype == "auto" else config.dtype
-
-
-def cached_cpu_profile(config: EngineConfig, dtype: str) -> DeviceProfile | None:
-    """The 'cpu' profile fitted on this machine for this model and dtype, or None if there is
-    none yet (Engine makes it: engine/calibrate.py)."""
-    try:
-        d = json.loads(cpu_profile_path(config, dtype).read_text())
-        from ..modelled.profiles import Coefficients
-        return cpu_profile(probe_roofs(get_platform("cpu"), getattr(torch, dtype)),
-                           Coefficients.from_dict(d["coefficients"]), d["source"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 # ---- building ------------------------------------------------------------------------------------
 def build_modelled_engine(config: EngineConfig, built_class):
     """A BuiltEngine (build.py's record) for `config.device` = 'model:<name>'."""
@@ -152,7 +117,7 @@ def build_modelled_engine(config: EngineConfig, built_class):
     platform = get_platform("cpu")       # the host: sampling params, generators live here
     if name == "cpu":
         dtype = cpu_dtype(config)
-        profile = cached_cpu_profile(config, dtype)
+        profile = cached_cpu_profile(config, dtype, platform)
         if profile is None:
             raise ValueError("device: model:cpu is fitted to a short run of the real CPU engine "
                              "on this machine, and none is cached for this model; "
