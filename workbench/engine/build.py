@@ -95,7 +95,8 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
     model.ops.prepare(model, platform)
     platform.empty_cache()      # what measuring kernels cached is not in use
     bs = config.block_size
-    num_blocks = num_kv_blocks(config, platform, model, hf_config, dtype)
+    num_blocks = num_kv_blocks(config, platform.memory_info(),
+                               kv_bytes_per_block(model, bs, dtype), hf_config, dtype)
     block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
     max_model_len = fit_max_model_len(config, max_model_len, block_manager.num_usable_blocks * bs)
 

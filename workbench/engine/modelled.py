@@ -21,11 +21,11 @@ from ..core.block_manager import BlockManager
 from ..core.clock import VirtualClock
 from ..core.sampling_params import SamplingParams
 from ..core.scheduler import Scheduler, SchedulerOutput
-from ..executor.kv_sizing import activation_reserve, kv_bytes_per_block, kv_bytes_per_token
+from ..executor.kv_sizing import kv_bytes_per_block, kv_bytes_per_token, num_kv_blocks
 from ..executor.models import LlamaForCausalLM, load_checkpoint
 from ..executor.models.loader import generation_defaults
 from ..executor.sampler import LogprobsTensors
-from ..modelled import DeviceProfile, ModelledRunner
+from ..modelled import ModelledRunner
 from ..modelled.cpu_cache import cached_cpu_profile, cpu_dtype
 from ..modelled.profiles import parse_device, spec_profile
 from ..platforms import get_platform
@@ -139,9 +139,10 @@ def build_modelled_engine(config: EngineConfig, built_class):
     weights = weight_bytes(model)
     bs = config.block_size
     per_block = kv_bytes_per_block(model, bs, torch_dtype)
-    num_blocks = config.num_kv_blocks or max(2, int(_kv_budget(config, profile, weights,
-                                                               hf_config, torch_dtype)
-                                                    // per_block))
+    memory = (None if profile.memory_bytes is None        # in use: the weights
+              else (profile.memory_bytes - weights, profile.memory_bytes))
+    num_blocks = num_kv_blocks(config, memory, per_block, hf_config, torch_dtype,
+                               f"the modelled {profile.device_name}")
     block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
     max_model_len = fit_max_model_len(config, max_model_len, block_manager.num_usable_blocks * bs)
     eos = eos_ids(hf_config, tokenizer, model_path)
@@ -188,19 +189,3 @@ def build_modelled_engine(config: EngineConfig, built_class):
                        scheduler, telemetry, max_model_len, eos, run_ahead, info,
                        clock=VirtualClock(), pipeline_class=ModelledPipeline)
 
-
-def _kv_budget(config: EngineConfig, profile: DeviceProfile, weights: int, hf_config,
-               dtype) -> float:
-    """kv_sizing's rule on the modelled device's memory (the CPU's: 1 GiB by default)."""
-    if config.kv_cache_memory_gb is not None:
-        return config.kv_cache_memory_gb * 2**30
-    if profile.memory_bytes is None:
-        return 2**30
-    budget = (config.gpu_memory_utilization * profile.memory_bytes - weights
-              - activation_reserve(config, hf_config, dtype))
-    if budget <= 0:
-        raise ValueError(f"gpu_memory_utilization: {config.gpu_memory_utilization} of the "
-                         f"modelled {profile.device_name}'s {profile.memory_bytes / 2**30:.0f} "
-                         "GiB leaves no room for a KV pool after the weights; raise it or set "
-                         "num_kv_blocks")
-    return budget
