@@ -236,19 +236,27 @@ class StepPipeline:
         return InFlightStep(sched, reqs, ids, host, lp, self.platform.record_event(), graph, t0,
                             ahead)
 
-    def _fork(self, reqs: list[Request]) -> None:
-        """Start the other choices of each n > 1 request whose first choice samples its
-        first token now, on its blocks (Scheduler.fork; ParentRequest.sampling_rows gave
-        them their rows of this step)."""
-        for r in reqs:
+    def _update(self, reqs: list[Request], tokens: list[int]) -> list:
+        """The step's tokens into the scheduler (Scheduler.update_from_output), row by row
+        in order, with the other choices of an n > 1 request started (Scheduler.fork on the
+        first choice's blocks) just before its first choice's first token is taken in: the
+        rows before it have finished by then, so a choice takes a running slot they freed
+        (ParentRequest.sampling_rows gave the choices their rows of this step)."""
+        outs, start = [], 0
+        for i, r in enumerate(reqs):
             parent = r.parent
             if (parent is None or parent.forked or r.seq.is_finished
                     or r.seq.params.max_tokens == 0):
                 continue
+            outs += self.scheduler.update_from_output([q.seq for q in reqs[start:i]],
+                                                      [[t] for t in tokens[start:i]])
+            start = i
             started = parent.fork()
             for c in started:
                 self.scheduler.fork(r.seq, c.seq)
             self.requests.adopt(started)
+        return outs + self.scheduler.update_from_output([q.seq for q in reqs[start:]],
+                                                        [[t] for t in tokens[start:]])
 
     def _hand_out(self, sched: SchedulerOutput, reqs: list[Request], tokens: list[int],
                   logprobs: LogprobsTensors | None, graph, t0: float,
@@ -256,8 +264,7 @@ class StepPipeline:
         """One step's tokens into the scheduler (the stop rule, finishing), then to the
         output processor (text, text stops, logprobs, events), and the step into telemetry.
         An n > 1 request whose prompt this step computed starts its other choices first."""
-        self._fork(reqs)
-        outs = self.scheduler.update_from_output([r.seq for r in reqs], [[t] for t in tokens])
+        outs = self._update(reqs, tokens)
         events, finished = self.output.process(reqs, outs, logprobs, self.clock.now())
         bstats = self.scheduler.block_manager.stats()
         self.telemetry.add_step(StepEvent(
