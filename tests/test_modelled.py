@@ -233,10 +233,10 @@ def test_cpu_calibration_fits_the_real_engine_and_caches_it(tmp_path, monkeypatc
     """model:cpu on a machine with no profile yet: the real CPU engine runs every phase of the
     calibration workload, the fit moves only the CPU form's coefficients, the profile is
     cached, and the next model:cpu engine reads it rather than calibrating again."""
-    from workbench.engine import calibrate, modelled as engine_modelled
+    from workbench.engine import calibrate
+    from workbench.modelled import cpu_cache
     path = tmp_path / "cpu-profile.json"
-    monkeypatch.setattr(engine_modelled, "cpu_profile_path", lambda config, dtype: path)
-    monkeypatch.setattr(calibrate, "cpu_profile_path", lambda config, dtype: path)
+    monkeypatch.setattr(cpu_cache, "cpu_profile_path", lambda config, dtype: path)
     knobs = dict(model="random:tiny", device="model:cpu", num_kv_blocks=64)
     e = Engine(**knobs)
     m = e.info().modelled

@@ -27,11 +27,11 @@ def add(s, rid, n, arrival=0.0, max_tokens=100):
 
 
 def run_step(s, out, token=7):
-    """What the engine does after the model: advance, then append a token where sampled."""
+    """What the engine does after the model: advance, then take in a token where sampled
+    (the scheduler appends it and finishes what stops)."""
     s.update_after_step(out)
-    for x in out.scheduled:
-        if x.will_sample:
-            s.requests[x.req_id].token_ids.append(token)
+    seqs = [s.requests[x.req_id] for x in out.scheduled if x.will_sample]
+    return s.update_from_output(seqs, [[token]] * len(seqs))
 
 
 def test_prefill_then_decode():
@@ -168,10 +168,6 @@ def test_random_workload_accounting_balances():
             break
         out = s.schedule(now=0)
         run_step(s, out)
-        for x in out.scheduled:
-            q = s.requests[x.req_id]
-            if x.will_sample and q.num_output_tokens >= q.params.max_tokens:
-                s.finish(q, "length")
         if rng.random() < 0.05 and s.running:
             s.finish(rng.choice(s.running), "abort")
         if rng.random() < 0.05 and s.waiting:
@@ -233,13 +229,9 @@ def test_the_runner_follows_each_request_from_the_changes_alone(seed):
             assert mine.num_computed_tokens == x.start == seq.num_computed_tokens
 
     def sample(out):
-        for x in out.scheduled:
-            seq = s.requests.get(x.req_id)
-            if seq is None or not x.will_sample:
-                continue
-            seq.token_ids.append(rng.randrange(10, 400))
-            if seq.num_output_tokens >= seq.params.max_tokens:
-                s.finish(seq, "length")
+        seqs = [seq for x in out.scheduled
+                if x.will_sample and (seq := s.requests.get(x.req_id)) is not None]
+        s.update_from_output(seqs, [[rng.randrange(10, 400)] for _ in seqs])
 
     forks = 0
     for _ in range(400):
@@ -270,3 +262,43 @@ def test_the_runner_follows_each_request_from_the_changes_alone(seed):
     assert not s.has_unfinished() and s.num_preemptions > 0 and forks > 0
     out = s.schedule(now=0)
     assert out.is_empty
+
+
+def test_the_stop_rule_finishes_requests_in_one_place():
+    """update_from_output appends each row's tokens and ends a request at the first token
+    that stops it (a stop token, EOS, max_tokens, max_model_len), dropping the rest of its
+    row; a request that ended while its step was in flight takes nothing."""
+    cfg = EngineConfig()
+    bm = BlockManager(65, 16, cfg.enable_prefix_caching)
+    s = Scheduler(cfg, bm, max_model_len=40, eos_token_ids={2})
+    seqs = {
+        "eos": Sequence("eos", [5] * 4, SamplingParams(max_tokens=9)),
+        "ignore": Sequence("ignore", [5] * 4, SamplingParams(max_tokens=9, ignore_eos=True)),
+        "stop_id": Sequence("stop_id", [5] * 4, SamplingParams(max_tokens=9, stop_token_ids=[8])),
+        "len": Sequence("len", [5] * 4, SamplingParams(max_tokens=2)),
+        "model_len": Sequence("model_len", [5] * 38, SamplingParams(max_tokens=9)),
+        "gone": Sequence("gone", [5] * 4, SamplingParams(max_tokens=9)),
+    }
+    for q in seqs.values():
+        s.add(q)
+    out = s.schedule(now=0)
+    s.update_after_step(out)
+    s.finish(seqs["gone"], "abort")
+    rows = [seqs[x.req_id] for x in out.scheduled]
+    sampled = {"eos": [3, 2, 4], "ignore": [2, 2, 4], "stop_id": [8, 9], "len": [3, 4, 5],
+               "model_len": [3, 4, 5], "gone": [3]}
+    res = dict(zip([q.request_id for q in rows],
+                   s.update_from_output(rows, [sampled[q.request_id] for q in rows])))
+    assert res["gone"] is None and seqs["gone"].finish_reason == "abort"
+    got = {k: (v.new_token_ids, v.finish_reason) for k, v in res.items() if v is not None}
+    assert got == {"eos": ([3, 2], "stop"), "ignore": ([2, 2, 4], None),
+                   "stop_id": ([8], "stop"), "len": ([3, 4], "length"),
+                   "model_len": ([3, 4], "length")}
+    assert seqs["stop_id"].stop_reason == 8 and seqs["eos"].stop_reason is None
+    assert seqs["eos"].output_token_ids == [3, 2] and seqs["ignore"].num_output_tokens == 3
+    assert [q.request_id for q in s.running] == ["ignore"]
+    assert bm.num_used_blocks == len(seqs["ignore"].block_table)
+    # A later verdict on an ended request (a stop string in its last token's text) changes
+    # its reason and nothing else.
+    s.finish(seqs["len"], "stop")
+    assert seqs["len"].finish_reason == "stop" and bm.num_used_blocks == 1

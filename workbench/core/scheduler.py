@@ -98,11 +98,27 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """One request's part of a step's result once the scheduler has taken it in (vLLM's
+    EngineCoreOutput): the tokens it kept and whether the request ended by the stop rule."""
+    new_token_ids: list[int]
+    """The tokens appended to the request: what the step sampled for it, up to and including
+    one that stops it (several where a step proposes several); none for a request that only
+    scored its prompt."""
+    finish_reason: str | None = None
+    """'stop' (a stop token or EOS), 'length' (max_tokens or max_model_len), or None: it goes
+    on. The output processor may still end it on a stop string or its grammar."""
+
+
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
+                 eos_token_ids: set[int] | frozenset[int] = frozenset()):
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        """The model's end-of-sequence ids (a request with ignore_eos runs past them)."""
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
@@ -148,7 +164,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Take seq out of the queues (finished or aborted) and free its blocks."""
+        """Take seq out of the queues (finished or aborted) and free its blocks; the one way
+        a request ends. A request that has ended already only takes the new reason (a stop
+        string found in the text of the token that reached max_tokens is a 'stop', as in
+        vLLM)."""
+        if seq.status is SequenceStatus.FINISHED:
+            seq.finish_reason = reason
+            return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
@@ -331,9 +353,7 @@ class Scheduler:
                 continue
             if not s.is_decode or not may_run_ahead(seq):
                 return None
-            length = seq.num_tokens + 1              # with the token prev is sampling
-            if (length - seq.num_prompt_tokens >= seq.params.max_tokens
-                    or length >= self.max_model_len):
+            if self.reaches_length(seq, seq.num_tokens + 1):   # with prev's token: its last
                 continue
             if not self._allocate(seq, 1):
                 return None                          # a preemption is the sync path's job
@@ -349,7 +369,9 @@ class Scheduler:
 
     # ---- after the model ran --------------------------------------------------------------
     def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance computed-token counts and register newly full blocks for prefix caching."""
+        """Advance computed-token counts and register newly full blocks for prefix caching
+        (the step has run; its tokens may not be on the host yet: update_from_output takes
+        them)."""
         for s in out.scheduled:
             seq = self.requests.get(s.req_id)
             if seq is None:
@@ -357,3 +379,48 @@ class Scheduler:
             seq.num_computed_tokens = s.start + s.num_new_tokens
             seq.block_hashes.extend(self.block_manager.cache_full_blocks(
                 seq.token_ids, seq.block_table, seq.block_hashes, seq.num_computed_tokens))
+
+    def update_from_output(self, seqs: list[Sequence], sampled: list[list[int]]
+                           ) -> list[EngineCoreOutput | None]:
+        """Take a step's sampled tokens in (vLLM v1's update_from_output): append each
+        sequence's tokens, one at a time, stopping at the first that ends it (check_stop),
+        and finish the sequences that end. One row per sequence that sampled, in the step's
+        sampling order (an n > 1 request's choices each have theirs). A row whose sequence
+        ended while its step was in flight (aborted, or ended by the step before under
+        async scheduling) comes back None: its tokens are dropped."""
+        outs: list[EngineCoreOutput | None] = []
+        for seq, tokens in zip(seqs, sampled):
+            if seq.is_finished:
+                outs.append(None)
+                continue
+            if seq.params.max_tokens == 0:          # prompt scoring only: no token
+                self.finish(seq, "length")
+                outs.append(EngineCoreOutput([], "length"))
+                continue
+            new, reason = [], None
+            for tok in tokens:
+                seq.token_ids.append(tok)
+                new.append(tok)
+                if (reason := self.check_stop(seq)) is not None:
+                    self.finish(seq, reason)
+                    break
+            outs.append(EngineCoreOutput(new, reason))
+        return outs
+
+    def check_stop(self, seq: Sequence) -> str | None:
+        """Whether seq's newest token ends it by the stop rule (vLLM's check_stop): 'stop'
+        for a stop token (kept as its stop_reason) or EOS, 'length' once it has max_tokens
+        outputs or max_model_len tokens, else None. Stop strings and grammars are the text's
+        and the output processor's (it reports them through finish)."""
+        tok, p = seq.token_ids[-1], seq.params
+        if tok in p.stop_token_ids:
+            seq.stop_reason = tok
+            return "stop"
+        if not p.ignore_eos and tok in self.eos_token_ids:
+            return "stop"
+        return "length" if self.reaches_length(seq, seq.num_tokens) else None
+
+    def reaches_length(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether seq, at num_tokens tokens, has reached max_tokens or max_model_len."""
+        return (num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens
+                or num_tokens >= self.max_model_len)

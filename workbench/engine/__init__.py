@@ -9,9 +9,9 @@ ids back into text and events.
     core.py             EngineCore: add / abort / step / run_loop, the public read API
     build.py            building and sizing an engine (model, KV pool, graphs, EngineInfo)
     pipeline.py         one step, with async scheduling's run-ahead (StepPipeline)
-    output_processor.py sampled ids to TokenEvents: stops, logprobs, text, finishing
-    parallel_sampling.py  ParentRequest: the n choices of one request
-    request.py          Request (one sequence as the engine holds it), TokenEvent, RequestState
+    output_processor.py the scheduler's verdicts to TokenEvents: text, stop strings, logprobs
+    request.py          Request (one sequence as the engine holds it), ParentRequest (n > 1),
+                        RequestRegistry, TokenEvent, RequestState
     detokenizer.py      incremental detokenizing with stop strings
 """
 from .llm_engine import CompletionOutput, Engine, RequestOutput

@@ -95,11 +95,13 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
     model.ops.prepare(model, platform)
     platform.empty_cache()      # what measuring kernels cached is not in use
     bs = config.block_size
-    num_blocks = num_kv_blocks(config, platform, model, hf_config, dtype)
+    num_blocks = num_kv_blocks(config, platform.memory_info(),
+                               kv_bytes_per_block(model, bs, dtype), hf_config, dtype)
     block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
     max_model_len = fit_max_model_len(config, max_model_len, block_manager.num_usable_blocks * bs)
 
-    scheduler = Scheduler(config, block_manager, max_model_len)
+    eos = eos_ids(hf_config, tokenizer, model_path)
+    scheduler = Scheduler(config, block_manager, max_model_len, eos)
     runner = ModelRunner(model, num_blocks, bs, platform, backend,
                          max_num_tokens=config.max_num_batched_tokens,
                          max_num_seqs=config.max_num_seqs,
@@ -135,8 +137,7 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
         generation_defaults=(generation_defaults(model_path)
                              if config.generation_config == "auto" else {}))
     built = BuiltEngine(config, platform, backend, tokenizer, model, runner, block_manager,
-                        scheduler, telemetry, max_model_len,
-                        eos_ids(hf_config, tokenizer, model_path), run_ahead, info)
+                        scheduler, telemetry, max_model_len, eos, run_ahead, info)
     if len(sys.modules) > modules and not gc.isenabled():
         # A library imported for the first time above may leave a reference cycle that
         # holds one of its import-time frames (trio, which transformers pulls in through

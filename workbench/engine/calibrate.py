@@ -14,10 +14,11 @@ from dataclasses import replace
 from ..config import EngineConfig
 from ..core.sampling_params import SamplingParams
 from ..modelled import DeviceProfile
+from ..modelled import cpu_cache
 from ..modelled.fit import fit_cpu_steps
 from ..modelled.profiles import parse_device
+from ..platforms import get_platform
 from .core import EngineCore
-from .modelled import cached_cpu_profile, cpu_dtype, cpu_profile_path
 
 log = logging.getLogger("workbench")
 
@@ -27,7 +28,8 @@ def needs_calibration(config: EngineConfig) -> bool:
     if not config.device.startswith("model:") or parse_device(config.device) != "cpu":
         return False
     return (os.environ.get("WORKBENCH_MODELLED_RECALIBRATE") == "1"
-            or cached_cpu_profile(config, cpu_dtype(config)) is None)
+            or cpu_cache.cached_cpu_profile(config, cpu_cache.cpu_dtype(config),
+                                             get_platform("cpu")) is None)
 
 
 def cpu_calibration_workload(max_num_seqs: int, vocab: int, max_len: int
@@ -52,7 +54,7 @@ def calibrate_cpu(config: EngineConfig) -> DeviceProfile:
     """Fit the 'cpu' profile for `config`'s model to the real CPU engine's steps on
     cpu_calibration_workload (weights unquantized, as the modelled engine counts them), and
     cache it."""
-    dtype = cpu_dtype(config)
+    dtype = cpu_cache.cpu_dtype(config)
     t = time.perf_counter()
     real = EngineCore(replace(config, device="cpu", dtype=dtype, quantization=None,
                               graph_mode="eager", async_scheduling=None, num_kv_blocks=None,
@@ -78,11 +80,11 @@ def calibrate_cpu(config: EngineConfig) -> DeviceProfile:
               f"({dtype}) in {time.perf_counter() - t:.1f} s; fit residual median "
               f"{fit['median_rel_err']:.1%}, worst {fit['max_rel_err']:.1%}")
     log.info("modelled cpu: %s", source)
-    path = cpu_profile_path(config, dtype)
+    path = cpu_cache.cpu_profile_path(config, dtype)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{time.monotonic_ns()}.tmp")
     tmp.write_text(json.dumps({"coefficients": k.as_dict(), "source": source, "fit": fit}))
     tmp.replace(path)
-    profile = cached_cpu_profile(config, dtype)
+    profile = cpu_cache.cached_cpu_profile(config, dtype, get_platform("cpu"))
     assert profile is not None, path
     return profile

@@ -28,7 +28,7 @@ from ..telemetry import EngineInfo, EngineStats
 from .build import build_engine
 from .output_processor import OutputProcessor
 from .pipeline import StepPipeline, StepResult
-from .request import Request, RequestState, TokenEvent, make_request
+from .request import Request, RequestRegistry, RequestState, TokenEvent, make_request
 
 log = logging.getLogger("workbench")
 
@@ -55,13 +55,15 @@ class EngineCore:
         """Where every timestamp of this engine comes from (core/clock.py): the wall's, or
         a modelled device's virtual time."""
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size)
-        self.output = OutputProcessor(self.tokenizer, b.eos_token_ids, self.max_model_len,
-                                      self.scheduler, self.telemetry, self.clock)
+        self.requests = RequestRegistry()
+        """Every request from add to its end (request.py)."""
+        self.output = OutputProcessor(self.tokenizer, self.requests, self.scheduler.finish,
+                                      self.telemetry, self.clock)
         pipeline = b.pipeline_class or StepPipeline
         self.pipeline = pipeline(self.scheduler, self.runner, self.platform, self.output,
                                  self.structured_output, self.telemetry, b.eos_token_ids,
                                  b.async_scheduling, self.config.max_num_seqs,
-                                 self.config.seed, self.clock)
+                                 self.config.seed, self.clock, requests=self.requests)
 
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
@@ -100,7 +102,7 @@ class EngineCore:
         return self._kv_last
 
     def _kv_snapshot(self) -> KVBlockSnapshot:
-        tables = {r.seq.request_id: list(r.seq.block_table) for r in self.output.requests()
+        tables = {r.seq.request_id: list(r.seq.block_table) for r in self.requests.requests()
                   if r.seq.block_table}
         return self.block_manager.snapshot(tables, self.telemetry.num_steps - 1)
 
@@ -108,7 +110,7 @@ class EngineCore:
         """Every unfinished request, in arrival order (waits for a running step to end)."""
         with self._step_lock:
             with self._lock:
-                reqs = self.output.requests()
+                reqs = self.requests.requests()
                 queued = {id(r) for r in self._inbox}
             return [RequestState(r.seq.request_id,
                                  "queued" if id(r) in queued else r.seq.status.value,
@@ -118,7 +120,7 @@ class EngineCore:
                     for r in reqs if not r.seq.is_finished]
 
     def has_unfinished_requests(self) -> bool:
-        return self.output.has_unfinished()
+        return self.requests.has_unfinished()
 
     def prompt_logits(self, prompt_ids: list[int]):
         """The logits at a prompt's last position from one real prefill step, for numerics
@@ -128,13 +130,13 @@ class EngineCore:
             raise ValueError("device: a modelled device runs no model (no logits); "
                              "prompt_logits needs a real one")
         with self._step_lock:
-            if self.output.has_unfinished() or self.pipeline.in_flight is not None:
+            if self.requests.has_unfinished() or self.pipeline.in_flight is not None:
                 raise RuntimeError("prompt_logits: the engine has requests; run it when idle")
             req = self.make_request(list(prompt_ids), prompt_ids, SamplingParams(max_tokens=1),
                                     "prompt-logits")
             self.add([req])
             self._drain_inbox()
-            logits = self.runner.execute(self.scheduler.schedule())[0][0].float()
+            logits = self.runner.execute(self.scheduler.schedule()).logits[0].float()
         self.abort(req.seq.request_id)
         return logits
 
@@ -188,7 +190,7 @@ class EngineCore:
             raise ValueError(f"arrival_time: must be a finite time on the engine's clock "
                              f"(got {arrival_time!r})")
         with self._lock:
-            self.output.add(reqs)
+            self.requests.add(reqs)
             t = self.clock.now() if arrival_time is None else float(arrival_time)
             for r in reqs:
                 r.seq.arrival_time = r.metrics.arrival_time = t
@@ -198,7 +200,7 @@ class EngineCore:
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks at the next step boundary. False if unknown."""
         with self._lock:
-            if request_id not in self.output:
+            if request_id not in self.requests:
                 return False
             self._aborts.append(request_id)
             self._wake.notify_all()
@@ -209,7 +211,7 @@ class EngineCore:
 
     def abort_all(self) -> None:
         """Abort every request, queued ones included, now."""
-        for r in self.output.requests():
+        for r in self.requests.requests():
             self.abort(r.seq.request_id)
         with self._step_lock:
             self._drain_inbox()
@@ -312,7 +314,7 @@ class EngineCore:
                                   ", ".join(s.request_id for s in self.scheduler.running))
                     self.pipeline.in_flight = None
                     for seq in list(self.scheduler.running):
-                        r = self.output.get(seq.request_id)
+                        r = self.requests.get(seq.request_id)
                         if r is None:
                             self.scheduler.finish(seq, "error")
                         else:

@@ -10,11 +10,8 @@ step's modelled time, so every TTFT, TPOT and ITL the engine records is a modell
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
-import socket
 from dataclasses import dataclass, replace
 
 import torch
@@ -24,22 +21,20 @@ from ..core.block_manager import BlockManager
 from ..core.clock import VirtualClock
 from ..core.sampling_params import SamplingParams
 from ..core.scheduler import Scheduler, SchedulerOutput
-from ..executor.kv_sizing import activation_reserve, kv_bytes_per_block, kv_bytes_per_token
+from ..executor.kv_sizing import kv_bytes_per_block, kv_bytes_per_token, num_kv_blocks
 from ..executor.models import LlamaForCausalLM, load_checkpoint
 from ..executor.models.loader import generation_defaults
 from ..executor.sampler import LogprobsTensors
-from ..modelled import DeviceProfile, ModelledRunner
-from ..modelled.profiles import cpu_profile, parse_device, spec_profile
+from ..modelled import ModelledRunner
+from ..modelled.cpu_cache import cached_cpu_profile, cpu_dtype
+from ..modelled.profiles import parse_device, spec_profile
 from ..platforms import get_platform
-from ..roofline import probe_roofs
 from ..telemetry import FULL, EngineInfo, MemoryStats, Telemetry
 from .pipeline import StepPipeline, StepResult
+from .request import ParentRequest
 from .sizing import eos_ids, fit_max_model_len, model_max_len, num_params, weight_bytes
 
 log = logging.getLogger("workbench")
-
-CPU_FIT_VERSION = 3
-
 
 @dataclass(slots=True)
 class ModelledStep:
@@ -82,12 +77,12 @@ class ModelledPipeline(StepPipeline):
         return self._hand_out_step(pending)
 
     def _run(self, sched: SchedulerOutput, t0: float, ahead: bool) -> ModelledStep:
-        tokens, sampling, graph, cost = self.runner.execute(sched)
-        reqs = self.output.requests_of(sampling)
-        rows, reqs = _sampling_rows(reqs)
+        ran = self.runner.execute(sched)
+        tokens = ran.sampled_token_ids
+        rows, reqs = ParentRequest.sampling_rows(self.requests.requests_of(ran.req_ids))
         if rows is not None:                 # n > 1: one token per choice from its row
             tokens = self.runner.tokens(len(reqs))
-        return ModelledStep(sched, reqs, tokens, graph, t0, cost.seconds, ahead)
+        return ModelledStep(sched, reqs, tokens, ran.graph, t0, ran.seconds, ahead)
 
     def _hand_out_step(self, s: ModelledStep) -> StepResult:
         return self._hand_out(s.sched, s.reqs, s.tokens, self._logprobs(s.reqs, s.tokens),
@@ -115,40 +110,6 @@ class ModelledPipeline(StepPipeline):
                                  "logits; run this request on a real device")
 
 
-def _sampling_rows(reqs):
-    from .parallel_sampling import ParentRequest
-    return ParentRequest.sampling_rows(reqs)
-
-
-# ---- the CPU profile: fitted to a short real run (engine/calibrate.py), cached -----------------
-def cpu_cache_key(config: EngineConfig, dtype: str) -> str:
-    parts = [socket.gethostname(), config.model, dtype, str(config.block_size),
-             config.attention_backend, torch.__version__, str(torch.get_num_threads()),
-             str(CPU_FIT_VERSION)]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
-
-
-def cpu_profile_path(config: EngineConfig, dtype: str):
-    from ..cache import cache_root
-    return cache_root() / "modelled" / f"cpu-{cpu_cache_key(config, dtype)}.json"
-
-
-def cpu_dtype(config: EngineConfig) -> str:
-    return "float32" if config.dtype == "auto" else config.dtype
-
-
-def cached_cpu_profile(config: EngineConfig, dtype: str) -> DeviceProfile | None:
-    """The 'cpu' profile fitted on this machine for this model and dtype, or None if there is
-    none yet (Engine makes it: engine/calibrate.py)."""
-    try:
-        d = json.loads(cpu_profile_path(config, dtype).read_text())
-        from ..modelled.profiles import Coefficients
-        return cpu_profile(probe_roofs(get_platform("cpu"), getattr(torch, dtype)),
-                           Coefficients.from_dict(d["coefficients"]), d["source"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 # ---- building ------------------------------------------------------------------------------------
 def build_modelled_engine(config: EngineConfig, built_class):
     """A BuiltEngine (build.py's record) for `config.device` = 'model:<name>'."""
@@ -156,7 +117,7 @@ def build_modelled_engine(config: EngineConfig, built_class):
     platform = get_platform("cpu")       # the host: sampling params, generators live here
     if name == "cpu":
         dtype = cpu_dtype(config)
-        profile = cached_cpu_profile(config, dtype)
+        profile = cached_cpu_profile(config, dtype, platform)
         if profile is None:
             raise ValueError("device: model:cpu is fitted to a short run of the real CPU engine "
                              "on this machine, and none is cached for this model; "
@@ -178,13 +139,14 @@ def build_modelled_engine(config: EngineConfig, built_class):
     weights = weight_bytes(model)
     bs = config.block_size
     per_block = kv_bytes_per_block(model, bs, torch_dtype)
-    num_blocks = config.num_kv_blocks or max(2, int(_kv_budget(config, profile, weights,
-                                                               hf_config, torch_dtype)
-                                                    // per_block))
+    memory = (None if profile.memory_bytes is None        # in use: the weights
+              else (profile.memory_bytes - weights, profile.memory_bytes))
+    num_blocks = num_kv_blocks(config, memory, per_block, hf_config, torch_dtype,
+                               f"the modelled {profile.device_name}")
     block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
     max_model_len = fit_max_model_len(config, max_model_len, block_manager.num_usable_blocks * bs)
-    scheduler = Scheduler(config, block_manager, max_model_len)
     eos = eos_ids(hf_config, tokenizer, model_path)
+    scheduler = Scheduler(config, block_manager, max_model_len, eos)
     runner = ModelledRunner(profile, hf_config.vocab_size, eos, num_blocks * per_block,
                             config.seed)
     telemetry = Telemetry(config.max_step_events, config.max_request_records)
@@ -227,19 +189,3 @@ def build_modelled_engine(config: EngineConfig, built_class):
                        scheduler, telemetry, max_model_len, eos, run_ahead, info,
                        clock=VirtualClock(), pipeline_class=ModelledPipeline)
 
-
-def _kv_budget(config: EngineConfig, profile: DeviceProfile, weights: int, hf_config,
-               dtype) -> float:
-    """kv_sizing's rule on the modelled device's memory (the CPU's: 1 GiB by default)."""
-    if config.kv_cache_memory_gb is not None:
-        return config.kv_cache_memory_gb * 2**30
-    if profile.memory_bytes is None:
-        return 2**30
-    budget = (config.gpu_memory_utilization * profile.memory_bytes - weights
-              - activation_reserve(config, hf_config, dtype))
-    if budget <= 0:
-        raise ValueError(f"gpu_memory_utilization: {config.gpu_memory_utilization} of the "
-                         f"modelled {profile.device_name}'s {profile.memory_bytes / 2**30:.0f} "
-                         "GiB leaves no room for a KV pool after the weights; raise it or set "
-                         "num_kv_blocks")
-    return budget

@@ -1,115 +1,79 @@
 """Sampled token ids in, TokenEvents out (vLLM's OutputProcessor).
 
-For each request of a step: append its token, check what ends it (a stop token or EOS, a stop
-string in the detokenized text, its grammar, max_tokens, max_model_len), keep its logprobs and
-prompt logprobs rows, hand the text that became final to its listener, and, when it ends, free
-its blocks and record its RequestMetrics. It also holds every request from `add` to its end:
-the registry the engine core's add, abort and read API look in.
+The scheduler has already taken the step's tokens in (Scheduler.update_from_output: appended
+them, applied the stop rule: stop tokens, EOS, max_tokens, max_model_len, and finished what
+stopped). For each request of the step the output processor then detokenizes, checks what
+only the text or the grammar can end (a stop string, a grammar refusal or completion) and
+reports such an end back through one call (`finish`, the scheduler's), keeps the logprobs and
+prompt logprobs rows, hands the text that became final to its listener, and, when a request
+ends, records its RequestMetrics. It also holds every request from `add` to its end: the
+registry the engine core's add, abort and read API look in.
 """
 from __future__ import annotations
 
 import logging
-import threading
+from typing import Callable
 
 import torch
 
 from ..core.clock import Clock, WallClock
-from ..core.scheduler import Scheduler, SchedulerOutput
-from ..core.sequence import Logprob
+from ..core.scheduler import EngineCoreOutput, SchedulerOutput
+from ..core.sequence import Logprob, Sequence
 from ..executor.sampler import LogprobsTensors, compute_logprobs
 from ..telemetry import Telemetry
-from .request import Request, TokenEvent
+from .request import Request, RequestRegistry, TokenEvent
 
 log = logging.getLogger("workbench")
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int,
-                 scheduler: Scheduler, telemetry: Telemetry, clock: Clock | None = None):
+    def __init__(self, tokenizer, requests: RequestRegistry,
+                 finish: Callable[[Sequence, str], None], telemetry: Telemetry,
+                 clock: Clock | None = None):
         self.tokenizer = tokenizer
-        self.eos_token_ids = eos_token_ids
-        self.max_model_len = max_model_len
-        self.scheduler = scheduler
-        """Frees (Scheduler.finish) what ends, and starts forked choices."""
+        self.requests = requests
+        """The engine's requests by sequence id (it lets go of the ones that end)."""
+        self.finish = finish
+        """Scheduler.finish: how a request the output processor ends (a stop string, its
+        grammar, an abort, an error) is reported to the one place that finishes requests."""
         self.telemetry = telemetry
         self.clock = clock if clock is not None else WallClock()
-        self._requests: dict[str, Request] = {}
-        """Every request from `add` to its end, by sequence id (a first choice stays until
-        its last choice ends, so an abort finds it)."""
-        self._lock = threading.Lock()     # guards _requests (added to from other threads)
         self._token_texts: dict[int, str] = {}
         """Each token's text on its own (for Logprob.decoded_token)."""
-
-    # ---- the registry ---------------------------------------------------------------------
-    def add(self, reqs: list[Request]) -> None:
-        """Hold new requests; a request id in use (or twice in reqs) is a ValueError and adds
-        none of them."""
-        with self._lock:
-            dup = [r.seq.request_id for r in reqs if r.seq.request_id in self._requests]
-            if dup or len({r.seq.request_id for r in reqs}) < len(reqs):
-                raise ValueError(f"request_id: {dup[0] if dup else 'duplicate'} is already in use")
-            for r in reqs:
-                self._requests[r.seq.request_id] = r
-
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._requests
-
-    def get(self, request_id: str) -> Request | None:
-        return self._requests.get(request_id)
-
-    def requests_of(self, request_ids: list[str]) -> list[Request]:
-        """The Request of each id, in order (the stepping thread alone removes requests, so
-        it reads without the lock)."""
-        reqs = self._requests
-        return [reqs[rid] for rid in request_ids]
-
-    def requests(self) -> list[Request]:
-        """Every request held now, in arrival order."""
-        with self._lock:
-            return list(self._requests.values())
-
-    def has_unfinished(self) -> bool:
-        with self._lock:
-            return bool(self._requests)
 
     # ---- one step's output ----------------------------------------------------------------
     def note_scheduled(self, sched: SchedulerOutput, now: float) -> None:
         """What the scheduler did to each request, into its metrics."""
         for rid in sched.preempted:
-            self._requests[rid].metrics.num_preemptions += 1
+            self.requests.get(rid).metrics.num_preemptions += 1
         for s in sched.scheduled:
-            r = self._requests[s.req_id]
+            r = self.requests.get(s.req_id)
             if r.metrics.first_scheduled_time is None:
                 r.metrics.first_scheduled_time = now
                 r.metrics.cached_tokens = r.seq.num_cached_tokens
 
-    def process(self, reqs: list[Request], token_ids: list[int],
+    def process(self, reqs: list[Request], outs: list[EngineCoreOutput | None],
                 logprobs: LogprobsTensors | None, now: float) -> tuple[list[TokenEvent], list[str]]:
-        """Hand out one step's tokens (row i of `logprobs`, on the host, is reqs[i]'s).
+        """Hand out one step's tokens as the scheduler took them in (Scheduler.
+        update_from_output: outs[i] is reqs[i]'s, and row i of `logprobs`, on the host).
         Returns the events and the sequences that ended. A request that ended while its step
-        was in flight (aborted, or finished by the step before) drops its token; one whose
-        listener raised is aborted."""
+        was in flight (None) drops its token; one whose listener raised is aborted."""
         events: list[TokenEvent] = []
         finished: list[str] = []
         broken: list[str] = []
-        for i, (r, tok) in enumerate(zip(reqs, token_ids)):
-            if r.seq.is_finished:
+        for i, (r, out) in enumerate(zip(reqs, outs)):
+            if out is None:
                 continue
             try:
-                out = self._process_one(r, i, tok, logprobs, now)
+                evs, delivered = self._process_one(r, i, out, logprobs, now)
             except Exception:   # its detokenizer, stop strings, grammar or logprobs
                 log.exception("%s: handing out its token failed; that request alone fails",
                               r.seq.request_id)
-                if not r.seq.is_finished:
-                    self.end(r, "error", now)
+                self.end(r, "error", now)
                 finished.append(r.seq.request_id)
                 continue
-            if out is None:
-                finished.append(r.seq.request_id)
-                continue
-            ev, delivered = out
-            events.append(ev)
-            if ev.finished:
+            events += evs
+            if r.seq.is_finished:
                 finished.append(r.seq.request_id)
             elif not delivered:
                 broken.append(r.request_id)
@@ -117,59 +81,62 @@ class OutputProcessor:
             self.abort(rid, now)
         return events, finished
 
-    def _process_one(self, r: Request, i: int, tok: int, logprobs: LogprobsTensors | None,
-                     now: float) -> tuple[TokenEvent, bool] | None:
-        """One request's token of the step (row i): its event and whether its listener took
-        it; None when the request only scored its prompt (it ends without a token)."""
-        if r.seq.params.max_tokens == 0:    # prompt scoring only: no token
-            self.scheduler.finish(r.seq, "length")
+    def _process_one(self, r: Request, i: int, out: EngineCoreOutput,
+                     logprobs: LogprobsTensors | None, now: float
+                     ) -> tuple[list[TokenEvent], bool]:
+        """One request's tokens of the step (row i): their events and whether its listener
+        took them all. A request that only scored its prompt ends with no token."""
+        if not out.new_token_ids:           # prompt scoring only (max_tokens 0)
             self._end(r, now)
-            return None
-        if r.parent is not None and not r.parent.forked:
-            started = r.parent.fork(self.scheduler)
-            with self._lock:
-                for c in started:
-                    self._requests[c.seq.request_id] = c
-        lp = None
-        if r.logprobs is not None:
-            lp = logprobs.row(i, r.seq.params.logprobs, self.decode_token)
-            r.logprobs.append(lp)
-        return self._append_token(r, tok, now, lp)
+            return [], True
+        events, delivered = [], True
+        last = len(out.new_token_ids) - 1
+        for j, tok in enumerate(out.new_token_ids):
+            lp = None
+            if r.logprobs is not None:
+                lp = logprobs.row(i, r.seq.params.logprobs, self.decode_token)
+                r.logprobs.append(lp)
+            ev, ok = self._append_token(r, tok, now, lp, out.finish_reason if j == last else None,
+                                        r.seq.num_output_tokens - last + j)
+            events.append(ev)
+            delivered &= ok
+            if ev.finished:
+                break
+        return events, delivered
 
     def _append_token(self, r: Request, tok: int, now: float,
-                      logprobs: dict[int, Logprob] | None) -> tuple[TokenEvent, bool]:
-        """One token: its stop checks and its event, delivered; and whether the listener
-        took it (False: it raised)."""
+                      logprobs: dict[int, Logprob] | None, reason: str | None,
+                      index: int) -> tuple[TokenEvent, bool]:
+        """One token the scheduler appended (its index-th output), with the scheduler's
+        verdict on it (`reason`): the text's own stops (a stop string, the grammar), its
+        event, delivered; and whether the listener took it (False: it raised). A text stop
+        ends the request through finish, the one call back to the scheduler."""
         seq, p, m = r.seq, r.seq.params, r.metrics
-        seq.token_ids.append(tok)
         m.output_tokens += 1
         m.token_times.append(now)
         if m.first_token_time is None:
             m.first_token_time = now
-        reason = None
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
-            reason = "stop"
-            if tok in p.stop_token_ids:
-                seq.stop_reason = tok
+        ended = reason
+        if reason == "stop":               # a stop token or EOS: its text only if asked
             if p.include_stop_str_in_output:
                 r.detok.add(tok)
-        elif (matched := r.detok.add(tok, seq.num_output_tokens >= p.min_tokens)) is not None:
-            reason, seq.stop_reason = "stop", matched
+        elif (matched := r.detok.add(tok, index >= p.min_tokens)) is not None:
+            ended, seq.stop_reason = "stop", matched
         elif r.grammar is not None and not r.grammar.consume_token(tok):
             log.error("%s: the grammar refused token %d: %s", seq.request_id, tok,
                       r.grammar.get_error())
-            reason = "error"
+            ended = "error"
         elif r.grammar is not None and r.grammar.is_stopped():
-            reason = "stop"      # the grammar is complete and allows nothing more
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-        ev = TokenEvent(r.request_id, tok, r.detok.take(final=reason is not None),
-                        seq.num_output_tokens, now, reason is not None, reason, logprobs,
-                        r.choice, r.prompt_logprobs if seq.num_output_tokens == 1 else None,
-                        seq.stop_reason)
-        all_ended = reason is not None and self._end(r, now, deliver=False)
+            ended = "stop"       # the grammar is complete and allows nothing more
+        if ended != reason:
+            self.finish(seq, ended)
+        final = ended is not None
+        ev = TokenEvent(request_id=r.request_id, token_id=tok, text=r.detok.take(final=final),
+                        index=index, time=now, finished=final, finish_reason=ended,
+                        logprobs=logprobs, choice=r.choice,
+                        prompt_logprobs=r.prompt_logprobs if index == 1 else None,
+                        stop_reason=seq.stop_reason)
+        all_ended = final and self._end(r, now, deliver=False)
         delivered = self._deliver(r, ev)
         if all_ended:
             r.first.done.set()
@@ -179,7 +146,7 @@ class OutputProcessor:
         """Logprobs of prompt tokens from the rows of a prefill (see ModelRunner.prepare):
         the row at position p scores prompt token p + 1. One batched pass for the step.
         spans: (request id, first position, count)."""
-        reqs = [(self._requests[rid], first, count) for rid, first, count in spans]
+        reqs = [(self.requests.get(rid), first, count) for rid, first, count in spans]
         targets = [t for r, first, count in reqs
                    for t in r.seq.prompt_token_ids[first + 1:first + 1 + count]]
         k = max(r.seq.params.prompt_logprobs for r, _, _ in reqs)
@@ -206,7 +173,7 @@ class OutputProcessor:
     def abort(self, request_id: str, now: float | None = None, reason: str = "abort") -> None:
         """End a request now (each of its started choices; a choice's own id ends just it),
         freeing its blocks and telling its listener."""
-        r = self._requests.get(request_id)
+        r = self.requests.get(request_id)
         if r is None:
             return
         now = self.clock.now() if now is None else now
@@ -217,7 +184,7 @@ class OutputProcessor:
     def end(self, r: Request, reason: str, now: float) -> None:
         """End one choice from outside its tokens (an abort, a failed step): free its blocks
         and deliver a final event, with any text still held back."""
-        self.scheduler.finish(r.seq, reason)
+        self.finish(r.seq, reason)
         self._end(r, now)
 
     def _end(self, r: Request, now: float, deliver: bool = True) -> bool:
@@ -226,11 +193,7 @@ class OutputProcessor:
         first = r.first
         ended = r.parent.end(r) if r.parent is not None else [r]
         all_ended = r.parent is None or r.parent.num_unfinished == 0
-        with self._lock:   # the first choice stays findable (abort) until the last ends
-            if r is not first:
-                self._requests.pop(r.seq.request_id, None)
-            if all_ended:
-                self._requests.pop(first.seq.request_id, None)
+        self.requests.let_go(r, all_ended)
         if all_ended:
             m = first.metrics
             m.finished_time = now
@@ -241,9 +204,10 @@ class OutputProcessor:
         if deliver:   # an abort: tell the listener, with any text still held back
             for c in ended:
                 self._deliver(c, TokenEvent(
-                    c.request_id, None, c.detok.take(final=True), c.seq.num_output_tokens, now,
-                    True, c.seq.finish_reason, None, c.choice,
-                    c.prompt_logprobs if c.seq.num_output_tokens == 0 else None))
+                    request_id=c.request_id, token_id=None, text=c.detok.take(final=True),
+                    index=c.seq.num_output_tokens, time=now, finished=True,
+                    finish_reason=c.seq.finish_reason, choice=c.choice,
+                    prompt_logprobs=c.prompt_logprobs if c.seq.num_output_tokens == 0 else None))
             if all_ended:
                 first.done.set()
         return all_ended

@@ -26,8 +26,7 @@ from ..executor.sampler import (LogprobsTensors, SamplerOutput, apply_token_bitm
                                to_device)
 from ..telemetry import FULL, StepEvent, Telemetry
 from .output_processor import OutputProcessor
-from .parallel_sampling import ParentRequest
-from .request import Request, TokenEvent
+from .request import ParentRequest, Request, RequestRegistry, TokenEvent
 
 log = logging.getLogger("workbench")
 
@@ -83,8 +82,11 @@ class StepPipeline:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, platform,
                  output: OutputProcessor, structured_output: StructuredOutputManager,
                  telemetry: Telemetry, eos_token_ids: set[int], async_scheduling: bool,
-                 max_num_seqs: int, seed: int = 0, clock: Clock | None = None):
+                 max_num_seqs: int, seed: int = 0, clock: Clock | None = None, *,
+                 requests: RequestRegistry):
         self.scheduler = scheduler
+        self.requests = requests
+        """Where a step's rows find their requests (by sequence id)."""
         self.clock = clock if clock is not None else WallClock()
         """Where the step's timestamps come from (the engine core's clock)."""
         self.runner = runner
@@ -113,14 +115,15 @@ class StepPipeline:
             sched, t0 = self._schedule()
             if sched.is_empty:
                 return self._hand_out(sched, [], [], None, None, t0)
-            logits, sampling, graph, spans = self.runner.execute(sched)
-            reqs = self.output.requests_of(sampling)
-            held = ({r.request_id: why for r in reqs if (why := held_back_by(r))}
+            ran = self.runner.execute(sched)
+            logits, graph, spans = ran.logits, ran.graph, ran.prompt_spans
+            reqs = self.requests.requests_of(ran.req_ids)
+            held = ({r.seq_id: why for r in reqs if (why := held_back_by(r))}
                     if self.async_scheduling and graph is not None and graph[0] == FULL else {})
             if not (self.async_scheduling and graph is not None and graph[0] == FULL
                     and not held):
                 if spans:
-                    self.output.add_prompt_logprobs(spans, logits[len(sampling):])
+                    self.output.add_prompt_logprobs(spans, logits[len(ran.req_ids):])
                 rows, reqs = ParentRequest.sampling_rows(reqs)
                 if rows is not None:
                     logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
@@ -136,7 +139,7 @@ class StepPipeline:
         self.scheduler.update_after_step(pending.sched)
         if run_ahead():
             nxt = self.scheduler.schedule_next_decode(
-                pending.sched, lambda seq: may_run_ahead(self.output.get(seq.request_id)))
+                pending.sched, lambda seq: may_run_ahead(self.requests.get(seq.request_id)))
             if nxt is not None:
                 t1 = self.clock.now()
                 rows, nsched = nxt
@@ -144,8 +147,9 @@ class StepPipeline:
                 if rows != list(range(len(rows))) or len(rows) != ids.shape[0]:
                     ids = ids.index_select(0, to_device(torch.tensor(rows), ids.device))
                 # No larger than the step before it, so a captured size holds it.
-                logits, sampling, graph, _ = self.runner.execute(nsched, input_ids=ids)
-                reqs = self.output.requests_of(sampling)
+                ran = self.runner.execute(nsched, input_ids=ids)
+                logits, graph = ran.logits, ran.graph
+                reqs = self.requests.requests_of(ran.req_ids)
                 # ids: each row's token of step N, not yet in its Sequence (penalties count it)
                 self.in_flight = self._copy_to_host(nsched, self._sample(logits, reqs, ids),
                                                     reqs, graph, t1, ahead=True)
@@ -232,11 +236,36 @@ class StepPipeline:
         return InFlightStep(sched, reqs, ids, host, lp, self.platform.record_event(), graph, t0,
                             ahead)
 
+    def _update(self, reqs: list[Request], tokens: list[int]) -> list:
+        """The step's tokens into the scheduler (Scheduler.update_from_output), row by row
+        in order, with the other choices of an n > 1 request started (Scheduler.fork on the
+        first choice's blocks) just before its first choice's first token is taken in: the
+        rows before it have finished by then, so a choice takes a running slot they freed
+        (ParentRequest.sampling_rows gave the choices their rows of this step)."""
+        outs, start = [], 0
+        for i, r in enumerate(reqs):
+            parent = r.parent
+            if (parent is None or parent.forked or r.seq.is_finished
+                    or r.seq.params.max_tokens == 0):
+                continue
+            outs += self.scheduler.update_from_output([q.seq for q in reqs[start:i]],
+                                                      [[t] for t in tokens[start:i]])
+            start = i
+            started = parent.fork()
+            for c in started:
+                self.scheduler.fork(r.seq, c.seq)
+            self.requests.adopt(started)
+        return outs + self.scheduler.update_from_output([q.seq for q in reqs[start:]],
+                                                        [[t] for t in tokens[start:]])
+
     def _hand_out(self, sched: SchedulerOutput, reqs: list[Request], tokens: list[int],
                   logprobs: LogprobsTensors | None, graph, t0: float,
                   ahead: bool = False, held_back: dict[str, str] | None = None) -> StepResult:
-        """One step's tokens to the output processor, and the step into telemetry."""
-        events, finished = self.output.process(reqs, tokens, logprobs, self.clock.now())
+        """One step's tokens into the scheduler (the stop rule, finishing), then to the
+        output processor (text, text stops, logprobs, events), and the step into telemetry.
+        An n > 1 request whose prompt this step computed starts its other choices first."""
+        outs = self._update(reqs, tokens)
+        events, finished = self.output.process(reqs, outs, logprobs, self.clock.now())
         bstats = self.scheduler.block_manager.stats()
         self.telemetry.add_step(StepEvent(
             step=self.telemetry.num_steps, start=t0, duration=self.clock.now() - t0,

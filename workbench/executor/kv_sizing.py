@@ -29,30 +29,32 @@ def activation_reserve(config: EngineConfig, hf_config, dtype: torch.dtype) -> i
     return int(4 * config.max_num_batched_tokens * width * elem + logits + 512 * 2**20)
 
 
-def kv_cache_budget(config: EngineConfig, platform, hf_config, dtype: torch.dtype) -> float:
-    """Bytes for the KV pool: kv_cache_memory_gb if given; else, where the device reports its
-    memory, gpu_memory_utilization of it minus what is in use (weights) and the activation
-    reserve; else (the CPU) 1 GiB."""
+def kv_cache_budget(config: EngineConfig, memory: tuple[int, int] | None, hf_config,
+                    dtype: torch.dtype, device: str = "") -> float:
+    """Bytes for the KV pool, the one rule for real and modelled devices: kv_cache_memory_gb
+    if given; else, where the device has memory of its own, `memory` = (free, total) bytes,
+    gpu_memory_utilization of the total minus what is in use (the weights) and the activation
+    reserve; else (the CPU) 1 GiB. device: the device's name in the error."""
     if config.kv_cache_memory_gb is not None:
         return config.kv_cache_memory_gb * 2**30
-    info = platform.memory_info()
-    if info is None:
+    if memory is None:
         return 2**30
-    free, total = info
+    free, total = memory
     budget = (config.gpu_memory_utilization * total - (total - free)
               - activation_reserve(config, hf_config, dtype))
     if budget <= 0:
         raise ValueError(f"gpu_memory_utilization: {config.gpu_memory_utilization} of "
-                         f"{total / 2**30:.1f} GiB leaves no room for a KV pool after the "
-                         f"weights ({(total - free) / 2**30:.1f} GiB in use); raise it or "
-                         "set num_kv_blocks")
+                         f"{device + chr(39) + 's ' if device else ''}{total / 2**30:.1f} GiB "
+                         f"leaves no room for a KV pool after the weights "
+                         f"({(total - free) / 2**30:.1f} GiB in use); raise it or set "
+                         "num_kv_blocks")
     return budget
 
 
-def num_kv_blocks(config: EngineConfig, platform, model, hf_config, dtype: torch.dtype) -> int:
-    """num_kv_blocks if given, else as many blocks as the budget holds (the pool's null
-    block among them)."""
+def num_kv_blocks(config: EngineConfig, memory: tuple[int, int] | None, per_block: int,
+                  hf_config, dtype: torch.dtype, device: str = "") -> int:
+    """num_kv_blocks if given, else as many blocks of per_block bytes as the budget holds
+    (the pool's null block among them)."""
     if config.num_kv_blocks:
         return config.num_kv_blocks
-    per_block = kv_bytes_per_block(model, config.block_size, dtype)
-    return max(2, int(kv_cache_budget(config, platform, hf_config, dtype) // per_block))
+    return max(2, int(kv_cache_budget(config, memory, hf_config, dtype, device) // per_block))

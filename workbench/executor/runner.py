@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -67,6 +67,30 @@ class StepInputs:
     """In logits order: the requests that sample."""
     prompt_spans: list[tuple[str, int, int]]
     """(request id, first position, count) of the prompt-logprob rows."""
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """One step as a runner ran it, before sampling (vLLM's ModelRunnerOutput, less the
+    sampled ids: the pipeline samples): the one result of ModelRunner.execute and of the
+    modelled device's runner."""
+    req_ids: list[str]
+    """The requests of the sampling rows, in logits order: decodes first, then the prompts
+    that reach their end (each sequence by its own id; an n > 1 choice's is '<id>#<i>')."""
+    graph: tuple[str, int] | None
+    """How graphs ran it: (FULL, batch size) for a replayed decode graph, (PIECEWISE, token
+    bucket), or None when it ran eager."""
+    logits: torch.Tensor | None = None
+    """[len(req_ids) + prompt rows, vocab] fp32 on the device: the sampling rows, then the
+    prompt-logprob rows. None on a modelled device (it computes none)."""
+    prompt_spans: list[tuple[str, int, int]] = field(default_factory=list)
+    """(request id, first position, count) of the prompt-logprob rows after the sampling
+    rows."""
+    sampled_token_ids: list[int] | None = None
+    """Token ids the runner drew itself, one per sampling row (a modelled device's random
+    tokens); None where the pipeline samples from `logits`."""
+    seconds: float | None = None
+    """The step's modelled time (a modelled device); None on a real one."""
 
 
 class ModelRunner:
@@ -281,17 +305,13 @@ class ModelRunner:
             return None
         step = self.prepare(out, pad_to=size, ids_on_device=input_ids is not None)
         logits, size = g.run(step, len(out.scheduled), input_ids)
-        return logits, step.sampling, (FULL, size), []
+        return ModelRunnerOutput(step.sampling, (FULL, size), logits)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, input_ids: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, list[str], tuple[str, int] | None, list]:
-        """Run one step; returns fp32 logits [len(sampling) + prompt rows, vocab], the
-        requests of the sampling rows, how graphs ran it: (FULL, batch size) for a replayed decode graph,
-        (PIECEWISE, token bucket), or None when the step ran eager, and the prompt-logprob
-        spans (request id, first position, count) whose rows follow the sampling rows.
-        input_ids: a decode step's ids on the device, for a step scheduled before its tokens
-        reached the host."""
+                ) -> ModelRunnerOutput:
+        """Run one step (see ModelRunnerOutput). input_ids: a decode step's ids on the
+        device, for a step scheduled before its tokens reached the host."""
         replayed = self._replay_decode(out, input_ids)
         if replayed is not None:
             return replayed
@@ -303,6 +323,6 @@ class ModelRunner:
         pw = self.piecewise
         if pw is not None and pw.size_for(input_ids.shape[0]) is not None:
             logits, size = pw.run(input_ids, positions, meta, logits_indices)
-            return logits, sampling, (PIECEWISE, size), spans
+            return ModelRunnerOutput(sampling, (PIECEWISE, size), logits, spans)
         logits = self.model(input_ids, positions, self.layer_caches, meta, logits_indices)
-        return logits, sampling, None, spans
+        return ModelRunnerOutput(sampling, None, logits, spans)

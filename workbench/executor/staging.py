@@ -1,4 +1,6 @@
-"""Pinned staging: every host-to-device copy a step makes, as one copy from persistent buffers.
+"""Pinned staging: every host-to-device copy of a step's model inputs, as one copy from
+persistent buffers (the sampler's per-row parameter columns and a grammar's bitmask are
+small copies of their own, pinned first: sampler.to_device).
 
 Why. A non-blocking host-to-device copy is only queued when the call returns; the copy engine
 reads the source when it gets to it. From pageable memory torch_npu queues the raw host

@@ -10,6 +10,7 @@ import numpy as np
 
 from ..core.scheduler import SchedulerOutput
 from ..executor.graphs import default_capture_sizes, default_piecewise_sizes, padded_size
+from ..executor.runner import ModelRunnerOutput
 from ..telemetry import FULL, PIECEWISE
 from .cost import StepTime, step_time
 from .profiles import DeviceProfile
@@ -85,15 +86,15 @@ class ModelledRunner:
         return step_time(self.profile, self.info, tokens, context, kinds,
                          graph[0] if graph else None, self.async_scheduling)
 
-    def execute(self, sched: SchedulerOutput
-                ) -> tuple[list[int], list[str], tuple[str, int] | None, StepTime]:
-        """One modelled step: random token ids for the requests that sample (decodes first,
-        then prompts that reach their end, as the real runner orders its logits rows), those
-        requests, how graphs ran it, and its modelled time."""
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """One modelled step, as the real runner's result: the requests that sample (decodes
+        first, then prompts that reach their end, as the real runner orders its logits
+        rows), how graphs ran it, random token ids for them and its modelled time."""
         sampling = ([s.req_id for s in sched.scheduled if s.is_decode]
                     + [s.req_id for s in sched.scheduled if not s.is_decode and s.will_sample])
         graph = self.graph_for(sched)
-        return self.tokens(len(sampling)), sampling, graph, self.time(sched, graph)
+        return ModelRunnerOutput(sampling, graph, sampled_token_ids=self.tokens(len(sampling)),
+                                 seconds=self.time(sched, graph).seconds)
 
     def tokens(self, n: int) -> list[int]:
         """n random token ids, none of them an EOS id."""
