@@ -97,7 +97,7 @@ def _say_notices(engine) -> None:
 
 def cmd_build_kernels(a) -> int:
     from .platforms.cpu_kernels import ensure_kernel_built, kernel_dir
-    ok = ensure_kernel_built(lambda s: print(s, file=sys.stderr))
+    ok = ensure_kernel_built(lambda s: print(s, file=sys.stderr), retry=True)
     print(f"{'built' if ok else 'unavailable'}: {kernel_dir()}")
     return 0 if ok else 1
 
@@ -290,6 +290,11 @@ def cmd_lab(a) -> int:
 def cmd_doctor(a) -> int:
     """What the device offers and what the engine would do there, then one tiny op of each
     kind (platforms/npu_doctor.py); exit 1 where the chip is refused or an op failed."""
+    if a.device == "cpu":
+        from .platforms.cpu import doctor_lines
+        lines, ok = doctor_lines()
+        print("\n".join(lines))
+        return 0 if ok else 1
     from .platforms.npu_doctor import doctor
     report, checks = doctor()
     print("\n".join(report.lines()))
@@ -420,8 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
     doc = sub.add_parser("doctor", help="check a device without loading a model: versions, "
                                         "chip, head sizes, how graphs are updated, and one "
                                         "tiny op of each kind (ran / failed, with the fix)")
-    doc.add_argument("--device", required=True, choices=["npu"],
-                     help="the device to check (only npu so far)")
+    doc.add_argument("--device", required=True, choices=["cpu", "npu"],
+                     help="the device to check (cpu: the CPU's ISA, its C++ kernel's build "
+                          "and what 'auto' measured)")
     doc.set_defaults(func=cmd_doctor)
 
     lab = sub.add_parser("lab", help="JupyterLab on the notebooks (needs 'ui')")

@@ -16,7 +16,7 @@ import torch
 from . import cpu_kernels
 from .cpu_attention import CpuAttention
 from .ops import TorchOps
-from .quant import FORMATS, UNTILED, PackedWeight
+from .quant import FORMATS, UNTILED, PackedWeight, a8_linear
 
 _DTYPES = (torch.float32, torch.bfloat16)
 TILED_CODES = {FORMATS[f] for f in UNTILED}
@@ -25,19 +25,37 @@ TILED_CODES = {FORMATS[f] for f in UNTILED}
 class CpuOps(TorchOps):
     name = "cpu"
 
+    def __init__(self):
+        self._dense: dict[int, torch.Tensor] = {}
+        """id(PackedWeight) -> its weights dequantized once, in the activations' dtype: what
+        a packed weight runs as where no kernel streams it (the kernel is still building,
+        cannot be built, or has no path for the format on this CPU). Unpacking the blocks on
+        every step instead cost 10x fp32's step; this is fp32's (the memory of both, until
+        the kernel arrives: then they are dropped)."""
+
+    def dense(self, weight: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
+        """`weight` dequantized to `dtype`, once (the reference's numbers: quant.dequantize)."""
+        w = self._dense.get(id(weight))
+        if w is None or w.dtype != dtype:
+            w = self._dense[id(weight)] = weight.dequantize(dtype)
+        return w
+
     def linear(self, x, weight, bias=None):
         k = cpu_kernels.kernels()
+        if k and not self._kernel_seen:
+            self._arrived()
         if isinstance(weight, PackedWeight) and weight.format == "bf16c":
-            if k and x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.bfloat16:
+            if k and x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.bfloat16 \
+                    and hasattr(k, "bf16c_stream"):
                 return k.bf16c_gemv(x, weight.data, bias)
             if x.dtype == torch.bfloat16 and x.dim() == 2 and onednn_bf16():
                 return torch.ops.mkldnn._linear_pointwise(x.contiguous(), prepacked(weight),
                                                           bias, "none", [], "")
-            return super().linear(x, weight, bias)
+            return self._dense_linear(x, weight, bias)
         if isinstance(weight, PackedWeight):
             if not (k and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16)) or \
                     (weight.activation_bits == 8 and not hasattr(k, "a8_linear")):
-                return super().linear(x, weight, bias)
+                return self._dense_linear(x, weight, bias)
             y = k.qlinear(x, weight.data, weight.code)
             return y if bias is None else y.add_(bias)
         if k and x.shape[0] == 1 and x.dim() == 2 and x.dtype in _DTYPES \
@@ -47,6 +65,20 @@ class CpuOps(TorchOps):
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), prepacked(weight), bias,
                                                       "none", [], "")
         return torch.nn.functional.linear(x, weight, bias)
+
+    def _dense_linear(self, x, weight: PackedWeight, bias):
+        """The torch reference's numbers (TorchOps.linear) on weights dequantized once."""
+        if weight.activation_bits == 8:
+            return a8_linear(x, weight, bias, self.dense(weight, x.dtype))
+        return self.linear(x, self.dense(weight, x.dtype), bias)
+
+    _kernel_seen = False
+
+    def _arrived(self) -> None:
+        """The kernel is loaded: drop the weights dequantized while it built (the formats it
+        has no path for here dequantize again, once, at their next use)."""
+        self._kernel_seen = True
+        self._dense.clear()
 
     def embedding(self, ids, weight, dtype):
         k = cpu_kernels.kernels()
@@ -64,6 +96,8 @@ class CpuOps(TorchOps):
         runs on this platform's kernels: the same kernels the layer loop calls, without the
         interpreter between them. Anything else runs the loop."""
         k = cpu_kernels.kernels()
+        if k and not self._kernel_seen:
+            self._arrived()
         if not (k and x.shape[0] == 1 and meta.num_decode == 1 and x.dtype in _DTYPES
                 and isinstance(meta.backend, CpuAttention)):
             return None
@@ -113,11 +147,16 @@ _onednn_bf16: bool | None = None
 
 
 def onednn_bf16() -> bool:
-    """Whether torch's oneDNN runs bf16 matmuls on this CPU (AVX-512 BF16 or AMX)."""
+    """Whether torch's oneDNN runs bf16 matmuls natively on this CPU: AVX-512 BF16 or AMX in
+    the CPU's flags. torch's own `_is_mkldnn_bf16_supported()` says yes on any AVX512BW CPU,
+    where oneDNN emulates bf16 (4x fp32's time for a 3072x576 layer at 128 rows); there
+    bf16 runs torch's F.linear instead."""
     global _onednn_bf16
     if _onednn_bf16 is None:
+        flags = cpu_kernels.isa_flags()
         _onednn_bf16 = bool(torch.backends.mkldnn.is_available()
-                            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+                            and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+                            and flags & {"avx512_bf16", "amx_bf16"})
     return _onednn_bf16
 
 
