@@ -138,3 +138,30 @@ def doctor_lines() -> tuple[list[str], bool]:
     except (OSError, ValueError, KeyError):
         lines.append("auto measured  not yet (the first engine on a built kernel measures)")
     return lines, state == "built"
+
+
+def describe() -> dict:
+    """The CPU, its ISA flags of note, the kernel this process runs (the ISA macros its build
+    saw, its -march) and what 'auto' measured and picks: what the CPU benchmarks print
+    beside their figures."""
+    import json
+    from . import cpu_choice
+    k = cpu_kernels.kernels() or (cpu_kernels.load_cpu_kernels()
+                                  if cpu_kernels.kernel_is_built() else None)
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+              "avx512_vbmi", "avx512_vbmi2", "amx_bf16", "amx_int8", "asimd", "bf16", "sve")
+    flags = cpu_kernels.isa_flags()
+    out = {"cpu": CpuPlatform().device_name(),
+           "isa_flags": [f for f in wanted if f in flags],
+           "kernel": cpu_kernels.kernel_state(), "kernel_isa": k.isa() if k is not None and
+           hasattr(k, "isa") else None, "march": os.environ.get(cpu_kernels.MARCH_ENV, "native"),
+           "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
+           "threads": torch.get_num_threads()}
+    try:
+        figures = json.loads((cpu_kernels.kernel_dir() / cpu_choice.FILE).read_text())["us"]
+        out["auto_gemv_us"] = figures
+        out["auto_fp32"] = cpu_choice.pick(figures, torch.float32, "gguf")[0] or "fp32"
+        out["auto_bf16"] = cpu_choice.pick(figures, torch.bfloat16, None)[0] or "bf16"
+    except (OSError, ValueError, KeyError):
+        pass
+    return out

@@ -361,5 +361,8 @@ def _build_main() -> None:
 def build_failed() -> bool:
     """This process tried to build or load the module and could not (no compiler, no ninja),
     or this key's build failed before (`failure()`), in this process or another."""
-    return _kernels is False or (_kernels is None and not kernel_is_built()
-                                 and failure() is not None)
+    global _kernels
+    if _kernels is None and not kernel_is_built() and failure() is not None:
+        _kernels = False                  # recorded by an earlier process: say it here too
+        _say_failed()
+    return _kernels is False
