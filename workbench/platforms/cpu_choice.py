@@ -4,10 +4,11 @@ A format's worth at batch 1 is its GEMV's time: the step reads every weight once
 format wins is a property of the CPU and of the kernels built for it (AVX-512 BF16 streams
 bf16 at half fp32's bytes; without it bf16 is widened to fp32 in registers; a build without
 AVX-512 has other kernels again), not of the CPU's name. So once per kernel build the
-candidates' batch-1 GEMVs are timed on two matrices of a small model's shapes (seconds in
-all), the figures kept beside the kernel (`choice.json` in its folder, so a new build
-measures again and every process of this build reads the same figures), and 'auto' takes
-the fastest; `engine.info().quantization_choice` says which and by what figure.
+candidates' batch-1 GEMVs are timed on two matrices of a small model's shapes (a second in
+all, one thread, in rounds), the figures kept beside the kernel (`choice.json` in its
+folder, so a new build measures again and every process of this build reads the same
+figures), and 'auto' takes the fastest; `engine.info().quantization_choice` says which and
+by what figure.
 """
 from __future__ import annotations
 
@@ -74,18 +75,17 @@ def _gguf(w: torch.Tensor, fmt: str):
 
 def measure(runners: dict[str, list[Callable[[], object]]],
             timer: Callable[[], float] = time.perf_counter, reps: int = 15) -> dict[str, float]:
-    """Format -> µs of its calls (one a shape), the best of `reps` after one warm-up call."""
-    out = {}
-    for fmt, calls in runners.items():
-        best = float("inf")
-        for i in range(reps + 1):
+    """Format -> µs of its calls (one a shape): one warm-up round, then `reps` rounds, each
+    format once a round (so the machine's drift hits all alike), the best of each."""
+    best = dict.fromkeys(runners, float("inf"))
+    for i in range(reps + 1):
+        for fmt, calls in runners.items():
             t0 = timer()
             for call in calls:
                 call()
             if i:
-                best = min(best, timer() - t0)
-        out[fmt] = round(best * 1e6, 1)
-    return out
+                best[fmt] = min(best[fmt], timer() - t0)
+    return {fmt: round(t * 1e6, 1) for fmt, t in best.items()}
 
 
 def measured(folder, k=None, timer: Callable[[], float] = time.perf_counter,
@@ -99,12 +99,19 @@ def measured(folder, k=None, timer: Callable[[], float] = time.perf_counter,
     if runners is None:
         per_shape = [_runners(k, s) for s in SHAPES]
         runners = {f: [r[f] for r in per_shape] for f in FORMATS if f in per_shape[0]}
-    with torch.inference_mode():
-        figures = measure(runners, timer)
+    # One thread: every format's kernel splits its rows over the threads alike, so one
+    # thread ranks them as many do, without the parallel regions' wake-ups, which on a busy
+    # machine (another process on every core) cost more than the GEMV itself.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            figures = measure(runners, timer)
+    finally:
+        torch.set_num_threads(threads)
     tmp = path.with_name(f"{FILE}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(json.dumps({"us": figures, "shapes": SHAPES, "threads":
-                                   torch.get_num_threads()}, indent=1))
+        tmp.write_text(json.dumps({"us": figures, "shapes": SHAPES, "threads": 1}, indent=1))
         os.replace(tmp, path)
     except OSError:
         pass
@@ -121,7 +128,8 @@ def pick(figures: dict[str, float], dtype: torch.dtype,
     shown = ", ".join(f"{cands[q]} {figures[cands[q]]:.0f} µs" for q in cands)
     name = best or str(dtype).removeprefix("torch.")
     return best, (f"quantization 'auto': {name}, the fastest here by a batch-1 GEMV measured "
-                  f"once for this kernel build ({shown}; {'+'.join(f'{n}x{k}' for n, k in SHAPES)})")
+                  f"once for this kernel build ({shown}; {'+'.join(f'{n}x{k}' for n, k in SHAPES)}, "
+                  f"one thread)")
 
 
 MEASURED_AS = {"gguf": "q4_1", "int8": "int8", "bf16c": "bf16c"}
