@@ -7,6 +7,10 @@ rounds' ratios is each format's figure (single runs here move by 20-40 %).
     flock /tmp/bench.lock python benchmarks/cpu_throughput_rounds.py [--rounds 3]
         [--formats bf16,int8-a8,gguf-a8] [--sampled] [--output FILE]
 
+It prints the CPU's ISA flags, the ISA the kernel was built for and what `auto` chose first
+(`--formats auto,...` measures the default too). Other ISAs on this machine:
+`WORKBENCH_CPU_MARCH=x86-64-v3 ONEDNN_MAX_CPU_ISA=AVX2` (see cpu_b1_peers.py).
+
 Target: >= 2x fp32's output tokens per second at equal or better quality (quality per format:
 `workbench bench --formats`, docs/benchmarks.md). `--sampled`: temperature 0.7, top_p 0.9
 instead of greedy.
@@ -22,7 +26,10 @@ import sys
 from workbench import Engine
 from workbench.bench.formats import FORMATS
 from workbench.bench.offline import make_workload, run_engine
+from workbench.platforms.cpu import describe
 from workbench.platforms.cpu_kernels import ensure_kernel_built
+
+KNOBS = {"auto": dict(dtype="float32", quantization="auto"), **FORMATS}
 
 TARGET = 2.0
 
@@ -35,13 +42,18 @@ def main() -> int:
     ap.add_argument("--output", default="")
     a = ap.parse_args()
     names = ["fp32", *(f for f in a.formats.split(",") if f and f != "fp32")]
-    unknown = [n for n in names if n not in FORMATS]
+    unknown = [n for n in names if n not in KNOBS]
     if unknown:
-        ap.error(f"--formats: unknown format {unknown[0]!r} (one of {', '.join(FORMATS)})")
+        ap.error(f"--formats: unknown format {unknown[0]!r} (one of {', '.join(KNOBS)})")
     sampling = dict(temperature=0.7, top_p=0.9) if a.sampled else None
     ensure_kernel_built(lambda s: print(s, file=sys.stderr))
     load0 = os.getloadavg()
-    engines = {n: Engine(model="smollm2", device="cpu", **FORMATS[n]) for n in names}
+    engines = {n: Engine(model="smollm2", device="cpu", **KNOBS[n]) for n in names}
+    cpu = describe()
+    cpu["chosen"] = {n: [e.info().quantization, e.info().quantization_choice]
+                     for n, e in engines.items()}
+    for k, v in cpu.items():
+        print(f"{k}: {v}", flush=True)
     try:
         wl = make_workload(32, (16, 256), (16, 128), engines["fp32"].info().vocab_size, 0)
         runs: dict[str, list[float]] = {n: [] for n in names}
@@ -55,7 +67,7 @@ def main() -> int:
             e.shutdown()
     ratios = {n: statistics.median(x / f for x, f in zip(runs[n], runs["fp32"]))
               for n in names if n != "fp32"}
-    report = dict(workload="32 requests, prompts U[16, 256], outputs U[16, 128]",
+    report = dict(cpu=cpu, workload="32 requests, prompts U[16, 256], outputs U[16, 128]",
                   sampling=sampling or "greedy", rounds=a.rounds, out_tok_s=runs,
                   median_out_tok_s={n: statistics.median(v) for n, v in runs.items()},
                   ratio_vs_fp32_median_of_rounds=ratios, target=TARGET,

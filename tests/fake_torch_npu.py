@@ -1037,7 +1037,6 @@ def install(monkeypatch, version="2.8.0", soc=223, cann=None, fp32=False) -> Fak
     takes it too, which their docs do not; every other rule still holds."""
     from dataclasses import replace
 
-    from workbench.platforms import npu as npu_platform
     from workbench.platforms.npu import NpuPlatform
     fake = FakeTorchNpu(version, soc, cann)
     fake.fp32 = fp32

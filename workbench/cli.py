@@ -98,7 +98,7 @@ def _say_notices(engine) -> None:
 
 def cmd_build_kernels(a) -> int:
     from .platforms.cpu_kernels import ensure_kernel_built, kernel_dir
-    ok = ensure_kernel_built(lambda s: print(s, file=sys.stderr))
+    ok = ensure_kernel_built(lambda s: print(s, file=sys.stderr), retry=True)
     print(f"{'built' if ok else 'unavailable'}: {kernel_dir()}")
     return 0 if ok else 1
 
@@ -284,25 +284,14 @@ def cmd_lab(a) -> int:
 
 
 def cmd_doctor(a) -> int:
-    """What the device offers and what the engine would do there, then one tiny op of each
-    kind (platforms/npu_doctor.py); exit 1 where the chip is refused or an op failed."""
-    import json
-
-    from .platforms.npu_doctor import as_json, doctor
-    report, checks = doctor()
-    print("\n".join(report.lines()))
-    if not report.refusal:
-        print("checks         the default path's calls on this release, against torch (bf16, "
-              "head size 128, 16 query / 2 KV heads, block size 128)")
-        for c in checks:
-            print("\n".join(c.lines()))
-    if a.report:
-        with open(a.report, "w") as f:
-            json.dump(as_json(report, checks), f, indent=1, default=str)
-        print(f"report         written to {a.report} (attach it to a bug report)")
-    if report.refusal:
-        return 1
-    return 0 if all(c.ok for c in checks) else 1
+    """The device's checks (cpu.doctor_lines, npu_doctor.run_doctor); 1 on a refusal/failure."""
+    if a.device == "cpu":
+        from .platforms.cpu import doctor_lines
+        lines, ok = doctor_lines()
+        print("\n".join(lines))
+        return 0 if ok else 1
+    from .platforms.npu_doctor import run_doctor
+    return run_doctor(a.report)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -433,10 +422,11 @@ def build_parser() -> argparse.ArgumentParser:
     doc = sub.add_parser("doctor", help="check a device without loading a model: versions, "
                                         "chip, head sizes, how graphs are updated, and one "
                                         "tiny op of each kind (ran / failed, with the fix)")
-    doc.add_argument("--device", required=True, choices=["npu"],
-                     help="the device to check (only npu so far)")
+    doc.add_argument("--device", required=True, choices=["cpu", "npu"],
+                     help="the device to check (cpu: the CPU's ISA, its C++ kernel's build "
+                          "and what 'auto' measured)")
     doc.add_argument("--report", metavar="FILE",
-                     help="also write everything found and every check's outcome as JSON")
+                     help="npu: also write everything found and every check's outcome as JSON")
     doc.set_defaults(func=cmd_doctor)
 
     lab = sub.add_parser("lab", help="JupyterLab on the notebooks (needs 'ui')")

@@ -214,6 +214,13 @@ class EngineInfo:
     """The EngineConfig as run (block_size and graph_mode resolved for the device)."""
     quantization: str | None = None
     """How the weights are stored: None (in `dtype`), 'gguf' or 'int8' (EngineConfig)."""
+    quantization_choice: str | None = None
+    """Why `quantization` is what it is, in a sentence, with the figure that decided it
+    ('auto' on the CPU: a GEMV per candidate format measured once per kernel build), or what
+    a format asked for by name costs here; None where there was nothing to choose."""
+    kernels: str | None = None
+    """The device's compiled kernels: 'built', 'building', 'not built' or 'failed: <error>'
+    (the CPU's C++ kernels; None on a device with none to build)."""
     gguf_path: str | None = None
     """The GGUF file the weights come from, where they come from one (the embedded smollm2):
     what a peer such as llama.cpp runs for the same weights."""

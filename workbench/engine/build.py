@@ -64,13 +64,14 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
         config = replace(config, block_size=backend.default_block_size)
     # 'auto' stays 'auto' in the config (a rebuild with another model, an A/B arm or a
     # replay resolves it again); what it resolved to is info().quantization.
-    quantization = config.quantization
-    if quantization == "auto":          # the checkpoint's own format, where it runs here
+    # The device decides 'auto' (the CPU by measuring its kernels) and says what a format
+    # asked for by name costs where it is slower than the plain weights.
+    quantization, quantization_choice = config.quantization, None
+    if platform.packed_weights and config.attention_backend == "auto":
         own = "gguf" if config.model == "smollm2" else None
-        kernels = platform.packed_weights and config.attention_backend == "auto"
-        quantization = (own if kernels and dtype == torch.float32 else
-                        "bf16c" if kernels and dtype == torch.bfloat16
-                        and platform.streams_bf16c() else None)
+        quantization, quantization_choice = platform.choose_quantization(quantization, own, dtype)
+    elif quantization == "auto":
+        quantization = None
     if quantization == "bf16c" and dtype != torch.bfloat16:
         raise ValueError(f"quantization: 'bf16c' keeps bf16 weights; it needs "
                          f"dtype='bfloat16' (got {str(dtype).removeprefix('torch.')})")
@@ -114,6 +115,9 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
                                                                                 max_model_len)
     if config.graph_mode is None:        # the device's choice, now made
         config = replace(config, graph_mode=graph_mode)
+    notices = [*platform.notices(), *notices]
+    if quantization_choice and config.quantization != "auto":
+        notices.append(quantization_choice)      # what the format asked for costs: said once
     for text in notices:
         telemetry.notices.append(text)
         log.info(text)
@@ -132,6 +136,7 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
         attention=backend.name, ops=model.ops.name,
         async_scheduling=run_ahead, vocab_size=hf_config.vocab_size,
         num_params=num_params(model), quantization=quantization,
+        quantization_choice=quantization_choice, kernels=platform.kernel_state(),
         weight_formats=weight_formats(model), gguf_path=ckpt_gguf,
         num_layers=model.num_layers, **model_shape(model, hf_config, dtype), config=config,
         generation_defaults=(generation_defaults(model_path)

@@ -151,6 +151,25 @@ class Platform:
         a bf16 model's weights as where it does)."""
         return False
 
+    def choose_quantization(self, asked: str | None, own: str | None,
+                            dtype: torch.dtype) -> tuple[str | None, str | None]:
+        """(what the weights are stored as, a sentence saying why or what it costs, or None)
+        for EngineConfig.quantization `asked` ('auto' or a format) on this device; `own` is
+        the checkpoint's own low-bit format (the embedded GGUF's: 'gguf'), if any. Here:
+        'auto' keeps the weights in `dtype` (a device with packed kernels decides by
+        measuring them: CpuPlatform)."""
+        return (None if asked == "auto" else asked), None
+
+    def notices(self) -> list[str]:
+        """What an engine built now should say about this device, once (a kernel that could
+        not be built, and why)."""
+        return []
+
+    def kernel_state(self) -> str | None:
+        """This device's compiled kernels in a word or a line ('built', 'building',
+        'failed: <error>'), None where it has none to build."""
+        return None
+
     def check_config(self, config) -> None:
         """Refuse knob values this device cannot run (ValueError naming the knob); the
         attention backend checks its own (AttentionBackend.check_config)."""

@@ -34,8 +34,51 @@ class CpuPlatform(Platform):
                           if ln.startswith("model name")), "")
         except OSError:
             model = ""
-        return f"{model or platform.processor() or platform.machine()}, " \
-               f"{len(os.sched_getaffinity(0))} cores"
+        # macOS has no sched_getaffinity (nor /proc): all of its cores are the process's.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else os.cpu_count()
+        return f"{model or platform.processor() or platform.machine()}, {cores} cores"
+
+    def kernel_state(self) -> str:
+        return cpu_kernels.kernel_state()
+
+    def notices(self) -> list[str]:
+        rec = cpu_kernels.failure() if cpu_kernels.build_failed() else None
+        if rec is None:
+            return []
+        return [f"CPU kernel unavailable ({rec['error']}): serving on the plain-torch path; "
+                f"not rebuilt until the compiler or the sources change (`workbench "
+                f"build-kernels` retries; `workbench doctor --device cpu` shows the log's tail)"]
+
+    def choose_quantization(self, asked, own, dtype):
+        """'auto': where the kernel is built, the fastest candidate by a GEMV measured once
+        per kernel build (cpu_choice.py); while it builds, the checkpoint's own format (its
+        packed layers served dequantized once, at fp32's speed, until the kernel arrives);
+        where it cannot be built, the weights in `dtype` (no packed format beats fp32 on the
+        plain-torch path, and they take the least memory there). A format asked for by
+        name that measured slower than the plain weights here says what it costs."""
+        from . import cpu_choice
+        state = cpu_kernels.kernel_state()
+        if state.startswith("failed") or cpu_kernels.build_failed():
+            if asked != "auto":
+                return asked, (f"quantization={asked!r}: the CPU kernel could not be built, so "
+                               f"its weights are dequantized once at load and run as "
+                               f"{str(dtype).removeprefix('torch.')} in plain torch (the memory "
+                               f"of both, the speed of the plain weights)")
+            return None, ("quantization 'auto': the weights in "
+                          f"{str(dtype).removeprefix('torch.')}: the CPU kernel could not be "
+                          "built, and on the plain-torch path no packed format is faster")
+        if state != "built" or cpu_kernels.load_cpu_kernels() is None:
+            if asked != "auto":
+                return asked, None
+            q = own if dtype == torch.float32 else None
+            return q, (f"quantization 'auto': {q}, the checkpoint's own format; until the CPU "
+                       f"kernel being built arrives its weights run dequantized once, at "
+                       f"fp32's speed" if q else None)
+        figures = cpu_choice.measured(cpu_kernels.kernel_dir(), cpu_kernels.kernels())
+        if asked == "auto":
+            return cpu_choice.pick(figures, dtype, own)
+        return asked, cpu_choice.cost(figures, asked, dtype)
 
     def peak_memory_bytes(self) -> int:
         # ru_maxrss is in KiB on Linux: the process's peak resident set, weights included.
@@ -60,3 +103,65 @@ class CpuPlatform(Platform):
     @classmethod
     def attention_backend_classes(cls) -> tuple[type, ...]:
         return (*super().attention_backend_classes(), CpuAttention)
+
+
+def doctor_lines() -> tuple[list[str], bool]:
+    """`workbench doctor --device cpu`: the CPU and its ISA flags, the kernel's build (where,
+    its state; a failed one's error and the tail of its log) and what 'auto' measured for
+    this build; whether the kernel is usable. Starts no build."""
+    import json
+    from . import cpu_choice
+    ident = cpu_kernels.cpu_identity()
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+              "avx512_vbmi", "avx512_vbmi2", "amx_bf16", "amx_int8", "asimd", "bf16", "sve")
+    flags = cpu_kernels.isa_flags()
+    state = cpu_kernels.kernel_state()
+    lines = [f"cpu            {CpuPlatform().device_name()}",
+             f"isa            {' '.join(f for f in wanted if f in flags) or '(none of note)'}",
+             *(f"               {k}: {v}" for k, v in ident.items()
+               if k in ("CPU implementer", "CPU part")),
+             f"build flags    {' '.join(cpu_kernels.cflags())}",
+             f"kernel         {state}",
+             f"kernel dir     {cpu_kernels.kernel_dir()}"]
+    rec = cpu_kernels.failure()
+    if rec is not None:
+        lines += [f"compiler       {rec.get('compiler')}", "log tail:",
+                  *(f"  {ln}" for ln in rec.get("log_tail", "").splitlines()),
+                  "fix            install a C++ compiler (g++ or clang++) and ninja, or point "
+                  "CXX at one; then `workbench build-kernels`"]
+    try:
+        figures = json.loads((cpu_kernels.kernel_dir() / cpu_choice.FILE).read_text())["us"]
+        lines.append("auto measured  " + ", ".join(f"{f} {us:.0f} µs" for f, us in figures.items())
+                     + f" (batch-1 GEMV, {'+'.join(f'{n}x{k}' for n, k in cpu_choice.SHAPES)})")
+        for dtype in (torch.float32, torch.bfloat16):
+            lines.append(f"auto picks     {cpu_choice.pick(figures, dtype, 'gguf')[1]}")
+    except (OSError, ValueError, KeyError):
+        lines.append("auto measured  not yet (the first engine on a built kernel measures)")
+    return lines, state == "built"
+
+
+def describe() -> dict:
+    """The CPU, its ISA flags of note, the kernel this process runs (the ISA macros its build
+    saw, its -march) and what 'auto' measured and picks: what the CPU benchmarks print
+    beside their figures."""
+    import json
+    from . import cpu_choice
+    k = cpu_kernels.kernels() or (cpu_kernels.load_cpu_kernels()
+                                  if cpu_kernels.kernel_is_built() else None)
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+              "avx512_vbmi", "avx512_vbmi2", "amx_bf16", "amx_int8", "asimd", "bf16", "sve")
+    flags = cpu_kernels.isa_flags()
+    out = {"cpu": CpuPlatform().device_name(),
+           "isa_flags": [f for f in wanted if f in flags],
+           "kernel": cpu_kernels.kernel_state(), "kernel_isa": k.isa() if k is not None and
+           hasattr(k, "isa") else None, "march": os.environ.get(cpu_kernels.MARCH_ENV, "native"),
+           "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
+           "threads": torch.get_num_threads()}
+    try:
+        figures = json.loads((cpu_kernels.kernel_dir() / cpu_choice.FILE).read_text())["us"]
+        out["auto_gemv_us"] = figures
+        out["auto_fp32"] = cpu_choice.pick(figures, torch.float32, "gguf")[0] or "fp32"
+        out["auto_bf16"] = cpu_choice.pick(figures, torch.bfloat16, None)[0] or "bf16"
+    except (OSError, ValueError, KeyError):
+        pass
+    return out

@@ -16,7 +16,7 @@ import torch
 from . import cpu_kernels
 from .cpu_attention import CpuAttention
 from .ops import TorchOps
-from .quant import FORMATS, UNTILED, PackedWeight
+from .quant import FORMATS, UNTILED, PackedWeight, a8_linear
 
 _DTYPES = (torch.float32, torch.bfloat16)
 TILED_CODES = {FORMATS[f] for f in UNTILED}
@@ -25,28 +25,82 @@ TILED_CODES = {FORMATS[f] for f in UNTILED}
 class CpuOps(TorchOps):
     name = "cpu"
 
+    def __init__(self):
+        self._fp32: dict[int, torch.Tensor] = {}
+        """id(bf16 weight) -> its fp32 copy, for batched bf16 where the CPU has no native
+        bf16 (`_bf16_in_fp32`)."""
+        self._dense: dict[int, torch.Tensor] = {}
+        """id(PackedWeight) -> its weights dequantized once, in the activations' dtype: what
+        a packed weight runs as where no kernel streams it (the kernel is still building,
+        cannot be built, or has no path for the format on this CPU). Unpacking the blocks on
+        every step instead cost 10x fp32's step; this is fp32's (the memory of both, until
+        the kernel arrives: then they are dropped)."""
+
+    def dense(self, weight: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
+        """`weight` dequantized to `dtype`, once (the reference's numbers: quant.dequantize)."""
+        w = self._dense.get(id(weight))
+        if w is None or w.dtype != dtype:
+            w = self._dense[id(weight)] = weight.dequantize(dtype)
+        return w
+
     def linear(self, x, weight, bias=None):
         k = cpu_kernels.kernels()
+        if k and not self._kernel_seen:
+            self._arrived()
         if isinstance(weight, PackedWeight) and weight.format == "bf16c":
-            if k and x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.bfloat16:
+            if k and x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.bfloat16 \
+                    and hasattr(k, "bf16c_stream"):
                 return k.bf16c_gemv(x, weight.data, bias)
-            if x.dtype == torch.bfloat16 and x.dim() == 2 and onednn_bf16():
-                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), prepacked(weight),
-                                                          bias, "none", [], "")
-            return super().linear(x, weight, bias)
+            if x.dtype == torch.bfloat16 and x.dim() == 2:
+                if onednn_bf16():
+                    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), prepacked(weight),
+                                                              bias, "none", [], "")
+                return self._bf16_in_fp32(x, weight, bias)
+            return self._dense_linear(x, weight, bias)
         if isinstance(weight, PackedWeight):
             if not (k and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16)) or \
                     (weight.activation_bits == 8 and not hasattr(k, "a8_linear")):
-                return super().linear(x, weight, bias)
+                return self._dense_linear(x, weight, bias)
             y = k.qlinear(x, weight.data, weight.code)
             return y if bias is None else y.add_(bias)
         if k and x.shape[0] == 1 and x.dim() == 2 and x.dtype in _DTYPES \
                 and weight.dtype == x.dtype and hasattr(k, "gemv"):
             return k.gemv(x, weight, bias)
-        if x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2 and onednn_bf16():
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), prepacked(weight), bias,
-                                                      "none", [], "")
+        if x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2:
+            if onednn_bf16():
+                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), prepacked(weight),
+                                                          bias, "none", [], "")
+            return self._bf16_in_fp32(x, weight, bias)
         return torch.nn.functional.linear(x, weight, bias)
+
+    def _bf16_in_fp32(self, x, weight, bias):
+        """Batched bf16 rows where the CPU has no native bf16 (no AVX-512 BF16, no AMX):
+        torch's bf16 GEMM there (oneDNN's emulation, or ATen's loops) took 4-5x fp32's time
+        for a 3072x576 layer at 128 rows, so the rows are widened to fp32 and multiplied
+        with an fp32 copy of the weights (exact: a bf16 is an fp32 with a shorter mantissa),
+        then rounded to bf16 once, as the bf16 linear rounds its fp32 sums. The copy is made
+        at the weight's first batched use and kept (fp32's bytes beside bf16's: the price
+        of batched bf16 on such a CPU; batch 1 streams the bf16 weights themselves)."""
+        w = self._fp32.get(id(weight))
+        if w is None:
+            w = self._fp32[id(weight)] = (weight.dequantize(torch.float32)
+                                          if isinstance(weight, PackedWeight) else weight.float())
+        y = torch.nn.functional.linear(x.float(), w, None if bias is None else bias.float())
+        return y.to(torch.bfloat16)
+
+    def _dense_linear(self, x, weight: PackedWeight, bias):
+        """The torch reference's numbers (TorchOps.linear) on weights dequantized once."""
+        if weight.activation_bits == 8:
+            return a8_linear(x, weight, bias, self.dense(weight, x.dtype))
+        return self.linear(x, self.dense(weight, x.dtype), bias)
+
+    _kernel_seen = False
+
+    def _arrived(self) -> None:
+        """The kernel is loaded: drop the weights dequantized while it built (the formats it
+        has no path for here dequantize again, once, at their next use)."""
+        self._kernel_seen = True
+        self._dense.clear()
 
     def embedding(self, ids, weight, dtype):
         k = cpu_kernels.kernels()
@@ -64,6 +118,8 @@ class CpuOps(TorchOps):
         runs on this platform's kernels: the same kernels the layer loop calls, without the
         interpreter between them. Anything else runs the loop."""
         k = cpu_kernels.kernels()
+        if k and not self._kernel_seen:
+            self._arrived()
         if not (k and x.shape[0] == 1 and meta.num_decode == 1 and x.dtype in _DTYPES
                 and isinstance(meta.backend, CpuAttention)):
             return None
@@ -113,11 +169,16 @@ _onednn_bf16: bool | None = None
 
 
 def onednn_bf16() -> bool:
-    """Whether torch's oneDNN runs bf16 matmuls on this CPU (AVX-512 BF16 or AMX)."""
+    """Whether torch's oneDNN runs bf16 matmuls natively on this CPU: AVX-512 BF16 or AMX in
+    the CPU's flags. torch's own `_is_mkldnn_bf16_supported()` says yes on any AVX512BW CPU,
+    where oneDNN emulates bf16 (4x fp32's time for a 3072x576 layer at 128 rows); there
+    bf16 runs torch's F.linear instead."""
     global _onednn_bf16
     if _onednn_bf16 is None:
+        flags = cpu_kernels.isa_flags()
         _onednn_bf16 = bool(torch.backends.mkldnn.is_available()
-                            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+                            and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+                            and flags & {"avx512_bf16", "amx_bf16"})
     return _onednn_bf16
 
 

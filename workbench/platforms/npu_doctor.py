@@ -291,3 +291,23 @@ def as_json(report, checks: list[OpCheck]) -> dict:
     out["ops"] = [asdict(c) for c in checks]
     out["ok"] = not report.refusal and all(c.ok for c in checks)
     return out
+
+
+def run_doctor(report_path: str | None = None) -> int:
+    """`workbench doctor --device npu`: print what was found and each check, write it all as
+    JSON to `report_path` if given; 0 when the chip is taken and every check passed."""
+    import json
+    report, checks = doctor()
+    print("\n".join(report.lines()))
+    if not report.refusal:
+        print("checks         the default path's calls on this release, against torch (bf16, "
+              "head size 128, 16 query / 2 KV heads, block size 128)")
+        for c in checks:
+            print("\n".join(c.lines()))
+    if report_path:
+        with open(report_path, "w") as f:
+            json.dump(as_json(report, checks), f, indent=1, default=str)
+        print(f"report         written to {report_path} (attach it to a bug report)")
+    if report.refusal:
+        return 1
+    return 0 if all(c.ok for c in checks) else 1

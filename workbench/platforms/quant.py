@@ -259,14 +259,16 @@ def dequantize_activations(q: torch.Tensor, d: torch.Tensor, k: int) -> torch.Te
     return (q.float().view(m, -1, 32) * d[..., None]).view(m, -1)[:, :k]
 
 
-def a8_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def a8_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
+              dense: torch.Tensor | None = None) -> torch.Tensor:
     """The reference of 8-bit-activation formats: x quantized per 32-block and dequantized,
     times the dequantized weight, in x's dtype (the kernel sums the same products exactly in
-    int32 per block, then scales them in fp32)."""
+    int32 per block, then scales them in fp32). `dense`: w dequantized already, in x's
+    dtype."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     xq = dequantize_activations(*quantize_activations(x2), shape[-1]).to(x.dtype)
-    y = torch.nn.functional.linear(xq, w.dequantize(x.dtype), bias)
+    y = torch.nn.functional.linear(xq, w.dequantize(x.dtype) if dense is None else dense, bias)
     return y.view(*shape[:-1], y.shape[-1])
 
 

@@ -6,6 +6,7 @@
 // call, as the pybind11 binding was.
 #include <torch/library.h>
 
+#include <string>
 #include <vector>
 
 // cpu_attention.cpp
@@ -44,6 +45,41 @@ at::Tensor a8_linear(at::Tensor x, at::Tensor w, int64_t fmt, int64_t amx);  // 
 bool a8_amx();                                                     // where VNNI is
 
 static bool bf16c_fast() { return true; }
+static bool bf16c_stream() { return true; }
+// The ISA paths this build took (for tests and `workbench doctor`): the macros it saw.
+static std::string isa() {
+  std::string s;
+#ifdef __AVX512F__
+  s += "avx512f ";
+#endif
+#ifdef __AVX512BF16__
+  s += "avx512bf16 ";
+#endif
+#ifdef __AVX512VNNI__
+  s += "avx512vnni ";
+#endif
+#ifdef __AVX512VBMI2__
+  s += "avx512vbmi2 ";
+#endif
+#if defined(__AMX_TILE__)
+  s += "amx ";
+#endif
+#ifdef __AVX2__
+  s += "avx2 ";
+#endif
+#ifdef __FMA__
+  s += "fma ";
+#endif
+#ifdef __F16C__
+  s += "f16c ";
+#endif
+#ifdef __ARM_NEON
+  s += "neon ";
+#endif
+  if (s.empty()) s = "portable ";
+  s.pop_back();
+  return s;
+}
 
 TORCH_LIBRARY(workbench_cpu, m) {
   // Paged decode attention over a head-major fp32 or bf16 KV pool.
@@ -60,11 +96,13 @@ TORCH_LIBRARY(workbench_cpu, m) {
   m.def("bf16c_gemv", &bf16c_gemv);               // x [1, K] bf16 @ bf16c weight^T (+ bias)
   m.def("a8_quantize", &a8_quantize);             // fp32 [M, K] -> (int8 [M, K_pad], scales)
   m.def("a8_embedding", &a8_embedding);           // rows of a tiled packed table -> [T, K]
+  m.def("gemv", &gemv);                           // x [1, K] @ weight [N, K]^T (+ bias)
+  m.def("qgemv", &qgemv);                         // x [1, K] fp32 @ packed weight^T
+  m.def("bf16c_stream", &bf16c_stream);           // bf16c_gemv streams the packed rows
+  m.def("isa", &isa);                             // the ISA macros this build saw
 #ifdef __AVX512F__
   // Causal prefill attention for a step's chunks, read from the pool.
   m.def("paged_prefill_attention", &paged_prefill_attention);
-  m.def("gemv", &gemv);                           // x [1, K] @ weight [N, K]^T (+ bias)
-  m.def("qgemv", &qgemv);                         // x [1, K] fp32 @ packed weight^T
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512VBMI2__) && \
     defined(__BMI2__)

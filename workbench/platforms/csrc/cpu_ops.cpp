@@ -252,6 +252,8 @@ static inline void gemv_rows_bf16(const bf16_t* __restrict w, const bf16_t* __re
 }
 #endif
 
+#endif   // __AVX512F__
+
 at::Tensor gemv(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias) {
   const bool bf = is_bf16("gemv", {&x, &weight});
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && weight.dim() == 2 && weight.is_contiguous(),
@@ -260,9 +262,8 @@ at::Tensor gemv(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias)
   const int64_t N = weight.size(0), K = weight.size(1);
   TORCH_CHECK(x.size(1) == K, "gemv: shapes");
   auto y = at::empty({1, N}, x.options());
-  constexpr int64_t R = 8;
+  [[maybe_unused]] constexpr int64_t R = 8;
   if (bf) {
-#ifdef __AVX512BF16__
     at::Tensor b;
     if (bias.has_value()) {
       b = bias->contiguous();
@@ -272,6 +273,7 @@ at::Tensor gemv(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias)
     const bf16_t* wp = cptr<bf16_t>(weight);
     const bf16_t* bp = b.defined() ? cptr<bf16_t>(b) : nullptr;
     bf16_t* yp = mptr<bf16_t>(y);
+#ifdef __AVX512BF16__
     at::parallel_for(0, (N + R - 1) / R, 1, [&](int64_t g0, int64_t e) {
       for (int64_t g = g0; g < e; ++g) {
         const int64_t n = g * R;
@@ -283,14 +285,20 @@ at::Tensor gemv(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias)
         }
       }
     });
-    return y;
 #else
-    return at::linear(x, weight, bias);
+    std::vector<float> xf(K);
+    widen_bf16(xp, xf.data(), K);
+    portable_gemv(N, K, xf.data(), [&](int64_t n, float* buf) {
+      widen_bf16(wp + n * K, buf, K);
+      return static_cast<const float*>(buf);
+    }, [&](int64_t n, float v) { yp[n] = to_bf16(v + (bp ? to_f(bp[n]) : 0.f)); });
 #endif
+    return y;
   }
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+#ifdef __AVX512F__
   at::parallel_for(0, (N + R - 1) / R, 1, [&](int64_t b, int64_t e) {
     for (int64_t g = b; g < e; ++g) {
       const int64_t n = g * R;
@@ -301,10 +309,13 @@ at::Tensor gemv(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias)
       }
     }
   });
+#else
+  portable_gemv(N, K, xp, [&](int64_t n, float*) { return wp + n * K; },
+                [&](int64_t n, float v) { yp[n] = v; });
+#endif
   if (bias.has_value()) y.add_(*bias);
   return y;
 }
-#endif
 
 // Batch-1 decode through every layer in one call: a Llama layer without biases or q/k norms
 // (SmolLM2, Llama), fp32 or bf16, the same kernels the model calls one by one (so the same numbers),
@@ -319,11 +330,7 @@ at::Tensor qlinear(at::Tensor x, at::Tensor w, int64_t fmt);   // cpu_quant.cpp
 // fmt 0: a dense weight (fp32, or bf16 in a bf16 model); else a packed one (cpu_quant.cpp's formats).
 static at::Tensor linear1(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
   if (fmt != 0) return qlinear(x, w, fmt);
-#ifdef __AVX512F__
   return gemv(x, w, c10::nullopt);
-#else
-  return at::linear(x, w);
-#endif
 }
 
 // x: layer 0's input [1, hidden]; weights: per layer input norm, qkv, o, post-attention

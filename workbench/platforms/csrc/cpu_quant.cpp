@@ -19,7 +19,9 @@
 #include "cpu_dtype.h"
 #include "cpu_packed.h"
 
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 // One weight row, dequantized: out[K] = the reference's numbers exactly (d * q + m in fp32,
 // as gguf's numpy dequantization computes them).
@@ -412,10 +414,189 @@ at::Tensor bf16c_gemv(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias
   return y;
 }
 #else
-// Without AVX-512 BF16 and VBMI: the weights dequantized, then torch's linear.
+// A bf16c row rebuilt as fp32 (exactly its bf16 values), 16 low bytes at a time: their
+// codes' nibbles index the row's palette with one byte shuffle (the palette is 16 bytes,
+// byte 0 unused: SSSE3's pshufb, NEON's tbl), and two byte interleaves of low and high
+// bytes give the 8 + 8 bf16 of weights 8j.. and 32 + 8j.. (quant.py's layout); rows with
+// escapes (rare) take bf16c_row, the reference decoder.
+#if defined(__SSSE3__)
+#include <immintrin.h>
+#elif defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
+static inline void bf16c_row_fast(const uint8_t* row, int64_t K, float* out) {
+  int32_t escapes;
+  std::memcpy(&escapes, row + 16, 4);
+  if (escapes) return bf16c_row(row, K, out);
+#if defined(__SSSE3__)
+  const __m128i pal = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
+  const __m128i nib = _mm_set1_epi8(0x0F), zero = _mm_setzero_si128();
+  for (int64_t s = 0; s < K / 64; ++s) {
+    const uint8_t* low = row + 32 + s * 96;
+    const __m128i c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(low + 64));
+    const __m128i c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(low + 80));
+    const __m128i idx[4] = {_mm_and_si128(c0, nib), _mm_and_si128(c1, nib),
+                            _mm_and_si128(_mm_srli_epi16(c0, 4), nib),
+                            _mm_and_si128(_mm_srli_epi16(c1, 4), nib)};
+    float* o = out + s * 64;
+    for (int j = 0; j < 4; ++j) {
+      const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(low + 16 * j));
+      const __m128i hi = _mm_shuffle_epi8(pal, idx[j]);
+      const __m128i a = _mm_unpacklo_epi8(lo, hi), b = _mm_unpackhi_epi8(lo, hi);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 8 * j), _mm_unpacklo_epi16(zero, a));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 8 * j + 4), _mm_unpackhi_epi16(zero, a));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 32 + 8 * j), _mm_unpacklo_epi16(zero, b));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 36 + 8 * j), _mm_unpackhi_epi16(zero, b));
+    }
+  }
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+  const uint8x16_t pal = vld1q_u8(row), nib = vdupq_n_u8(0x0F);
+  for (int64_t s = 0; s < K / 64; ++s) {
+    const uint8_t* low = row + 32 + s * 96;
+    const uint8x16_t c0 = vld1q_u8(low + 64), c1 = vld1q_u8(low + 80);
+    const uint8x16_t idx[4] = {vandq_u8(c0, nib), vandq_u8(c1, nib), vshrq_n_u8(c0, 4),
+                               vshrq_n_u8(c1, 4)};
+    float* o = out + s * 64;
+    for (int j = 0; j < 4; ++j) {
+      const uint8x16_t lo = vld1q_u8(low + 16 * j), hi = vqtbl1q_u8(pal, idx[j]);
+      const uint16x8_t a = vreinterpretq_u16_u8(vzip1q_u8(lo, hi));
+      const uint16x8_t b = vreinterpretq_u16_u8(vzip2q_u8(lo, hi));
+      vst1q_f32(o + 8 * j, vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(a), 16)));
+      vst1q_f32(o + 8 * j + 4, vreinterpretq_f32_u32(vshll_high_n_u16(a, 16)));
+      vst1q_f32(o + 32 + 8 * j, vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(b), 16)));
+      vst1q_f32(o + 36 + 8 * j, vreinterpretq_f32_u32(vshll_high_n_u16(b, 16)));
+    }
+  }
+#else
+  bf16c_row(row, K, out);
+#endif
+}
+
+// Without AVX-512 BF16 and VBMI: each row rebuilt (bf16c_row_fast, exactly) into a small buffer
+// as it streams past, then the portable bf16 GEMV's sums (cpu_dtype.h: portable_gemv), so
+// the bits are the plain bf16 gemv's of this build. The matrix is read once, in its 12.3
+// bits a weight; nothing the size of the matrix is made.
 at::Tensor bf16c_gemv(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
-  auto wt = dequantize(w, kBf16c, x.size(1)).to(at::kBFloat16);
-  return bias.has_value() ? at::linear(x, wt, *bias) : at::linear(x, wt);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) == 1,
+              "bf16c_gemv: x is one bf16 row");
+  x = x.contiguous();
+  const int64_t K = x.size(1), N = w.size(0), rb = w.size(1);
+  check_packed(w, kBf16c, K, "bf16c_gemv");
+  at::Tensor b;
+  if (bias.has_value()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == at::kBFloat16 && b.numel() == N, "bf16c_gemv: bias");
+  }
+  auto y = at::empty({1, N}, x.options());
+  const bf16_t* bp = b.defined() ? cptr<bf16_t>(b) : nullptr;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  bf16_t* yp = mptr<bf16_t>(y);
+  std::vector<float> xf(K);
+  widen_bf16(cptr<bf16_t>(x), xf.data(), K);
+  portable_gemv(N, K, xf.data(), [&](int64_t n, float* buf) {
+    bf16c_row_fast(wp + n * rb, K, buf);
+    return static_cast<const float*>(buf);
+  }, [&](int64_t n, float v) { yp[n] = to_bf16(v + (bp ? to_f(bp[n]) : 0.f)); });
+  return y;
+}
+#endif
+
+#ifndef __AVX512F__
+// The portable kernels of the row formats (no AVX-512): M rows of x (batch 1, a few
+// decodes) against four weight rows at a time, each row dequantized once into a small
+// buffer (dequant_row: the reference's numbers) and multiplied with every x row by the
+// portable dot products (cpu_dtype.h), so the weights are read once a step in their packed
+// bytes, as the AVX-512 kernels read them.
+static constexpr int64_t kSmallRows = 16;
+
+// One packed row . x at batch 1, without a buffer: sixteen lanes of sums (acc, kept in
+// vector registers by the compiler) take each block's products scaled by its d, and a Q4_1
+// block's min enters as m times the block's sum of x (xsum, once a call).
+static inline float qrow_dot(const uint8_t* row, int64_t fmt, const float* __restrict x,
+                             const float* __restrict xsum, int64_t K) {
+  float acc[16] = {0.f};
+  float tail = 0.f;
+  if (fmt == kQ4_1) {
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const uint8_t* blk = row + b * 20;
+      const float d = half_at(blk);
+      const float* x0 = x + b * 32;
+#pragma omp simd
+      for (int j = 0; j < 16; ++j)
+        acc[j] += d * (static_cast<float>(blk[4 + j] & 0x0F) * x0[j] +
+                       static_cast<float>(blk[4 + j] >> 4) * x0[16 + j]);
+      tail += half_at(blk + 2) * xsum[b];
+    }
+  } else if (fmt == kQ8_0) {
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const uint8_t* blk = row + b * 34;
+      const float d = half_at(blk);
+      const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+      const float* x0 = x + b * 32;
+#pragma omp simd
+      for (int j = 0; j < 16; ++j)
+        acc[j] += d * (static_cast<float>(q[j]) * x0[j] + static_cast<float>(q[16 + j]) * x0[16 + j]);
+    }
+  } else {
+    float sc;
+    std::memcpy(&sc, row, 4);
+    const int8_t* q = reinterpret_cast<const int8_t*>(row + 4);
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+#pragma omp simd
+      for (int j = 0; j < 16; ++j) acc[j] += static_cast<float>(q[k + j]) * x[k + j];
+    }
+    for (; k < K; ++k) tail += static_cast<float>(q[k]) * x[k];
+    float s = tail;
+    for (int j = 0; j < 16; ++j) s += acc[j];
+    return sc * s;
+  }
+  float s = tail;
+  for (int j = 0; j < 16; ++j) s += acc[j];
+  return s;
+}
+
+static at::Tensor qrows(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), rb = w.size(1);
+  auto y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  if (M == 1) {
+    std::vector<float> xsum(K / 32 + 1, 0.f);
+    for (int64_t b = 0; b < K / 32; ++b)
+      for (int j = 0; j < 32; ++j) xsum[b] += xp[b * 32 + j];
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t e) {
+      for (int64_t n = n0; n < e; ++n) yp[n] = qrow_dot(wp + n * rb, fmt, xp, xsum.data(), K);
+    });
+    return y;
+  }
+  at::parallel_for(0, (N + 3) / 4, 1, [&](int64_t g0, int64_t e) {
+    std::vector<float> buf(4 * K);
+    float t[4];
+    for (int64_t g = g0; g < e; ++g) {
+      const int64_t n = g * 4, r = std::min<int64_t>(4, N - n);
+      for (int64_t i = 0; i < r; ++i) dequant_row(wp + (n + i) * rb, fmt, K, buf.data() + i * K);
+      for (int64_t m = 0; m < M; ++m) {
+        if (r == 4) {
+          dot_rows4(buf.data(), K, xp + m * K, K, t);
+        } else {
+          for (int64_t i = 0; i < r; ++i) t[i] = dot_row(buf.data() + i * K, xp + m * K, K);
+        }
+        for (int64_t i = 0; i < r; ++i) yp[m * N + n + i] = t[i];
+      }
+    }
+  });
+  return y;
+}
+
+at::Tensor qgemv(at::Tensor x, at::Tensor w, int64_t fmt) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(0) == 1,
+              "qgemv: x is one fp32 row");
+  TORCH_CHECK(fmt >= 1 && fmt <= 3, "qgemv: a row format (q4_1, q8_0, int8)");
+  x = x.contiguous();
+  check_packed(w, fmt, x.size(1), "qgemv");
+  return qrows(x, w, fmt);
 }
 #endif
 
@@ -439,6 +620,10 @@ at::Tensor qlinear(at::Tensor x, at::Tensor w, int64_t fmt) {
     if (M <= kSmallRows)       // bf16 rows: the same streaming kernels, on the rows in fp32
       return qlinear(x.to(at::kFloat), w, fmt).to(x.scalar_type());
   }
+#else
+  if (fmt != kBf16c && M <= kSmallRows)
+    return x.scalar_type() == at::kFloat ? qrows(x, w, fmt)
+                                         : qrows(x.to(at::kFloat), w, fmt).to(x.scalar_type());
 #endif
   auto out = at::empty({M, N}, x.options());
   const int64_t chunk = std::min<int64_t>(N, std::max<int64_t>(64, (int64_t{1} << 18) / K));

@@ -1,0 +1,368 @@
+"""The CPU engine on the CPUs people have (issue 44): a kernel that cannot be built, other
+systems' CPU identity and flags, 'auto' deciding by a measurement, packed weights on the
+plain-torch path, and the kernels' portable paths against the float64 reference, built for
+other ISAs than this machine's and compiled for Arm."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CSRC = ROOT / "workbench" / "platforms" / "csrc"
+
+
+def run(code: str, env: dict, timeout: float = 300) -> str:
+    """A fresh Python process running `code` (its own session; killed whole on timeout)."""
+    env = {k: v for k, v in {**os.environ, "PYTHONPATH": str(ROOT), **env}.items()
+           if v is not None}                                   # None: not set there
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out = proc.communicate()[0]
+        pytest.fail(f"did not finish in {timeout} s:\n{out[-3000:]}")
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+# --- a kernel that cannot be built -------------------------------------------------------
+
+FAILED_START = """
+import json, logging, time
+logging.basicConfig(level=logging.WARNING, format="LOG %(message)s")
+from workbench import Engine, SamplingParams
+from workbench.platforms import cpu_kernels as cpu
+import torch.utils.cpp_extension as ext
+calls = []
+real = ext.load
+ext.load = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+auto = Engine(model="random:tiny", device="cpu", num_kv_blocks=32)
+deadline = time.monotonic() + 240
+while cpu.kernels() is None and not cpu.build_failed() and time.monotonic() < deadline:
+    time.sleep(0.2)                   # a first start: the detached build fails meanwhile
+again = Engine(model="random:tiny", device="cpu", num_kv_blocks=32)
+int8 = Engine(model="random:tiny", device="cpu", num_kv_blocks=32, quantization="int8")
+ref = Engine(model="random:tiny", device="cpu", num_kv_blocks=32, quantization="int8",
+             attention_backend="reference")
+p = SamplingParams(max_tokens=8, temperature=0)
+print("RESULT", json.dumps(dict(
+    builds_here=len(calls), failed=cpu.build_failed(), state=cpu.kernel_state(),
+    record=cpu.failure(), info=[e.info().kernels for e in (auto, again)],
+    quant=[auto.info().quantization, again.info().quantization, int8.info().quantization],
+    notices=again.notices, int8_notices=int8.notices,
+    same=[o.token_ids for o in int8.generate([[1, 2, 3], [4, 5]], p)] ==
+         [o.token_ids for o in ref.generate([[1, 2, 3], [4, 5]], p)])), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def failed_cache(tmp_path_factory):
+    """A cache where the kernel build fails (CXX names no compiler): a first process (whose
+    detached build fails), then a second one."""
+    cache = tmp_path_factory.mktemp("nocompiler")
+    env = {"WORKBENCH_CACHE": str(cache), "CXX": "/nonexistent"}
+    first = run(FAILED_START, env, 400)
+    second = run(FAILED_START, env, 300)
+    return cache, env, [json.loads(o.split("RESULT ")[-1]) for o in (first, second)], second
+
+
+def test_a_failed_build_is_recorded_with_its_log(failed_cache):
+    cache, _, (first, second), _ = failed_cache
+    rec = first["record"]
+    assert rec is not None and "/nonexistent" in rec["error"] and "not found" in rec["error"]
+    assert "FAILED" in rec["log_tail"] and rec["compiler"].startswith("/nonexistent")
+    folders = list((cache / "kernels").iterdir())
+    assert len(folders) == 1 and (folders[0] / "failed").is_file()
+    assert not (folders[0] / "built").exists()
+    for r in (first, second):
+        assert r["failed"] and r["state"].startswith("failed: ")
+        assert all(i.startswith("failed: ") for i in r["info"][1:])
+
+
+def test_a_failed_build_is_not_retried_and_said_once(failed_cache):
+    _, _, (first, second), second_out = failed_cache
+    assert second["builds_here"] == 0            # the record stops it: no compiler call
+    assert second_out.count("LOG CPU kernel unavailable") == 1
+    assert "building the CPU" not in second_out
+    assert all(i.startswith("failed: ") for i in second["info"])
+    assert any("CPU kernel unavailable" in n for n in second["notices"])
+
+
+def test_a_failed_build_serves_the_fastest_torch_path(failed_cache):
+    """'auto' is the plain weights there; a packed format asked for runs dequantized once
+    (the reference's numbers: greedy tokens equal) and says what it costs."""
+    for r in failed_cache[2]:
+        assert r["quant"][:2] == [None, None] and r["quant"][2] == "int8"
+        assert r["same"]
+        assert any("dequantized once" in n for n in r["int8_notices"])
+
+
+def test_a_new_compiler_retries_the_build(failed_cache, tmp_path):
+    """The record is keyed like the kernel: another compiler is another key."""
+    cache, env, _, _ = failed_cache
+    fake = tmp_path / "c++"
+    fake.write_text("#!/bin/sh\necho 'g++ (Other) 99.1'\nexit 1\n")
+    fake.chmod(0o755)
+    out = run("from workbench.platforms import cpu_kernels as c; "
+              "print('STATE', c.kernel_state(), c.build_failed())",
+              {**env, "CXX": str(fake)}, 60)
+    assert "STATE not built False" in out
+
+
+def test_doctor_says_why_the_build_failed(failed_cache):
+    _, env, _, _ = failed_cache
+    out = subprocess.run([sys.executable, "-m", "workbench.cli", "doctor", "--device", "cpu"],
+                         env={**os.environ, "PYTHONPATH": str(ROOT), **env}, cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "kernel         failed: " in out.stdout and "log tail:" in out.stdout
+    assert "/nonexistent: not found" in out.stdout and "fix" in out.stdout
+
+
+# --- other systems -------------------------------------------------------------------------
+
+GRAVITON = """processor\t: 0
+BogoMIPS\t: 243.75
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm \
+lrcpc dcpop sha3 sm3 sm4 asimddp sha512 sve asimdfhm dit uscat ilrcpc flagm ssbs paca pacg \
+dcpodp svei8mm svebf16 i8mm bf16 dgh rng
+CPU implementer\t: 0x41
+CPU architecture: 8
+CPU variant\t: 0x1
+CPU part\t: 0xd40
+CPU revision\t: 1
+"""
+
+
+def test_an_arm_cpu_is_identified_by_its_features_and_part():
+    from workbench.platforms import cpu_kernels as cpu
+    ident = cpu.cpu_identity(GRAVITON)
+    assert ident["CPU part"] == "0xd40" and ident["CPU implementer"] == "0x41"
+    assert {"asimd", "sve", "bf16"} <= cpu.isa_flags(GRAVITON)
+    other = cpu.cpu_identity(GRAVITON.replace("0xd40", "0xd4f"))
+    assert other != ident          # a Neoverse V2 is not a V1: another kernel key
+
+
+def test_the_kernel_key_carries_the_cpu(monkeypatch):
+    from workbench.platforms import cpu_kernels as cpu
+    key = cpu.kernel_key()
+    graviton = cpu.cpu_identity(GRAVITON)
+    monkeypatch.setattr(cpu, "cpu_identity", lambda cpuinfo=None: graviton)
+    assert cpu.kernel_key() != key
+
+
+def test_macos_has_no_sched_getaffinity(monkeypatch):
+    from workbench.platforms.cpu import CpuPlatform
+    monkeypatch.delattr(os, "sched_getaffinity")
+    assert CpuPlatform().device_name().endswith(f"{os.cpu_count()} cores")
+
+
+def test_apple_clang_takes_openmp_through_the_preprocessor():
+    from workbench.platforms import cpu_kernels as cpu
+    flags = cpu.cflags("Darwin", "arm64")
+    assert "-fopenmp" in flags and flags[flags.index("-fopenmp") - 1] == "-Xpreprocessor"
+    assert not any(f.startswith("-march") for f in flags)
+    assert "-lomp" in cpu.ldflags("Darwin") and cpu.ldflags("Linux") == []
+    assert "-march=native" in cpu.cflags("Linux", "aarch64")
+
+
+def test_onednn_bf16_needs_native_bf16_in_the_flags(monkeypatch):
+    from workbench.platforms import cpu_kernels, cpu_ops
+    monkeypatch.setattr(cpu_ops, "_onednn_bf16", None)
+    monkeypatch.setattr(cpu_kernels, "isa_flags", lambda: {"avx2", "avx512f", "avx512bw"})
+    assert cpu_ops.onednn_bf16() is False
+    monkeypatch.setattr(cpu_ops, "_onednn_bf16", None)
+
+
+# --- auto by measurement -------------------------------------------------------------------
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_auto_picks_the_measured_fastest_and_keeps_it(tmp_path):
+    from workbench.platforms import cpu_choice
+    clock, calls = FakeClock(), []
+    cost = {"fp32": 5e-4, "q4_1": 3e-4, "bf16": 2e-4, "bf16c": 4e-4}
+
+    def runner(fmt):
+        def call():
+            calls.append(fmt)
+            clock.now += cost[fmt]
+        return [call, call]
+    figures = cpu_choice.measured(tmp_path, timer=clock,
+                                  runners={f: runner(f) for f in cost})
+    assert figures == {"fp32": 1000.0, "q4_1": 600.0, "bf16": 400.0, "bf16c": 800.0}
+    assert cpu_choice.pick(figures, torch.float32, "gguf")[0] == "gguf"
+    assert cpu_choice.pick(figures, torch.float32, None)[0] is None
+    q, why = cpu_choice.pick(figures, torch.bfloat16, None)
+    assert q is None and "bf16 400 µs" in why and "bf16c 800 µs" in why
+    n = len(calls)
+    again = cpu_choice.measured(tmp_path, timer=clock, runners={f: runner(f) for f in cost})
+    assert again == figures and len(calls) == n          # kept with the build, not re-run
+    cost["q4_1"] = 9e-4                                    # a slower q4_1: fp32 wins
+    (tmp_path / "other").mkdir()
+    slower = cpu_choice.measured(tmp_path / "other", timer=clock,
+                                 runners={f: runner(f) for f in cost})
+    assert cpu_choice.pick(slower, torch.float32, "gguf")[0] is None
+    note = cpu_choice.cost(slower, "gguf", torch.float32)
+    assert "1800 µs against fp32's 1000 µs" in note
+    assert cpu_choice.cost(figures, "gguf", torch.float32) is None
+    assert "dtype='bfloat16'" not in (cpu_choice.cost(figures, None, torch.bfloat16) or "")
+
+
+def test_engine_info_shows_the_choice_and_its_figure():
+    from workbench import Engine
+    from workbench.platforms import cpu_kernels
+    if cpu_kernels.load_cpu_kernels() is None:
+        pytest.skip("no CPU kernel here")
+    info = Engine(model="random:tiny", device="cpu", num_kv_blocks=16,
+                  dtype="bfloat16").info()
+    assert info.kernels == "built"
+    assert "measured once for this kernel build" in info.quantization_choice
+    assert "µs" in info.quantization_choice
+
+
+# --- packed weights on the plain-torch path -----------------------------------------------
+
+def test_packed_weights_are_dequantized_once_without_the_kernel(monkeypatch):
+    """No kernel (building, or none): a packed weight runs as its dequantized copy, made once,
+    with the reference's numbers; the copies go once the kernel arrives."""
+    from workbench.platforms import cpu_kernels, cpu_ops
+    from workbench.platforms.ops import TorchOps
+    from workbench.platforms.quant import PackedWeight, quantize_int8
+    w = quantize_int8(torch.randn(64, 96))
+    tiled = w.tiled()
+    ops = cpu_ops.CpuOps()
+    calls = []
+    real = PackedWeight.dequantize
+    monkeypatch.setattr(PackedWeight, "dequantize",
+                        lambda self, dtype=torch.float32: (calls.append(self), real(self, dtype))[1])
+    monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
+    x = torch.randn(3, 96)
+    for _ in range(3):
+        y, yt = ops.linear(x[:1], w), ops.linear(x, tiled)
+    assert len(calls) == 2
+    monkeypatch.setattr(PackedWeight, "dequantize", real)
+    assert torch.equal(y, TorchOps().linear(x[:1], w))
+    assert torch.equal(yt, TorchOps().linear(x, tiled))
+    k = cpu_kernels.load_cpu_kernels()
+    if k is not None:
+        monkeypatch.setattr(cpu_kernels, "kernels", lambda: k)
+        ops.linear(x[:1], w)
+        assert not ops._dense
+
+
+# --- the kernels' ISA paths against the float64 reference ---------------------------------
+
+KERNEL_CHECK = """
+import json, torch
+from workbench.platforms import cpu_kernels as cpu
+from workbench.platforms.cpu_choice import _gguf
+from workbench.platforms.quant import quantize_int8, bf16c_pack
+k = cpu.load_cpu_kernels()
+torch.manual_seed(0)
+out = {"isa": k.isa(), "dir": str(cpu.kernel_dir())}
+def rel(a, ref):
+    return ((a.double() - ref).abs().max() / ref.abs().max()).item()
+for n, kk in ((37, 128), (64, 576)):
+    w = torch.randn(n, kk) * 0.05
+    for m in (1, 3):
+        x = torch.randn(m, kk)
+        if m == 1:
+            out[f"fp32 {n}"] = rel(k.gemv(x, w, None), x.double() @ w.double().T)
+            wb, xb = w.bfloat16(), x.bfloat16()
+            refb = xb.double() @ wb.double().T
+            yb = k.gemv(xb, wb, None)
+            out[f"bf16 {n}"] = rel(yb, refb)
+            c = bf16c_pack(wb)
+            yc = k.bf16c_gemv(xb, c.data, None)
+            out[f"bf16c {n}"] = rel(yc, refb)
+            out[f"bf16c=bf16 {n}"] = bool(torch.equal(yc, yb))
+            esc = wb.clone(); esc[0, ::3] = torch.arange(len(esc[0, ::3])).bfloat16() * 1e3
+            ce = bf16c_pack(esc, max_escape_bytes=1.0)
+            out[f"bf16c escapes {n}"] = rel(k.bf16c_gemv(xb, ce.data, None),
+                                            xb.double() @ esc.double().T)
+        for fmt, pw in (("q4_1", _gguf(w, "q4_1")), ("q8_0", _gguf(w, "q8_0")),
+                        ("int8", quantize_int8(w))):
+            ref = x.double() @ pw.dequantize().double().T
+            out[f"{fmt} {n}x{m}"] = rel(k.qlinear(x, pw.data, pw.code), ref)
+            out[f"{fmt} bf16 {n}x{m}"] = rel(k.qlinear(x.bfloat16(), pw.data, pw.code),
+                                              x.bfloat16().double() @ pw.dequantize().double().T)
+print("RESULT", json.dumps(out), flush=True)
+"""
+
+ISAS = {"native": None, "x86-64-v3": "x86-64-v3", "x86-64": "x86-64"}
+
+
+@pytest.mark.parametrize("isa", list(ISAS))
+def test_every_format_against_float64_on_each_isa_path(isa):
+    """Each build the machine can run (its own, AVX2+FMA, plain x86-64), each built once
+    into the shared content-keyed cache (minutes the first time), every format's batch-1 and
+    small-batch kernels against the float64 reference; bf16c gives bf16's bits."""
+    import platform
+    if ISAS[isa] and platform.machine() != "x86_64":
+        pytest.skip("an x86 ISA level")
+    if ISAS[isa] == "x86-64-v3" and "avx2" not in _flags():
+        pytest.skip("this CPU has no AVX2")
+    r = json.loads(run(KERNEL_CHECK, {"WORKBENCH_CPU_MARCH": ISAS[isa]}, 1200).split("RESULT ")[-1])
+    if isa == "x86-64":
+        assert r["isa"] == "portable", r["isa"]
+    if isa == "x86-64-v3":
+        assert "avx2" in r["isa"] and "avx512f" not in r["isa"]
+    for key, v in r.items():
+        if key.startswith("bf16c="):
+            assert v, key
+        elif key not in ("isa", "dir"):
+            assert v < (2e-2 if "bf16" in key else 2e-5), (key, v, r["isa"])
+
+
+def _flags():
+    from workbench.platforms.cpu_kernels import isa_flags
+    return isa_flags()
+
+
+# --- Arm ----------------------------------------------------------------------------------
+
+AARCH64 = shutil.which("aarch64-linux-gnu-g++")
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.skipif(AARCH64 is None, reason="no aarch64 cross compiler "
+                    "(apt-get install g++-aarch64-linux-gnu)")
+def test_the_kernels_compile_for_arm_with_neon_gemvs(tmp_path):
+    """Every source compiles for aarch64 against torch's headers, and the batch-1 GEMVs of
+    every format are NEON code there: bf16c's palette lookup (tbl), the fp32 sums' vector
+    FMAs/multiplies on v registers."""
+    from torch.utils.cpp_extension import include_paths
+    inc = [a for p in include_paths() for a in ("-isystem", p)]
+    flags = ["-std=c++20", "-O3", "-march=armv8.2-a", "-fopenmp", "-ffast-math"]
+    for src in ("bindings.cpp", "cpu_attention.cpp", "cpu_a8.cpp", "cpu_ops.cpp"):
+        r = subprocess.run([AARCH64, *flags, *inc, "-fsyntax-only", str(CSRC / src)],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+    objdump = shutil.which("aarch64-linux-gnu-objdump")
+    for src in ("cpu_quant.cpp",):        # every format's batch-1 GEMV is here or in cpu_dtype.h
+        obj = tmp_path / f"{src}.o"
+        r = subprocess.run([AARCH64, *flags, *inc, "-c", str(CSRC / src), "-o", str(obj)],
+                           capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+        if objdump:
+            asm = subprocess.run([objdump, "-d", str(obj)], capture_output=True,
+                                 text=True).stdout
+            assert "fmla\tv" in asm or "fmul\tv" in asm, src
+            assert "tbl\tv" in asm                           # bf16c's palette lookup

@@ -1,0 +1,151 @@
+"""What `quantization='auto'` stores the weights as on this CPU, decided by measuring.
+
+A format's worth at batch 1 is its GEMV's time: the step reads every weight once. Which
+format wins is a property of the CPU and of the kernels built for it (AVX-512 BF16 streams
+bf16 at half fp32's bytes; without it bf16 is widened to fp32 in registers; a build without
+AVX-512 has other kernels again), not of the CPU's name. So once per kernel build the
+candidates' batch-1 GEMVs are timed on two matrices of a small model's shapes (a second in
+all, one thread, in rounds), the figures kept beside the kernel (`choice.json` in its
+folder, so a new build measures again and every process of this build reads the same
+figures), and 'auto' takes the fastest; `engine.info().quantization_choice` says which and
+by what figure.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Callable
+
+import torch
+
+SHAPES = ((3072, 576), (576, 1536))
+"""[N, K] of the matrices timed: SmolLM2's gate_up and down projections (most of a layer's
+bytes)."""
+FORMATS = ("fp32", "q4_1", "q8_0", "int8", "bf16", "bf16c")
+"""The weight formats timed (gguf's layers are q4_1, its embedding and LM head q8_0)."""
+CANDIDATES = {torch.float32: {"gguf": "q4_1", None: "fp32"},
+              torch.bfloat16: {"bf16c": "bf16c", None: "bf16"}}
+"""quantization 'auto' may pick, per dtype -> the format whose figure decides it."""
+FILE = "choice.json"
+
+
+def _runners(k, shape: tuple[int, int]) -> dict[str, Callable[[], object]]:
+    """One batch-1 GEMV a format, as CpuOps runs it, on random weights of `shape`."""
+    from .cpu_ops import CpuOps
+    from .quant import PackedWeight, bf16c_pack, quantize_int8
+    n, kk = shape
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, kk, generator=g) * 0.02
+    x = torch.randn(1, kk, generator=g)
+    ops = CpuOps()
+    wb = w.bfloat16()
+    int8 = quantize_int8(w)
+    q8 = _gguf(w, "q8_0")
+    q4 = _gguf(w, "q4_1")
+    out = {"fp32": lambda: ops.linear(x, w), "q4_1": lambda: ops.linear(x, q4),
+           "q8_0": lambda: ops.linear(x, q8), "int8": lambda: ops.linear(x, int8),
+           "bf16": lambda: ops.linear(x.bfloat16(), wb)}
+    c = bf16c_pack(wb)
+    if c is not None:
+        out["bf16c"] = lambda: ops.linear(x.bfloat16(), c)
+    assert all(isinstance(v, PackedWeight) for v in (q4, q8, int8))
+    return out
+
+
+def _gguf(w: torch.Tensor, fmt: str):
+    """w in ggml's q4_1 or q8_0 blocks (quantized in torch: the timing needs the layout, not
+    ggml's rounding)."""
+    from .quant import PackedWeight
+    n, k = w.shape
+    b = w.view(n, k // 32, 32)
+    if fmt == "q8_0":
+        d = b.abs().amax(-1, keepdim=True) / 127
+        q = torch.round(b / d.clamp_min(1e-12)).clamp(-127, 127).to(torch.int8)
+        data = torch.cat((d.half().view(torch.uint8).view(n, k // 32, 2), q.view(torch.uint8)), -1)
+    else:
+        lo, hi = b.amin(-1, keepdim=True), b.amax(-1, keepdim=True)
+        d = (hi - lo) / 15
+        q = torch.round((b - lo) / d.clamp_min(1e-12)).clamp(0, 15).to(torch.uint8)
+        nib = q[..., :16] | (q[..., 16:] << 4)
+        data = torch.cat((d.half().view(torch.uint8).view(n, k // 32, 2),
+                          lo.half().view(torch.uint8).view(n, k // 32, 2), nib), -1)
+    return PackedWeight(data.reshape(n, -1).contiguous(), fmt, (n, k))
+
+
+def measure(runners: dict[str, list[Callable[[], object]]],
+            timer: Callable[[], float] = time.perf_counter, reps: int = 15) -> dict[str, float]:
+    """Format -> µs of its calls (one a shape): one warm-up round, then `reps` rounds, each
+    format once a round (so the machine's drift hits all alike), the best of each."""
+    best = dict.fromkeys(runners, float("inf"))
+    for i in range(reps + 1):
+        for fmt, calls in runners.items():
+            t0 = timer()
+            for call in calls:
+                call()
+            if i:
+                best[fmt] = min(best[fmt], timer() - t0)
+    return {fmt: round(t * 1e6, 1) for fmt, t in best.items()}
+
+
+def measured(folder, k=None, timer: Callable[[], float] = time.perf_counter,
+             runners: dict[str, list[Callable[[], object]]] | None = None) -> dict[str, float]:
+    """The figures of this build (`folder`: the kernel's): read, or measured once and kept."""
+    path = folder / FILE
+    try:
+        return json.loads(path.read_text())["us"]
+    except (OSError, ValueError, KeyError):
+        pass
+    if runners is None:
+        per_shape = [_runners(k, s) for s in SHAPES]
+        runners = {f: [r[f] for r in per_shape] for f in FORMATS if f in per_shape[0]}
+    # One thread: every format's kernel splits its rows over the threads alike, so one
+    # thread ranks them as many do, without the parallel regions' wake-ups, which on a busy
+    # machine (another process on every core) cost more than the GEMV itself.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            figures = measure(runners, timer)
+    finally:
+        torch.set_num_threads(threads)
+    tmp = path.with_name(f"{FILE}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps({"us": figures, "shapes": SHAPES, "threads": 1}, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return figures
+
+
+def pick(figures: dict[str, float], dtype: torch.dtype,
+         own: str | None) -> tuple[str | None, str]:
+    """The fastest candidate of `dtype` (the checkpoint's own format, or the plain weights;
+    bf16c for a bf16 model) and the sentence that says why."""
+    cands = {q: f for q, f in CANDIDATES.get(dtype, {None: "fp32"}).items()
+             if (q is None or q == own or q == "bf16c") and f in figures}
+    best = min(cands, key=lambda q: figures[cands[q]])
+    shown = ", ".join(f"{cands[q]} {figures[cands[q]]:.0f} µs" for q in cands)
+    name = best or str(dtype).removeprefix("torch.")
+    return best, (f"quantization 'auto': {name}, the fastest here by a batch-1 GEMV measured "
+                  f"once for this kernel build ({shown}; {'+'.join(f'{n}x{k}' for n, k in SHAPES)}, "
+                  f"one thread)")
+
+
+MEASURED_AS = {"gguf": "q4_1", "int8": "int8", "bf16c": "bf16c"}
+"""quantization -> the format whose figure it is judged by."""
+
+
+def cost(figures: dict[str, float], asked: str | None, dtype: torch.dtype) -> str | None:
+    """For a format (or dtype) chosen by name: a sentence saying what it costs at batch 1
+    against the plain weights where it measured slower here, else None."""
+    if asked is None:               # the plain weights: bf16's against fp32's
+        fmt, plain = ("bf16", "fp32") if dtype == torch.bfloat16 else (None, None)
+    else:
+        fmt, plain = MEASURED_AS.get(asked), "bf16" if asked == "bf16c" else "fp32"
+    if fmt not in figures or plain not in figures or figures[fmt] <= figures[plain]:
+        return None
+    what = f"quantization={asked!r}" if asked is not None else "dtype='bfloat16'"
+    return (f"{what} is slower than {plain} on this CPU: its batch-1 GEMV measured "
+            f"{figures[fmt]:.0f} µs against {plain}'s {figures[plain]:.0f} µs "
+            f"({figures[fmt] / figures[plain]:.1f}x); 'auto' would not pick it")
