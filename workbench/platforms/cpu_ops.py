@@ -26,9 +26,6 @@ class CpuOps(TorchOps):
     name = "cpu"
 
     def __init__(self):
-        self._fp32: dict[int, torch.Tensor] = {}
-        """id(bf16 weight) -> its fp32 copy, for batched bf16 where the CPU has no native
-        bf16 (`_bf16_in_fp32`)."""
         self._dense: dict[int, torch.Tensor] = {}
         """id(PackedWeight) -> its weights dequantized once, in the activations' dtype: what
         a packed weight runs as where no kernel streams it (the kernel is still building,
@@ -51,11 +48,9 @@ class CpuOps(TorchOps):
             if k and x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.bfloat16 \
                     and hasattr(k, "bf16c_stream"):
                 return k.bf16c_gemv(x, weight.data, bias)
-            if x.dtype == torch.bfloat16 and x.dim() == 2:
-                if onednn_bf16():
-                    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), prepacked(weight),
-                                                              bias, "none", [], "")
-                return self._bf16_in_fp32(x, weight, bias)
+            if x.dtype == torch.bfloat16 and x.dim() == 2 and onednn_bf16():
+                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), prepacked(weight),
+                                                          bias, "none", [], "")
             return self._dense_linear(x, weight, bias)
         if isinstance(weight, PackedWeight):
             if not (k and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16)) or \
@@ -66,27 +61,10 @@ class CpuOps(TorchOps):
         if k and x.shape[0] == 1 and x.dim() == 2 and x.dtype in _DTYPES \
                 and weight.dtype == x.dtype and hasattr(k, "gemv"):
             return k.gemv(x, weight, bias)
-        if x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2:
-            if onednn_bf16():
-                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), prepacked(weight),
-                                                          bias, "none", [], "")
-            return self._bf16_in_fp32(x, weight, bias)
+        if x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2 and onednn_bf16():
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), prepacked(weight), bias,
+                                                      "none", [], "")
         return torch.nn.functional.linear(x, weight, bias)
-
-    def _bf16_in_fp32(self, x, weight, bias):
-        """Batched bf16 rows where the CPU has no native bf16 (no AVX-512 BF16, no AMX):
-        torch's bf16 GEMM there (oneDNN's emulation, or ATen's loops) took 4-5x fp32's time
-        for a 3072x576 layer at 128 rows, so the rows are widened to fp32 and multiplied
-        with an fp32 copy of the weights (exact: a bf16 is an fp32 with a shorter mantissa),
-        then rounded to bf16 once, as the bf16 linear rounds its fp32 sums. The copy is made
-        at the weight's first batched use and kept (fp32's bytes beside bf16's: the price
-        of batched bf16 on such a CPU; batch 1 streams the bf16 weights themselves)."""
-        w = self._fp32.get(id(weight))
-        if w is None:
-            w = self._fp32[id(weight)] = (weight.dequantize(torch.float32)
-                                          if isinstance(weight, PackedWeight) else weight.float())
-        y = torch.nn.functional.linear(x.float(), w, None if bias is None else bias.float())
-        return y.to(torch.bfloat16)
 
     def _dense_linear(self, x, weight: PackedWeight, bias):
         """The torch reference's numbers (TorchOps.linear) on weights dequantized once."""
