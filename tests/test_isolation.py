@@ -69,14 +69,16 @@ def test_a_request_whose_detokenizer_breaks_fails_alone(engine, monkeypatch):
     victim = [4, 4, 4, 4, 4]
     real = OutputProcessor._append_token
 
-    def append(self, r, tok, now, lp):
-        if r.seq.prompt_token_ids == victim and r.seq.num_output_tokens == 5:
+    def append(self, r, tok, now, lp, *rest):       # the scheduler has taken the token in
+        if r.seq.prompt_token_ids == victim and r.seq.num_output_tokens == 6:
             raise UnicodeError("a detokenizer fault")
-        return real(self, r, tok, now, lp)
+        return real(self, r, tok, now, lp, *rest)
     monkeypatch.setattr(OutputProcessor, "_append_token", append)
     outs = engine.generate([*prompts[:2], victim, *prompts[2:]], [*params[:2], params[0],
                                                                    *params[2:]])
-    assert outs[2].finish_reason == "error" and len(outs[2].token_ids) == 5
+    # The scheduler took its sixth token in (update_from_output) before handing it out
+    # failed: the output holds the six it generated, and ends there.
+    assert outs[2].finish_reason == "error" and len(outs[2].token_ids) == 6
     assert [o.token_ids for o in outs[:2] + outs[3:]] == want
     assert engine.stats().kv_blocks_used == 0
 
