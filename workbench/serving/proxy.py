@@ -52,6 +52,12 @@ class BufferingProxy:
         self._loop.close()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # asyncio's own callback on this task asks it for its exception, and a cancelled task
+        # answers with a logged traceback (Python 3.11): closing ends a connection quietly.
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._relay(reader, writer)
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.upstream)
         except OSError:
