@@ -63,10 +63,10 @@ ALLOWED = {
     "workbench.executor": {"workbench.config", "workbench.cache", "workbench.telemetry", "workbench.utils",
                            "workbench.platforms", "workbench.core"},
     # The modelled device: the cost model over roofline's counts, a runner in the executor's
-    # stead (its graph rules), fitted to a real engine's telemetry.
+    # stead (the graph plan with its kind's platform rules), fitted to a real engine's telemetry.
     "workbench.modelled": {"workbench.config", "workbench.cache", "workbench.telemetry",
                            "workbench.utils", "workbench.core", "workbench.executor",
-                           "workbench.roofline"},
+                           "workbench.platforms", "workbench.roofline"},
     "workbench.engine": {"workbench.config", "workbench.telemetry", "workbench.utils", "workbench.core",
                          "workbench.executor", "workbench.platforms", "workbench.roofline",
                          "workbench.modelled", "workbench.cache"},

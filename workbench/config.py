@@ -93,7 +93,7 @@ class EngineConfig:
     graph_mode: str | None = None
     """'eager', 'decode' (capture decode steps; vLLM-Ascend's FULL_DECODE_ONLY) or 'full'
     (also prefill and mixed steps, piecewise around attention; see graphs.py). None: the
-    platform's choice (Platform.default_graph_mode), made by ModelRunner.capture_graphs:
+    platform's choice (Platform.default_graph_mode), made by graphs.plan_graphs:
     on CUDA 'decode' where whole decode steps can be captured (its fused paged attention),
     else 'eager'; on the NPU 'full', which there runs every step piecewise, decode included
     (vLLM-Ascend's default, see pa_shape_list); on the CPU 'eager'. A mode asked for by name

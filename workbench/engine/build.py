@@ -1,13 +1,19 @@
 """Building an engine, in one place: the device and its attention backend, the checkpoint
 and model, the KV pool sized for what memory is left, the scheduler, the captured graphs,
 and EngineInfo, the record of what was built (vLLM does the same across EngineCore's and
-its workers' start-up)."""
+its workers' start-up).
+
+A device brings its parts (a `Device`: the model as it holds it, the memory its KV budget
+reads, its runner, clock and step pipeline, what EngineInfo says of it); `build_engine`
+assembles the rest the same way for every device, a real one (`RealDevice`, here) and a
+modelled one (engine/modelled.py's ModelledDevice)."""
 from __future__ import annotations
 
 import gc
 import logging
 import sys
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
@@ -51,98 +57,155 @@ class BuiltEngine:
     """The step pipeline to run (None: StepPipeline; a modelled device has its own)."""
 
 
-def build_engine(config: EngineConfig) -> BuiltEngine:
-    if config.device.startswith("model:"):       # a modelled device (engine/modelled.py)
-        from .modelled import build_modelled_engine
-        return build_modelled_engine(config, BuiltEngine)
-    modules = len(sys.modules)
-    platform = get_platform(config.device)
-    # config.DTYPES lists torch's own names for the dtypes.
-    dtype = platform.default_dtype if config.dtype == "auto" else getattr(torch, config.dtype)
-    backend = platform.attention_backend(dtype, config.attention_backend)
-    if config.block_size is None:
-        config = replace(config, block_size=backend.default_block_size)
-    # 'auto' stays 'auto' in the config (a rebuild with another model, an A/B arm or a
-    # replay resolves it again); what it resolved to is info().quantization.
-    # The device decides 'auto' (the CPU by measuring its kernels) and says what a format
-    # asked for by name costs where it is slower than the plain weights.
-    quantization, quantization_choice = config.quantization, None
-    if platform.packed_weights and config.attention_backend == "auto":
-        own = "gguf" if config.model == "smollm2" else None
-        quantization, quantization_choice = platform.choose_quantization(quantization, own, dtype)
-    elif quantization == "auto":
-        quantization = None
-    if quantization == "bf16c" and dtype != torch.bfloat16:
-        raise ValueError(f"quantization: 'bf16c' keeps bf16 weights; it needs "
-                         f"dtype='bfloat16' (got {str(dtype).removeprefix('torch.')})")
-    platform.check_config(config)
-    backend.check_config(config, platform.name)
-    if quantization is not None and not platform.packed_weights:
-        raise ValueError(f"quantization: low-bit weights ({quantization!r}) run on the "
-                         f"CPU's kernels; {platform.name} takes them unquantized (None)")
+class Device:
+    """What a device brings to build_engine; each kind of device fills these in (its
+    constructor loads what it needs: made just before build_engine is called)."""
+    modules_before: int
+    """Modules imported before the device was made (build_engine's cycle collection)."""
+    config: EngineConfig
+    """The knobs with block_size resolved for the device."""
+    platform: object
+    attn_backend: object | None = None
+    dtype: torch.dtype
+    tokenizer: object
+    hf_config: object
+    model_path: Path | None
+    model: torch.nn.Module
+    max_model_len: int
+    """The longest request the model takes, before the KV pool is sized."""
+    memory: tuple[int, int] | None
+    """(free, total) bytes the KV budget reads (kv_sizing.kv_cache_budget); None: the CPU's."""
+    memory_label: str = ""
+    """The device in the budget's error."""
+    runs_async: bool = False
+    """Async scheduling's default here."""
+    clock_class: type[Clock] = WallClock
+    pipeline_class: type | None = None
+    notices: tuple[str, ...] | list[str] = ()
+    """What the device says once, before the graphs' notices."""
 
-    ckpt = load_checkpoint(config.model, quantization)
-    ckpt_gguf = str(ckpt.gguf_path) if ckpt.gguf_path else None
-    hf_config, tokenizer, model_path = ckpt.hf_config, ckpt.tokenizer, ckpt.path
-    max_model_len = model_max_len(config, hf_config)
+    def make_runner(self, num_blocks: int, max_model_len: int):
+        raise NotImplementedError
 
-    platform.empty_cache()       # what dropped engines left cached counts as free
-    platform.reset_peak_memory()
-    ops = platform.model_ops(dtype) if config.attention_backend == "auto" else None
-    model = build_model(ckpt, dtype, platform.device, max_model_len, config.seed, ops,
-                        quantization)
-    del ckpt
-    platform.check_model(model)
-    model.ops.prepare(model, platform)
-    platform.empty_cache()      # what measuring kernels cached is not in use
+    def peak_memory_bytes(self, runner) -> int:
+        return self.platform.peak_memory_bytes()
+
+    def info_fields(self) -> dict:
+        """The EngineInfo fields that are the device's to say."""
+        raise NotImplementedError
+
+    def built(self, runner, info: EngineInfo, run_ahead: bool) -> None:
+        """Called once the engine is assembled."""
+
+
+class RealDevice(Device):
+    """A device torch computes on: its platform, attention backend and packed-weight choice;
+    the checkpoint loaded and the model built on it; the memory left once it is."""
+
+    def __init__(self, config: EngineConfig):
+        self.modules_before = len(sys.modules)
+        platform = self.platform = get_platform(config.device)
+        # config.DTYPES lists torch's own names for the dtypes.
+        dtype = self.dtype = (platform.default_dtype if config.dtype == "auto"
+                              else getattr(torch, config.dtype))
+        backend = self.attn_backend = platform.attention_backend(dtype, config.attention_backend)
+        if config.block_size is None:
+            config = replace(config, block_size=backend.default_block_size)
+        # 'auto' stays 'auto' in the config (a rebuild with another model, an A/B arm or a
+        # replay resolves it again); what it resolved to is info().quantization.
+        # The device decides 'auto' (the CPU by measuring its kernels) and says what a format
+        # asked for by name costs where it is slower than the plain weights.
+        quantization, choice = config.quantization, None
+        if platform.packed_weights and config.attention_backend == "auto":
+            own = "gguf" if config.model == "smollm2" else None
+            quantization, choice = platform.choose_quantization(quantization, own, dtype)
+        elif quantization == "auto":
+            quantization = None
+        if quantization == "bf16c" and dtype != torch.bfloat16:
+            raise ValueError(f"quantization: 'bf16c' keeps bf16 weights; it needs "
+                             f"dtype='bfloat16' (got {str(dtype).removeprefix('torch.')})")
+        platform.check_config(config)
+        backend.check_config(config, platform.name)
+        if quantization is not None and not platform.packed_weights:
+            raise ValueError(f"quantization: low-bit weights ({quantization!r}) run on the "
+                             f"CPU's kernels; {platform.name} takes them unquantized (None)")
+        self.config, self.quantization, self.quantization_choice = config, quantization, choice
+
+        ckpt = load_checkpoint(config.model, quantization)
+        self.gguf_path = str(ckpt.gguf_path) if ckpt.gguf_path else None
+        self.hf_config, self.tokenizer, self.model_path = ckpt.hf_config, ckpt.tokenizer, ckpt.path
+        self.max_model_len = model_max_len(config, self.hf_config)
+        platform.empty_cache()       # what dropped engines left cached counts as free
+        platform.reset_peak_memory()
+        ops = platform.model_ops(dtype) if config.attention_backend == "auto" else None
+        model = self.model = build_model(ckpt, dtype, platform.device, self.max_model_len,
+                                         config.seed, ops, quantization)
+        del ckpt
+        platform.check_model(model)
+        model.ops.prepare(model, platform)
+        platform.empty_cache()      # what measuring kernels cached is not in use
+        self.memory = platform.memory_info()
+        self.runs_async = platform.runs_async
+        self.notices = list(platform.notices())
+        if choice and config.quantization != "auto":
+            self.notices.append(choice)      # what the format asked for costs: said once
+
+    def make_runner(self, num_blocks: int, max_model_len: int) -> ModelRunner:
+        c = self.config
+        return ModelRunner(self.model, num_blocks, c.block_size, self.platform, self.attn_backend,
+                           max_num_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
+                           max_model_len=max_model_len)
+
+    def info_fields(self) -> dict:
+        p = self.platform
+        return dict(device=p.name, device_name=p.device_name(),
+                    dtype=str(self.dtype).replace("torch.", ""), attention=self.attn_backend.name,
+                    ops=self.model.ops.name, quantization=self.quantization,
+                    quantization_choice=self.quantization_choice, kernels=p.kernel_state(),
+                    weight_formats=weight_formats(self.model), gguf_path=self.gguf_path)
+
+
+def build_engine(dev: Device) -> BuiltEngine:
+    """The engine around what `dev` brought, assembled the same for every device."""
+    modules = dev.modules_before
+    config, model, hf_config, dtype = dev.config, dev.model, dev.hf_config, dev.dtype
     bs = config.block_size
-    num_blocks = num_kv_blocks(config, platform.memory_info(),
-                               kv_bytes_per_block(model, bs, dtype), hf_config, dtype)
+    per_block = kv_bytes_per_block(model, bs, dtype)
+    num_blocks = num_kv_blocks(config, dev.memory, per_block, hf_config, dtype, dev.memory_label)
     block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
-    max_model_len = fit_max_model_len(config, max_model_len, block_manager.num_usable_blocks * bs)
-
-    eos = eos_ids(hf_config, tokenizer, model_path)
+    max_model_len = fit_max_model_len(config, dev.max_model_len,
+                                      block_manager.num_usable_blocks * bs)
+    eos = eos_ids(hf_config, dev.tokenizer, dev.model_path)
     scheduler = Scheduler(config, block_manager, max_model_len, eos)
-    runner = ModelRunner(model, num_blocks, bs, platform, backend,
-                         max_num_tokens=config.max_num_batched_tokens,
-                         max_num_seqs=config.max_num_seqs,
-                         max_model_len=max_model_len)
+    runner = dev.make_runner(num_blocks, max_model_len)
     telemetry = Telemetry(config.max_step_events, config.max_request_records)
-    weights = weight_bytes(model)
-    telemetry.memory = MemoryStats(weights, runner.kv_cache_bytes, platform.peak_memory_bytes(),
-                                   kv_bytes_per_block(model, bs, dtype), num_blocks)
-    graph_mode, capture_sizes, piecewise_sizes, notices = runner.capture_graphs(config,
-                                                                                max_model_len)
+    telemetry.memory = MemoryStats(weight_bytes(model), runner.kv_cache_bytes,
+                                   dev.peak_memory_bytes(runner), per_block, num_blocks)
+    plan = runner.capture_graphs(config, max_model_len)
     if config.graph_mode is None:        # the device's choice, now made
-        config = replace(config, graph_mode=graph_mode)
-    notices = [*platform.notices(), *notices]
-    if quantization_choice and config.quantization != "auto":
-        notices.append(quantization_choice)      # what the format asked for costs: said once
-    for text in notices:
+        config = replace(config, graph_mode=plan.mode)
+    for text in [*dev.notices, *plan.notices]:
         telemetry.notices.append(text)
         log.info(text)
     # Async scheduling needs decode graphs (the next step's ids are fed on the device) and
     # pays off where the device runs behind the host.
     run_ahead = (config.async_scheduling if config.async_scheduling is not None
-                 else platform.runs_async) and runner.graphs is not None
+                 else dev.runs_async) and runner.graphs is not None
     info = EngineInfo(
-        model=config.model, model_path=str(model_path) if model_path else None,
-        device=platform.name, device_name=platform.device_name(),
-        dtype=str(dtype).replace("torch.", ""),
+        model=config.model, model_path=str(dev.model_path) if dev.model_path else None,
         max_model_len=max_model_len, block_size=bs, num_kv_blocks=num_blocks,
-        kv_bytes_per_block=telemetry.memory.kv_bytes_per_block,
-        graph_mode=graph_mode, capture_sizes=tuple(capture_sizes),
-        piecewise_sizes=tuple(piecewise_sizes),
-        attention=backend.name, ops=model.ops.name,
-        async_scheduling=run_ahead, vocab_size=hf_config.vocab_size,
-        num_params=num_params(model), quantization=quantization,
-        quantization_choice=quantization_choice, kernels=platform.kernel_state(),
-        weight_formats=weight_formats(model), gguf_path=ckpt_gguf,
+        kv_bytes_per_block=per_block, graph_mode=plan.mode,
+        capture_sizes=tuple(plan.decode_sizes), piecewise_sizes=tuple(plan.piecewise_sizes),
+        async_scheduling=run_ahead, vocab_size=hf_config.vocab_size, num_params=num_params(model),
         num_layers=model.num_layers, **model_shape(model, hf_config, dtype), config=config,
-        generation_defaults=(generation_defaults(model_path)
-                             if config.generation_config == "auto" else {}))
-    built = BuiltEngine(config, platform, backend, tokenizer, model, runner, block_manager,
-                        scheduler, telemetry, max_model_len, eos, run_ahead, info)
+        generation_defaults=(generation_defaults(dev.model_path)
+                             if config.generation_config == "auto" else {}),
+        **dev.info_fields())
+    dev.built(runner, info, run_ahead)
+    built = BuiltEngine(config, dev.platform, dev.attn_backend, dev.tokenizer, model, runner,
+                        block_manager, scheduler, telemetry, max_model_len, eos, run_ahead, info,
+                        clock=dev.clock_class(), pipeline_class=dev.pipeline_class)
+    del dev
     if len(sys.modules) > modules and not gc.isenabled():
         # A library imported for the first time above may leave a reference cycle that
         # holds one of its import-time frames (trio, which transformers pulls in through

@@ -25,7 +25,7 @@ from ..executor.models import model_digest
 from ..executor.sampler import sample
 from ..roofline import DeviceRoofs, probe_roofs
 from ..telemetry import EngineInfo, EngineStats
-from .build import build_engine
+from .build import RealDevice, build_engine
 from .output_processor import OutputProcessor
 from .pipeline import StepPipeline, StepResult
 from .request import Request, RequestRegistry, RequestState, TokenEvent, make_request
@@ -35,7 +35,11 @@ log = logging.getLogger("workbench")
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
-        b = build_engine(config)
+        if config.device.startswith("model:"):       # a modelled device (engine/modelled.py)
+            from .modelled import ModelledDevice
+            b = build_engine(ModelledDevice(config))
+        else:
+            b = build_engine(RealDevice(config))
         self.config = b.config
         """The knobs as run (block_size and graph_mode resolved for the device)."""
         self.platform = b.platform

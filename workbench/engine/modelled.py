@@ -1,5 +1,5 @@
-"""Building an engine on a modelled device (`device="model:<name>"`, workbench/modelled/) and
-the step it runs.
+"""A modelled device (`device="model:<name>"`, workbench/modelled/): what it brings to
+build_engine (ModelledDevice) and the step it runs (ModelledPipeline).
 
 Everything but the forward pass is the real engine's: the scheduler, the block pool and its
 prefix cache, preemption, the output processor (stop conditions, streams, request records)
@@ -10,31 +10,29 @@ step's modelled time, so every TTFT, TPOT and ITL the engine records is a modell
 """
 from __future__ import annotations
 
-import logging
 import math
+import sys
 from dataclasses import dataclass, replace
 
 import torch
 
 from ..config import EngineConfig
-from ..core.block_manager import BlockManager
 from ..core.clock import VirtualClock
 from ..core.sampling_params import SamplingParams
-from ..core.scheduler import Scheduler, SchedulerOutput
-from ..executor.kv_sizing import kv_bytes_per_block, kv_bytes_per_token, num_kv_blocks
+from ..core.scheduler import SchedulerOutput
+from ..executor.kv_sizing import kv_bytes_per_block
 from ..executor.models import LlamaForCausalLM, load_checkpoint
-from ..executor.models.loader import generation_defaults
 from ..executor.sampler import LogprobsTensors
 from ..modelled import ModelledRunner
 from ..modelled.cpu_cache import cached_cpu_profile, cpu_dtype
 from ..modelled.profiles import parse_device, spec_profile
 from ..platforms import get_platform
-from ..telemetry import FULL, EngineInfo, MemoryStats, Telemetry
+from ..telemetry import FULL
+from .build import Device
 from .pipeline import StepPipeline, StepResult
 from .request import ParentRequest
-from .sizing import eos_ids, fit_max_model_len, model_max_len, num_params, weight_bytes
+from .sizing import eos_ids, model_max_len, weight_bytes
 
-log = logging.getLogger("workbench")
 
 @dataclass(slots=True)
 class ModelledStep:
@@ -46,6 +44,8 @@ class ModelledStep:
     t0: float
     seconds: float
     ahead: bool
+    may_run_ahead: bool
+    """A replayed decode graph under async scheduling: the next step may be scheduled from it."""
 
 
 class ModelledPipeline(StepPipeline):
@@ -58,33 +58,28 @@ class ModelledPipeline(StepPipeline):
     itself is in the step's modelled time (cost.py), so each step starts where the one
     before it ended on the virtual clock."""
 
-    def step(self, run_ahead) -> StepResult:
-        pending, self.in_flight = self.in_flight, None
-        if pending is None:
-            sched, t0 = self._schedule()
-            if sched.is_empty:
-                return self._hand_out(sched, [], [], None, None, t0)
-            pending = self._run(sched, t0, ahead=False)
-        # Step N ends on the clock; with async scheduling and a replayed graph, N+1 is
-        # scheduled from it and stays in flight (not handed out) before N is handed out.
-        self.clock.advance(pending.seconds)
-        self.scheduler.update_after_step(pending.sched)
-        if (self.async_scheduling and pending.graph is not None and pending.graph[0] == FULL
-                and run_ahead()):
-            nxt = self.scheduler.schedule_next_decode(pending.sched, lambda seq: True)
-            if nxt is not None:
-                self.in_flight = self._run(nxt[1], self.clock.now(), ahead=True)
-        return self._hand_out_step(pending)
-
-    def _run(self, sched: SchedulerOutput, t0: float, ahead: bool) -> ModelledStep:
+    def _launch(self, sched: SchedulerOutput, t0: float) -> ModelledStep:
+        """Time the step and draw its tokens; it is handed out once the clock reaches its end."""
         ran = self.runner.execute(sched)
         tokens = ran.sampled_token_ids
         rows, reqs = ParentRequest.sampling_rows(self.requests.requests_of(ran.req_ids))
         if rows is not None:                 # n > 1: one token per choice from its row
             tokens = self.runner.tokens(len(reqs))
-        return ModelledStep(sched, reqs, tokens, ran.graph, t0, ran.seconds, ahead)
+        graph = ran.graph
+        return ModelledStep(sched, reqs, tokens, graph, t0, ran.seconds, ahead=False,
+                            may_run_ahead=(self.async_scheduling and graph is not None
+                                           and graph[0] == FULL))
 
-    def _hand_out_step(self, s: ModelledStep) -> StepResult:
+    def _end(self, pending: ModelledStep) -> None:
+        self.clock.advance(pending.seconds)
+
+    def _launch_next(self, pending: ModelledStep, rows: list[int],
+                     sched: SchedulerOutput) -> ModelledStep:
+        step = self._launch(sched, self.clock.now())
+        step.ahead = True
+        return step
+
+    def _finish(self, s: ModelledStep) -> StepResult:
         return self._hand_out(s.sched, s.reqs, s.tokens, self._logprobs(s.reqs, s.tokens),
                               s.graph, s.t0, s.ahead)
 
@@ -111,81 +106,65 @@ class ModelledPipeline(StepPipeline):
 
 
 # ---- building ------------------------------------------------------------------------------------
-def build_modelled_engine(config: EngineConfig, built_class):
-    """A BuiltEngine (build.py's record) for `config.device` = 'model:<name>'."""
-    name = parse_device(config.device)
-    platform = get_platform("cpu")       # the host: sampling params, generators live here
-    if name == "cpu":
-        dtype = cpu_dtype(config)
-        profile = cached_cpu_profile(config, dtype, platform)
-        if profile is None:
-            raise ValueError("device: model:cpu is fitted to a short run of the real CPU engine "
-                             "on this machine, and none is cached for this model; "
-                             "Engine(device='model:cpu') runs it first "
-                             "(workbench.engine.calibrate.calibrate_cpu)")
-    else:
-        profile = spec_profile(name)
-        dtype = profile.dtype if config.dtype == "auto" else config.dtype
-    if config.block_size is None:
-        config = replace(config, block_size=profile.default_block_size)
-    torch_dtype = getattr(torch, dtype)
-    ckpt = load_checkpoint(config.model, None)
-    hf_config, tokenizer, model_path = ckpt.hf_config, ckpt.tokenizer, ckpt.path
-    del ckpt
-    max_model_len = model_max_len(config, hf_config)
-    with torch.device("meta"):           # the shape alone: no weights are made
-        model = LlamaForCausalLM(hf_config, max_model_len).to(torch_dtype)
-    head = model.embed_tokens if model.lm_head is None else model.lm_head
-    weights = weight_bytes(model)
-    bs = config.block_size
-    per_block = kv_bytes_per_block(model, bs, torch_dtype)
-    memory = (None if profile.memory_bytes is None        # in use: the weights
-              else (profile.memory_bytes - weights, profile.memory_bytes))
-    num_blocks = num_kv_blocks(config, memory, per_block, hf_config, torch_dtype,
-                               f"the modelled {profile.device_name}")
-    block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
-    max_model_len = fit_max_model_len(config, max_model_len, block_manager.num_usable_blocks * bs)
-    eos = eos_ids(hf_config, tokenizer, model_path)
-    scheduler = Scheduler(config, block_manager, max_model_len, eos)
-    runner = ModelledRunner(profile, hf_config.vocab_size, eos, num_blocks * per_block,
-                            config.seed)
-    telemetry = Telemetry(config.max_step_events, config.max_request_records)
-    telemetry.memory = MemoryStats(weights, num_blocks * per_block, weights + num_blocks * per_block,
-                                   per_block, num_blocks)
-    graph_mode, capture_sizes, piecewise_sizes, notices = runner.capture_graphs(config,
-                                                                                max_model_len)
-    if config.graph_mode is None:
-        config = replace(config, graph_mode=graph_mode)
-    err, med = profile.error.get("max_abs_pct"), profile.error.get("median_abs_pct")
-    notices = [*notices, f"modelled device: {profile.device_name}, "
-               + (f"calibrated (measured error: median {med or 0:.0f} %, worst {err:.0f} %; "
-                  "docs/modelled.md)" if profile.calibrated and err is not None
-                  else "calibrated (error not measured yet)" if profile.calibrated
-                  else "UNCALIBRATED (spec-sheet roofs; no measured error)")
-               + ": every time is modelled, every token random"]
-    for text in notices:
-        telemetry.notices.append(text)
-    run_ahead = (config.async_scheduling if config.async_scheduling is not None
-                 else profile.runs_async) and runner.graphs is not None
-    runner.async_scheduling = run_ahead
-    info = EngineInfo(
-        model=config.model, model_path=str(model_path) if model_path else None,
-        device=config.device, device_name=f"{profile.device_name} (modelled)", dtype=dtype,
-        max_model_len=max_model_len, block_size=bs, num_kv_blocks=num_blocks,
-        kv_bytes_per_block=per_block, graph_mode=graph_mode, capture_sizes=tuple(capture_sizes),
-        piecewise_sizes=tuple(piecewise_sizes), attention="modelled", ops="modelled",
-        async_scheduling=run_ahead, vocab_size=hf_config.vocab_size,
-        num_params=num_params(model), quantization=None, weight_formats=(dtype,),
-        num_layers=model.num_layers, num_layer_params=num_params(model.layers),
-        hidden_size=hf_config.hidden_size, intermediate_size=hf_config.intermediate_size,
-        num_attention_heads=hf_config.num_attention_heads, num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim, weight_bytes=weight_bytes(model.layers) + weight_bytes(head),
-        kv_bytes_per_token=kv_bytes_per_token(model, torch_dtype), config=config,
-        generation_defaults=(generation_defaults(model_path)
-                             if config.generation_config == "auto" else {}),
-        modelled=profile.summary())
-    runner.info = info
-    return built_class(config, platform, None, tokenizer, model, runner, block_manager,
-                       scheduler, telemetry, max_model_len, eos, run_ahead, info,
-                       clock=VirtualClock(), pipeline_class=ModelledPipeline)
+class ModelledDevice(Device):
+    """What a modelled device brings to build_engine (`config.device` = 'model:<name>'): the
+    model's shape on torch's meta device (no weights), the memory the modelled device would
+    have, a runner that times steps and draws tokens, a virtual clock and its pipeline."""
+    clock_class = VirtualClock
+    pipeline_class = ModelledPipeline
 
+    def __init__(self, config: EngineConfig):
+        self.modules_before = len(sys.modules)
+        name = parse_device(config.device)
+        self.platform = get_platform("cpu")   # the host: sampling params, generators live here
+        if name == "cpu":
+            dtype = cpu_dtype(config)
+            profile = cached_cpu_profile(config, dtype, self.platform)
+            if profile is None:
+                raise ValueError("device: model:cpu is fitted to a short run of the real CPU "
+                                 "engine on this machine, and none is cached for this model; "
+                                 "Engine(device='model:cpu') runs it first "
+                                 "(workbench.engine.calibrate.calibrate_cpu)")
+        else:
+            profile = spec_profile(name)
+            dtype = profile.dtype if config.dtype == "auto" else config.dtype
+        if config.block_size is None:
+            config = replace(config, block_size=profile.default_block_size)
+        self.config, self.profile, self.dtype = config, profile, getattr(torch, dtype)
+        ckpt = load_checkpoint(config.model, None)
+        self.hf_config, self.tokenizer, self.model_path = ckpt.hf_config, ckpt.tokenizer, ckpt.path
+        del ckpt
+        self.max_model_len = model_max_len(config, self.hf_config)
+        with torch.device("meta"):           # the shape alone: no weights are made
+            self.model = LlamaForCausalLM(self.hf_config, self.max_model_len).to(self.dtype)
+        self.weights = weight_bytes(self.model)
+        self.memory = (None if profile.memory_bytes is None        # in use: the weights
+                       else (profile.memory_bytes - self.weights, profile.memory_bytes))
+        self.memory_label = f"the modelled {profile.device_name}"
+        self.runs_async = profile.runs_async
+        err, med = profile.error.get("max_abs_pct"), profile.error.get("median_abs_pct")
+        self.notices = [f"modelled device: {profile.device_name}, "
+                        + (f"calibrated (measured error: median {med or 0:.0f} %, worst "
+                           f"{err:.0f} %; docs/modelled.md)" if profile.calibrated and err is not None
+                           else "calibrated (error not measured yet)" if profile.calibrated
+                           else "UNCALIBRATED (spec-sheet roofs; no measured error)")
+                        + ": every time is modelled, every token random"]
+
+    def make_runner(self, num_blocks: int, max_model_len: int) -> ModelledRunner:
+        per_block = kv_bytes_per_block(self.model, self.config.block_size, self.dtype)
+        return ModelledRunner(self.profile, self.hf_config.vocab_size,
+                              eos_ids(self.hf_config, self.tokenizer, self.model_path),
+                              num_blocks * per_block, self.model.num_layers, self.config.seed)
+
+    def peak_memory_bytes(self, runner: ModelledRunner) -> int:
+        return self.weights + runner.kv_cache_bytes
+
+    def info_fields(self) -> dict:
+        dtype = str(self.dtype).replace("torch.", "")
+        return dict(device=self.config.device, device_name=f"{self.profile.device_name} (modelled)",
+                    dtype=dtype, attention="modelled", ops="modelled", quantization=None,
+                    weight_formats=(dtype,), modelled=self.profile.summary())
+
+    def built(self, runner: ModelledRunner, info, run_ahead: bool) -> None:
+        runner.async_scheduling = run_ahead
+        runner.info = info

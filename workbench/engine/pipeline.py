@@ -62,6 +62,8 @@ class InFlightStep:
     t0: float
     ahead: bool
     """Scheduled before the step before it had handed out its tokens."""
+    may_run_ahead: bool = True
+    """The step after it may be launched from its ids before they reach the host."""
 
 
 def held_back_by(r: Request) -> str | None:
@@ -109,50 +111,70 @@ class StepPipeline:
         """One step's worth of work (see the module's docstring). `run_ahead()` is asked just
         before a next step would be launched early: False (requests arrived or were aborted
         meanwhile, or the caller wants the pipeline drained) hands out the step in flight
-        and launches nothing."""
+        and launches nothing. The control flow of every device; how a step runs is
+        _launch, _end, _launch_next and _finish (a modelled device's pipeline overrides those)."""
         pending, self.in_flight = self.in_flight, None
         if pending is None:
             sched, t0 = self._schedule()
             if sched.is_empty:
                 return self._hand_out(sched, [], [], None, None, t0)
-            ran = self.runner.execute(sched)
-            logits, graph, spans = ran.logits, ran.graph, ran.prompt_spans
-            reqs = self.requests.requests_of(ran.req_ids)
-            held = ({r.seq_id: why for r in reqs if (why := held_back_by(r))}
-                    if self.async_scheduling and graph is not None and graph[0] == FULL else {})
-            if not (self.async_scheduling and graph is not None and graph[0] == FULL
-                    and not held):
-                if spans:
-                    self.output.add_prompt_logprobs(spans, logits[len(ran.req_ids):])
-                rows, reqs = ParentRequest.sampling_rows(reqs)
-                if rows is not None:
-                    logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-                out = self._sample(logits[:len(reqs)], reqs)
-                self.scheduler.update_after_step(sched)
-                lp = out.logprobs.to_host() if out.logprobs is not None else None
-                return self._hand_out(sched, reqs, out.token_ids.tolist(), lp, graph, t0,
-                                      held_back=held)
-            pending = self._copy_to_host(sched, self._sample(logits, reqs), reqs, graph, t0,
-                                         ahead=False)
-        # Step N is in flight: advance its sequences, launch N+1 from its device-side ids,
-        # then wait for N's ids and hand them out.
+            pending = self._launch(sched, t0)
+            if isinstance(pending, StepResult):         # ran synchronously, handed out
+                return pending
+        # Step N is in flight: advance its sequences, launch N+1 from its ids, then wait
+        # for N's ids and hand them out.
+        self._end(pending)
         self.scheduler.update_after_step(pending.sched)
-        if run_ahead():
+        if pending.may_run_ahead and run_ahead():
             nxt = self.scheduler.schedule_next_decode(
                 pending.sched, lambda seq: may_run_ahead(self.requests.get(seq.request_id)))
             if nxt is not None:
-                t1 = self.clock.now()
-                rows, nsched = nxt
-                ids = pending.token_ids
-                if rows != list(range(len(rows))) or len(rows) != ids.shape[0]:
-                    ids = ids.index_select(0, to_device(torch.tensor(rows), ids.device))
-                # No larger than the step before it, so a captured size holds it.
-                ran = self.runner.execute(nsched, input_ids=ids)
-                logits, graph = ran.logits, ran.graph
-                reqs = self.requests.requests_of(ran.req_ids)
-                # ids: each row's token of step N, not yet in its Sequence (penalties count it)
-                self.in_flight = self._copy_to_host(nsched, self._sample(logits, reqs, ids),
-                                                    reqs, graph, t1, ahead=True)
+                self.in_flight = self._launch_next(pending, *nxt)
+        return self._finish(pending)
+
+    def _launch(self, sched: SchedulerOutput, t0: float) -> InFlightStep | StepResult:
+        """Run a scheduled step. A step that may not run ahead (synchronous scheduling, an
+        eager step, a request held back) is sampled, advanced and handed out here; one that
+        may stays on the device, its ids on their way to the host."""
+        ran = self.runner.execute(sched)
+        logits, graph, spans = ran.logits, ran.graph, ran.prompt_spans
+        reqs = self.requests.requests_of(ran.req_ids)
+        ahead = self.async_scheduling and graph is not None and graph[0] == FULL
+        held = {r.seq_id: why for r in reqs if (why := held_back_by(r))} if ahead else {}
+        if ahead and not held:
+            return self._copy_to_host(sched, self._sample(logits, reqs), reqs, graph, t0,
+                                      ahead=False)
+        if spans:
+            self.output.add_prompt_logprobs(spans, logits[len(ran.req_ids):])
+        rows, reqs = ParentRequest.sampling_rows(reqs)
+        if rows is not None:
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        out = self._sample(logits[:len(reqs)], reqs)
+        self.scheduler.update_after_step(sched)
+        lp = out.logprobs.to_host() if out.logprobs is not None else None
+        return self._hand_out(sched, reqs, out.token_ids.tolist(), lp, graph, t0, held_back=held)
+
+    def _end(self, pending) -> None:
+        """Step `pending` ends before the next is launched (a modelled device's clock moves
+        to its end; a real device's ends when it ends)."""
+
+    def _launch_next(self, pending: InFlightStep, rows: list[int],
+                     sched: SchedulerOutput) -> InFlightStep:
+        """Launch the decode step after `pending` from its ids still on the device (`rows`:
+        pending's row of each of sched's requests)."""
+        t1 = self.clock.now()
+        ids = pending.token_ids
+        if rows != list(range(len(rows))) or len(rows) != ids.shape[0]:
+            ids = ids.index_select(0, to_device(torch.tensor(rows), ids.device))
+        # No larger than the step before it, so a captured size holds it.
+        ran = self.runner.execute(sched, input_ids=ids)
+        reqs = self.requests.requests_of(ran.req_ids)
+        # ids: each row's token of step N, not yet in its Sequence (penalties count it)
+        return self._copy_to_host(sched, self._sample(ran.logits, reqs, ids), reqs, ran.graph,
+                                  t1, ahead=True)
+
+    def _finish(self, pending: InFlightStep) -> StepResult:
+        """Wait for `pending`'s ids and hand them out."""
         pending.ready.synchronize()
         return self._hand_out(pending.sched, pending.reqs, pending.host_ids.tolist(),
                               pending.host_logprobs, pending.graph, pending.t0, pending.ahead)

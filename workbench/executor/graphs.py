@@ -19,6 +19,7 @@ eager and says so (`Engine.notices`, StepEvent.graph stays False).
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass, field
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -48,3 +49,54 @@ def default_piecewise_sizes(max_num_batched_tokens: int) -> list[int]:
     if max_num_batched_tokens < PIECEWISE_SIZES[-1] and max_num_batched_tokens not in sizes:
         sizes.append(max_num_batched_tokens)
     return sizes
+
+
+@dataclass(slots=True)
+class GraphPlan:
+    """What `graph_mode` comes to on a device: the mode as it will run, the decode batch
+    sizes to capture whole, the token buckets to capture piecewise, and notices saying what
+    runs differently from what was asked."""
+    mode: str
+    decode_sizes: list[int] = field(default_factory=list)
+    piecewise_sizes: list[int] = field(default_factory=list)
+    notices: list[str] = field(default_factory=list)
+
+
+def plan_graphs(config, rules, can_capture_decode: bool, num_layers: int) -> GraphPlan:
+    """The one decision of what to capture, for a real device (ModelRunner.capture_graphs
+    captures it) and a modelled one (its runner replays the plan in time only). `rules`: the
+    platform's (Platform, or a modelled DeviceProfile following its kind's): name,
+    supports_graphs, default_graph_mode, decode_graph_sizes, piecewise_graph_sizes.
+    can_capture_decode: the attention reads the pool through static tables (fused paged
+    attention), so a whole decode step can be captured."""
+    asked = config.graph_mode
+    if asked is None:             # the platform's choice (Platform.default_graph_mode)
+        asked = rules.default_graph_mode if rules.supports_graphs else "eager"
+        if asked == "decode" and not can_capture_decode:
+            asked = "eager"
+    if asked == "eager":
+        return GraphPlan("eager")
+    why = None
+    if not rules.supports_graphs:
+        why = f"graph capture is not available on {rules.name} in this build"
+    elif not can_capture_decode and asked == "decode":
+        why = ("capture needs the platform's fused paged attention, and this engine "
+               "uses the plain-torch path (attention_backend or dtype)")
+    if why is not None:
+        return GraphPlan("eager", notices=[f"graph_mode={asked!r} asked for, but {why}: every "
+                                           "step runs eager (StepEvent.graph stays False)"])
+    decode = rules.decode_graph_sizes(config, asked) if can_capture_decode else []
+    if decode is None:
+        decode = config.cudagraph_capture_sizes or default_capture_sizes(config.max_num_seqs)
+    decode = sorted(set(decode))
+    piecewise = []
+    if asked == "full":
+        piecewise = rules.piecewise_graph_sizes(config, num_layers, len(decode))
+        if piecewise is None:
+            piecewise = default_piecewise_sizes(config.max_num_batched_tokens)
+    notices = []
+    if asked == "full" and not can_capture_decode:
+        notices.append("graph_mode='full': decode steps replay piecewise graphs with attention "
+                       "eager; whole decode-step graphs need the platform's fused paged "
+                       "attention (attention_backend or dtype)")
+    return GraphPlan(asked, decode, list(piecewise), notices)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .graphs import default_capture_sizes, default_piecewise_sizes
+from .graphs import GraphPlan, plan_graphs
 from .staging import StagingBuffers
 from ..utils import cdiv
 from ..platforms.attention import CommonAttentionMetadata
@@ -161,37 +161,13 @@ class ModelRunner:
         self.piecewise = PiecewiseGraphs(self.model, self.layer_caches, self.platform, sizes)
         self.piecewise.capture(self.graph_pool, progress)
 
-    def capture_graphs(self, config, max_model_len: int) -> tuple[str, list[int], list[int], list[str]]:
-        """Capture what config.graph_mode asks for, where this runner can; the one place that
-        decides it. Returns the mode as run, the decode batch sizes and piecewise token
-        buckets captured, and notices saying what runs differently from what was asked."""
-        decode = self.can_capture_decode
-        asked = config.graph_mode
-        if asked is None:     # the platform's choice (Platform.default_graph_mode)
-            asked = self.platform.default_graph_mode if self.platform.supports_graphs else "eager"
-            if asked == "decode" and not decode:
-                asked = "eager"
-        if asked == "eager":
-            return "eager", [], [], []
-        why = None
-        if not self.platform.supports_graphs:
-            why = f"graph capture is not available on {self.platform.name} in this build"
-        elif not decode and asked == "decode":
-            why = ("capture needs the platform's fused paged attention, and this engine "
-                   "uses the plain-torch path (attention_backend or dtype)")
-        if why is not None:
-            return "eager", [], [], [f"graph_mode={asked!r} asked for, but {why}: every step "
-                                     "runs eager (StepEvent.graph stays False)"]
-        decode_sizes = self.platform.decode_graph_sizes(config, asked) if decode else []
-        if decode_sizes is None:
-            decode_sizes = (config.cudagraph_capture_sizes
-                            or default_capture_sizes(config.max_num_seqs))
-        piecewise = []
-        if asked == "full":
-            piecewise = self.platform.piecewise_graph_sizes(config, self.model.num_layers,
-                                                            len(decode_sizes))
-            if piecewise is None:
-                piecewise = default_piecewise_sizes(config.max_num_batched_tokens)
+    def capture_graphs(self, config, max_model_len: int) -> GraphPlan:
+        """Capture what config.graph_mode comes to on this runner's platform (graphs.plan_graphs,
+        the one decision) and return the plan as run."""
+        plan = plan_graphs(config, self.platform, self.can_capture_decode, self.model.num_layers)
+        decode_sizes, piecewise = plan.decode_sizes, plan.piecewise_sizes
+        if plan.mode == "eager":
+            return plan
         total = len(decode_sizes) + len(piecewise) * (self.model.num_layers + 1)
         t0 = time.perf_counter()
         from tqdm.auto import tqdm
@@ -204,12 +180,7 @@ class ModelRunner:
         self.platform.synchronize()     # platforms may skip it between captures
         log.info("captured %d graphs in %.1f s: decode batch sizes %s, piecewise token "
                  "buckets %s", total, time.perf_counter() - t0, decode_sizes, piecewise)
-        notices = []
-        if asked == "full" and not decode:
-            notices.append("graph_mode='full': decode steps replay piecewise graphs with "
-                           "attention eager; whole decode-step graphs need the platform's "
-                           "fused paged attention (attention_backend or dtype)")
-        return asked, decode_sizes, piecewise, notices
+        return plan
 
     @property
     def kv_cache_bytes(self) -> int:

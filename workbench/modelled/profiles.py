@@ -16,6 +16,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from importlib import resources
 
+from ..platforms import platform_class
 from ..telemetry import percentile
 
 CALIBRATION_FILE = "calibration.json"
@@ -99,6 +100,15 @@ class DeviceProfile:
     @property
     def default_graph_mode(self) -> str:
         return {"cpu": "eager", "cuda": "decode", "npu": "full"}[self.kind]
+
+    def decode_graph_sizes(self, config, mode: str) -> list[int] | None:
+        """Its kind's platform's rule (Platform.decode_graph_sizes), for graphs.plan_graphs."""
+        return platform_class(self.kind).decode_graph_sizes(config, mode)
+
+    def piecewise_graph_sizes(self, config, num_layers: int, decode_graphs: int
+                              ) -> list[int] | None:
+        """Its kind's platform's rule (Platform.piecewise_graph_sizes)."""
+        return platform_class(self.kind).piecewise_graph_sizes(config, num_layers, decode_graphs)
 
     @property
     def runs_async(self) -> bool:

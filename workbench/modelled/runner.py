@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.scheduler import SchedulerOutput
-from ..executor.graphs import default_capture_sizes, default_piecewise_sizes, padded_size
+from ..executor.graphs import GraphPlan, padded_size, plan_graphs
 from ..executor.runner import ModelRunnerOutput
 from ..telemetry import FULL, PIECEWISE
 from .cost import StepTime, step_time
@@ -18,8 +18,9 @@ from .profiles import DeviceProfile
 
 class ModelledRunner:
     def __init__(self, profile: DeviceProfile, vocab_size: int, eos_token_ids: set[int],
-                 kv_cache_bytes: int, seed: int = 0):
+                 kv_cache_bytes: int, num_layers: int, seed: int = 0):
         self.profile = profile
+        self.num_layers = num_layers
         self.vocab_size = vocab_size
         self.kv_cache_bytes = kv_cache_bytes
         """What the modelled pool would take on the device (nothing is allocated)."""
@@ -39,30 +40,13 @@ class ModelledRunner:
         """The EOS ids it never draws."""
         return self._eos.tolist()
 
-    def capture_graphs(self, config, max_model_len: int
-                       ) -> tuple[str, list[int], list[int], list[str]]:
-        """ModelRunner.capture_graphs' decision on the modelled device, capturing nothing:
-        the mode as run, decode batch sizes, piecewise token buckets, notices."""
-        p = self.profile
-        asked = config.graph_mode if config.graph_mode is not None else p.default_graph_mode
-        if asked == "eager":
-            return "eager", [], [], []
-        if not p.supports_graphs:
-            return "eager", [], [], [f"graph_mode={asked!r} asked for, but the modelled "
-                                     f"{p.name} device captures no graphs (as its real "
-                                     "platform): every step runs eager"]
-        if p.kind == "npu":
-            decode = (config.pa_shape_list if config.pa_shape_list is not None
-                      else (config.cudagraph_capture_sizes
-                            or default_capture_sizes(config.max_num_seqs))
-                      if asked == "decode" else [])
-        else:
-            decode = config.cudagraph_capture_sizes or default_capture_sizes(config.max_num_seqs)
-        decode = sorted(set(decode))
-        piecewise = default_piecewise_sizes(config.max_num_batched_tokens) if asked == "full" else []
-        self.graphs = decode or None
-        self.piecewise = piecewise or None
-        return asked, decode, piecewise, []
+    def capture_graphs(self, config, max_model_len: int) -> GraphPlan:
+        """ModelRunner.capture_graphs' plan on the modelled device (graphs.plan_graphs, with
+        its kind's platform rules), capturing nothing."""
+        plan = plan_graphs(config, self.profile, True, self.num_layers)
+        self.graphs = plan.decode_sizes or None
+        self.piecewise = plan.piecewise_sizes or None
+        return plan
 
     def graph_for(self, sched: SchedulerOutput) -> tuple[str, int] | None:
         """How the real runner would run this step: (FULL, batch size) for a pure decode

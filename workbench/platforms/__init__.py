@@ -39,6 +39,12 @@ def get_platform(name: str = "auto") -> Platform:
     return platform()
 
 
+def platform_class(name: str) -> type[Platform]:
+    """The class of platform `name` ('cpu', 'cuda', 'npu'), without building it: its rules
+    (graph sizes, block sizes) for a modelled device that follows them."""
+    return _PLATFORMS[name]
+
+
 def block_sizes(device: str) -> tuple[int, ...]:
     """The KV block sizes `device`'s attention backends take (the knob's domain there), read
     off their classes: no platform is built. 'auto': those of the device it picks."""
@@ -62,4 +68,5 @@ def graph_modes(device: str) -> tuple[str, ...]:
 
 
 __all__ = ["Platform", "auto_device", "available_devices", "block_sizes", "get_platform",
+           "platform_class",
            "graph_modes"]

@@ -13,7 +13,7 @@ class Platform:
     default_graph_mode = "decode"
     """What graph_mode None means on this platform where it can capture graphs at all
     (supports_graphs; else 'eager'): whole decode steps as graphs, prefill eager, falling
-    back to 'eager' where the attention cannot be captured whole (ModelRunner.capture_graphs).
+    back to 'eager' where the attention cannot be captured whole (graphs.plan_graphs).
     The NPU's is 'full' (NpuPlatform.default_graph_mode)."""
     runs_async = False
     """Whether device work runs behind the host (queued launches), so that async
@@ -83,14 +83,16 @@ class Platform:
         ops that read them from host memory (which a graph would otherwise keep as captured)."""
         graph.replay()
 
-    def piecewise_graph_sizes(self, config, num_layers: int, decode_graphs: int
+    @staticmethod
+    def piecewise_graph_sizes(config, num_layers: int, decode_graphs: int
                               ) -> list[int] | None:
         """The token buckets to capture piecewise under graph_mode 'full' (each takes
         num_layers + 1 graphs), given decode_graphs whole-step graphs besides; None: the
         runner's default (graphs.default_piecewise_sizes)."""
         return None
 
-    def decode_graph_sizes(self, config, mode: str) -> list[int] | None:
+    @staticmethod
+    def decode_graph_sizes(config, mode: str) -> list[int] | None:
         """The decode batch sizes to capture as whole-step graphs under graph_mode `mode`;
         None: the runner's default (cudagraph_capture_sizes, or 1, 2, 4, 8, then every 16)."""
         return None

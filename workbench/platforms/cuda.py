@@ -20,7 +20,7 @@ class CudaPlatform(AcceleratorPlatform):
 
     supports_graphs = True
     """CUDA graphs are torch's: piecewise capture needs no Triton. Whole decode-step graphs
-    need the fused paged attention (Triton); ModelRunner.capture_graphs decides."""
+    need the fused paged attention (Triton); graphs.plan_graphs decides."""
 
     def model_ops(self, dtype):
         if importlib.util.find_spec("triton") is None:

@@ -258,7 +258,8 @@ class NpuPlatform(AcceleratorPlatform):
     def supports_graphs(self) -> bool:
         return self.report.graphs
 
-    def piecewise_graph_sizes(self, config, num_layers: int, decode_graphs: int) -> list[int]:
+    @staticmethod
+    def piecewise_graph_sizes(config, num_layers: int, decode_graphs: int) -> list[int]:
         """Token buckets as vLLM picks capture sizes (vllm_capture_sizes: 1, 2, 4, 8, 16, 24,
         ...), so a batch-1 decode replays a 1-token graph, not one padded to 16; then thinned
         uniformly until every graph (num_layers + 1 per bucket, and the decode graphs) fits
@@ -272,7 +273,8 @@ class NpuPlatform(AcceleratorPlatform):
                      len(thinned), thinned)
         return thinned
 
-    def decode_graph_sizes(self, config, mode: str) -> list[int] | None:
+    @staticmethod
+    def decode_graph_sizes(config, mode: str) -> list[int] | None:
         """The batch sizes captured whole with _npu_paged_attention: pa_shape_list where it is
         set; else none under 'full' (every decode step then replays piecewise) and the
         runner's cudagraph_capture_sizes when 'decode' is asked for by name."""
