@@ -461,9 +461,9 @@ def test_default_graph_mode_is_the_devices_choice_and_says_nothing():
     """No graph capture on the CPU: the default runs eager without a notice; asking for
     'decode' by name still says that it runs eager."""
     e = Engine(model="random:tiny", device="cpu", num_kv_blocks=16)
-    assert e.config.graph_mode == "eager" == e.info().graph_mode and e.notices == []
+    assert e.info().config.graph_mode == "eager" == e.info().graph_mode and e.telemetry.notices == []
     asked = Engine(model="random:tiny", device="cpu", num_kv_blocks=16, graph_mode="decode")
-    assert asked.info().graph_mode == "eager" and "graph_mode='decode' asked for" in asked.notices[0]
+    assert asked.info().graph_mode == "eager" and "graph_mode='decode' asked for" in asked.telemetry.notices[0]
 
 
 # ---- logprobs, n, penalties (issue 12) ---------------------------------------------------------

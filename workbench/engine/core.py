@@ -47,9 +47,6 @@ class EngineCore:
         self.tokenizer = b.tokenizer
         self.max_model_len = b.max_model_len
         self.vocab_size = b.info.vocab_size
-        self.notices: list[str] = b.telemetry.notices
-        """Things the user asked for that this engine does differently, in words for a UI
-        (the same list is exported with the telemetry)."""
         self._info = b.info
         self.clock = b.clock
         """Where every timestamp of this engine comes from (core/clock.py): the wall's, or
