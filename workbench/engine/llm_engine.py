@@ -1,4 +1,9 @@
-"""Engine: the front door. tokenize / add_request / step / abort / generate / stream / astream.
+"""Engine: the front door. tokenize / make_request / add_request / step / abort / generate /
+stream / astream.
+
+A request comes in through `make_request` (called by add_request, stream and astream with a
+prompt, or by a caller such as the server that tokenized the prompt itself): its params
+checked against this engine, its prompt tokenized and its grammar compiled, once each.
 
 Two ways to drive it:
 - in the caller's thread: `step()` runs one engine-core step; `generate` and `stream` call it
@@ -6,9 +11,12 @@ Two ways to drive it:
 - in the background: `start()` runs the core's step loop in a daemon thread, and any number
   of callers (widgets, server handlers, asyncio tasks) add requests and stream at once.
 
-Everything that observes an engine reads its public read API: `info()` (what it is),
-`stats()` (where it stands), `kv_blocks()`, `request_states()` and `telemetry`. The step
-machinery lives in `workbench.engine.core`.
+Everything that observes an engine reads its public read API: `info()` (what it is, the
+knobs as run in `info().config`), `stats()` (where it stands), `kv_blocks()`,
+`request_states()` and `telemetry` (`telemetry.notices`: what runs differently from what was
+asked). Those, and the request operations `step`, `abort`, `has_unfinished_requests` and
+`reset_prefix_cache`, are the engine core's own methods (`workbench.engine.core`, which
+documents them), handed out as they are.
 """
 from __future__ import annotations
 
