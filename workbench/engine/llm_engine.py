@@ -296,7 +296,7 @@ class Engine:
         """Stop the loop, abort every request, and free the KV pool, captured graphs and
         weights now, without waiting for the garbage collector (a rebuild on a GPU needs
         the memory back at once). Idempotent; the engine refuses work afterwards. Its
-        config, telemetry and notices stay readable. Dropping the last reference to an
+        info(), telemetry and its notices stay readable. Dropping the last reference to an
         engine frees the same memory (the engine holds no reference cycles)."""
         self.shutdown()
         self.core.close()
