@@ -248,7 +248,7 @@ def test_npu_config_rules(qwen3_d128, monkeypatch):
         Engine(**kw, attention_backend="reference")
     with pytest.raises(ValueError, match="block_size: npu's attention pages KV in blocks of 128"):
         Engine(**kw, block_size=64)
-    assert Engine(**kw, graph_mode="eager").config.block_size == 128
+    assert Engine(**kw, graph_mode="eager").info().config.block_size == 128
 
 
 def test_npu_refuses_graphs_under_launch_blocking(qwen3_d128, monkeypatch):
