@@ -21,8 +21,9 @@ MAX_LOGPROBS = 20
 @dataclass
 class StructuredOutputsParams:
     """Constrain a request's output to a grammar (vLLM's names). Exactly one of the fields is
-    set. The grammar is compiled when the request is added (Engine.add_request), so a schema,
-    regex or grammar the grammar engine refuses is a ValueError naming the field then."""
+    set. The grammar is compiled once, when the request is made (Engine.make_request, which
+    add_request calls), so a schema, regex or grammar the grammar engine refuses is a
+    ValueError naming the field then."""
     json: dict | str | None = None
     """A JSON schema (a dict or its JSON text); the output is one JSON value it accepts."""
     regex: str | None = None

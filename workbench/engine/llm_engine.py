@@ -123,11 +123,11 @@ class Engine:
         (info().generation_defaults)."""
         return SamplingParams(**self.core.info().generation_defaults)
 
-
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt, **controls) -> list[int]:
         """Text, chat messages (through the chat template) or token ids -> token ids; the
-        chat-template controls and truncation are input_processor.InputProcessor's."""
+        chat-template controls and truncation are input_processor.InputProcessor's (a
+        truncate_prompt_tokens as a SamplingParams holds it: checked there)."""
         return self.inputs(prompt, **controls)
 
     def make_request(self, prompt: Prompt, params: SamplingParams | None = None,
