@@ -322,7 +322,8 @@ def run(model: str = "smollm2", num_requests: int = 64, in_range=(16, 256), out_
                                 output_len=list(out_range), seed=seed,
                                 prompt_tokens=sum(map(len, wl.prompts)),
                                 output_tokens=wl.output_tokens),
-                  engine_config=engine.info().config.to_dict(), notices=list(engine.telemetry.notices),
+                  engine_config=engine.info().config.to_dict(),
+                  notices=list(engine.telemetry.notices),
                   results={})
     for note in engine.telemetry.notices:
         log(f"note: {note}")

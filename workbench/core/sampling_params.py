@@ -124,7 +124,8 @@ class SamplingParams:
         """Values as a JSON body gives them (a string or null for `stop`, string keys for
         logit_bias) made the fields' own types, then checked: a SamplingParams is checked
         once, when it is made (call validate() after changing a field)."""
-        stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
+        stop = self.stop if self.stop is not None else []
+        stop = [stop] if isinstance(stop, str) else stop
         if not (isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop)):
             raise ValueError(f"stop: must be a string or a list of strings (got {self.stop!r})")
         self.stop = list(stop)

@@ -195,7 +195,7 @@ class OpenAIServing:
                            max(len(x) for x in ids), self.max_model_len)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         try:    # the params checked against the engine and the grammar compiled, once each
-            requests = [engine.make_request(p, params, rid if len(prompts) == 1 else f"{rid}-{i}",
+            requests = [engine.make_request(p, params, f"{rid}-{i}" if len(prompts) > 1 else rid,
                                             prompt_token_ids=x)
                         for i, (p, x) in enumerate(zip(prompts, ids))]
         except ValueError as e:

@@ -295,5 +295,5 @@ def run_workload(engine: Engine, workload: Workload, time_limit: float | None = 
         records.append(rec)
     duration = (end if timed_out else last_end) - t0
     info = engine.info()
-    return RunResult(records, duration, timed_out, info.device_name, list(engine.telemetry.notices),
-                     info.modelled)
+    return RunResult(records, duration, timed_out, info.device_name,
+                     list(engine.telemetry.notices), info.modelled)
