@@ -95,7 +95,8 @@ def correctness(small: bool) -> None:
                  graph_mode_run=e.info().graph_mode, graph_steps=sum(s.graph for s in steps),
                  piecewise_steps=sum(s.graph_kind == "PIECEWISE" for s in steps),
                  ahead_steps=sum(s.scheduled_ahead for s in steps),
-                 cached_tokens=sum(s.num_cached_tokens for s in steps), notices=e.notices)
+                 cached_tokens=sum(s.num_cached_tokens for s in steps),
+                 notices=e.telemetry.notices)
         free_engine(e)
     # bf16: first-step logits of a prompt, against HF fp32, beside HF bf16's own error.
     p = prompts[0]

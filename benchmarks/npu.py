@@ -95,7 +95,8 @@ def correctness(out: dict, small: bool) -> None:
             prompts_equal_hf_bf16=sum(g == w for g, w in zip(got, hf_tokens)), of=len(prompts),
             graph_mode_run=e.info().graph_mode, graph_steps=sum(s.graph for s in steps),
             full_steps=sum(s.graph_kind == "FULL" for s in steps),
-            piecewise_steps=sum(s.graph_kind == "PIECEWISE" for s in steps), notices=e.notices)
+            piecewise_steps=sum(s.graph_kind == "PIECEWISE" for s in steps),
+            notices=e.telemetry.notices)
         out["checks"] += [f"modes.{mode}.logits_ok", f"modes.{mode}.tokens_equal_eager"]
         e.shutdown()
 

@@ -59,7 +59,7 @@ print("RESULT", json.dumps(dict(
     builds_here=len(calls), failed=cpu.build_failed(), state=cpu.kernel_state(),
     record=cpu.failure(), info=[e.info().kernels for e in (auto, again)],
     quant=[auto.info().quantization, again.info().quantization, int8.info().quantization],
-    notices=again.notices, int8_notices=int8.notices,
+    notices=again.telemetry.notices, int8_notices=int8.telemetry.notices,
     same=[o.token_ids for o in int8.generate([[1, 2, 3], [4, 5]], p)] ==
          [o.token_ids for o in ref.generate([[1, 2, 3], [4, 5]], p)])), flush=True)
 """

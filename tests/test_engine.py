@@ -189,6 +189,34 @@ def test_bad_prompts_lose_nothing(tiny_engine):
     assert tiny_engine.stats().kv_blocks_used == 0
 
 
+def test_make_request_checks_once_and_queues_nothing_until_handed_over(tiny_engine):
+    """Engine.make_request: a Request checked and tokenized, queued nowhere until add_request
+    (or stream) takes it; max_tokens None is what fits after the prompt; token ids a caller
+    tokenized are used as they are; a made Request carries its own params and id."""
+    e = tiny_engine
+    req = e.make_request(prompts(1)[0], SamplingParams(max_tokens=None, temperature=0))
+    assert req.seq.params.max_tokens == e.info().max_model_len - req.seq.num_prompt_tokens
+    assert not e.has_unfinished_requests()
+    with pytest.raises(ValueError, match="^params:"):
+        e.add_request(req, SamplingParams())
+    with pytest.raises(ValueError, match="^min_tokens:.*fit after the prompt"):
+        e.make_request([1] * 500, SamplingParams(max_tokens=None, min_tokens=20))
+    with pytest.raises(ValueError, match="^logit_bias:.*vocabulary"):
+        e.make_request([1, 2], SamplingParams(logit_bias={10**6: 1.0}))
+    ids = e.tokenize([3, 4, 5, 6])
+    mine = e.make_request("(not read)", SamplingParams(max_tokens=3, temperature=0),
+                          "mine", prompt_token_ids=ids)
+    assert [ev.token_id for ev in e.stream(mine)] == \
+        e.generate([ids], SamplingParams(max_tokens=3, temperature=0))[0].token_ids
+    for stop, ok in (("x", ["x"]), (None, []), (["a", "b"], ["a", "b"])):
+        assert SamplingParams(stop=stop).stop == ok
+    for stop in (3, [1], ["a", None]):
+        with pytest.raises(ValueError, match=r"^stop: must be a string or a list of strings"):
+            SamplingParams(stop=stop)
+    with pytest.raises(ValueError, match=r"^stop_token_ids: must be a list of integers"):
+        SamplingParams(stop_token_ids=[True])
+
+
 def test_prefix_caching_prefills_only_the_new_turn(smol):
     chat = [{"role": "user", "content": "Tell me about the history of the printing press "
              "and how it changed the spread of ideas in Europe over the following centuries."}]
@@ -461,9 +489,9 @@ def test_default_graph_mode_is_the_devices_choice_and_says_nothing():
     """No graph capture on the CPU: the default runs eager without a notice; asking for
     'decode' by name still says that it runs eager."""
     e = Engine(model="random:tiny", device="cpu", num_kv_blocks=16)
-    assert e.config.graph_mode == "eager" == e.info().graph_mode and e.notices == []
+    assert e.info().config.graph_mode == "eager" == e.info().graph_mode and e.telemetry.notices == []
     asked = Engine(model="random:tiny", device="cpu", num_kv_blocks=16, graph_mode="decode")
-    assert asked.info().graph_mode == "eager" and "graph_mode='decode' asked for" in asked.notices[0]
+    assert asked.info().graph_mode == "eager" and "graph_mode='decode' asked for" in asked.telemetry.notices[0]
 
 
 # ---- logprobs, n, penalties (issue 12) ---------------------------------------------------------

@@ -50,14 +50,17 @@ def test_none_keeps_samplingparams_own_defaults(checkpoint):
 
 
 def test_the_server_fills_what_a_request_leaves_out(engine):
-    from workbench.serving.protocol import sampling_params_from
+    from workbench.serving.protocol import resolve_max_tokens, sampling_params_from
     d = engine.info().generation_defaults
-    p, _ = sampling_params_from({"prompt": "x"}, 16, defaults=d)
-    assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.6, 0.95, 20, 7)
-    p, _ = sampling_params_from({"prompt": "x", "temperature": 0, "top_k": -1,
-                                 "max_tokens": 30}, 16, defaults=d)
+    p, which = sampling_params_from({"prompt": "x"}, "completion", defaults=d)
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.6, 0.95, 20, None)
+    resolve_max_tokens(p, which, "completion", d["max_tokens"], 1, 256)
+    assert p.max_tokens == 7                        # min(16, the model's max_new_tokens)
+    p, which = sampling_params_from({"prompt": "x", "temperature": 0, "top_k": -1,
+                                     "max_tokens": 30}, "completion", defaults=d)
+    resolve_max_tokens(p, which, "completion", d["max_tokens"], 1, 256)
     assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0, 0.95, -1, 30)
-    p, _ = sampling_params_from({"prompt": "x"}, 16)                 # no defaults
+    p, _ = sampling_params_from({"prompt": "x"}, "completion")   # no defaults
     assert (p.temperature, p.top_p, p.top_k) == (1.0, 1.0, 0)
 
 

@@ -74,7 +74,7 @@ def test_decode_graphs_pad_replay_and_match_eager(replaying_platform):
               enable_prefix_caching=True)
     graphs = Engine(**kw, graph_mode="decode", cudagraph_capture_sizes=[1, 2, 4, 8])
     eager = Engine(**kw, graph_mode="eager")
-    assert graphs.info().graph_mode == "decode" and not graphs.notices
+    assert graphs.info().graph_mode == "decode" and not graphs.telemetry.notices
     assert sorted(graphs.core.runner.graphs.graphs) == [1, 2, 4, 8]
     steps = same_greedy_tokens(graphs, eager, 60, 3, (30, 3, 17, 9, 25, 1, 12, 20))
     replayed = [s for s in steps if s.graph]
@@ -109,7 +109,7 @@ def test_full_mode_replays_prefill_and_mixed_steps_piecewise(replaying_platform,
     assert full.info().graph_mode == "full" and full.info().piecewise_sizes == (16, 32, 64, 96)
     assert sorted(full.core.runner.piecewise.graphs) == [16, 32, 64, 96]
     assert all(len(p) == full.core.model.num_layers + 1 for p in full.core.runner.piecewise.graphs.values())
-    assert bool(full.notices) == (backend == "reference")
+    assert bool(full.telemetry.notices) == (backend == "reference")
     steps = same_greedy_tokens(full, eager, 150, 5, (12, 3, 17, 9, 25, 1, 6, 20))
     assert all(s.graph for s in steps)                        # every step fits a bucket
     pw = [s for s in steps if s.graph_kind == "PIECEWISE"]
@@ -129,21 +129,21 @@ def test_capture_needs_the_fused_kernel(replaying_platform):
     kw = dict(model="random:tiny", device="cpu", attention_backend="reference", max_num_seqs=2,
               num_kv_blocks=16, max_num_batched_tokens=64)
     default = Engine(**kw)
-    assert default.info().graph_mode == "eager" == default.config.graph_mode
-    assert default.notices == [] and default.core.runner.graphs is None
+    assert default.info().graph_mode == "eager" == default.info().config.graph_mode
+    assert default.telemetry.notices == [] and default.core.runner.graphs is None
     asked = Engine(**kw, graph_mode="decode")
-    assert asked.info().graph_mode == "eager" and "fused paged attention" in asked.notices[0]
+    assert asked.info().graph_mode == "eager" and "fused paged attention" in asked.telemetry.notices[0]
     full = Engine(**kw, graph_mode="full")
     assert full.core.runner.graphs is None and full.info().piecewise_sizes
 
 
 def test_cpu_graph_modes_say_they_run_eager():
     e = Engine(model="random:tiny", device="cpu", graph_mode="decode", num_kv_blocks=16)
-    assert e.info().graph_mode == "eager" and "not available on cpu" in e.notices[0]
+    assert e.info().graph_mode == "eager" and "not available on cpu" in e.telemetry.notices[0]
     e.generate([[1, 2, 3]], SamplingParams(max_tokens=3))
     assert not any(s.graph for s in e.telemetry.snapshot()[0])
     import json
-    assert json.loads(e.telemetry.to_json())["notices"] == e.notices     # exported too
+    assert json.loads(e.telemetry.to_json())["notices"] == e.telemetry.notices     # exported too
 
 
 def test_stepper_shows_graph_replays(replaying_platform):

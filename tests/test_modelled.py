@@ -121,7 +121,7 @@ def test_uncalibrated_profiles_say_so():
         m = e.info().modelled
         assert m["profile"] == "910b" and m["calibrated"] is False and m["error"] == {}
         assert "uncalibrated" in m["source"] and "(modelled)" in e.info().device_name
-        assert any("UNCALIBRATED" in n for n in e.notices)
+        assert any("UNCALIBRATED" in n for n in e.telemetry.notices)
         assert e.info().graph_mode == "full" and e.info().block_size == 128   # an NPU's rules
     finally:
         e.close()

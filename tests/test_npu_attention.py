@@ -47,7 +47,7 @@ def test_npu_backend_tokens_equal_the_reference(qwen3_d128, reference_tokens, mo
     prompts.append(prompts[2][:260] + [7, 8, 9])            # a cached prefix, then a chunk
     params = _params(20, 20, 20, 20, 20, 20)
     npu = Engine(model=str(qwen3_d128), device="npu", **KW, graph_mode="eager")
-    assert npu.core.platform.name == "npu" and npu.config.block_size == 128
+    assert npu.core.platform.name == "npu" and npu.info().config.block_size == 128
     attn = npu.core.model.layers[0].self_attn
     # NpuAttention.kv_cache_shape: [layers, K/V, blocks (the null block among them),
     # block_size, kv_heads, D]
@@ -86,7 +86,7 @@ def test_npu_decode_graphs_hand_every_replay_its_lengths(qwen3_d128, reference_t
     sizes = dict(cudagraph_capture_sizes=[1, 2, 4, 6]) if mode == "decode" else \
         dict(pa_shape_list=[1, 2, 4, 6])
     npu = Engine(model=str(qwen3_d128), device="npu", **KW, graph_mode=mode, **sizes)
-    assert npu.info().graph_mode == mode and not npu.notices
+    assert npu.info().graph_mode == mode and not npu.telemetry.notices
     prompts = random_prompts(5, 5, 300, 1000, seed=4)
     params = _params(20, 3, 11, 14, 7)
     got = [o.token_ids for o in npu.generate(prompts, params)]
@@ -217,7 +217,7 @@ def test_npu_graphs_need_the_workspace_api(qwen3_d128, monkeypatch):
     """2.5.1.post1 has no workspace for _npu_paged_attention: graph modes run eager, said so."""
     fake_torch_npu.install(monkeypatch, version="2.5.1.post1", fp32=True)
     e = Engine(model=str(qwen3_d128), device="npu", **KW, graph_mode="decode")
-    assert e.info().graph_mode == "eager" and "not available on npu" in e.notices[0]
+    assert e.info().graph_mode == "eager" and "not available on npu" in e.telemetry.notices[0]
     assert not e.core.platform.supports_graphs and "_npu_paged_attention_get_workspace" in \
         e.core.platform.report.graph_update
 
@@ -248,7 +248,7 @@ def test_npu_config_rules(qwen3_d128, monkeypatch):
         Engine(**kw, attention_backend="reference")
     with pytest.raises(ValueError, match="block_size: npu's attention pages KV in blocks of 128"):
         Engine(**kw, block_size=64)
-    assert Engine(**kw, graph_mode="eager").config.block_size == 128
+    assert Engine(**kw, graph_mode="eager").info().config.block_size == 128
 
 
 def test_npu_refuses_graphs_under_launch_blocking(qwen3_d128, monkeypatch):

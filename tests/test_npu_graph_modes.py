@@ -38,7 +38,7 @@ def test_npu_default_is_piecewise_with_fused_attention(qwen3_d128, reference, mo
     e = Engine(model=str(qwen3_d128), device="npu", **KW)
     info = e.info()
     assert info.graph_mode == "full" and info.capture_sizes == () and info.piecewise_sizes
-    assert e.core.runner.graphs is None and not e.notices and not info.async_scheduling
+    assert e.core.runner.graphs is None and not e.telemetry.notices and not info.async_scheduling
     assert [o.token_ids for o in e.generate(prompts, params)] == want
     steps = e.telemetry.snapshot()[0]
     decodes = [s for s in steps if s.phase == "decode"]

@@ -204,3 +204,44 @@ def test_logprobs_run_ahead_and_n_choices_have_their_own_grammar(engine, hf_smol
     assert [c.index for c in o.outputs] == [0, 1, 2]
     assert all(c.text in COLORS and c.finish_reason == "stop" for c in o.outputs), o.outputs
     assert engine.stats().kv_blocks_used == 0
+
+
+def test_a_served_request_is_checked_tokenized_and_compiled_once(engine, monkeypatch):
+    """The server's way through the front door (issue 39): a chat request with a grammar and
+    n = 2 has its params checked once (SamplingParams.validate), its conversation rendered and
+    encoded once (Engine.tokenize, then make_request with the ids), and its grammar compiled
+    once, each choice matching on a copy of the one matcher; its reply still follows it."""
+    pytest.importorskip("fastapi")
+    from collections import Counter
+
+    from fastapi.testclient import TestClient
+
+    from workbench.serving.app import create_app
+    so = engine.core.structured_output
+    so.compile(StructuredOutputsParams(regex="warm"))     # llguidance's tokenizer, built once
+    calls: Counter = Counter()
+
+    def count(owner, name):
+        real = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        monkeypatch.setattr(owner, name, counted)
+
+    count(SamplingParams, "validate")
+    count(type(engine.inputs), "__call__")
+    count(engine.tokenizer, "apply_chat_template")
+    count(engine.tokenizer, "encode")
+    count(so, "compile")
+    count(so, "_compile")
+    pattern = "(yes|no) at [0-9]{2}:1[0-9]"        # a grammar no other test compiled
+    with TestClient(create_app(engine, allow_missing_model=True)) as client:
+        r = client.post("/v1/chat/completions", json={
+            "messages": chat("Answer."), "n": 2, "max_tokens": 12, "temperature": 0.8,
+            "seed": 3, "structured_outputs": {"regex": pattern}})
+    assert r.status_code == 200, r.text
+    assert [re.fullmatch(pattern, c["message"]["content"]) is not None
+            for c in r.json()["choices"]] == [True, True]
+    assert calls == {"validate": 1, "__call__": 1, "apply_chat_template": 1, "encode": 1,
+                     "compile": 1, "_compile": 1}, calls

@@ -194,7 +194,7 @@ def test_knobs_validate_and_rebuild_the_dashboard_engine(comms):
         return new, rids, after
 
     new, rids, after = asyncio.run(rebuild())
-    assert new is not None and dash.source.engine is new and new.config.block_size == 32
+    assert new is not None and dash.source.engine is new and new.info().config.block_size == 32
     assert dash.num_rebuilds == 1 and knobs.builds == 1 and not old.is_running_in_background
     assert old.is_closed and old.core.runner.kv_cache is None      # freed at once, not by the gc
     assert "<b>32</b>" in dash.header.value and "Engine rebuilt" in knobs.status.value

@@ -121,7 +121,7 @@ class Dashboard(w.VBox):
         self.send_button.on_click(lambda _: self.send())
         self.abort_button.on_click(lambda _: self.source and self.source.abort_all())
         self.clear_button.on_click(lambda _: self.clear())
-        local_config = config or (engine.config if engine is not None else
+        local_config = config or (engine.info().config if engine is not None else
                                   EngineConfig(**DASHBOARD_DEFAULTS))
         self.knobs = KnobPanel(local_config, on_apply=self.swap_engine,
                                seed=random.randrange(2**31) if seed is None else seed)
@@ -211,7 +211,7 @@ class Dashboard(w.VBox):
                                       'no model is loaded, so knobs and Send do not apply.</div>')
             self.clear_button.layout.display = "none"
         else:
-            self.knobs.show_config(source.engine.config)
+            self.knobs.show_config(source.engine.info().config)
         if self.roofline.info is None:                  # built in the background: shown by now
             self.roofline.set_model(*_roofline_model(source))
         self.pump = Pump(source, [self.streams, self.timeline, self.kv, self.summary,

@@ -195,15 +195,15 @@ class KnobPanel(w.VBox):
                              f'{esc(self.last_error)}<br>The running engine was kept.</div></div>')
 
     def _succeed(self, engine: Engine, seconds: float) -> None:
-        self.show_config(engine.config)
+        self.show_config(engine.info().config)
         self.builds += 1
         self.last_error = None
         self._expected_build_s = seconds
-        notes = "".join(f"<br>{esc(n)}" for n in engine.notices)
+        notes = "".join(f"<br>{esc(n)}" for n in engine.telemetry.notices)
         self.status.value = (f'<div class="wb"><div class="ok">Engine rebuilt in {seconds:.1f} s: '
-                             f'block_size {engine.config.block_size}, '
+                             f'block_size {engine.info().config.block_size}, '
                              f'{engine.info().num_kv_blocks} KV blocks, max_num_seqs '
-                             f'{engine.config.max_num_seqs}.{notes}</div></div>')
+                             f'{engine.info().config.max_num_seqs}.{notes}</div></div>')
         if self.on_apply is not None:
             self.on_apply(engine)
 

@@ -125,11 +125,11 @@ class LocalSource:
 
     @property
     def config(self):
-        return self.engine.config
+        return self.engine.info().config
 
     @property
     def notices(self) -> list[str]:
-        return list(self.engine.notices)
+        return list(self.engine.telemetry.notices)
 
     def describe(self) -> dict[str, str]:
         return describe_engine(self.engine.info())

@@ -92,7 +92,7 @@ def _engine_kwargs(a) -> dict:
 
 
 def _say_notices(engine) -> None:
-    for note in engine.notices:
+    for note in engine.telemetry.notices:
         print(f"note: {note}", file=sys.stderr, flush=True)
 
 
@@ -207,7 +207,7 @@ def cmd_serve(a) -> int:
     engine = Engine(model=a.model, max_model_len=a.max_model_len,
                     max_step_events=a.max_step_events, **_engine_kwargs(a))
     print(f"ready in {time.perf_counter() - t:.1f} s on {engine.info().device}; "
-          f"max_model_len {engine.max_model_len}, {engine.info().num_kv_blocks} KV blocks",
+          f"max_model_len {engine.info().max_model_len}, {engine.info().num_kv_blocks} KV blocks",
           file=sys.stderr, flush=True)
     _say_notices(engine)
     if api_key is None and a.host not in ("127.0.0.1", "localhost", "::1"):

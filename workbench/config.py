@@ -97,7 +97,8 @@ class EngineConfig:
     on CUDA 'decode' where whole decode steps can be captured (its fused paged attention),
     else 'eager'; on the NPU 'full', which there runs every step piecewise, decode included
     (vLLM-Ascend's default, see pa_shape_list); on the CPU 'eager'. A mode asked for by name
-    that cannot run as asked runs eager (or piecewise only) and says so in Engine.notices."""
+    that cannot run as asked runs eager (or piecewise only) and says so in
+    Engine.telemetry.notices."""
     cudagraph_capture_sizes: list[int] | None = None
     """Decode batch sizes to capture; None: 1, 2, 4, 8, then every 16 up to max_num_seqs."""
     pa_shape_list: list[int] | None = None

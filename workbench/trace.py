@@ -342,7 +342,7 @@ def record(engine: Engine, prompts: list, params: SamplingParams | list[Sampling
                        if getattr(m, k) is not None})
             for m in tel.requests_since(next_request)]
     return Trace(engine.info(), frames, reqs, labels, engine.device_roofs() if roofs else None,
-                 tel.memory, list(engine.notices), engine.model_sha256())
+                 tel.memory, list(engine.telemetry.notices), engine.model_sha256())
 
 
 def calibrate(engine: Engine, prompts: list, params: SamplingParams | list[SamplingParams] |

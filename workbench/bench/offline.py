@@ -322,9 +322,10 @@ def run(model: str = "smollm2", num_requests: int = 64, in_range=(16, 256), out_
                                 output_len=list(out_range), seed=seed,
                                 prompt_tokens=sum(map(len, wl.prompts)),
                                 output_tokens=wl.output_tokens),
-                  engine_config=engine.config.to_dict(), notices=list(engine.notices),
+                  engine_config=engine.info().config.to_dict(),
+                  notices=list(engine.telemetry.notices),
                   results={})
-    for note in engine.notices:
+    for note in engine.telemetry.notices:
         log(f"note: {note}")
     res = report["results"]
     if not num_requests:      # the batch-1 part alone (`workbench bench --num-requests 0`)

@@ -21,8 +21,9 @@ MAX_LOGPROBS = 20
 @dataclass
 class StructuredOutputsParams:
     """Constrain a request's output to a grammar (vLLM's names). Exactly one of the fields is
-    set. The grammar is compiled when the request is added (Engine.add_request), so a schema,
-    regex or grammar the grammar engine refuses is a ValueError naming the field then."""
+    set. The grammar is compiled once, when the request is made (Engine.make_request, which
+    add_request calls), so a schema, regex or grammar the grammar engine refuses is a
+    ValueError naming the field then."""
     json: dict | str | None = None
     """A JSON schema (a dict or its JSON text); the output is one JSON value it accepts."""
     regex: str | None = None
@@ -77,8 +78,10 @@ class StructuredOutputsParams:
 class SamplingParams:
     n: int = 1
     """Sequences generated from the prompt; they share its KV blocks (a fork after prefill)."""
-    max_tokens: int = 128
-    """0 only makes sense with prompt_logprobs: the prompt is scored, nothing is generated."""
+    max_tokens: int | None = 128
+    """0 only makes sense with prompt_logprobs: the prompt is scored, nothing is generated.
+    None: as many as fit after the prompt in max_model_len (vLLM's; the front door decides
+    it when it makes the request)."""
     min_tokens: int = 0
     """EOS and stop_token_ids cannot end the output before this many tokens."""
     temperature: float = 1.0
@@ -118,18 +121,19 @@ class SamplingParams:
     """Keep only the prompt's last k tokens (-1: as many as max_model_len allows)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if self.stop is None:
-            self.stop = []
-        if self.stop_token_ids is None:
-            self.stop_token_ids = []
-        if not isinstance(self.stop, (list, tuple)):
+        """Values as a JSON body gives them (a string or null for `stop`, string keys for
+        logit_bias) made the fields' own types, then checked: a SamplingParams is checked
+        once, when it is made (call validate() after changing a field)."""
+        stop = self.stop if self.stop is not None else []
+        stop = [stop] if isinstance(stop, str) else stop
+        if not (isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop)):
             raise ValueError(f"stop: must be a string or a list of strings (got {self.stop!r})")
-        if not isinstance(self.stop_token_ids, (list, tuple)):
-            raise ValueError(f"stop_token_ids: must be a list of token ids (got {self.stop_token_ids!r})")
-        self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
+        self.stop = list(stop)
+        ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        if not (isinstance(ids, (list, tuple))
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+            raise ValueError(f"stop_token_ids: must be a list of integers (got {ids!r})")
+        self.stop_token_ids = list(ids)
         if isinstance(self.logit_bias, dict):   # JSON objects have string keys
             try:
                 self.logit_bias = {int(k): v for k, v in self.logit_bias.items()} or None
@@ -153,13 +157,14 @@ class SamplingParams:
 
         if not is_int(self.n) or not 1 <= self.n <= 128:
             bad("n", "must be an integer in [1, 128]")
-        if not is_int(self.max_tokens) or self.max_tokens < 0:
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 0):
             bad("max_tokens", "must be a 64-bit integer >= 0")
         if self.max_tokens == 0 and self.prompt_logprobs is None:
             bad("max_tokens", "must be > 0 (0 is only for scoring a prompt with prompt_logprobs)")
         if self.max_tokens == 0 and self.n != 1:
             bad("n", "must be 1 when max_tokens is 0")
-        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= (
+                self.max_tokens if self.max_tokens is not None else 2**63):
             bad("min_tokens", "must be an integer in [0, max_tokens]")
         if not is_num(self.temperature) or not self.temperature >= 0:
             bad("temperature", "must be a finite number >= 0")

@@ -51,9 +51,6 @@ class EngineCore:
         self.tokenizer = b.tokenizer
         self.max_model_len = b.max_model_len
         self.vocab_size = b.info.vocab_size
-        self.notices: list[str] = b.telemetry.notices
-        """Things the user asked for that this engine does differently, in words for a UI
-        (the same list is exported with the telemetry)."""
         self._info = b.info
         self.clock = b.clock
         """Where every timestamp of this engine comes from (core/clock.py): the wall's, or
@@ -82,9 +79,12 @@ class EngineCore:
 
     # ---- the public read API --------------------------------------------------------------
     def info(self) -> EngineInfo:
+        """What this engine is: model, device, dtype, KV pool, graph sizes, the knobs as run
+        (`config`: block_size and graph_mode resolved for the device)."""
         return self._info
 
     def stats(self) -> EngineStats:
+        """Running and waiting requests, KV blocks in use, preemptions, prefix-cache hits."""
         b = self.block_manager.stats()
         with self._lock:
             queued = len(self._inbox)
@@ -124,6 +124,7 @@ class EngineCore:
                     for r in reqs if not r.seq.is_finished]
 
     def has_unfinished_requests(self) -> bool:
+        """Whether a request is queued or running (a loop of `step` runs until it is not)."""
         return self.requests.has_unfinished()
 
     def prompt_logits(self, prompt_ids: list[int]):
@@ -161,13 +162,18 @@ class EngineCore:
         return out
 
     def device_roofs(self, refresh: bool = False) -> DeviceRoofs:
+        """This device's measured matmul throughput and memory bandwidth in the model's dtype
+        (probed once per machine, device and dtype, then cached; see roofline.probe_roofs);
+        a modelled device's own roofs."""
         if self._info.modelled is not None:      # the modelled device's roofs, not the host's
             return DeviceRoofs.modelled(self._info)
         return probe_roofs(self.platform, next(self.model.parameters()).dtype, refresh)
 
     def model_sha256(self) -> str | None:
-        """The weights' content hash (the embedded GGUF's, a checkpoint directory's files'),
-        None for random weights."""
+        """The sha256 that identifies the weights wherever they live: the embedded model's
+        GGUF, a checkpoint directory's files; None for random weights (their name and seed say
+        what they are). What a shared trace names instead of a local path; hashed on first
+        call (a large checkpoint takes seconds), then remembered."""
         return model_digest(self.config.model, self._info.model_path)
 
     def reset_prefix_cache(self) -> None:

@@ -30,7 +30,8 @@ class InputProcessor:
         tools, for a template that renders them), as in HF's apply_chat_template. `add_special_tokens`: let the tokenizer add its special tokens
         (BOS...) while encoding; by default yes for text, no for rendered chat (the template
         writes them). `truncate_prompt_tokens`: keep only the last k tokens (-1: as many as
-        max_model_len allows). `check_length`: refuse
+        max_model_len allows), a request's SamplingParams.truncate_prompt_tokens (checked
+        there). `check_length`: refuse
         a prompt that leaves no room to generate (False: just count, as /tokenize does)."""
         if isinstance(prompt, str):
             if not prompt:
@@ -53,10 +54,6 @@ class InputProcessor:
             raise ValueError(f"prompt: must be text, chat messages or token ids "
                              f"(got {type(prompt).__name__})")
         if truncate_prompt_tokens is not None:
-            if (not isinstance(truncate_prompt_tokens, int) or isinstance(truncate_prompt_tokens, bool)
-                    or not (truncate_prompt_tokens >= 1 or truncate_prompt_tokens == -1)):
-                raise ValueError("truncate_prompt_tokens: must be an integer >= 1, or -1 "
-                                 f"(max_model_len) (got {truncate_prompt_tokens!r})")
             keep = self.max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
             ids = ids[-keep:]
         if not ids:

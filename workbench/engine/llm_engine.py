@@ -1,4 +1,9 @@
-"""Engine: the front door. tokenize / add_request / step / abort / generate / stream / astream.
+"""Engine: the front door. tokenize / make_request / add_request / step / abort / generate /
+stream / astream.
+
+A request comes in through `make_request` (called by add_request, stream and astream with a
+prompt, or by a caller such as the server that tokenized the prompt itself): its params
+checked against this engine, its prompt tokenized and its grammar compiled, once each.
 
 Two ways to drive it:
 - in the caller's thread: `step()` runs one engine-core step; `generate` and `stream` call it
@@ -6,14 +11,18 @@ Two ways to drive it:
 - in the background: `start()` runs the core's step loop in a daemon thread, and any number
   of callers (widgets, server handlers, asyncio tasks) add requests and stream at once.
 
-Everything that observes an engine reads its public read API: `info()` (what it is),
-`stats()` (where it stands), `kv_blocks()`, `request_states()` and `telemetry`. The step
-machinery lives in `workbench.engine.core`.
+Everything that observes an engine reads its public read API: `info()` (what it is, the
+knobs as run in `info().config`), `stats()` (where it stands), `kv_blocks()`,
+`request_states()` and `telemetry` (`telemetry.notices`: what runs differently from what was
+asked). Those, and the request operations `step`, `abort`, `has_unfinished_requests` and
+`reset_prefix_cache`, are the engine core's own methods (`workbench.engine.core`, which
+documents them), handed out as they are.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import itertools
 import queue
 import threading
@@ -78,46 +87,34 @@ class Engine:
         config = replace(config, **overrides) if config is not None else EngineConfig(**overrides)
         if needs_calibration(config):     # model:cpu: fitted to this machine first (cached)
             calibrate_cpu(config)
-        self.core = EngineCore(config)
-        self.inputs = InputProcessor(self.core.tokenizer, self.core.vocab_size,
-                                     self.core.max_model_len, self.core.config.model)
+        core = self.core = EngineCore(config)
+        # The public read API and the request operations are the core's own (core.py says
+        # what each does); the front door hands them out as they are, not re-wrapped.
+        self.telemetry: Telemetry = core.telemetry
+        """Every step's and request's record; `telemetry.notices`: what this engine does
+        differently from what was asked, in words for a UI."""
+        self.clock: Clock = core.clock
+        """Where this engine's timestamps come from (core/clock.py): the wall's on a real
+        device, modelled time on a modelled one (`clock.virtual`)."""
+        self.tokenizer = core.tokenizer
+        """The model's Hugging Face tokenizer (None for random weights)."""
+        self.info: Callable[[], EngineInfo] = core.info
+        self.stats: Callable[[], EngineStats] = core.stats
+        self.kv_blocks: Callable[[], KVBlockSnapshot | None] = core.kv_blocks
+        self.request_states: Callable[[], list[RequestState]] = core.request_states
+        self.has_unfinished_requests: Callable[[], bool] = core.has_unfinished_requests
+        self.device_roofs: Callable[..., DeviceRoofs] = core.device_roofs
+        self.model_sha256: Callable[[], str | None] = core.model_sha256
+        self.sampler_cost: Callable[..., dict] = core.sampler_cost
+        self.reset_prefix_cache: Callable[[], None] = core.reset_prefix_cache
+        self.abort: Callable[[str], bool] = core.abort
+        self.step: Callable[[], list[TokenEvent]] = core.step
+        self.inputs = InputProcessor(core.tokenizer, core.vocab_size, core.max_model_len,
+                                     core.config.model)
         """Prompts to token ids (tokenizer, chat template, checks)."""
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-
-    # ---- what it is and where it stands (the public read API) ------------------------------
-    @property
-    def config(self) -> EngineConfig:
-        """The knobs as run (block_size and graph_mode resolved for the device)."""
-        return self.core.config
-
-    @property
-    def telemetry(self) -> Telemetry:
-        return self.core.telemetry
-
-    @property
-    def clock(self) -> Clock:
-        """Where this engine's timestamps come from (core/clock.py): the wall's on a real
-        device, modelled time on a modelled one (`clock.virtual`)."""
-        return self.core.clock
-
-    @property
-    def notices(self) -> list[str]:
-        """What this engine does differently from what was asked, in words for a UI."""
-        return self.core.notices
-
-    @property
-    def tokenizer(self):
-        return self.core.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.core.max_model_len
-
-    def info(self) -> EngineInfo:
-        """What this engine is: model, device, dtype, KV pool, graph sizes, resolved knobs."""
-        return self.core.info()
 
     def default_sampling_params(self) -> SamplingParams:
         """What a request without SamplingParams runs with (vLLM's
@@ -126,96 +123,65 @@ class Engine:
         (info().generation_defaults)."""
         return SamplingParams(**self.core.info().generation_defaults)
 
-    def sampler_cost(self, params: SamplingParams, batch: int = 8) -> dict:
-        """What sampling with `params` costs a step of `batch` rows on this device against
-        greedy, measured now ({'greedy_ms', 'sampled_ms'}; see EngineCore.sampler_cost)."""
-        return self.core.sampler_cost(params, batch)
-
-    def stats(self) -> EngineStats:
-        """Running and waiting requests, KV blocks in use, preemptions, prefix-cache hits."""
-        return self.core.stats()
-
-    def kv_blocks(self) -> KVBlockSnapshot | None:
-        """The KV pool block by block. Never waits for a forward pass: while a step runs in
-        the background it returns the snapshot taken at the end of the previous step it was
-        asked for (None the first time) and asks for a fresh one at the end of this step."""
-        return self.core.kv_blocks()
-
-    def request_states(self) -> list[RequestState]:
-        """Every unfinished request, in arrival order (waits for a running step to end)."""
-        return self.core.request_states()
-
-    def reset_prefix_cache(self) -> None:
-        self.core.reset_prefix_cache()
-
-    def device_roofs(self, refresh: bool = False) -> DeviceRoofs:
-        """This device's measured matmul throughput and memory bandwidth in the model's dtype
-        (probed once per machine, device and dtype, then cached; see roofline.probe_roofs)."""
-        return self.core.device_roofs(refresh)
-
-    def model_sha256(self) -> str | None:
-        """The sha256 that identifies the weights wherever they live: the embedded model's
-        GGUF, a checkpoint directory's files; None for random weights (their name and seed say
-        what they are). What a shared trace names instead of a local path; hashed on first
-        call (a large checkpoint takes seconds), then remembered."""
-        return self.core.model_sha256()
-
-    def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests()
-
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt, **controls) -> list[int]:
         """Text, chat messages (through the chat template) or token ids -> token ids; the
-        chat-template controls and truncation are input_processor.InputProcessor's."""
+        chat-template controls and truncation are input_processor.InputProcessor's (a
+        truncate_prompt_tokens as a SamplingParams holds it: checked there)."""
         return self.inputs(prompt, **controls)
 
-    def check_params(self, params: SamplingParams) -> None:
-        """Raise the ValueError that add_request would raise for these params (a value out of
-        range; a schema, regex or grammar the grammar engine refuses), queuing nothing."""
-        self._validate(params)
-        if params.structured_outputs is not None:
-            self.core.structured_output.compile(params.structured_outputs)
-
-    def _validate(self, params: SamplingParams) -> None:
-        """params.validate(), and its token ids within this model's vocabulary."""
-        params.validate()
+    def make_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                     request_id: str | None = None, *,
+                     prompt_token_ids: list[int] | None = None) -> Request:
+        """A request ready to queue, queued nowhere (vLLM's InputProcessor.process_inputs):
+        the params checked against this engine (their token ids in the vocabulary, what this
+        device runs), the prompt tokenized (truncated by params.truncate_prompt_tokens) and
+        the grammar compiled, each once; a refusal is a ValueError naming the field. The
+        params' own values were checked when they were made (SamplingParams.validate).
+        `prompt_token_ids`: what `tokenize` made of `prompt` (a caller that tokenizes first,
+        as the server does to size max_tokens), used as they are. params.max_tokens None: as
+        many as fit after the prompt. Hand the Request to add_request, stream or astream."""
+        params = params if params is not None else self.default_sampling_params()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params: must be SamplingParams (got {type(params).__name__})")
         vocab = self.core.vocab_size
         bad = [t for t in params.logit_bias or () if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})")
-
-    def _make_request(self, prompt: Prompt, params: SamplingParams | None,
-                      request_id: str | None) -> Request:
-        params = params if params is not None else self.default_sampling_params()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params: must be SamplingParams (got {type(params).__name__})")
-        self._validate(params)
-        ids = self.tokenize(prompt, truncate_prompt_tokens=params.truncate_prompt_tokens)
+        ids = (prompt_token_ids if prompt_token_ids is not None
+               else self.tokenize(prompt, truncate_prompt_tokens=params.truncate_prompt_tokens))
+        if params.max_tokens is None:       # as many as fit (vLLM's None)
+            params = copy.copy(params)
+            params.max_tokens = self.core.max_model_len - len(ids)
+            if params.min_tokens > params.max_tokens:
+                raise ValueError(f"min_tokens: {params.min_tokens}, but at most "
+                                 f"{params.max_tokens} new tokens fit after the prompt")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         return self.core.make_request(ids, prompt, params, rid)
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+    def _made(self, prompt: Prompt | Request, params: SamplingParams | None,
+              request_id: str | None) -> Request:
+        if not isinstance(prompt, Request):
+            return self.make_request(prompt, params, request_id)
+        if params is not None or request_id is not None:
+            raise ValueError("params: a Request from make_request carries its params and id")
+        return prompt
+
+    def add_request(self, prompt: Prompt | Request, params: SamplingParams | None = None,
                     request_id: str | None = None,
                     listener: Callable[[TokenEvent], None] | None = None,
                     arrival_time: float | None = None) -> str:
-        """Queue one request; returns its id. Bad input raises ValueError and adds nothing.
+        """Queue one request (a prompt, or a Request from make_request); returns its id. Bad
+        input raises ValueError and adds nothing.
         `listener`, if given, is called with every TokenEvent (from the stepping thread).
         `arrival_time`: when it arrives, on `self.clock` (`engine.clock.now() + 0.5`: half a
         second from now); None: now. Until then the scheduler does not see it; a modelled
         engine's clock jumps to it when nothing else is left to run, so an open-loop
         (Poisson) workload can be queued whole and replayed in modelled time."""
-        req = self._make_request(prompt, params, request_id)
+        req = self._made(prompt, params, request_id)
         req.listener = listener
         self.core.add([req], arrival_time)
         return req.seq.request_id
-
-    def abort(self, request_id: str) -> bool:
-        """Stop a request and free its blocks at the next step boundary. False if unknown."""
-        return self.core.abort(request_id)
-
-    def step(self) -> list[TokenEvent]:
-        """Run one scheduler step: admit, run the model, sample, deliver. Returns the events."""
-        return self.core.step()
 
     # ---- driving it to completion ---------------------------------------------------------
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
@@ -231,7 +197,7 @@ class Engine:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"params: {len(params)} SamplingParams for {len(prompts)} prompts")
-        reqs = [self._make_request(p, sp, None) for p, sp in zip(prompts, params)]
+        reqs = [self.make_request(p, sp) for p, sp in zip(prompts, params)]
         self.core.add(reqs)
         done = 0
         while not all(r.done.is_set() for r in reqs):
@@ -250,8 +216,9 @@ class Engine:
     def _following(self, prompt, params, request_id, put: Callable[[TokenEvent], None]):
         """One request's stream, for `stream` and `astream` alike: queued with `put` as its
         listener; aborted if its consumer stops before the last event (of its last choice)."""
-        rid = self.add_request(prompt, params, request_id, listener=put)
-        seen = {"finished": False, "left": params.n if params is not None else 1}
+        req = self._made(prompt, params, request_id)
+        rid = self.add_request(req, listener=put)
+        seen = {"finished": False, "left": len(req.choices)}
 
         def saw(ev: TokenEvent) -> TokenEvent:
             seen["left"] -= ev.finished
@@ -263,7 +230,7 @@ class Engine:
             if not seen["finished"]:
                 self.abort(rid)
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+    def stream(self, prompt: Prompt | Request, params: SamplingParams | None = None,
                request_id: str | None = None) -> Iterator[TokenEvent]:
         """Yield each TokenEvent of one request as soon as its token exists.
 
@@ -279,7 +246,7 @@ class Engine:
                         self.step()
                 yield saw(q.get())
 
-    async def astream(self, prompt: Prompt, params: SamplingParams | None = None,
+    async def astream(self, prompt: Prompt | Request, params: SamplingParams | None = None,
                       request_id: str | None = None) -> AsyncIterator[TokenEvent]:
         """asyncio version of `stream`; starts the background loop if it is not running.
         Cancelling the consumer (e.g. a client disconnect) aborts the request."""
@@ -329,7 +296,7 @@ class Engine:
         """Stop the loop, abort every request, and free the KV pool, captured graphs and
         weights now, without waiting for the garbage collector (a rebuild on a GPU needs
         the memory back at once). Idempotent; the engine refuses work afterwards. Its
-        config, telemetry and notices stay readable. Dropping the last reference to an
+        info(), telemetry and its notices stay readable. Dropping the last reference to an
         engine frees the same memory (the engine holds no reference cycles)."""
         self.shutdown()
         self.core.close()

@@ -105,13 +105,15 @@ def make_request(prompt_ids: list[int], prompt: Any, params: SamplingParams, req
                  structured_output: StructuredOutputManager) -> Request:
     """A Request for validated token ids (the front door tokenizes and validates); with n > 1,
     the first of n choices under a ParentRequest (the others start when its prompt is
-    computed). A grammar (structured output) is compiled here, one matcher per choice: a bad
-    one raises ValueError. A seeded request gets a generator of its own on `device` (choice
-    i from the request's seed + i); an unseeded one draws from the
-    engine's shared generator."""
+    computed). A grammar (structured output) is compiled here, once, and each choice gets a
+    matcher of its own from it: a bad one raises ValueError. A seeded request gets a
+    generator of its own on `device` (choice i from the request's seed + i); an unseeded one
+    draws from the engine's shared generator."""
+    compiled = (structured_output.compile(params.structured_outputs)
+                if params.structured_outputs is not None else None)
+
     def choice(i: int, params: SamplingParams) -> Request:
-        grammar = (structured_output.compile(params.structured_outputs)
-                   if params.structured_outputs is not None else None)
+        grammar = None if compiled is None else compiled if i == 0 else compiled.deep_copy()
         seq = Sequence(request_id if i == 0 else f"{request_id}#{i}", prompt_ids, params,
                        max_len=max_model_len)
         gen = None
@@ -128,7 +130,8 @@ def make_request(prompt_ids: list[int], prompt: Any, params: SamplingParams, req
     first = choice(0, params)
     if params.n > 1:
         # Later choices: their own seed stream; the prompt's logprobs come with the first.
-        later = replace(params, prompt_logprobs=None)
+        later = replace(params, prompt_logprobs=None) if params.prompt_logprobs is not None \
+            else params
         ParentRequest([first] + [choice(i, later) for i in range(1, params.n)])
     if params.prompt_logprobs is not None:
         first.prompt_logprobs = [None] * len(prompt_ids)

@@ -14,7 +14,7 @@ a bigger step is compute-bound, the device runs behind the host's launches anywa
 padding it would cost more than the launches saved.
 
 Capture itself is a platform's business (CUDAGraph, NPUGraph); a platform without it runs
-eager and says so (`Engine.notices`, StepEvent.graph stays False).
+eager and says so (`Engine.telemetry.notices`, StepEvent.graph stays False).
 """
 from __future__ import annotations
 

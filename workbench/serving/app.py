@@ -126,7 +126,7 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser: must be one of {', '.join(REASONING_PARSERS)} "
                          f"(got {reasoning_parser!r})")
-    served = model_name or engine.config.model
+    served = model_name or engine.info().config.model
     metrics = EngineMetrics(engine, served)
     serving = OpenAIServing(engine, served, allow_missing_model, strict_fields, chat_template,
                             reasoning_parser)
@@ -245,12 +245,12 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
     engine_started = time.time()
     # vLLM's root is the checkpoint's path: where a client (lm-eval's tokenizer=) loads the
     # same tokenizer from.
-    root = getattr(engine.tokenizer, "name_or_path", None) or engine.config.model
+    root = getattr(engine.tokenizer, "name_or_path", None) or engine.info().config.model
 
     def model_card() -> dict:
         return {"id": served, "object": "model", "created": int(engine_started),
                 "owned_by": "workbench", "root": root,
-                "max_model_len": engine.max_model_len,
+                "max_model_len": engine.info().max_model_len,
                 "generation_defaults": engine.info().generation_defaults}
 
     @app.get("/v1/models")

@@ -17,10 +17,10 @@ import uuid
 from typing import AsyncIterator, Awaitable
 
 from ..engine import Engine
-from ..engine.request import TokenEvent
+from ..engine.request import Request, TokenEvent
 from .protocol import (UNSET, APIError, bad_request, body_field, chat_messages, check_fields,
                        completion_prompts, from_value_error, is_template_error, max_token_bytes,
-                       sampling_params_from)
+                       resolve_max_tokens, sampling_params_from)
 from .reasoning import reasoning_parser as reasoning_parser_cls
 from .structured import structured_error, structured_outputs_from
 from .responses import ResponseWriter, ServedRequest, dumps
@@ -62,9 +62,10 @@ class OpenAIServing:
         """--reasoning-parser: splits chat replies' thinking off (None: no split)."""
         tok = engine.tokenizer
         self.has_tokenizer = tok is not None
+        self.max_model_len = engine.info().max_model_len
         self.token_bytes = max_token_bytes(tok) if tok is not None else None
         self.max_text_bytes = (None if self.token_bytes is None
-                               else engine.max_model_len * self.token_bytes)
+                               else self.max_model_len * self.token_bytes)
         self.writer = ResponseWriter(served, self.token_text)
         self.tokenizing = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="workbench-tokenize")
@@ -131,7 +132,7 @@ class OpenAIServing:
             size = sum(len(t.encode()) for t in texts)
             if size > self.max_text_bytes:
                 raise bad_request(field, f"{field}: {size} bytes of text cannot fit in "
-                                  f"max_model_len ({self.engine.max_model_len} tokens; no token "
+                                  f"max_model_len ({self.max_model_len} tokens; no token "
                                   f"of this tokenizer is longer than {self.token_bytes} bytes)",
                                   code="context_length_exceeded")
         try:
@@ -177,16 +178,8 @@ class OpenAIServing:
                                   "with tool_choice " + (tools.mode if tools.mode != "named"
                                                          else repr(tools.name)))
             structured, structured_field = tools.structured_outputs(), "tools"
-        # OpenAI's defaults: 16 tokens for completions; chat fills the context.
         defaults = engine.info().generation_defaults
-        params, which = sampling_params_from(body, 16 if kind == "completion" else None,
-                                             structured, kind, defaults)
-        explicit = body.get(which) is not None
-        try:
-            engine.check_params(params)
-        except ValueError as e:
-            raise (structured_error(structured_field, e) if structured is not None and str(
-                e).startswith("structured_outputs") else from_value_error(e)) from None
+        params, which = sampling_params_from(body, kind, structured, defaults)
         options = {"truncate_prompt_tokens": params.truncate_prompt_tokens,
                    "add_special_tokens": body_field(body, "add_special_tokens", (bool,),
                                                     "true or false")}
@@ -198,25 +191,21 @@ class OpenAIServing:
             prompts, rename = completion_prompts(body), None
         options = {k: v for k, v in options.items() if v is not UNSET and v is not None}
         ids = [self.tokenized(kind, p, options, rename) for p in prompts]
-        longest = max(len(x) for x in ids)
-        room = engine.max_model_len - longest
-        if not explicit:    # chat: fill the context; completions: 16, or what still fits
-            cap = defaults.get("max_tokens")   # the model's own cap
-            params.max_tokens = min(room, cap or room if kind == "chat" else params.max_tokens)
-            if params.min_tokens > params.max_tokens:
-                raise bad_request("min_tokens", f"min_tokens: {params.min_tokens}, but at most "
-                                  f"{params.max_tokens} new tokens fit after the prompt")
-        elif params.max_tokens > room:
-            raise bad_request(which, f"{which}: the prompt has {longest} tokens and {which} is "
-                              f"{params.max_tokens}, but max_model_len is "
-                              f"{engine.max_model_len}; at most {room} new tokens fit",
-                              code="context_length_exceeded")
+        resolve_max_tokens(params, which, kind, defaults.get("max_tokens"),
+                           max(len(x) for x in ids), self.max_model_len)
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        try:    # the params checked against the engine and the grammar compiled, once each
+            requests = [engine.make_request(p, params, f"{rid}-{i}" if len(prompts) > 1 else rid,
+                                            prompt_token_ids=x)
+                        for i, (p, x) in enumerate(zip(prompts, ids))]
+        except ValueError as e:
+            raise (structured_error(structured_field, e) if structured is not None and str(
+                e).startswith("structured_outputs") else from_value_error(e)) from None
         echoes: list[str | None] = [None] * len(prompts)
         if kind == "completion" and body.get("echo") is True:
             echoes = [p if isinstance(p, str) else (engine.tokenizer.decode(x) if self.has_tokenizer
                                                     else "") for p, x in zip(prompts, ids)]
-        prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        return ServedRequest(kind, f"{prefix}-{uuid.uuid4().hex}", ids, params, stream,
+        return ServedRequest(kind, rid, requests, params, stream,
                              bool(stream_options.get("include_usage")),
                              bool(stream_options.get("continuous_usage_stats")), echoes,
                              body.get("prompt_logprobs") is not None, tools, ignored,
@@ -230,10 +219,9 @@ class OpenAIServing:
         engine streams, which aborts what still runs."""
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(p: int, ids: list[int]) -> None:
+        async def pump(p: int, request: Request) -> None:
             try:
-                async with contextlib.aclosing(self.engine.astream(
-                        ids, req.params, request_id=req.engine_id(p))) as agen:
+                async with contextlib.aclosing(self.engine.astream(request)) as agen:
                     async for ev in agen:
                         queue.put_nowait((p, ev))
             except Exception as e:
@@ -241,7 +229,7 @@ class OpenAIServing:
             finally:
                 queue.put_nowait((p, None))
 
-        tasks = [asyncio.ensure_future(pump(p, ids)) for p, ids in enumerate(req.prompts)]
+        tasks = [asyncio.ensure_future(pump(p, r)) for p, r in enumerate(req.requests)]
         try:
             running = len(tasks)
             while running:
@@ -375,7 +363,7 @@ class OpenAIServing:
         ids = self.tokenized("chat" if chat else "completion", prompt,
                              {**options, "check_length": False}, rename)
         tok = self.engine.tokenizer
-        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids,
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
                 "token_strs": tok.convert_ids_to_tokens(ids) if strs else None}, ignored
 
     def detokenize(self, body: dict) -> tuple[dict, list[str]]:
@@ -401,7 +389,7 @@ class OpenAIServing:
             raise APIError(404, f"model {self.served!r} has no tokenizer", code="unsupported_model")
         tok = self.engine.tokenizer
         return {"tokenizer_class": type(tok).__name__,
-                "model_max_length": self.engine.max_model_len,
+                "model_max_length": self.max_model_len,
                 "vocab_size": self.engine.info().vocab_size,
                 "chat_template": self.chat_template or getattr(tok, "chat_template", None),
                 **{name: getattr(tok, name, None) for name in (

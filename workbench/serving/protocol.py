@@ -49,9 +49,6 @@ def from_value_error(e: Exception, rename: dict[str, str] | None = None) -> APIE
 
 # ---- parameter mapping ----------------------------------------------------------------------
 UNSET = object()
-UNTIL_FULL = 2**62
-"""max_tokens while a request that leaves it out waits for its prompt's length (prepare
-resolves it): large, so that checks against it (min_tokens) pass until then."""
 
 
 def body_field(body: dict, name: str, kinds: tuple[type, ...], what: str) -> Any:
@@ -131,42 +128,20 @@ def logprobs_fields(body: dict, kind: str) -> tuple[int | None, int | None, bool
     return logprobs, prompt_logprobs, echo
 
 
-def sampling_params_from(body: dict, default_max_tokens: int | None,
+def sampling_params_from(body: dict, kind: str = "completion",
                          structured_outputs: StructuredOutputsParams | None = None,
-                         kind: str = "completion",
                          defaults: dict | None = None) -> tuple[SamplingParams, str]:
     """OpenAI request fields (and vLLM's sampling extras) -> SamplingParams. Returns the
-    params and the name of the field that set max_tokens (for error messages).
-    `default_max_tokens` None means "fill the context" and is resolved by the caller once
-    the prompt length is known. `defaults` (the engine's generation defaults, SamplingParams'
-    names) fill the fields the request leaves out, as vLLM does; their max_tokens caps the
-    default. The fields themselves were checked by check_fields; value checks are
-    SamplingParams' (a 400 naming the field)."""
+    params and the name of the field that sets max_tokens (for error messages). A body that
+    leaves max_tokens out gets None, decided by `resolve_max_tokens` once the prompt's
+    length is known. `defaults` (the engine's generation defaults, SamplingParams' names)
+    fill the fields the request leaves out, as vLLM does. The fields themselves were checked
+    by check_fields; value checks are SamplingParams' (a 400 naming the field)."""
     defaults = defaults or {}
-    if defaults.get("max_tokens") is not None:
-        default_max_tokens = min(x for x in (default_max_tokens, defaults["max_tokens"])
-                                 if x is not None)
     logprobs, prompt_logprobs, echo = logprobs_fields(body, kind)
-    which = "max_tokens"
-    max_tokens = body.get("max_tokens")
-    if body.get("max_completion_tokens") is not None:
-        which, max_tokens = "max_completion_tokens", body["max_completion_tokens"]
-    if max_tokens is None:   # "fill the context": resolved once the prompt's length is known
-        max_tokens = default_max_tokens if default_max_tokens is not None else UNTIL_FULL
-
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise bad_request("stop", f"stop: must be a string or a list of strings (got {stop!r})")
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is None:
-        stop_ids = []
-    elif not (isinstance(stop_ids, list)
-              and all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids)):
-        raise bad_request("stop_token_ids", f"stop_token_ids: must be a list of integers (got {stop_ids!r})")
+    which = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    max_tokens = body.get(which)
     ignore_eos = body_field(body, "ignore_eos", (bool,), "true or false")
 
     def num(name, default):
@@ -193,7 +168,7 @@ def sampling_params_from(body: dict, default_max_tokens: int | None,
     if seed == -1 and not isinstance(seed, float):
         seed = None     # as vLLM: -1 asks for no seed
     # (A temperature below SAMPLING_EPS is greedy, and a seed must fit 64 bits: both are
-    # SamplingParams' rules, checked there.)
+    # SamplingParams' rules, checked there, as are stop's and stop_token_ids' types.)
     temperature = num("temperature", defaults.get("temperature", 1.0))
 
     try:
@@ -203,8 +178,8 @@ def sampling_params_from(body: dict, default_max_tokens: int | None,
             top_p=num("top_p", defaults.get("top_p", 1.0)),
             top_k=num("top_k", defaults.get("top_k", 0)),
             seed=seed,
-            stop=stop,
-            stop_token_ids=stop_ids,
+            stop=body.get("stop"),
+            stop_token_ids=body.get("stop_token_ids"),
             ignore_eos=False if ignore_eos is UNSET else ignore_eos,
             structured_outputs=structured_outputs,
             truncate_prompt_tokens=num("truncate_prompt_tokens", None),
@@ -214,6 +189,31 @@ def sampling_params_from(body: dict, default_max_tokens: int | None,
         raise from_value_error(e, {"max_tokens": which, **(
             {"logprobs": "top_logprobs"} if kind == "chat" else {})}) from None
     return params, which
+
+
+def resolve_max_tokens(params: SamplingParams, which: str, kind: str, cap: int | None,
+                       longest: int, max_model_len: int) -> None:
+    """The one place a served request's max_tokens is decided, once its longest prompt is
+    known (vLLM's get_max_tokens): asked for, it must fit after the prompt; left out, it is
+    OpenAI's default (16 for completions; chat fills the context) under the model's own cap
+    (generation_config's max_new_tokens, `cap`), cut to what fits. Sets params.max_tokens;
+    a refusal is a 400 naming the field."""
+    room = max_model_len - longest
+    if params.max_tokens is not None:
+        if params.max_tokens > room:
+            raise bad_request(which, f"{which}: the prompt has {longest} tokens and {which} is "
+                              f"{params.max_tokens}, but max_model_len is {max_model_len}; "
+                              f"at most {room} new tokens fit", code="context_length_exceeded")
+        return
+    limits = [x for x in (16 if kind == "completion" else None, cap) if x]
+    default = min(limits) if limits else room
+    if params.min_tokens > default:
+        raise bad_request("min_tokens", "min_tokens: must be an integer in [0, max_tokens] "
+                          f"(got {params.min_tokens!r})")
+    params.max_tokens = min(room, default)
+    if params.min_tokens > params.max_tokens:
+        raise bad_request("min_tokens", f"min_tokens: {params.min_tokens}, but at most "
+                          f"{params.max_tokens} new tokens fit after the prompt")
 
 
 def max_token_bytes(tokenizer) -> int:

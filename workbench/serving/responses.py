@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..core.sampling_params import SamplingParams
 from .reasoning import ReasoningParser
 from .tool_parsers import ToolCallParser, assemble, valid_calls
 from .tools import ToolChoice
+
+if TYPE_CHECKING:
+    from ..engine.request import Request
 
 LOGPROB_FLOOR = -9999.0
 """What a -inf logprob (a token the grammar or a bias rules out) is sent as: JSON has no
@@ -30,12 +33,17 @@ class ServedRequest:
     """One validated request, ready to run: one engine request per prompt (a batched
     completion has several), each with n choices; choice index = prompt index * n + i."""
 
-    def __init__(self, kind: str, rid: str, prompts: list[list[int]], params: SamplingParams,
+    def __init__(self, kind: str, rid: str, requests: list["Request"], params: SamplingParams,
                  stream: bool, include_usage: bool, continuous_usage: bool,
                  echoes: list[str | None], vllm_prompt_logprobs: bool,
                  tools: ToolChoice | None, ignored: list[str],
                  reasoning: type[ReasoningParser] | None = None):
-        self.kind, self.rid, self.prompts, self.params = kind, rid, prompts, params
+        self.kind, self.rid, self.params = kind, rid, params
+        self.requests = requests
+        """One engine request per prompt, made (checked, tokenized, its grammar compiled) and
+        not yet queued: Engine.astream queues each."""
+        self.prompts = [r.seq.prompt_token_ids for r in requests]
+        """Each prompt's token ids."""
         self.stream, self.include_usage = stream, include_usage
         self.continuous_usage = continuous_usage
         """stream_options.continuous_usage_stats: usage (so far) on every chunk."""
@@ -50,9 +58,6 @@ class ServedRequest:
         """Fields (and message keys) the request sent that this server does not know."""
         self.created = int(time.time())
         self.object = "chat.completion" if kind == "chat" else "text_completion"
-
-    def engine_id(self, p: int) -> str:
-        return self.rid if len(self.prompts) == 1 else f"{self.rid}-{p}"
 
     def choices(self) -> list["Choice"]:
         n = self.params.n

@@ -224,7 +224,7 @@ def run_workload(engine: Engine, workload: Workload, time_limit: float | None = 
         raise ValueError(f"time_limit: must be > 0 seconds or None (got {time_limit!r})")
     reqs = workload.requests()
     prompts = workload.prompts(engine.info().vocab_size)
-    max_len = engine.max_model_len
+    max_len = engine.info().max_model_len
     for q in reqs:
         if q.prompt_len + q.output_len > max_len:
             raise ValueError(f"workload: a request of {q.prompt_len} prompt + {q.output_len} "
@@ -295,5 +295,5 @@ def run_workload(engine: Engine, workload: Workload, time_limit: float | None = 
         records.append(rec)
     duration = (end if timed_out else last_end) - t0
     info = engine.info()
-    return RunResult(records, duration, timed_out, info.device_name, list(engine.notices),
-                     info.modelled)
+    return RunResult(records, duration, timed_out, info.device_name,
+                     list(engine.telemetry.notices), info.modelled)
