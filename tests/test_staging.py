@@ -18,11 +18,9 @@ PKG = Path(__file__).resolve().parents[1] / "workbench"
 
 NON_BLOCKING_ALLOWED = {
     ("executor/staging.py", "StagingBuffers.commit"):
-        "the step's one host-to-device copy, from a persistent pinned buffer that is not "
-        "refilled before the event recorded after the copy",
-    ("executor/sampler.py", "to_device"):
-        "from a pinned copy made by pin_memory(): the caching host allocator keeps a pinned "
-        "block from reuse until the copy that read it has finished",
+        "a step's one host-to-device copy per consumer (the model's inputs, the sampler's "
+        "metadata), from a persistent pinned buffer that is not refilled before the event "
+        "recorded after the copy",
     ("engine/pipeline.py", "StepPipeline._copy_to_host"):
         "device to host: into a persistent pinned buffer (two alternate), and the logprobs "
         "into memory torch pins for a non-blocking device-to-host copy; both are read after "
@@ -130,7 +128,7 @@ class _CopyingPlatform(CpuPlatform):
 
 def test_staging_copies_once_and_waits_before_refilling():
     p = _CopyingPlatform()
-    st = StagingBuffers(p, capacity=16)
+    st = StagingBuffers(p, capacity=16 * 8)     # bytes
     a, b = st.fill([3, 2])
     a[:] = [1, 2, 3]
     b[:] = [4, 5]
@@ -150,11 +148,11 @@ def test_staging_copies_once_and_waits_before_refilling():
     big, = st.fill([40])
     big[:] = np.arange(40)
     (d,), _ = st.commit()
-    assert st.capacity >= 40 and d.tolist() == list(range(40)) and p.events[1].waited
+    assert st.capacity >= 40 * 8 and d.tolist() == list(range(40)) and p.events[1].waited
 
 
 def test_staging_on_the_cpu_copies_nothing():
-    st = StagingBuffers(CpuPlatform(), capacity=8)
+    st = StagingBuffers(CpuPlatform(), capacity=64)
     (a,) = st.fill([3])
     a[:] = [1, 2, 3]
     (d,), (h,) = st.commit()

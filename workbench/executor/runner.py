@@ -59,6 +59,8 @@ class StepInputs:
     valid until the step after next is prepared."""
     input_ids: torch.Tensor | None
     """[num_tokens]; None when the step's ids are already on the device (async scheduling)."""
+    input_rows: torch.Tensor | None
+    """When they are: [num_reqs] which row of the device-side ids each request reads."""
     positions: torch.Tensor
     logits_indices: torch.Tensor
     """The rows whose logits are computed: the sampling rows, then the prompt-logprob rows."""
@@ -86,6 +88,9 @@ class ModelRunnerOutput:
     prompt_spans: list[tuple[str, int, int]] = field(default_factory=list)
     """(request id, first position, count) of the prompt-logprob rows after the sampling
     rows."""
+    input_ids: torch.Tensor | None = None
+    """A step launched from ids on the device (async scheduling): each sampling row's input
+    id, gathered there (the token each request sampled the step before)."""
     sampled_token_ids: list[int] | None = None
     """Token ids the runner drew itself, one per sampling row (a modelled device's random
     tokens); None where the pipeline samples from `logits`."""
@@ -120,7 +125,7 @@ class ModelRunner:
         self._graph_pool = None
         max_blocks = cdiv(max_model_len, block_size)
         self.staging = StagingBuffers(
-            platform, 4 * max_num_tokens + max_num_seqs * (max_blocks + 3) + 16)
+            platform, 8 * (4 * max_num_tokens + max_num_seqs * (max_blocks + 3) + 16))
         """Where every step's inputs are written on the host and copied to the device from,
         sized for the largest step the scheduler makes (it grows for a larger one)."""
 
@@ -217,12 +222,12 @@ class ModelRunner:
         return self.kv_cache.numel() * self.kv_cache.element_size()
 
     def prepare(self, out: SchedulerOutput, pad_to: int | None = None,
-                ids_on_device: bool = False) -> StepInputs:
+                input_rows: list[int] | None = None) -> StepInputs:
         """Flatten the step, decodes first, then prefill chunks, into the staging buffers
         and copy them to the device once. pad_to: rows to pad a pure decode step to (a
         decode graph's size), each a token 0 at position 0 whose K/V goes to the null block.
-        ids_on_device: the caller has the ids (async scheduling); they are not read from the
-        sequences, where they are not yet.
+        input_rows: the ids are on the device already (async scheduling), not yet known
+        here; request i's is row input_rows[i] of them (staged in the ids' place).
 
         Slots are computed per block, vectorised: a token at position p of request r goes
         to table[r, p // block_size] * block_size + p % block_size."""
@@ -278,7 +283,10 @@ class ModelRunner:
             row = np.repeat(np.arange(rows), counts)
             np.add(np.arange(num_tokens) - qsl[row], starts[row], out=pos)
         np.add(table[row, pos // bs] * bs, pos % bs, out=slots)
-        if not ids_on_device:
+        if input_rows is not None:
+            ids[:n] = input_rows
+            ids[n:] = 0
+        else:
             ids[:nd] = [state[s.req_id].token_ids[s.start] for s in decodes]
             for s, a in zip(prefills, qsl[nd:n].tolist()):
                 ids[a:a + s.num_new_tokens] = state[s.req_id].token_ids[s.start:s.start + s.num_new_tokens]
@@ -291,28 +299,35 @@ class ModelRunner:
             query_start_loc=d_qsl, seq_lens=d_lens, block_table=d_table.view(rows, width),
             slot_mapping=d_slots, num_decode=nd if pad_to is None else rows,
             query_start_loc_cpu=host[4], seq_lens_cpu=host[5])
-        return StepInputs(None if ids_on_device else d_ids, d_pos, d_logits, common, sampling,
-                          prompt_spans)
+        on_device = input_rows is not None
+        return StepInputs(None if on_device else d_ids, d_ids[:n] if on_device else None, d_pos,
+                          d_logits, common, sampling, prompt_spans)
 
-    def _replay_decode(self, out: SchedulerOutput, input_ids: torch.Tensor | None = None):
-        """A pure decode step on a captured graph, or None to run it eager. input_ids: the
-        step's ids already on the device (async scheduling), else read from the sequences."""
+    def _replay_decode(self, out: SchedulerOutput, input_ids: torch.Tensor | None = None,
+                       input_rows: list[int] | None = None):
+        """A pure decode step on a captured graph, or None to run it eager. input_ids,
+        input_rows: see execute."""
         g = self.graphs
         if g is None or not out.scheduled or not all(s.is_decode for s in out.scheduled):
             return None
         size = g.size_for(len(out.scheduled))
         if size is None:
             return None
-        step = self.prepare(out, pad_to=size, ids_on_device=input_ids is not None)
+        if input_ids is not None:
+            step = self.prepare(out, pad_to=size, input_rows=input_rows)
+            input_ids = input_ids.index_select(0, step.input_rows)
+        else:
+            step = self.prepare(out, pad_to=size)
         logits, size = g.run(step, len(out.scheduled), input_ids)
-        return ModelRunnerOutput(step.sampling, (FULL, size), logits)
+        return ModelRunnerOutput(step.sampling, (FULL, size), logits, input_ids=input_ids)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, input_ids: torch.Tensor | None = None
-                ) -> ModelRunnerOutput:
-        """Run one step (see ModelRunnerOutput). input_ids: a decode step's ids on the
-        device, for a step scheduled before its tokens reached the host."""
-        replayed = self._replay_decode(out, input_ids)
+    def execute(self, out: SchedulerOutput, input_ids: torch.Tensor | None = None,
+                input_rows: list[int] | None = None) -> ModelRunnerOutput:
+        """Run one step (see ModelRunnerOutput). input_ids: for a decode step scheduled
+        before its tokens reached the host, the step before's sampled ids on the device, of
+        which request i reads row input_rows[i]."""
+        replayed = self._replay_decode(out, input_ids, input_rows)
         if replayed is not None:
             return replayed
         assert input_ids is None, "device-side ids need a decode graph (async scheduling)"
