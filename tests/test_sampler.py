@@ -297,3 +297,32 @@ def test_a_grammar_holds_the_step_back_and_telemetry_says_so(replaying_platform)
     held = [s.held_back for s in steps if s.held_back]
     assert held and all(h == {outs[0].request_id: "grammar"} for h in held)
     assert not any(s.scheduled_ahead for s in steps if outs[0].request_id in s.tokens_per_request)
+
+
+def test_a_request_sampled_at_several_positions_is_rows_of_the_metadata():
+    """What speculative decoding (issue 40) will verify with: one request given as a row per
+    position, each reading its own logits row with its history up to that position. A seeded
+    request's positions draw from its generator in row order, so three positions in one
+    call, among other rows, give the tokens of three calls one position at a time; the
+    penalties see each position's own history."""
+    logits = torch.stack([peaked(300, seed=40 + i, scale=1.0) for i in range(6)])
+    p = SamplingParams(temperature=0.9, top_p=0.95, frequency_penalty=0.7, seed=8)
+    prompt, drafts = [5, 6, 7], [11, 12]
+    g = torch.Generator().manual_seed(8)
+    alone = []
+    for j in range(3):                                  # one position per call, in order
+        row = SamplingRow(p, prompt + drafts[:j], len(prompt), g)
+        alone.append(sample(logits, sampling_metadata([row], 300, logits_rows=[1 + j]))
+                     .token_ids.item())
+    g = torch.Generator().manual_seed(8)
+    other = SamplingParams(temperature=0.8)
+    rows = [SamplingRow(other, [1], 1)] + [SamplingRow(p, prompt + drafts[:j], len(prompt), g)
+                                           for j in range(3)] + [SamplingRow(other, [2], 1)]
+    together = sample(logits, sampling_metadata(rows, 300, logits_rows=[0, 1, 2, 3, 5],
+                                                shared=torch.Generator().manual_seed(0)))
+    assert together.token_ids[1:4].tolist() == alone
+    # Each position's history is its own: the draft before position 1 is penalised there only.
+    q = SamplingParams(temperature=0, logit_bias={11: 8.0}, repetition_penalty=10.0)
+    rows = [SamplingRow(q, prompt + drafts[:j], len(prompt)) for j in range(2)]
+    ids = sample(logits, sampling_metadata(rows, 300, logits_rows=[1, 1])).token_ids.tolist()
+    assert ids[0] == 11 and ids[1] != 11

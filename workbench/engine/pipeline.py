@@ -126,7 +126,8 @@ class StepPipeline:
             if not (self.async_scheduling and graph is not None and graph[0] == FULL
                     and not held):
                 if spans:
-                    self.output.add_prompt_logprobs(spans, logits[len(ran.req_ids):])
+                    self.output.add_prompt_logprobs(spans, logits[len(ran.req_ids):],
+                                                    ran.prompt_targets)
                 rows, reqs = ParentRequest.sampling_rows(reqs)
                 out = self._sample(logits, reqs, rows)
                 self.scheduler.update_after_step(sched)

@@ -69,6 +69,8 @@ class StepInputs:
     """In logits order: the requests that sample."""
     prompt_spans: list[tuple[str, int, int]]
     """(request id, first position, count) of the prompt-logprob rows."""
+    prompt_targets: torch.Tensor
+    """[prompt-logprob rows] the prompt token each of them scores (the next position's)."""
 
 
 @dataclass(slots=True)
@@ -88,6 +90,8 @@ class ModelRunnerOutput:
     prompt_spans: list[tuple[str, int, int]] = field(default_factory=list)
     """(request id, first position, count) of the prompt-logprob rows after the sampling
     rows."""
+    prompt_targets: torch.Tensor | None = None
+    """[prompt-logprob rows] on the device: the prompt token each of them scores."""
     input_ids: torch.Tensor | None = None
     """A step launched from ids on the device (async scheduling): each sampling row's input
     id, gathered there (the token each request sampled the step before)."""
@@ -246,6 +250,7 @@ class ModelRunner:
         logits_rows: list[int] = []
         prompt_rows: list[int] = []
         prompt_spans: list[tuple[str, int, int]] = []
+        targets: list[int] = []
         q_start = nd
         for s in prefills:
             k = s.num_new_tokens
@@ -260,12 +265,14 @@ class ModelRunner:
                 count = min(s.start + k, last) - s.start
                 prompt_spans.append((s.req_id, s.start, count))
                 prompt_rows += range(q_start, q_start + count)
+                targets += r.token_ids[s.start + 1:s.start + 1 + count]
             q_start += k
         tables = [state[s.req_id].block_ids for s in reqs]
         width = max(1, max(map(len, tables), default=1))
         num_logits = nd + len(logits_rows) + len(prompt_rows)
-        ids, pos, slots, logits, qsl, lens, table = self.staging.fill(
-            [num_tokens, num_tokens, num_tokens, num_logits, rows + 1, rows, rows * width])
+        ids, pos, slots, logits, qsl, lens, table, prompt_targets = self.staging.fill(
+            [num_tokens, num_tokens, num_tokens, num_logits, rows + 1, rows, rows * width,
+             len(targets)])
 
         qsl[0] = 0
         np.cumsum(counts, out=qsl[1:])
@@ -293,15 +300,17 @@ class ModelRunner:
             ids[qsl[n]:] = 0
         logits[:nd] = np.arange(nd)
         logits[nd:] = logits_rows + prompt_rows
+        prompt_targets[:] = targets
 
-        (d_ids, d_pos, d_slots, d_logits, d_qsl, d_lens, d_table), host = self.staging.commit()
+        (d_ids, d_pos, d_slots, d_logits, d_qsl, d_lens, d_table, d_targets), host = \
+            self.staging.commit()
         common = CommonAttentionMetadata(
             query_start_loc=d_qsl, seq_lens=d_lens, block_table=d_table.view(rows, width),
             slot_mapping=d_slots, num_decode=nd if pad_to is None else rows,
             query_start_loc_cpu=host[4], seq_lens_cpu=host[5])
         on_device = input_rows is not None
         return StepInputs(None if on_device else d_ids, d_ids[:n] if on_device else None, d_pos,
-                          d_logits, common, sampling, prompt_spans)
+                          d_logits, common, sampling, prompt_spans, d_targets)
 
     def _replay_decode(self, out: SchedulerOutput, input_ids: torch.Tensor | None = None,
                        input_rows: list[int] | None = None):
@@ -334,10 +343,10 @@ class ModelRunner:
         step = self.prepare(out)
         meta = self.backend.build(step.common)
         input_ids, positions, logits_indices = step.input_ids, step.positions, step.logits_indices
-        sampling, spans = step.sampling, step.prompt_spans
+        sampling, spans, targets = step.sampling, step.prompt_spans, step.prompt_targets
         pw = self.piecewise
         if pw is not None and pw.size_for(input_ids.shape[0]) is not None:
             logits, size = pw.run(input_ids, positions, meta, logits_indices)
-            return ModelRunnerOutput(sampling, (PIECEWISE, size), logits, spans)
+            return ModelRunnerOutput(sampling, (PIECEWISE, size), logits, spans, targets)
         logits = self.model(input_ids, positions, self.layer_caches, meta, logits_indices)
-        return ModelRunnerOutput(sampling, None, logits, spans)
+        return ModelRunnerOutput(sampling, None, logits, spans, targets)
