@@ -203,7 +203,7 @@ class SamplingMetadataBuilder:
         words] int32 on the host, the grammar's mask of the rows `bitmask_rows`.
         pending_ids: [N] on the device, each row's token of the step before, not yet in its
         history (a step run ahead): the processors count it as output."""
-        n, vocab = len(rows), self.vocab_size
+        n = len(rows)
         params = [r.params for r in rows]
         pack = _Pack()
         at_rows = None if logits_rows is None else pack.add(logits_rows)
@@ -312,7 +312,8 @@ class SamplingMetadataBuilder:
 
         def make(dev, shared) -> DrawInputs:
             made = [None if g is None else Filters(
-                top_k=g[1], top_p=g[2], **{k: None if a is None else dev[a] for k, a in g[0].items()})
+                top_k=g[1], top_p=g[2],
+                **{k: None if a is None else dev[a] for k, a in g[0].items()})
                 for g in groups]
             return DrawInputs(None if at_rows is None else dev[at_rows], *made, gens,
                               None if at_unseeded is None else dev[at_unseeded], shared)
