@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..core.sampling_params import SamplingParams
-from .staging import StagingBuffers
+from .staging import NUMPY_DTYPES, StagingBuffers
 
 
 @dataclass(slots=True)
@@ -151,8 +151,7 @@ class _Pack:
         self.arrays: list[tuple[np.ndarray, torch.dtype]] = []
 
     def add(self, values, dtype: torch.dtype = torch.long) -> int:
-        self.arrays.append((np.asarray(values, dtype=torch.empty(0, dtype=dtype).numpy().dtype),
-                            dtype))
+        self.arrays.append((np.asarray(values, dtype=NUMPY_DTYPES[dtype]), dtype))
         return len(self.arrays) - 1
 
     def commit(self, staging: StagingBuffers) -> list[torch.Tensor]:

@@ -40,8 +40,9 @@ import torch
 ALIGN = 16
 """Bytes: where each array starts."""
 
-_NUMPY = {torch.long: np.int64, torch.float32: np.float32, torch.int32: np.int32,
-          torch.bool: np.bool_}
+NUMPY_DTYPES = {torch.long: np.int64, torch.float32: np.float32, torch.int32: np.int32,
+                torch.bool: np.bool_}
+"""The dtypes an array may have, as numpy names them."""
 
 
 class StagingBuffers:
@@ -95,7 +96,7 @@ class StagingBuffers:
             self._events[self._flip] = None
         self._parts, self._total = parts, at
         view = self._views[self._flip]
-        return [view[a:a + n * t.itemsize].view(_NUMPY[t]) for a, n, t in parts]
+        return [view[a:a + n * t.itemsize].view(NUMPY_DTYPES[t]) for a, n, t in parts]
 
     def commit(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Copy what `fill` handed out to the device, in one non-blocking copy from the
