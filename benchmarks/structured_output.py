@@ -185,12 +185,11 @@ def bench_workbench(tok, vocab: int, steps: list[int], batch: int) -> dict:
     t0 = time.perf_counter(); manager.compile(StructuredOutputsParams(regex=REGEX)); out["compile_regex_ms"] = _ms(t0)
     matchers = [manager.compile(StructuredOutputsParams(json=SCHEMAS["nested"])) for _ in range(batch)]
     logits = torch.randn(batch, vocab)
-    rows = list(range(batch))
 
     def advance(t):
         assert all(m.consume_token(t) for m in matchers)
     return {**out, **_time_steps(
-        steps, batch, lambda: apply_token_bitmask(logits, manager.grammar_bitmask(matchers), rows),
+        steps, batch, lambda: apply_token_bitmask(logits, manager.grammar_bitmask(matchers)),
         advance)}
 
 

@@ -184,6 +184,34 @@ def test_onednn_bf16_needs_native_bf16_in_the_flags(monkeypatch):
     monkeypatch.setattr(cpu_ops, "_onednn_bf16", None)
 
 
+def test_the_onednn_packing_is_the_ops_objects_state(monkeypatch):
+    """A bf16 weight is packed into oneDNN's layout once, at its first batched use, and the
+    packing is held by the model's ops object, not hung on the weight tensor. (This CPU may
+    have no native bf16: oneDNN's two ops are stood in for by their meaning, a copy and a
+    linear layer; what is checked is who holds what.)"""
+    from workbench.platforms import cpu_kernels, cpu_ops
+    packs = []
+
+    def reorder(w, rows):
+        packs.append(w)
+        return w.clone()
+    monkeypatch.setattr(cpu_ops, "onednn_bf16", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", reorder)
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                        lambda x, w, b, *a: torch.nn.functional.linear(x, w, b))
+    w = torch.randn(16, 8).bfloat16()
+    x = torch.randn(4, 8).bfloat16()
+    ops = cpu_ops.CpuOps()
+    for _ in range(3):
+        assert torch.equal(ops.linear(x, w), torch.nn.functional.linear(x, w))
+    assert len(packs) == 1 and ops._onednn[id(w)][0] is w
+    assert not hasattr(w, "_onednn_packed")
+    other = cpu_ops.CpuOps()                        # another model's ops packs its own
+    other.linear(x, w)
+    assert len(packs) == 2 and id(w) not in cpu_ops.CpuOps()._onednn
+
+
 # --- auto by measurement -------------------------------------------------------------------
 
 class FakeClock:

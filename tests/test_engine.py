@@ -317,21 +317,25 @@ def test_top_p_keeps_the_nucleus_only():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     p = SamplingParams(temperature=1.0, top_p=0.7)
     g = torch.Generator().manual_seed(0)
-    drawn = {sample(logits, [_seq(p)], [g]).token_ids.item() for _ in range(300)}
+    drawn = {sample(logits, _md([_row(p, gen=g)], 4)).token_ids.item() for _ in range(300)}
     assert drawn == {0, 1}
     p = SamplingParams(temperature=1.0, top_k=3)
-    drawn = {sample(logits, [_seq(p)], [g]).token_ids.item() for _ in range(300)}
+    drawn = {sample(logits, _md([_row(p, gen=g)], 4)).token_ids.item() for _ in range(300)}
     assert drawn == {0, 1, 2}
     p = SamplingParams(temperature=1.0, min_p=0.35)     # 0.15 and 0.05 < 0.35 * 0.5
-    drawn = {sample(logits, [_seq(p)], [g]).token_ids.item() for _ in range(300)}
+    drawn = {sample(logits, _md([_row(p, gen=g)], 4)).token_ids.item() for _ in range(300)}
     assert drawn == {0, 1}
 
 
-def _seq(params, prompt=(1,), output=()):
-    from workbench.core.sequence import Sequence
-    s = Sequence("x", list(prompt), params)
-    s.token_ids += list(output)
-    return s
+def _row(params, prompt=(1,), output=(), gen=None):
+    """One sampling row: a request with this prompt that has generated `output`."""
+    from workbench.executor.sampling_metadata import SamplingRow
+    return SamplingRow(params, [*prompt, *output], len(prompt), gen)
+
+
+def _md(rows, vocab, **kw):
+    from workbench.executor.sampling_metadata import sampling_metadata
+    return sampling_metadata(rows, vocab, **kw)
 
 
 def test_telemetry_records_steps_requests_and_memory(tiny_engine, tmp_path):
@@ -398,8 +402,9 @@ def test_tiny_temperature_is_greedy_and_safe(tiny_engine):
     import torch
     from workbench.executor.sampler import sample
     logits = torch.tensor([[1e3, -1e3, 5.0]])
-    assert sample(logits, [_seq(SamplingParams(temperature=1e-4))],
-                  [torch.Generator().manual_seed(0)]).token_ids.tolist() == [0]
+    assert sample(logits, _md([_row(SamplingParams(temperature=1e-4),
+                                    gen=torch.Generator().manual_seed(0))], 3)
+                  ).token_ids.tolist() == [0]
 
 
 @pytest.mark.parametrize("kw,field", [
@@ -606,13 +611,14 @@ def test_penalty_processors_match_their_definitions():
     logits = torch.tensor([[2.0, -1.0, 3.0, 0.5, 1.0]])
     p = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25,
                        logit_bias={4: 1.5}, min_tokens=5, stop_token_ids=[0])
-    out = apply_processors(logits, [_seq(p, prompt=[1], output=[2, 2, 3])], {3})
+    out = apply_processors(logits, _md([_row(p, prompt=[1], output=[2, 2, 3])], 5,
+                                       eos_token_ids={3}).processors)
     # 0: banned (stop id, 3 < min_tokens); 1: prompt -> -1 * 2; 2: 3/2 - 2*0.5 - 0.25;
     # 3: EOS, banned; 4: +1.5.
     want = torch.tensor([[float("-inf"), -2.0, 0.25, float("-inf"), 2.5]])
     assert torch.equal(out, want)
     none = SamplingParams(repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
-    assert torch.equal(apply_processors(logits, [_seq(none, [1], [2, 2, 3])], {3}), logits)
+    assert _md([_row(none, [1], [2, 2, 3])], 5, eos_token_ids={3}).processors is None
 
 
 def test_penalties_change_a_repeating_output(smol):

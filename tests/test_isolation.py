@@ -11,9 +11,9 @@ from conftest import random_prompts
 from workbench import Engine, SamplingParams
 from workbench.executor import sampler
 
-POISON = 12345
-"""A top_k that the patched sampler below refuses, as a stand-in for any parameter a sampler
-could fail on."""
+POISON = 777
+"""A top_k (below the vocabulary, so the sampler sees it) that the patched sampler below
+refuses, as a stand-in for any parameter a sampler could fail on."""
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +26,10 @@ def engine(tiny_checkpoints):
 def poisoned_draw(monkeypatch):
     real = sampler._draw
 
-    def draw(logits, params, generators, shared):
-        if any(p.top_k == POISON for p in params):
+    def draw(logits, d):
+        if d.truncated is not None and POISON in d.truncated.top_k:
             raise OverflowError("int too big to convert (a hostile parameter)")
-        return real(logits, params, generators, shared)
+        return real(logits, d)
     monkeypatch.setattr(sampler, "_draw", draw)
 
 

@@ -13,9 +13,9 @@ import torch
 
 from conftest import random_prompts
 from workbench import Engine, SamplingParams
-from workbench.core.sequence import Sequence
 from workbench.executor import sampler
 from workbench.executor.sampler import sample
+from workbench.executor.sampling_metadata import SamplingRow, sampling_metadata
 
 DRAWS = 40_000
 
@@ -52,12 +52,18 @@ def chi_square_fits(counts: torch.Tensor, probs: torch.Tensor) -> tuple[bool, st
     return stat <= df + 6 * math.sqrt(2 * df), f"chi2 {stat:.1f} for df {df}"
 
 
+def metadata(logits: torch.Tensor, params: list[SamplingParams], generators=None, **kw):
+    """The step's SamplingMetadata for rows of these params (prompt [1], no output)."""
+    gens = generators or [None] * len(params)
+    return sampling_metadata([SamplingRow(p, [1], 1, g) for p, g in zip(params, gens)],
+                             logits.shape[-1], **kw)
+
+
 def draw_counts(logits: torch.Tensor, p: SamplingParams, seed: int = 0) -> torch.Tensor:
     """DRAWS draws of one row's distribution, as one batch of DRAWS rows (the batched path)."""
     rows = logits[None].expand(DRAWS, -1).contiguous()
-    seq = Sequence("x", [1], p)
-    ids = sample(rows, [seq] * DRAWS, [None] * DRAWS,
-                 shared=torch.Generator().manual_seed(seed)).token_ids
+    ids = sample(rows, metadata(rows, [p] * DRAWS,
+                                shared=torch.Generator().manual_seed(seed))).token_ids
     return torch.bincount(ids, minlength=logits.numel())
 
 
@@ -128,15 +134,17 @@ def test_the_distribution_check_fails_a_mutated_filter(mutation, kw, monkeypatch
     else:
         real = sampler._draw_truncated
         if mutation == "top_p_too_wide":         # keeps tokens past the nucleus
-            def broken(logits, temp, u, min_p, top_k, top_p, candidates=None):
-                return real(logits, temp, u, min_p, top_k, [min(1.0, x + 0.12) for x in top_p],
+            def broken(logits, f, u, candidates=None):
+                wider = [min(1.0, x + 0.12) for x in f.top_p]
+                return real(logits, replace(f, top_p=wider, top_p_t=torch.tensor(wider)), u,
                             candidates)
         elif mutation == "no_min_p":
-            def broken(logits, temp, u, min_p, top_k, top_p, candidates=None):
-                return real(logits, temp, u, None, top_k, top_p, candidates)
+            def broken(logits, f, u, candidates=None):
+                return real(logits, replace(f, min_p=None), u, candidates)
         else:
-            def broken(logits, temp, u, min_p, top_k, top_p, candidates=None):
-                return real(logits, torch.ones_like(temp), u, min_p, top_k, top_p, candidates)
+            def broken(logits, f, u, candidates=None):
+                return real(logits, replace(f, temperature=torch.ones_like(f.temperature)), u,
+                            candidates)
         monkeypatch.setattr(sampler, "_draw_truncated", broken)
         counts = draw_counts(logits, p)
     ok, why = chi_square_fits(counts, want)
@@ -153,14 +161,14 @@ def test_the_accelerator_path_reads_nothing_on_the_host(kw, monkeypatch):
     logits = peaked(3000, seed=11, scale=1.0)
     p = SamplingParams(**{"temperature": 1.0, **kw})
     rows = logits[None].expand(2000, -1).contiguous()
-    seqs = [Sequence("x", [1], p)] * 2000
+    md = metadata(rows, [p] * 2000, shared=torch.Generator().manual_seed(0))
 
     def no_host(*a, **k):
         raise AssertionError("the sampler read a device value on the host")
     with monkeypatch.context() as m:
         for name in ("tolist", "item", "__bool__"):
             m.setattr(torch.Tensor, name, no_host)
-        ids = sample(rows, seqs, [None] * 2000, shared=torch.Generator().manual_seed(0)).token_ids
+        ids = sample(rows, md).token_ids
     ok, msg = chi_square_fits(torch.bincount(ids, minlength=3000), reference(logits, p))
     assert ok, msg
 
@@ -171,8 +179,8 @@ def test_greedy_and_sampled_rows_share_a_batch():
     ps = [SamplingParams(temperature=0), SamplingParams(temperature=0.8),
           SamplingParams(temperature=0.9, top_k=1), SamplingParams(temperature=0),
           SamplingParams(temperature=1.0, top_p=0.5), SamplingParams(temperature=1e-6)]
-    ids = sample(logits, [Sequence("x", [1], p) for p in ps], [None] * 6,
-                 shared=torch.Generator().manual_seed(0)).token_ids.tolist()
+    ids = sample(logits, metadata(logits, ps, shared=torch.Generator().manual_seed(0))
+                 ).token_ids.tolist()
     best = logits.argmax(-1).tolist()
     assert [ids[i] for i in (0, 2, 3, 5)] == [best[i] for i in (0, 2, 3, 5)]
     assert reference(logits[4], ps[4])[ids[4]] > 0
@@ -190,14 +198,13 @@ def test_a_seeded_row_depends_only_on_its_own_logits_and_seed():
     stream_alone, stream_batch, stream_last = [], [], []
     ga, gb, gc = (torch.Generator().manual_seed(1) for _ in range(3))
     for step in range(30):
-        stream_alone.append(sample(logits[None], [Sequence("x", [1], p)], [ga]).token_ids.item())
-        seqs = [Sequence("x", [1], q) for q in [p, *others]]
-        stream_batch.append(sample(torch.cat([logits[None], rows]), seqs, [gb] + [None] * 31,
-                                   shared=torch.Generator().manual_seed(step)).token_ids[0].item())
-        seqs = [Sequence("x", [1], q) for q in [*others, p]]
-        stream_last.append(sample(torch.cat([rows, logits[None]]), seqs, [None] * 31 + [gc],
-                                  shared=torch.Generator().manual_seed(step + 50)
-                                  ).token_ids[-1].item())
+        stream_alone.append(sample(logits[None], metadata(logits, [p], [ga])).token_ids.item())
+        stream_batch.append(sample(torch.cat([logits[None], rows]), metadata(
+            logits, [p, *others], [gb] + [None] * 31,
+            shared=torch.Generator().manual_seed(step))).token_ids[0].item())
+        stream_last.append(sample(torch.cat([rows, logits[None]]), metadata(
+            logits, [*others, p], [None] * 31 + [gc],
+            shared=torch.Generator().manual_seed(step + 50))).token_ids[-1].item())
     assert stream_alone == stream_batch == stream_last
     assert len(set(stream_alone)) > 3                  # it does sample
 
@@ -290,3 +297,32 @@ def test_a_grammar_holds_the_step_back_and_telemetry_says_so(replaying_platform)
     held = [s.held_back for s in steps if s.held_back]
     assert held and all(h == {outs[0].request_id: "grammar"} for h in held)
     assert not any(s.scheduled_ahead for s in steps if outs[0].request_id in s.tokens_per_request)
+
+
+def test_a_request_sampled_at_several_positions_is_rows_of_the_metadata():
+    """What speculative decoding (issue 40) will verify with: one request given as a row per
+    position, each reading its own logits row with its history up to that position. A seeded
+    request's positions draw from its generator in row order, so three positions in one
+    call, among other rows, give the tokens of three calls one position at a time; the
+    penalties see each position's own history."""
+    logits = torch.stack([peaked(300, seed=40 + i, scale=1.0) for i in range(6)])
+    p = SamplingParams(temperature=0.9, top_p=0.95, frequency_penalty=0.7, seed=8)
+    prompt, drafts = [5, 6, 7], [11, 12]
+    g = torch.Generator().manual_seed(8)
+    alone = []
+    for j in range(3):                                  # one position per call, in order
+        row = SamplingRow(p, prompt + drafts[:j], len(prompt), g)
+        alone.append(sample(logits, sampling_metadata([row], 300, logits_rows=[1 + j]))
+                     .token_ids.item())
+    g = torch.Generator().manual_seed(8)
+    other = SamplingParams(temperature=0.8)
+    rows = [SamplingRow(other, [1], 1)] + [SamplingRow(p, prompt + drafts[:j], len(prompt), g)
+                                           for j in range(3)] + [SamplingRow(other, [2], 1)]
+    together = sample(logits, sampling_metadata(rows, 300, logits_rows=[0, 1, 2, 3, 5],
+                                                shared=torch.Generator().manual_seed(0)))
+    assert together.token_ids[1:4].tolist() == alone
+    # Each position's history is its own: the draft before position 1 is penalised there only.
+    q = SamplingParams(temperature=0, logit_bias={11: 8.0}, repetition_penalty=10.0)
+    rows = [SamplingRow(q, prompt + drafts[:j], len(prompt)) for j in range(2)]
+    ids = sample(logits, sampling_metadata(rows, 300, logits_rows=[1, 1])).token_ids.tolist()
+    assert ids[0] == 11 and ids[1] != 11

@@ -18,11 +18,9 @@ PKG = Path(__file__).resolve().parents[1] / "workbench"
 
 NON_BLOCKING_ALLOWED = {
     ("executor/staging.py", "StagingBuffers.commit"):
-        "the step's one host-to-device copy, from a persistent pinned buffer that is not "
-        "refilled before the event recorded after the copy",
-    ("executor/sampler.py", "to_device"):
-        "from a pinned copy made by pin_memory(): the caching host allocator keeps a pinned "
-        "block from reuse until the copy that read it has finished",
+        "a step's one host-to-device copy per consumer (the model's inputs, the sampler's "
+        "metadata), from a persistent pinned buffer that is not refilled before the event "
+        "recorded after the copy",
     ("engine/pipeline.py", "StepPipeline._copy_to_host"):
         "device to host: into a persistent pinned buffer (two alternate), and the logprobs "
         "into memory torch pins for a non-blocking device-to-host copy; both are read after "
@@ -130,7 +128,7 @@ class _CopyingPlatform(CpuPlatform):
 
 def test_staging_copies_once_and_waits_before_refilling():
     p = _CopyingPlatform()
-    st = StagingBuffers(p, capacity=16)
+    st = StagingBuffers(p, capacity=16 * 8)     # bytes
     a, b = st.fill([3, 2])
     a[:] = [1, 2, 3]
     b[:] = [4, 5]
@@ -150,11 +148,11 @@ def test_staging_copies_once_and_waits_before_refilling():
     big, = st.fill([40])
     big[:] = np.arange(40)
     (d,), _ = st.commit()
-    assert st.capacity >= 40 and d.tolist() == list(range(40)) and p.events[1].waited
+    assert st.capacity >= 40 * 8 and d.tolist() == list(range(40)) and p.events[1].waited
 
 
 def test_staging_on_the_cpu_copies_nothing():
-    st = StagingBuffers(CpuPlatform(), capacity=8)
+    st = StagingBuffers(CpuPlatform(), capacity=64)
     (a,) = st.fill([3])
     a[:] = [1, 2, 3]
     (d,), (h,) = st.commit()
@@ -200,3 +198,43 @@ def test_a_cuda_shaped_engine_through_the_staging_gives_the_reference_tokens():
     res = json.loads(run_interpreted(CUDA_SHAPED).splitlines()[-1])
     assert res == dict(equal=True, attention="triton", graphs=res["graphs"], copies=True)
     assert res["graphs"] > 0
+
+
+def test_the_samplers_inputs_reach_the_device_in_one_staged_copy():
+    """SamplingMetadataBuilder (executor/sampling_metadata.py) stages everything the sampler
+    reads from the host (columns, histories, logit_bias, min_tokens bans, a grammar's bitmask,
+    the logits rows): one copy per build on a platform with memory of its own, none for an
+    all-greedy plain step, and the same tokens as on the CPU, where nothing is copied."""
+    from workbench.core.sampling_params import SamplingParams
+    from workbench.executor.sampler import sample
+    from workbench.executor.sampling_metadata import SamplingMetadataBuilder, SamplingRow
+    vocab = 100
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    params = [SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.3),
+              SamplingParams(temperature=0.7, top_k=5, frequency_penalty=0.5, seed=3),
+              SamplingParams(temperature=0, logit_bias={7: 4.0}, min_tokens=4,
+                             stop_token_ids=[2]),
+              SamplingParams(temperature=1.1, min_p=0.05, logprobs=2)]
+    bitmask = torch.full((2, 4), -1, dtype=torch.int32)
+    bitmask[0, 0] = 0b1010                                # row 1: tokens 1, 3 and 32..99
+    bitmask[1, 1:] = 0                                    # row 3: tokens 0..31
+
+    def run(platform):
+        gens = [torch.Generator().manual_seed(3)]
+        rows = [SamplingRow(p, [1, 2, 3, 4, 5, 4][:3 + i], 3, gens[0] if p.seed else None)
+                for i, p in enumerate(params)]
+        md = SamplingMetadataBuilder(platform, vocab, {0}).build(
+            rows, shared=torch.Generator().manual_seed(1), logits_rows=[4, 0, 2, 2],
+            bitmask=bitmask, bitmask_rows=[1, 3])
+        out = sample(logits, md)
+        return out.token_ids.tolist(), out.logprobs.logprobs.tolist()
+
+    copying = _CopyingPlatform()
+    assert run(copying) == run(CpuPlatform())
+    assert len(copying.events) == 1
+    ids, _ = run(CpuPlatform())
+    assert ids[1] in (1, 3) or ids[1] >= 32
+    assert ids[3] < 32 and ids[2] not in (0, 2)
+    greedy = SamplingMetadataBuilder(copying, vocab).build(
+        [SamplingRow(SamplingParams(temperature=0), [1], 1)] * 3)
+    assert len(copying.events) == 1 and greedy.draw is greedy.processors is None

@@ -125,7 +125,7 @@ def test_token_bitmask_applies_on_the_given_rows():
         torch.where(words >= 2**31, words - 2**32, words).to(torch.int32))
     with torch.inference_mode():              # the runner's logits are inference tensors
         inf_logits = logits.clone()
-        out = apply_token_bitmask(inf_logits, bitmask, [0, 2])
+        out = apply_token_bitmask(inf_logits, bitmask, torch.tensor([0, 2]))
     want = logits.clone()
     want[0][~allowed[0]] = float("-inf")
     want[2][~allowed[1]] = float("-inf")

@@ -19,10 +19,10 @@ import torch
 from ..config import EngineConfig
 from ..core.block_manager import KVBlockSnapshot
 from ..core.sampling_params import SamplingParams
-from ..core.sequence import Sequence
 from ..core.structured_output import StructuredOutputManager
 from ..executor.models import model_digest
 from ..executor.sampler import sample
+from ..executor.sampling_metadata import SamplingMetadataBuilder, SamplingRow
 from ..roofline import DeviceRoofs, probe_roofs
 from ..telemetry import EngineInfo, EngineStats
 from .build import RealDevice, build_engine
@@ -64,7 +64,8 @@ class EngineCore:
         self.pipeline = pipeline(self.scheduler, self.runner, self.platform, self.output,
                                  self.structured_output, self.telemetry, b.eos_token_ids,
                                  b.async_scheduling, self.config.max_num_seqs,
-                                 self.config.seed, self.clock, requests=self.requests)
+                                 self.config.seed, self.clock, requests=self.requests,
+                                 vocab_size=self.vocab_size)
 
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
@@ -154,10 +155,11 @@ class EngineCore:
         gen = torch.Generator(device=dev).manual_seed(0)
         logits = torch.randn(batch, vocab, device=dev, generator=gen) * 4
         out = {}
+        builder = SamplingMetadataBuilder(self.platform, vocab)
         for name, p in (("greedy", SamplingParams(temperature=0)), ("sampled", params)):
-            seqs = [Sequence(f"cost-{i}", [1], p) for i in range(batch)]
-            t = self.platform.best_time(lambda: sample(logits, seqs, [None] * batch, shared=gen),
-                                        reps)
+            rows = [SamplingRow(p, [1], 1)] * batch
+            t = self.platform.best_time(
+                lambda: sample(logits, builder.build(rows, shared=gen)), reps)
             out[f"{name}_ms"] = round(t * 1e3, 2)
         return out
 

@@ -142,15 +142,13 @@ class OutputProcessor:
             r.first.done.set()
         return ev, delivered
 
-    def add_prompt_logprobs(self, spans, logits: torch.Tensor) -> None:
+    def add_prompt_logprobs(self, spans, logits: torch.Tensor, targets: torch.Tensor) -> None:
         """Logprobs of prompt tokens from the rows of a prefill (see ModelRunner.prepare):
-        the row at position p scores prompt token p + 1. One batched pass for the step.
-        spans: (request id, first position, count)."""
+        the row at position p scores prompt token p + 1 (`targets`, on the logits' device).
+        One batched pass for the step. spans: (request id, first position, count)."""
         reqs = [(self.requests.get(rid), first, count) for rid, first, count in spans]
-        targets = [t for r, first, count in reqs
-                   for t in r.seq.prompt_token_ids[first + 1:first + 1 + count]]
         k = max(r.seq.params.prompt_logprobs for r, _, _ in reqs)
-        lp = compute_logprobs(logits, torch.tensor(targets, device=logits.device), k).to_host()
+        lp = compute_logprobs(logits, targets, k).to_host()
         row = 0
         for r, first, count in reqs:
             if r.prompt_logprobs is not None:

@@ -22,8 +22,9 @@ from ..core.clock import Clock, WallClock
 from ..core.scheduler import Scheduler, SchedulerOutput
 from ..core.structured_output import StructuredOutputManager
 from ..executor.runner import ModelRunner
-from ..executor.sampler import (LogprobsTensors, SamplerOutput, apply_token_bitmask, sample,
-                               to_device)
+from ..executor.sampler import LogprobsTensors, SamplerOutput, sample
+from ..executor.sampling_metadata import (STAND_IN, SamplingMetadata, SamplingMetadataBuilder,
+                                          SamplingRow)
 from ..telemetry import FULL, StepEvent, Telemetry
 from .output_processor import OutputProcessor
 from .request import ParentRequest, Request, RequestRegistry, TokenEvent
@@ -85,7 +86,7 @@ class StepPipeline:
                  output: OutputProcessor, structured_output: StructuredOutputManager,
                  telemetry: Telemetry, eos_token_ids: set[int], async_scheduling: bool,
                  max_num_seqs: int, seed: int = 0, clock: Clock | None = None, *,
-                 requests: RequestRegistry):
+                 requests: RequestRegistry, vocab_size: int):
         self.scheduler = scheduler
         self.requests = requests
         """Where a step's rows find their requests (by sequence id)."""
@@ -106,6 +107,8 @@ class StepPipeline:
         self.generator = torch.Generator(device=platform.device).manual_seed(seed)
         """What unseeded sampled rows draw from (a seeded request has its own): the same
         engine seed and the same requests in the same order sample the same tokens."""
+        self.sampling = SamplingMetadataBuilder(platform, vocab_size, eos_token_ids)
+        """Builds each step's SamplingMetadata from its requests (and copies it, staged)."""
 
     def step(self, run_ahead: Callable[[], bool]) -> StepResult:
         """One step's worth of work (see the module's docstring). `run_ahead()` is asked just
@@ -145,11 +148,9 @@ class StepPipeline:
             return self._copy_to_host(sched, self._sample(logits, reqs), reqs, graph, t0,
                                       ahead=False)
         if spans:
-            self.output.add_prompt_logprobs(spans, logits[len(ran.req_ids):])
+            self.output.add_prompt_logprobs(spans, logits[len(ran.req_ids):], ran.prompt_targets)
         rows, reqs = ParentRequest.sampling_rows(reqs)
-        if rows is not None:
-            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        out = self._sample(logits[:len(reqs)], reqs)
+        out = self._sample(logits, reqs, rows)
         self.scheduler.update_after_step(sched)
         lp = out.logprobs.to_host() if out.logprobs is not None else None
         return self._hand_out(sched, reqs, out.token_ids.tolist(), lp, graph, t0, held_back=held)
@@ -163,15 +164,13 @@ class StepPipeline:
         """Launch the decode step after `pending` from its ids still on the device (`rows`:
         pending's row of each of sched's requests)."""
         t1 = self.clock.now()
-        ids = pending.token_ids
-        if rows != list(range(len(rows))) or len(rows) != ids.shape[0]:
-            ids = ids.index_select(0, to_device(torch.tensor(rows), ids.device))
-        # No larger than the step before it, so a captured size holds it.
-        ran = self.runner.execute(sched, input_ids=ids)
+        # No larger than the step before it, so a captured size holds it. Its input ids:
+        # rows `rows` of step N's, on the device.
+        ran = self.runner.execute(sched, input_ids=pending.token_ids, input_rows=rows)
         reqs = self.requests.requests_of(ran.req_ids)
-        # ids: each row's token of step N, not yet in its Sequence (penalties count it)
-        return self._copy_to_host(sched, self._sample(ran.logits, reqs, ids), reqs, ran.graph,
-                                  t1, ahead=True)
+        # each row's token of step N, not yet in its Sequence (penalties count it)
+        return self._copy_to_host(sched, self._sample(ran.logits, reqs, pending_ids=ran.input_ids),
+                                  reqs, ran.graph, t1, ahead=True)
 
     def _finish(self, pending: InFlightStep) -> StepResult:
         """Wait for `pending`'s ids and hand them out."""
@@ -191,31 +190,34 @@ class StepPipeline:
         """Raise ValueError for what this pipeline cannot run (a real device runs anything
         the params' own checks let through)."""
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request],
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], rows: list[int] | None = None,
                 pending_ids: torch.Tensor | None = None) -> SamplerOutput:
-        """_sample_rows, with a failure kept to the request that caused it: when the batch
-        fails, each row is tried alone; the rows that fail alone end their requests with
-        'error' (logged with the cause), and the others are sampled again without them,
-        from the generators' states before the rows were tried, so they get the tokens they
-        would have got had the failing request never come. A step that does not fail pays
-        nothing for this. A failure no single row causes (or that every row causes) is the
-        step's, and raises. Failed rows come back as token 0 (their requests have ended, so
-        nothing hands them out)."""
+        """Each request's token (and its logprobs, when asked) from its logits row (`rows`,
+        see ParentRequest.sampling_rows; None: request i's is row i), with a failure kept to
+        the request that caused it: when the batch fails, each row is tried alone; the rows
+        that fail alone end their requests with 'error' (logged with the cause), and the
+        step is sampled again with a greedy stand-in in their place, from the generators'
+        states before the rows were tried, so the others get the tokens they would have got
+        had the failing request never come. A step that does not fail pays nothing for
+        this. A failure no single row causes (or that every row causes) is the step's, and
+        raises. A failed row's token is the stand-in's (its request has ended, so nothing
+        hands it out). pending_ids: see SamplingMetadataBuilder.build."""
         try:
-            return self._sample_rows(logits, reqs, pending_ids)
+            return sample(logits, self.metadata(reqs, rows, pending_ids))
         except Exception:
             if len(reqs) == 1:
                 raise
-            # (the sampler draws its random numbers after every parameter has become a
-            # tensor, so a row's bad parameter fails before any generator moved)
+            # (the metadata is built before any generator moves, so a row's bad parameter
+            # fails before any generator moved)
             gens = list({id(g): g for g in (self.generator, *(r.generator for r in reqs))
                          if g is not None}.values())
             states = [g.get_state() for g in gens]
             bad = []
             for i, r in enumerate(reqs):
                 try:
-                    self._sample_rows(logits[i:i + 1], [r],
-                                      None if pending_ids is None else pending_ids[i:i + 1])
+                    sample(logits, self.metadata(
+                        [r], [i if rows is None else rows[i]],
+                        None if pending_ids is None else pending_ids[i:i + 1]))
                 except Exception:
                     log.exception("%s: sampling failed; that request alone fails", r.request_id)
                     bad.append(i)
@@ -227,23 +229,22 @@ class StepPipeline:
         for i in bad:
             if not reqs[i].seq.is_finished:
                 self.output.end(reqs[i], "error", now)
-        good = [i for i in range(len(reqs)) if i not in set(bad)]
-        idx = torch.tensor(good, device=logits.device)
-        out = self._sample_rows(logits.index_select(0, idx), [reqs[i] for i in good],
-                                None if pending_ids is None else pending_ids.index_select(0, idx))
-        return out.scattered(idx, len(reqs))
+        return sample(logits, self.metadata(reqs, rows, pending_ids, skip=set(bad)))
 
-    def _sample_rows(self, logits: torch.Tensor, reqs: list[Request],
-                     pending_ids: torch.Tensor | None = None) -> SamplerOutput:
-        """Pick each row's token (and its logprobs, when asked) on the device; rows with a
-        grammar are masked first, all in one bitmask (so, as in vLLM, their logprobs are the
-        masked distribution's). pending_ids: see sampler.sample."""
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
-        if rows:
-            bitmask = self.structured_output.grammar_bitmask([reqs[i].grammar for i in rows])
-            logits = apply_token_bitmask(logits, bitmask, rows)
-        return sample(logits, [r.seq for r in reqs], [r.generator for r in reqs],
-                      self.eos_token_ids, shared=self.generator, pending_ids=pending_ids)
+    def metadata(self, reqs: list[Request], rows: list[int] | None = None,
+                 pending_ids: torch.Tensor | None = None, skip=frozenset()) -> SamplingMetadata:
+        """The step's SamplingMetadata: one row per request (its params, tokens and
+        generator), reading logits row `rows[i]` (None: row i); the rows of requests with a
+        grammar masked, all in one bitmask (so, as in vLLM, their logprobs are the masked
+        distribution's); the rows in `skip` replaced by a greedy stand-in."""
+        srows = [STAND_IN if i in skip else SamplingRow(r.seq.params, r.seq.token_ids,
+                                                        r.seq.num_prompt_tokens, r.generator)
+                 for i, r in enumerate(reqs)]
+        masked = [i for i, r in enumerate(reqs) if r.grammar is not None and i not in skip]
+        bitmask = (self.structured_output.grammar_bitmask([reqs[i].grammar for i in masked])
+                   if masked else None)
+        return self.sampling.build(srows, shared=self.generator, logits_rows=rows,
+                                   bitmask=bitmask, bitmask_rows=masked, pending_ids=pending_ids)
 
     def _copy_to_host(self, sched, out: SamplerOutput, reqs, graph, t0,
                       ahead: bool) -> InFlightStep:

@@ -59,6 +59,8 @@ class StepInputs:
     valid until the step after next is prepared."""
     input_ids: torch.Tensor | None
     """[num_tokens]; None when the step's ids are already on the device (async scheduling)."""
+    input_rows: torch.Tensor | None
+    """When they are: [num_reqs] which row of the device-side ids each request reads."""
     positions: torch.Tensor
     logits_indices: torch.Tensor
     """The rows whose logits are computed: the sampling rows, then the prompt-logprob rows."""
@@ -67,6 +69,8 @@ class StepInputs:
     """In logits order: the requests that sample."""
     prompt_spans: list[tuple[str, int, int]]
     """(request id, first position, count) of the prompt-logprob rows."""
+    prompt_targets: torch.Tensor
+    """[prompt-logprob rows] the prompt token each of them scores (the next position's)."""
 
 
 @dataclass(slots=True)
@@ -86,6 +90,11 @@ class ModelRunnerOutput:
     prompt_spans: list[tuple[str, int, int]] = field(default_factory=list)
     """(request id, first position, count) of the prompt-logprob rows after the sampling
     rows."""
+    prompt_targets: torch.Tensor | None = None
+    """[prompt-logprob rows] on the device: the prompt token each of them scores."""
+    input_ids: torch.Tensor | None = None
+    """A step launched from ids on the device (async scheduling): each sampling row's input
+    id, gathered there (the token each request sampled the step before)."""
     sampled_token_ids: list[int] | None = None
     """Token ids the runner drew itself, one per sampling row (a modelled device's random
     tokens); None where the pipeline samples from `logits`."""
@@ -120,7 +129,7 @@ class ModelRunner:
         self._graph_pool = None
         max_blocks = cdiv(max_model_len, block_size)
         self.staging = StagingBuffers(
-            platform, 4 * max_num_tokens + max_num_seqs * (max_blocks + 3) + 16)
+            platform, 8 * (4 * max_num_tokens + max_num_seqs * (max_blocks + 3) + 16))
         """Where every step's inputs are written on the host and copied to the device from,
         sized for the largest step the scheduler makes (it grows for a larger one)."""
 
@@ -188,12 +197,12 @@ class ModelRunner:
         return self.kv_cache.numel() * self.kv_cache.element_size()
 
     def prepare(self, out: SchedulerOutput, pad_to: int | None = None,
-                ids_on_device: bool = False) -> StepInputs:
+                input_rows: list[int] | None = None) -> StepInputs:
         """Flatten the step, decodes first, then prefill chunks, into the staging buffers
         and copy them to the device once. pad_to: rows to pad a pure decode step to (a
         decode graph's size), each a token 0 at position 0 whose K/V goes to the null block.
-        ids_on_device: the caller has the ids (async scheduling); they are not read from the
-        sequences, where they are not yet.
+        input_rows: the ids are on the device already (async scheduling), not yet known
+        here; request i's is row input_rows[i] of them (staged in the ids' place).
 
         Slots are computed per block, vectorised: a token at position p of request r goes
         to table[r, p // block_size] * block_size + p % block_size."""
@@ -212,6 +221,7 @@ class ModelRunner:
         logits_rows: list[int] = []
         prompt_rows: list[int] = []
         prompt_spans: list[tuple[str, int, int]] = []
+        targets: list[int] = []
         q_start = nd
         for s in prefills:
             k = s.num_new_tokens
@@ -226,12 +236,14 @@ class ModelRunner:
                 count = min(s.start + k, last) - s.start
                 prompt_spans.append((s.req_id, s.start, count))
                 prompt_rows += range(q_start, q_start + count)
+                targets += r.token_ids[s.start + 1:s.start + 1 + count]
             q_start += k
         tables = [state[s.req_id].block_ids for s in reqs]
         width = max(1, max(map(len, tables), default=1))
         num_logits = nd + len(logits_rows) + len(prompt_rows)
-        ids, pos, slots, logits, qsl, lens, table = self.staging.fill(
-            [num_tokens, num_tokens, num_tokens, num_logits, rows + 1, rows, rows * width])
+        ids, pos, slots, logits, qsl, lens, table, prompt_targets = self.staging.fill(
+            [num_tokens, num_tokens, num_tokens, num_logits, rows + 1, rows, rows * width,
+             len(targets)])
 
         qsl[0] = 0
         np.cumsum(counts, out=qsl[1:])
@@ -249,51 +261,63 @@ class ModelRunner:
             row = np.repeat(np.arange(rows), counts)
             np.add(np.arange(num_tokens) - qsl[row], starts[row], out=pos)
         np.add(table[row, pos // bs] * bs, pos % bs, out=slots)
-        if not ids_on_device:
+        if input_rows is not None:
+            ids[:n] = input_rows
+            ids[n:] = 0
+        else:
             ids[:nd] = [state[s.req_id].token_ids[s.start] for s in decodes]
             for s, a in zip(prefills, qsl[nd:n].tolist()):
                 ids[a:a + s.num_new_tokens] = state[s.req_id].token_ids[s.start:s.start + s.num_new_tokens]
             ids[qsl[n]:] = 0
         logits[:nd] = np.arange(nd)
         logits[nd:] = logits_rows + prompt_rows
+        prompt_targets[:] = targets
 
-        (d_ids, d_pos, d_slots, d_logits, d_qsl, d_lens, d_table), host = self.staging.commit()
+        (d_ids, d_pos, d_slots, d_logits, d_qsl, d_lens, d_table, d_targets), host = \
+            self.staging.commit()
         common = CommonAttentionMetadata(
             query_start_loc=d_qsl, seq_lens=d_lens, block_table=d_table.view(rows, width),
             slot_mapping=d_slots, num_decode=nd if pad_to is None else rows,
             query_start_loc_cpu=host[4], seq_lens_cpu=host[5])
-        return StepInputs(None if ids_on_device else d_ids, d_pos, d_logits, common, sampling,
-                          prompt_spans)
+        on_device = input_rows is not None
+        return StepInputs(None if on_device else d_ids, d_ids[:n] if on_device else None, d_pos,
+                          d_logits, common, sampling, prompt_spans, d_targets)
 
-    def _replay_decode(self, out: SchedulerOutput, input_ids: torch.Tensor | None = None):
-        """A pure decode step on a captured graph, or None to run it eager. input_ids: the
-        step's ids already on the device (async scheduling), else read from the sequences."""
+    def _replay_decode(self, out: SchedulerOutput, input_ids: torch.Tensor | None = None,
+                       input_rows: list[int] | None = None):
+        """A pure decode step on a captured graph, or None to run it eager. input_ids,
+        input_rows: see execute."""
         g = self.graphs
         if g is None or not out.scheduled or not all(s.is_decode for s in out.scheduled):
             return None
         size = g.size_for(len(out.scheduled))
         if size is None:
             return None
-        step = self.prepare(out, pad_to=size, ids_on_device=input_ids is not None)
+        if input_ids is not None:
+            step = self.prepare(out, pad_to=size, input_rows=input_rows)
+            input_ids = input_ids.index_select(0, step.input_rows)
+        else:
+            step = self.prepare(out, pad_to=size)
         logits, size = g.run(step, len(out.scheduled), input_ids)
-        return ModelRunnerOutput(step.sampling, (FULL, size), logits)
+        return ModelRunnerOutput(step.sampling, (FULL, size), logits, input_ids=input_ids)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, input_ids: torch.Tensor | None = None
-                ) -> ModelRunnerOutput:
-        """Run one step (see ModelRunnerOutput). input_ids: a decode step's ids on the
-        device, for a step scheduled before its tokens reached the host."""
-        replayed = self._replay_decode(out, input_ids)
+    def execute(self, out: SchedulerOutput, input_ids: torch.Tensor | None = None,
+                input_rows: list[int] | None = None) -> ModelRunnerOutput:
+        """Run one step (see ModelRunnerOutput). input_ids: for a decode step scheduled
+        before its tokens reached the host, the step before's sampled ids on the device, of
+        which request i reads row input_rows[i]."""
+        replayed = self._replay_decode(out, input_ids, input_rows)
         if replayed is not None:
             return replayed
         assert input_ids is None, "device-side ids need a decode graph (async scheduling)"
         step = self.prepare(out)
         meta = self.backend.build(step.common)
         input_ids, positions, logits_indices = step.input_ids, step.positions, step.logits_indices
-        sampling, spans = step.sampling, step.prompt_spans
+        sampling, spans, targets = step.sampling, step.prompt_spans, step.prompt_targets
         pw = self.piecewise
         if pw is not None and pw.size_for(input_ids.shape[0]) is not None:
             logits, size = pw.run(input_ids, positions, meta, logits_indices)
-            return ModelRunnerOutput(sampling, (PIECEWISE, size), logits, spans)
+            return ModelRunnerOutput(sampling, (PIECEWISE, size), logits, spans, targets)
         logits = self.model(input_ids, positions, self.layer_caches, meta, logits_indices)
-        return ModelRunnerOutput(sampling, None, logits, spans)
+        return ModelRunnerOutput(sampling, None, logits, spans, targets)

@@ -1,8 +1,11 @@
-"""Token selection from one step's logits, as one batched pipeline over the step's rows:
+"""Token selection from one step's logits, as one batched pipeline over the step's rows, a
+function of (logits, SamplingMetadata) (sampling_metadata.py builds the metadata, and makes
+every host-to-device copy the sampler needs):
 
-    raw logits -> logprobs of the raw distribution (only if a row asks)
-               -> logits processors (logit_bias, min_tokens, penalties; only rows that use them)
-               -> greedy argmax, or temperature / top-k / min-p / top-p and a draw
+    logits rows -> a grammar's mask (only rows that have one)
+                -> logprobs of that distribution (only if a row asks)
+                -> logits processors (logit_bias, min_tokens, penalties; only rows that use them)
+                -> greedy argmax, or temperature / top-k / min-p / top-p and a draw
 
 Logprobs are taken before any processing, as vLLM returns them by default. All of it runs on
 the logits' device for the whole batch: the host sees token ids (and logprobs when asked),
@@ -29,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.sampling_params import SamplingParams
-from ..core.sequence import Logprob, Sequence
+from ..core.sequence import Logprob
+from .sampling_metadata import DrawInputs, Filters, Penalties, Processors, SamplingMetadata
 
 CANDIDATES = (256, 4096)
 """How many of a row's best tokens its top-k / top-p is looked for among, in turn, before the
@@ -104,32 +107,28 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> L
                            torch.cat([picked, top_vals[:, :k]], 1), ranks)
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], generators: list[torch.Generator | None],
-           eos_token_ids: frozenset[int] | set[int] = frozenset(), *,
-           shared: torch.Generator | None = None,
-           pending_ids: torch.Tensor | None = None) -> SamplerOutput:
-    """logits: [N, vocab] fp32, one row per sequence that samples this step (a row may be
-    repeated for the n choices of one prompt). `seqs` give each row's params and history
-    (penalties and min_tokens read it); `generators[i]` is row i's own generator (a seeded
-    request) or None: it draws from `shared` (None: torch's default generator of the
-    device). pending_ids: [N] on the device, each row's token of the step before, not yet in
-    its Sequence (a step run ahead); the processors count it as output. Logprobs come back
-    when any row asks for them."""
+def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+    """logits: [>= N, vocab] fp32 (rows past the metadata's are not read unless
+    md.logits_rows names them); md: the step's SamplingMetadata, N rows. Returns each row's
+    token, and logprobs when any row asks for them."""
+    if md.logits_rows is not None:
+        logits = logits.index_select(0, md.logits_rows)
+    elif logits.shape[0] != md.num_rows:
+        logits = logits[:md.num_rows]
+    if md.bitmask is not None:
+        logits = apply_token_bitmask(logits, md.bitmask, md.bitmask_rows)
     raw = logits
-    params = [s.params for s in seqs]
-    if any(p.needs_processing for p in params):
-        logits = apply_processors(logits, seqs, eos_token_ids, pending_ids)
-    random = [i for i, p in enumerate(params) if not p.greedy]
-    if not random:
+    if md.processors is not None:
+        logits = apply_processors(logits, md.processors)
+    draw = md.draw
+    if draw is None:
         ids = logits.argmax(dim=-1)
-    elif len(random) == len(params):
-        ids = _draw(logits, params, generators, shared)
+    elif draw.rows is None:
+        ids = _draw(logits, draw)
     else:
         ids = logits.argmax(dim=-1)
-        rows = _index(random, logits.device)
-        ids.index_copy_(0, rows, _draw(logits.index_select(0, rows), [params[i] for i in random],
-                                       [generators[i] for i in random], shared))
-    k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        ids.index_copy_(0, draw.rows, _draw(logits.index_select(0, draw.rows), draw))
+    k = md.max_num_logprobs
     return SamplerOutput(ids, None if k is None else compute_logprobs(raw, ids, k))
 
 
@@ -139,8 +138,10 @@ def host_reads_are_free(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def _index(rows: list[int], device) -> torch.Tensor:
-    return to_device(torch.tensor(rows, dtype=torch.long), device)
+def _host_index(rows: list[int]) -> torch.Tensor:
+    """An index made on the host, for rows picked by looking at values on the host: only
+    where host reads are free (the CPU), so the host is the device."""
+    return torch.tensor(rows, dtype=torch.long)
 
 
 def _select(t: torch.Tensor, rows: list[int], idx: torch.Tensor) -> torch.Tensor:
@@ -148,65 +149,34 @@ def _select(t: torch.Tensor, rows: list[int], idx: torch.Tensor) -> torch.Tensor
     return t if len(rows) == t.shape[0] else t.index_select(0, idx)
 
 
-def to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """A small host tensor on `device` without waiting for the device: pinned first, since an
-    asynchronous copy from pageable memory may read it after it is freed (and a synchronous
-    one would wait for the step in flight)."""
-    if torch.device(device).type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-def _uniforms(params: list[SamplingParams], generators: list[torch.Generator | None],
-              shared: torch.Generator | None, device) -> torch.Tensor:
-    """One U[0, 1) number per row: the unseeded rows' in one call from the shared generator,
-    a seeded row's from its own."""
-    n = len(params)
-    own = [i for i, g in enumerate(generators) if g is not None]
+def _uniforms(draw: DrawInputs, n: int, device) -> torch.Tensor:
+    """One U[0, 1) number per drawing row: the unseeded rows' in one call from the shared
+    generator, a seeded row's from its own."""
+    gens, shared = draw.generators, draw.shared
+    own = [i for i, g in enumerate(gens) if g is not None]
     if not own:
         return torch.rand(n, device=device, generator=shared)
     u = torch.empty(n, device=device)
-    rest = [i for i, g in enumerate(generators) if g is None]
-    if rest:
-        u.index_copy_(0, _index(rest, device), torch.rand(len(rest), device=device,
-                                                          generator=shared))
+    if draw.unseeded is not None:
+        u.index_copy_(0, draw.unseeded, torch.rand(draw.unseeded.shape[0], device=device,
+                                                   generator=shared))
     for i in own:
-        u[i:i + 1] = torch.rand(1, device=device, generator=generators[i])
+        u[i:i + 1] = torch.rand(1, device=device, generator=gens[i])
     return u
 
 
-def _column(params: list[SamplingParams], name: str, device, dtype=torch.float32) -> torch.Tensor:
-    return to_device(torch.tensor([getattr(p, name) for p in params], dtype=dtype), device)
-
-
-def _truncates(p: SamplingParams, vocab: int) -> bool:
-    return 0 < p.top_k < vocab or p.top_p < 1.0
-
-
-def _draw(logits: torch.Tensor, params: list[SamplingParams],
-          generators: list[torch.Generator | None], shared: torch.Generator | None) -> torch.Tensor:
-    """A random token per row (every row samples): rows with top-k or top-p among their best
+def _draw(logits: torch.Tensor, draw: DrawInputs) -> torch.Tensor:
+    """A random token per row (every row draws): rows with top-k or top-p among their best
     tokens, the others from their whole (min-p filtered) distribution."""
-    n, vocab = logits.shape
-    dev = logits.device
-    temp = _column(params, "temperature", dev)
-    min_p = _column(params, "min_p", dev) if any(p.min_p > 0 for p in params) else None
-    u = _uniforms(params, generators, shared, dev)      # last: a bad parameter moves no generator
-    trunc = [i for i, p in enumerate(params) if _truncates(p, vocab)]
-    if len(trunc) == n:
-        return _draw_truncated(logits, temp, u, min_p, [p.top_k for p in params],
-                               [p.top_p for p in params])
-    if not trunc:
-        return _draw_full(logits, temp, u, min_p)
-    ids = torch.empty(n, dtype=torch.long, device=dev)
-    in_trunc = set(trunc)
-    full = [i for i in range(n) if i not in in_trunc]
-    for rows, fn in ((trunc, _draw_truncated), (full, _draw_full)):
-        idx = _index(rows, dev)
-        extra = (([params[i].top_k for i in rows], [params[i].top_p for i in rows])
-                 if fn is _draw_truncated else ())
-        ids.index_copy_(0, idx, fn(logits.index_select(0, idx), temp[idx], u[idx],
-                                   None if min_p is None else min_p[idx], *extra))
+    n = logits.shape[0]
+    u = _uniforms(draw, n, logits.device)
+    if draw.full is None:
+        return _draw_truncated(logits, draw.truncated, u)
+    if draw.truncated is None:
+        return _draw_full(logits, draw.full, u)
+    ids = torch.empty(n, dtype=torch.long, device=logits.device)
+    for f, fn in ((draw.truncated, _draw_truncated), (draw.full, _draw_full)):
+        ids.index_copy_(0, f.rows, fn(logits.index_select(0, f.rows), f, u[f.rows]))
     return ids
 
 
@@ -216,18 +186,17 @@ def _search(cum: torch.Tensor, mass: torch.Tensor, u: torch.Tensor) -> torch.Ten
     return torch.searchsorted(cum, v.contiguous(), right=True)[:, 0].clamp_(max=cum.shape[1] - 1)
 
 
-def _draw_full(logits, temp, u, min_p) -> torch.Tensor:
+def _draw_full(logits, f: Filters, u) -> torch.Tensor:
     """Rows without top-k / top-p: the whole vocabulary at the row's temperature, min-p
     filtered."""
-    probs = torch.softmax(logits / temp[:, None], dim=-1)
-    if min_p is not None:
-        probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
+    probs = torch.softmax(logits / f.temperature[:, None], dim=-1)
+    if f.min_p is not None:
+        probs = probs.masked_fill(probs < f.min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
     cum = probs.cumsum(-1)
     return _search(cum, cum[:, -1], u)
 
 
-def _draw_truncated(logits, temp, u, min_p, top_k: list[int], top_p: list[float],
-                    candidates: int | None = None) -> torch.Tensor:
+def _draw_truncated(logits, f: Filters, u, candidates: int | None = None) -> torch.Tensor:
     """Rows with top-k and/or top-p (vLLM's order: min-p and top-k, then top-p on what they
     keep; top-k and min-p commute). Looks among the top `candidates` tokens (default: the
     first of CANDIDATES on the CPU, the whole vocabulary elsewhere); a row whose kept set
@@ -237,8 +206,8 @@ def _draw_truncated(logits, temp, u, min_p, top_k: list[int], top_p: list[float]
     dev = logits.device
     if candidates is None:
         candidates = CANDIDATES[0] if host_reads_are_free(dev) else vocab
-    k_of = [k if 0 < k < vocab else vocab for k in top_k]
-    has_p = [p < 1.0 for p in top_p]
+    k_of, temp, min_p = f.top_k, f.temperature, f.min_p
+    has_p = [p < 1.0 for p in f.top_p]
     # Every row inside its own top-k: its top max(top_k) is all it needs.
     width = min(vocab, max(k_of) if not any(has_p) or all(k <= candidates for k in k_of)
                 else candidates)
@@ -246,7 +215,7 @@ def _draw_truncated(logits, temp, u, min_p, top_k: list[int], top_p: list[float]
     # Unnormalized probabilities, the top token's 1: p_j = exp((l_j - l_0) / T).
     probs = ((vals - vals[:, :1]) / temp[:, None]).exp_()
     col = torch.arange(width, device=dev)
-    drop = col >= to_device(torch.tensor(k_of), dev)[:, None]
+    drop = col >= f.top_k_t[:, None]
     if min_p is not None:
         drop |= probs < min_p[:, None]
     probs.masked_fill_(drop, 0.0)
@@ -256,13 +225,13 @@ def _draw_truncated(logits, temp, u, min_p, top_k: list[int], top_p: list[float]
     # within the candidates, that includes the tokens beyond them.
     tails = [i for i in range(n) if has_p[i] and k_of[i] == vocab and width < vocab]
     if tails:
-        idx = _index(tails, dev)
+        idx = _host_index(tails)
         rest = ((_select(logits, tails, idx) - _select(vals, tails, idx)[:, :1])
                 / _select(temp, tails, idx)[:, None]).exp_()
         if min_p is not None:
             rest.masked_fill_(rest < _select(min_p, tails, idx)[:, None], 0.0)
         mass = rest.sum(-1) if len(tails) == n else mass.index_copy_(0, idx, rest.sum(-1))
-    p_col = to_device(torch.tensor(top_p, dtype=torch.float32), dev)
+    p_col = f.top_p_t
     thr = torch.where(p_col < 1.0, p_col * mass, torch.full_like(mass, float("inf")))
     # Kept: the smallest prefix whose mass reaches thr (the top token always stays).
     kept = ((cum - probs) < thr[:, None]).sum(-1)
@@ -275,119 +244,56 @@ def _draw_truncated(logits, temp, u, min_p, top_k: list[int], top_p: list[float]
         short = (cum[:, -1] < thr).tolist()
         redo = [i for i in redo if k_of[i] < vocab or short[i]]
     if redo:
-        idx = _index(redo, dev)
-        again = _draw_truncated(
-            _select(logits, redo, idx), _select(temp, redo, idx), _select(u, redo, idx),
-            None if min_p is None else _select(min_p, redo, idx), [top_k[i] for i in redo],
-            [top_p[i] for i in redo],
-            candidates=next((c for c in CANDIDATES if c > width), vocab))
+        idx = _host_index(redo)
+        again = _draw_truncated(_select(logits, redo, idx), f.select(redo), _select(u, redo, idx),
+                                candidates=next((c for c in CANDIDATES if c > width), vocab))
         ids = again if len(redo) == n else ids.index_copy_(0, idx, again)
     return ids
 
 
-def apply_processors(logits: torch.Tensor, seqs: list[Sequence],
-                     eos_token_ids: frozenset[int] | set[int],
-                     pending_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """logit_bias, min_tokens and the three penalties (vLLM's definitions), on a copy. The
-    host only gathers the few ids involved; the [N, V] work is batched on the device.
-    pending_ids (see sample): one more output token per row, still on the device."""
+def apply_processors(logits: torch.Tensor, procs: Processors) -> torch.Tensor:
+    """logit_bias, min_tokens and the three penalties (vLLM's definitions), on a copy: the
+    [N, V] work batched on the device, from the few ids the metadata names."""
     logits = logits.clone()
-    dev, vocab = logits.device, logits.shape[-1]
-    pending = int(pending_ids is not None)
-    rows, cols, vals = [], [], []
-    ban_rows, ban_cols = [], []
-    for i, s in enumerate(seqs):
-        p = s.params
-        if p.logit_bias:
-            for t, b in p.logit_bias.items():
-                if t < vocab:
-                    rows.append(i), cols.append(t), vals.append(float(b))
-        if s.num_output_tokens + pending < p.min_tokens:
-            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-            for t in stops:
-                if t < vocab:
-                    ban_rows.append(i), ban_cols.append(t)
-    if rows:
-        logits.index_put_((_index(rows, dev), _index(cols, dev)),
-                          to_device(torch.tensor(vals, dtype=logits.dtype), dev), accumulate=True)
-    if ban_rows:
-        logits[_index(ban_rows, dev), _index(ban_cols, dev)] = float("-inf")
-
-    pen = [i for i, s in enumerate(seqs) if s.params.has_penalties]
-    if pen:
-        _apply_penalties(logits, [seqs[i] for i in pen], _index(pen, dev),
-                         None if pending_ids is None else pending_ids[_index(pen, dev)])
+    if procs.bias is not None:
+        rows, cols, vals = procs.bias
+        logits.index_put_((rows, cols), vals.to(logits.dtype), accumulate=True)
+    if procs.banned is not None:
+        logits[procs.banned] = float("-inf")
+    if procs.penalties is not None:
+        _apply_penalties(logits, procs.penalties)
     return logits
 
 
-def _padded(lists: list[list[int]], pad: int) -> torch.Tensor:
-    width = max((len(x) for x in lists), default=0) or 1
-    out = torch.full((len(lists), width), pad, dtype=torch.long)
-    for i, x in enumerate(lists):
-        out[i, :len(x)] = torch.tensor(x, dtype=torch.long)
-    return out
-
-
-def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: torch.Tensor,
-                     pending_ids: torch.Tensor | None) -> None:
+def _apply_penalties(logits: torch.Tensor, pen: Penalties) -> None:
     """The penalties touch only the tokens a row has seen, so they are gathered, changed and
-    scattered back ([rows, tokens seen], never [rows, vocab]). A row's output is its
-    Sequence's tokens and, in a step run ahead, its pending token."""
-    dev = logits.device
-    params = [s.params for s in seqs]
-    col = lambda name: _column(params, name, dev, logits.dtype)[:, None]  # noqa: E731
-    every = len(seqs) == logits.shape[0]
-    sub = logits if every else logits.index_select(0, rows)     # (logits is a copy already)
-    out = to_device(_padded([s.output_token_ids for s in seqs], -1), dev)
-    if pending_ids is not None:
-        out = torch.cat([out, pending_ids[:, None]], 1)
-    if any(p.repetition_penalty != 1 for p in params):
-        # Prompt and output tokens, each divided (positive) or multiplied (negative) once:
-        # a repeated id or a pad (the row's first prompt token) writes the same new value.
-        seen = torch.cat([to_device(_padded([s.prompt_token_ids for s in seqs], -1), dev), out], 1)
-        seen = torch.where(seen >= 0, seen, seen[:, :1])
-        v = sub.gather(1, seen)
-        rep = col("repetition_penalty")
-        sub.scatter_(1, seen, torch.where(v > 0, v / rep, v * rep))
-    if any(p.frequency_penalty != 0 or p.presence_penalty != 0 for p in params):
+    scattered back ([rows, tokens seen], never [rows, vocab])."""
+    sub = logits if pen.rows is None else logits.index_select(0, pen.rows)   # (a copy already)
+    if pen.seen is not None:
+        # Prompt and output tokens, each divided (positive) or multiplied (negative) once.
+        v = sub.gather(1, pen.seen)
+        rep = pen.repetition.to(sub.dtype)
+        sub.scatter_(1, pen.seen, torch.where(v > 0, v / rep, v * rep))
+    if pen.first is not None:
         # frequency once per occurrence, presence once per distinct token: added in place.
-        first = to_device(torch.tensor(_first_occurrences([s.output_token_ids for s in seqs],
-                                                          out.shape[1]), dtype=torch.bool), dev)
-        if pending_ids is not None:
-            first[:, -1] = ~(out[:, :-1] == pending_ids[:, None]).any(1)
-        real = out >= 0
-        delta = -(col("frequency_penalty") + col("presence_penalty") * first) * real
+        out = pen.output_token_ids
+        delta = -(pen.frequency.to(sub.dtype) + pen.presence.to(sub.dtype) * pen.first) * (out >= 0)
         sub.scatter_add_(1, out.clamp(min=0), delta.to(sub.dtype))
-    if not every:
-        logits.index_copy_(0, rows, sub)
+    if pen.rows is not None:
+        logits.index_copy_(0, pen.rows, sub)
 
 
-def _first_occurrences(lists: list[list[int]], width: int) -> list[list[bool]]:
-    """Per row, whether each position holds the first occurrence of its token (pads False)."""
-    rows = []
-    for x in lists:
-        seen: set[int] = set()
-        row = [False] * width
-        for j, t in enumerate(x):
-            if t not in seen:
-                seen.add(t)
-                row[j] = True
-        rows.append(row)
-    return rows
-
-
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]
-                        ) -> torch.Tensor:
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
+                        rows: torch.Tensor | None = None) -> torch.Tensor:
     """Structured output's step in the sampler: the logits with the tokens a grammar does not
-    allow set to -inf. `bitmask` is [len(rows), ceil(vocab / 32)] int32 on the host (bit j of
-    word w allows token 32 * w + j), one row per constrained logits row in `rows`. It is copied
-    once and unpacked on the logits' device: one small copy and a few batched ops per step."""
+    allow set to -inf. `bitmask` is [G, ceil(vocab / 32)] int32 on the logits' device (bit j
+    of word w allows token 32 * w + j), one row per constrained logits row in `rows` (None:
+    every row, in order); it is unpacked on the device in a few batched ops."""
     n, vocab = logits.shape
-    bits = to_device(bitmask, logits.device)
     shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
-    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
-    if rows != list(range(n)):
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
+    if rows is not None:
         every = torch.ones(n, vocab, dtype=torch.bool, device=logits.device)
-        every[torch.tensor(rows, device=logits.device)] = allowed
+        every[rows] = allowed
         allowed = every
     return logits.masked_fill(~allowed, float("-inf"))

@@ -1,6 +1,7 @@
-"""Pinned staging: every host-to-device copy of a step's model inputs, as one copy from
-persistent buffers (the sampler's per-row parameter columns and a grammar's bitmask are
-small copies of their own, pinned first: sampler.to_device).
+"""Pinned staging: every host-to-device copy of a step's inputs, as one copy from persistent
+buffers per consumer: the model's (ModelRunner.prepare) and the sampler's
+(SamplingMetadataBuilder.build: its per-row parameter columns, histories and a grammar's
+bitmask). Nothing else in the package copies from the host to a device.
 
 Why. A non-blocking host-to-device copy is only queued when the call returns; the copy engine
 reads the source when it gets to it. From pageable memory torch_npu queues the raw host
@@ -15,7 +16,9 @@ buffer; the step's tensors are views of it.
 Layout. Each step packs its arrays one after another, each starting on a 16-byte boundary
 (Triton compiles a kernel variant per pointer alignment), so the copy covers what the step
 uses and no more: its block table is [num_reqs, width of its longest table], not
-[max_num_seqs, max blocks per sequence]. Everything is int64, the type the CPU kernels read.
+[max_num_seqs, max blocks per sequence]. The buffers are bytes; each array has its own
+dtype (int64 unless told: the type the CPU kernels read; the sampler's columns are float32,
+a bitmask int32).
 
 Refilling. With async scheduling (engine/pipeline.py) step N+1 is prepared while step N's
 copy may still be queued, so the buffer N was copied from must not be refilled yet. Two
@@ -34,15 +37,19 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-ALIGN = 2
-"""int64 elements per 16 bytes."""
+ALIGN = 16
+"""Bytes: where each array starts."""
+
+NUMPY_DTYPES = {torch.long: np.int64, torch.float32: np.float32, torch.int32: np.int32,
+                torch.bool: np.bool_}
+"""The dtypes an array may have, as numpy names them."""
 
 
 class StagingBuffers:
     """Persistent host buffers (two, alternating, pinned on accelerators) and one device
-    buffer, int64, holding one step's inputs. A step calls `fill` (numpy views to write),
+    buffer, of bytes, holding one step's inputs. A step calls `fill` (numpy views to write),
     then `commit` (one copy; the tensors the step reads). The buffers grow, once, for a step
-    larger than the capacity they were sized for."""
+    larger than the capacity (bytes) they were sized for."""
 
     def __init__(self, platform, capacity: int):
         self.platform = platform
@@ -53,7 +60,8 @@ class StagingBuffers:
         """What each host buffer's last copy recorded: wait on it before refilling."""
         self._device: torch.Tensor | None = None
         self._flip = 0
-        self._parts: list[tuple[int, int]] = []
+        self._parts: list[tuple[int, int, torch.dtype]] = []
+        """(byte offset, length, dtype) of each array of the step being filled."""
         self._total = 0
         self._allocate(capacity)
 
@@ -63,20 +71,22 @@ class StagingBuffers:
                 event.synchronize()
                 self._events[i] = None
         self.capacity = capacity
-        self._host = [self.platform.pinned(torch.zeros(capacity, dtype=torch.long))
+        self._host = [self.platform.pinned(torch.zeros(capacity, dtype=torch.uint8))
                       for _ in range(2)]
         self._views = [h.numpy() for h in self._host]
         if self.copies:
-            self._device = torch.zeros(capacity, dtype=torch.long, device=self.platform.device)
+            self._device = torch.zeros(capacity, dtype=torch.uint8, device=self.platform.device)
 
-    def fill(self, sizes: list[int]) -> list[np.ndarray]:
-        """Start a step whose arrays have these lengths: switch to the other host buffer
-        (waiting, if it must, for its last copy) and return a writable numpy view per array.
-        Whatever a view is not written holds an earlier step's values."""
+    def fill(self, sizes: list[int], dtypes: list[torch.dtype] | None = None
+             ) -> list[np.ndarray]:
+        """Start a step whose arrays have these lengths (and dtypes: int64 where None):
+        switch to the other host buffer (waiting, if it must, for its last copy) and return a
+        writable numpy view per array. Whatever a view is not written holds an earlier step's
+        values."""
         parts, at = [], 0
-        for n in sizes:
-            parts.append((at, n))
-            at += -(-n // ALIGN) * ALIGN
+        for n, dtype in zip(sizes, dtypes or [torch.long] * len(sizes)):
+            parts.append((at, n, dtype))
+            at += -(-n * dtype.itemsize // ALIGN) * ALIGN
         if at > self.capacity:
             self._allocate(max(at, 2 * self.capacity))
         self._flip ^= 1
@@ -86,16 +96,16 @@ class StagingBuffers:
             self._events[self._flip] = None
         self._parts, self._total = parts, at
         view = self._views[self._flip]
-        return [view[a:a + n] for a, n in parts]
+        return [view[a:a + n * t.itemsize].view(NUMPY_DTYPES[t]) for a, n, t in parts]
 
     def commit(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Copy what `fill` handed out to the device, in one non-blocking copy from the
         pinned buffer, and return the arrays as the step's tensors (on the device) and as
         host tensors (the same memory `fill` wrote; on the CPU both are the host views)."""
         host = self._host[self._flip]
-        on_host = [host[a:a + n] for a, n in self._parts]
+        on_host = [host[a:a + n * t.itemsize].view(t) for a, n, t in self._parts]
         if not self.copies:
             return on_host, on_host
         self._device[:self._total].copy_(host[:self._total], non_blocking=True)
         self._events[self._flip] = self.platform.record_event()
-        return [self._device[a:a + n] for a, n in self._parts], on_host
+        return [self._device[a:a + n * t.itemsize].view(t) for a, n, t in self._parts], on_host

@@ -6,7 +6,7 @@ bf16) and the rest was dispatch; see docs/benchmarks.md. In bf16 each op rounds 
 torch reference's bf16 ops round. Until the kernel module is built (the first start on a
 machine builds it in a detached process), and for other dtypes, they are the torch
 reference's. Batched linear layers are torch's oneDNN matmul (AMX where the CPU has it); in
-bf16 on the weights packed once into oneDNN's blocked layout (`prepacked`), which torch's
+bf16 on the weights packed once into oneDNN's blocked layout (`CpuOps.prepacked`), which torch's
 F.linear repacks on every call: the same kernel and the same bits, 1.1-1.8x faster at
 SmolLM2's shapes from 4 to 256 rows."""
 from __future__ import annotations
@@ -32,6 +32,10 @@ class CpuOps(TorchOps):
         cannot be built, or has no path for the format on this CPU). Unpacking the blocks on
         every step instead cost 10x fp32's step; this is fp32's (the memory of both, until
         the kernel arrives: then they are dropped)."""
+        self._onednn: dict[int, tuple[torch.Tensor | PackedWeight, torch.Tensor]] = {}
+        """id(weight) -> (the weight, it in oneDNN's blocked layout): bf16 weights packed at
+        their first batched use (see prepacked). Held by the ops object, which lives and
+        dies with its model (model.ops), as the weights do."""
 
     def dense(self, weight: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
         """`weight` dequantized to `dtype`, once (the reference's numbers: quant.dequantize)."""
@@ -49,7 +53,7 @@ class CpuOps(TorchOps):
                     and hasattr(k, "bf16c_stream"):
                 return k.bf16c_gemv(x, weight.data, bias)
             if x.dtype == torch.bfloat16 and x.dim() == 2 and onednn_bf16():
-                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), prepacked(weight),
+                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.prepacked(weight),
                                                           bias, "none", [], "")
             return self._dense_linear(x, weight, bias)
         if isinstance(weight, PackedWeight):
@@ -62,9 +66,23 @@ class CpuOps(TorchOps):
                 and weight.dtype == x.dtype and hasattr(k, "gemv"):
             return k.gemv(x, weight, bias)
         if x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2 and onednn_bf16():
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), prepacked(weight), bias,
-                                                      "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.prepacked(weight),
+                                                      bias, "none", [], "")
         return torch.nn.functional.linear(x, weight, bias)
+
+    def prepacked(self, weight: torch.Tensor | PackedWeight) -> torch.Tensor:
+        """A bf16 weight [N, K] (or a `bf16c` one, decoded) in oneDNN's blocked layout,
+        packed at its first batched use and kept in this ops object (a copy: the layer
+        weights' bf16 bytes once more; the batch-1 kernels read the plain or bf16c layout).
+        The weights do not change after loading; a weight changed in place would keep its
+        old packing."""
+        held = self._onednn.get(id(weight))
+        if held is None or held[0] is not weight:
+            w = weight.dequantize(torch.bfloat16) if isinstance(weight, PackedWeight) \
+                else weight.detach()
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+            held = self._onednn[id(weight)] = (weight, packed)
+        return held[1]
 
     def _dense_linear(self, x, weight: PackedWeight, bias):
         """The torch reference's numbers (TorchOps.linear) on weights dequantized once."""
@@ -158,21 +176,6 @@ def onednn_bf16() -> bool:
                             and torch.ops.mkldnn._is_mkldnn_bf16_supported()
                             and flags & {"avx512_bf16", "amx_bf16"})
     return _onednn_bf16
-
-
-def prepacked(weight: torch.Tensor | PackedWeight) -> torch.Tensor:
-    """A bf16 weight [N, K] (or a `bf16c` one, decoded) in oneDNN's blocked layout, packed at
-    its first batched use and kept on the weight itself, so it lives and dies with it (a
-    copy: the layer weights' bf16 bytes once more; the batch-1 kernels read the plain or
-    bf16c layout). The weights do not change after loading; a weight changed in place would
-    keep its old packing."""
-    packed = getattr(weight, "_onednn_packed", None)
-    if packed is None:
-        w = weight.dequantize(torch.bfloat16) if isinstance(weight, PackedWeight) \
-            else weight.detach()
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
-        weight._onednn_packed = packed
-    return packed
 
 
 def _fusable_weights(model) -> tuple[list, list] | None:
