@@ -326,3 +326,16 @@ def test_a_request_sampled_at_several_positions_is_rows_of_the_metadata():
     rows = [SamplingRow(q, prompt + drafts[:j], len(prompt)) for j in range(2)]
     ids = sample(logits, sampling_metadata(rows, 300, logits_rows=[1, 1])).token_ids.tolist()
     assert ids[0] == 11 and ids[1] != 11
+
+
+@pytest.mark.parametrize("kw", [dict(logit_bias={7: 100.0}), dict(min_tokens=3, stop_token_ids=[7])])
+def test_logit_processors_without_penalties(kw):
+    """logit_bias or min_tokens alone (no penalty in the step): the processors run, and no
+    penalty step is made up for them."""
+    logits = torch.zeros(2, 50)
+    logits[:, 7] = 5.0
+    rows = [SamplingRow(SamplingParams(temperature=0, **kw), [1, 2], 2),
+            SamplingRow(SamplingParams(temperature=0), [1, 2], 2)]
+    ids = sample(logits, sampling_metadata(rows, 50)).token_ids.tolist()
+    assert ids[1] == 7
+    assert ids[0] == (7 if "logit_bias" in kw else 0)

@@ -239,12 +239,12 @@ class SamplingMetadataBuilder:
         at_bias = (pack.add(bias[0]), pack.add(bias[1]), pack.add(bias[2], torch.float32)) \
             if bias[0] else None
         at_ban = (pack.add(ban[0]), pack.add(ban[1])) if ban[0] else None
-        make_pen = pen and self._penalties([rows[i] for i in pen], pen, len(rows), pack)
+        make_pen = self._penalties([rows[i] for i in pen], pen, len(rows), pack) if pen else None
 
         def make(dev, pending_ids) -> Processors:
             return Processors(at_bias and tuple(dev[a] for a in at_bias),
                               at_ban and tuple(dev[a] for a in at_ban),
-                              make_pen and make_pen(dev, pending_ids))
+                              make_pen(dev, pending_ids) if make_pen else None)
         return make
 
     @staticmethod
