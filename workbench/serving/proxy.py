@@ -86,11 +86,11 @@ class BufferingProxy:
                     held += data
                 done = ends is not None and ends.feed(data)      # a response is complete
                 if held and (not data or done or len(held) >= hold):
+                    if count:                 # counted before the client can see the bytes
+                        self.flushes += 1
                     writer.write(bytes(held))
                     held.clear()
                     await writer.drain()
-                    if count:
-                        self.flushes += 1
                 if not data:
                     return
 
