@@ -1,7 +1,10 @@
 """Shared fixtures: the embedded model, HF reference generations, tiny random checkpoints."""
 from __future__ import annotations
 
+import os
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +12,12 @@ import torch
 from workbench.platforms.cpu import CpuPlatform
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+# Every process the tests start runs tests/site/sitecustomize.py (why: its docstring); this one
+# does the same.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(Path(__file__).parent / "site"), os.environ.get("PYTHONPATH")) if p)
+sys.modules.setdefault("rfc3987_syntax", None)
 
 TEXTS = [
     "The capital of France is",

@@ -52,6 +52,10 @@ def finish(proc: subprocess.Popen, timeout: float) -> str:
 KERNEL = ("import torch; from workbench.platforms.cpu_kernels import load_cpu_kernels\n"
           "k = load_cpu_kernels(); print('KERNEL', k is not None)")
 
+MODEL = "random:tiny-qwen3"
+"""What the starts below serve: a small random model, so that the kernel build (the point of
+these tests, and their slow part) is what they wait for."""
+
 # A first start on a machine, and a short-lived one: the engine serves at once, decoding in
 # plain torch while the kernel builds in a detached process, and the process exits without
 # waiting for the build (a `workbench generate`, a script); greedy tokens equal the reference.
@@ -61,7 +65,7 @@ from workbench import Engine, SamplingParams
 from workbench.platforms import cpu_kernels as cpu
 model = sys.argv[1]
 params = SamplingParams(max_tokens=12, temperature=0)
-prompts = ["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea."]
+prompts = [[5, 17, 301, 42, 7], [11, 2, 930], [64] * 9]
 t = time.perf_counter()
 engine = Engine(model=model, device="cpu", num_kv_blocks=64)
 during = [o.token_ids for o in engine.generate(prompts, params)]
@@ -80,14 +84,14 @@ from workbench import Engine, SamplingParams
 from workbench.platforms import cpu_kernels as cpu
 engine = Engine(model=sys.argv[1], device="cpu", num_kv_blocks=64)
 loaded = cpu._kernels is not None and cpu._builder is None
-prompts = ["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea."]
+prompts = [[5, 17, 301, 42, 7], [11, 2, 930], [64] * 9]
 got = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0))]
 print("RESULT", json.dumps(dict(loaded=loaded, got=got)), flush=True)
 """
 
 
 @pytest.fixture(scope="module")
-def kernel_cache(tmp_path_factory, smollm2_dir):
+def kernel_cache(tmp_path_factory):
     """A cache whose kernel builds were killed with kill -9 half-way, twice: once a build
     running in the process that asked for it, once the detached builder an engine starts.
     Then a start that must not wait for the dead builds' lock: it serves while it builds the
@@ -115,7 +119,7 @@ def kernel_cache(tmp_path_factory, smollm2_dir):
     wait_gone(builder, 10)
     assert not any((cache / "kernels").glob("*/built"))
     stage("two builds started and killed")
-    out = finish(start_model(FIRST_START, smollm2_dir, cache), 600)
+    out = finish(start_model(FIRST_START, MODEL, cache), 600)
     result = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
     (build,) = (cache / "kernels").iterdir()
     result["left_building"] = psutil.pid_exists(result["builder"]) and \
@@ -128,7 +132,7 @@ def kernel_cache(tmp_path_factory, smollm2_dir):
     result["stray_tmp"] = (build / "built.tmp").exists()
     cli = "from workbench.cli import main; raise SystemExit(main(['build-kernels']))"
     result["build_kernels"] = finish(start(cli, cache), 120)[-2000:]
-    after = json.loads(finish(start_model(AFTER, smollm2_dir, cache), 600)
+    after = json.loads(finish(start_model(AFTER, MODEL, cache), 600)
                        .split("RESULT ", 1)[1].splitlines()[0])
     result["loaded"], result["after"] = after["loaded"], after["got"] == result["expected"]
     stage("build-kernels and the next start")
@@ -136,9 +140,9 @@ def kernel_cache(tmp_path_factory, smollm2_dir):
     return cache, build, result
 
 
-def start_model(code: str, model_dir: Path, cache: Path) -> subprocess.Popen:
+def start_model(code: str, model: str, cache: Path) -> subprocess.Popen:
     env = {**os.environ, "WORKBENCH_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-c", code, str(model_dir)], env=env, cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-c", code, model], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
