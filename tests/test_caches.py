@@ -65,7 +65,7 @@ from workbench import Engine, SamplingParams
 from workbench.platforms import cpu_kernels as cpu
 model = sys.argv[1]
 params = SamplingParams(max_tokens=12, temperature=0)
-prompts = [[5, 17, 301, 42, 7], [11, 2, 930], [64] * 9]
+prompts = [[5, 17, 301, 42, 7], [11, 2, 93], [64] * 9]
 t = time.perf_counter()
 engine = Engine(model=model, device="cpu", num_kv_blocks=64)
 during = [o.token_ids for o in engine.generate(prompts, params)]
@@ -84,7 +84,7 @@ from workbench import Engine, SamplingParams
 from workbench.platforms import cpu_kernels as cpu
 engine = Engine(model=sys.argv[1], device="cpu", num_kv_blocks=64)
 loaded = cpu._kernels is not None and cpu._builder is None
-prompts = [[5, 17, 301, 42, 7], [11, 2, 930], [64] * 9]
+prompts = [[5, 17, 301, 42, 7], [11, 2, 93], [64] * 9]
 got = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0))]
 print("RESULT", json.dumps(dict(loaded=loaded, got=got)), flush=True)
 """

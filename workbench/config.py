@@ -216,3 +216,9 @@ def validate_capture_sizes(sizes: list[int], max_num_seqs: int,
         raise ValueError(f"{name}: {max(sizes)} exceeds max_num_seqs "
                          f"({max_num_seqs}); a batch that large never runs")
     return sorted(set(sizes))
+
+
+TUNABLE = ("max_num_seqs", "max_num_batched_tokens", "block_size", "graph_mode",
+           "prefill_interval", "waiting_timeout_ms", "preemption_mode",
+           "enable_chunked_prefill", "enable_prefix_caching")
+"""The knobs the tuner searches by default (issue 26), all EngineConfig fields."""

@@ -11,13 +11,29 @@ workload.py (traffic and the driver), slo.py (the SLO, goodput), space.py (knob 
 search.py (successive halving), result.py (Pareto frontier, export), tuner.py (`tune`),
 cli.py (`workbench tune`). docs/tuning.md says how to read the answer.
 """
-from .result import TuneResult, VllmFlags, vllm_flags
-from .search import Trial, successive_halving
-from .slo import SLO, Measurement
-from .space import TUNABLE, Space
-from .tuner import measure_config, run_config, tune
-from .workload import RequestRecord, RunResult, Workload, run_workload
+from __future__ import annotations
 
-__all__ = ["SLO", "Measurement", "Space", "TUNABLE", "Trial", "TuneResult", "VllmFlags",
-           "Workload", "RequestRecord", "RunResult", "measure_config", "run_config",
-           "run_workload", "successive_halving", "tune", "vllm_flags"]
+import importlib
+
+_EXPORTS = {"TuneResult": ".result", "VllmFlags": ".result", "vllm_flags": ".result",
+            "Trial": ".search", "successive_halving": ".search", "SLO": ".slo",
+            "Measurement": ".slo", "TUNABLE": ".space", "Space": ".space",
+            "measure_config": ".tuner", "run_config": ".tuner", "tune": ".tuner",
+            "RequestRecord": ".workload", "RunResult": ".workload", "Workload": ".workload",
+            "run_workload": ".workload"}
+"""Imported when first used, as the package above does (`workbench tune --help` needs no
+engine)."""
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'workbench.tune' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -9,12 +9,7 @@ import argparse
 import json
 import sys
 
-from ..config import EngineConfig
-from .search import Trial
-from .slo import SLO
-from .space import TUNABLE, Space
-from .tuner import tune
-from .workload import Workload
+from ..config import TUNABLE, EngineConfig
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -70,6 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(a, engine_kwargs: dict) -> int:
+    from .search import Trial
+    from .slo import SLO
+    from .space import Space
+    from .tuner import tune
+    from .workload import Workload
     base = EngineConfig(model=a.model or "smollm2", **engine_kwargs)
     concurrency = a.concurrency if a.request_rate is not None or a.concurrency else 8
     if a.request_rate is not None:

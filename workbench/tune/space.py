@@ -19,14 +19,9 @@ import itertools
 import random
 from dataclasses import MISSING, fields
 
-from ..config import PREEMPTION_MODES, EngineConfig
+from ..config import PREEMPTION_MODES, TUNABLE, EngineConfig
 from ..modelled.profiles import get_profile, parse_device
 from ..platforms import block_sizes, graph_modes
-
-TUNABLE = ("max_num_seqs", "max_num_batched_tokens", "block_size", "graph_mode",
-           "prefill_interval", "waiting_timeout_ms", "preemption_mode",
-           "enable_chunked_prefill", "enable_prefix_caching")
-"""The knobs the tuner searches by default (issue 26), all EngineConfig fields."""
 
 FIXED = ("model", "device")
 """Fields a space may not vary: they say what is tuned, on what."""
