@@ -1,0 +1,93 @@
+"""Speculative decoding in the step (issue 40): drafts before a step is scheduled, their
+verification after it ran.
+
+Before each step, the proposer (spec_decode/) drafts up to k tokens for every running
+request whose next step is a decode (Sequence.spec_token_ids; never past its max_tokens or
+the model's length); the scheduler feeds them after the decode's token, in the step's token
+budget; the runner computes logits at each of those positions as for a prefill chunk on
+cached context (so a verify step runs eager, or piecewise where graph_mode 'full' captured
+its token bucket: never as a captured decode graph, which feeds one token a request); a
+request that got no draft stays a plain decode, so a miss costs nothing. After the step,
+SpecDecoding.verify samples every position with the request's own filters and processors
+(one SamplingMetadata row per position, its history the drafts before it) and keeps the
+accepted drafts and the target's next token (executor/rejection_sampler.py). The scheduler
+then keeps the accepted drafts' K/V and gives back the blocks past them
+(Scheduler.update_from_output).
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from ..core.scheduler import Scheduler, SchedulerOutput
+from ..core.sequence import SequenceStatus
+from ..executor.rejection_sampler import rejection_sample
+from ..executor.runner import ModelRunnerOutput
+from ..executor.sampler import LogprobsTensors
+from ..executor.sampling_metadata import SamplingMetadataBuilder, SamplingRow
+from .request import Request
+
+
+class SpecDecoding:
+    def __init__(self, proposer, num_speculative_tokens: int, scheduler: Scheduler):
+        self.proposer = proposer
+        self.k = num_speculative_tokens
+        self.scheduler = scheduler
+
+    def propose(self) -> None:
+        """Draft the next step's tokens of each running request that decodes next."""
+        sched, want = self.scheduler, []
+        for seq in sched.running:
+            if (seq.status is not SequenceStatus.RUNNING or seq.num_output_tokens == 0
+                    or seq.num_computed_tokens != seq.num_tokens - 1):
+                continue
+            room = min(self.k, seq.params.max_tokens - seq.num_output_tokens - 1,
+                       sched.max_model_len - seq.num_tokens - 1)
+            if room > 0:
+                want.append((seq, room))
+        if not want:
+            return
+        drafts = self.proposer.propose([(s.request_id, s.token_ids) for s, _ in want])
+        for (seq, room), d in zip(want, drafts):
+            seq.spec_token_ids = list(d[:room])
+
+    def free(self, seq_ids) -> None:
+        """The proposer forgets requests that ended or were preempted."""
+        for rid in seq_ids:
+            self.proposer.free(rid)
+
+    def verify(self, logits: torch.Tensor, ran: ModelRunnerOutput, reqs: list[Request],
+               rows: list[int] | None, sched: SchedulerOutput, builder: SamplingMetadataBuilder,
+               shared: torch.Generator
+               ) -> tuple[list[list[int]], LogprobsTensors | None, list[int], dict, dict]:
+        """A step with verifies, sampled: each request's kept tokens, the logprobs (of each
+        request's tokens from row lp_rows[i] on), lp_rows, and each verified request's
+        drafts and accepted count. rows: the runner's request of each of reqs (n > 1
+        choices share their prompt's; None: reqs are the runner's)."""
+        base = [0, *itertools.accumulate(ran.num_rows)]
+        drafts_of = {s.req_id: s.spec_token_ids for s in sched.scheduled}
+        srows, lrows, spans, drafts, greedy, gens = [], [], [], [], [], []
+        for e, r in enumerate(reqs):
+            i = e if rows is None else rows[e]
+            m = ran.num_rows[i]
+            d = drafts_of[ran.req_ids[i]] if m > 1 else []
+            p, seq = r.seq.params, r.seq
+            history = p.has_penalties or p.min_tokens
+            spans.append((len(srows), m))
+            for j in range(m):
+                srows.append(SamplingRow(p, seq.token_ids + d[:j] if history and j else
+                                         seq.token_ids, seq.num_prompt_tokens, r.generator))
+                lrows.append(base[i] + j)
+            drafts.append(d)
+            greedy.append(p.greedy)
+            gens.append(r.generator)
+        md = builder.build(srows, shared=shared, logits_rows=lrows)
+        tokens, lp, accepted = rejection_sample(logits, md, spans, drafts, greedy, gens, shared)
+        verified, acc = {}, {}
+        for r, d, a in zip(reqs, drafts, accepted):
+            if d:
+                verified[r.seq_id], acc[r.seq_id] = list(d), a
+                r.first.metrics.num_draft_tokens += len(d)
+                r.first.metrics.num_accepted_tokens += a
+        return tokens, lp, [a for a, _ in spans], verified, acc
