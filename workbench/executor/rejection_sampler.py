@@ -24,6 +24,17 @@ from .sampler import LogprobsTensors, _search, compute_logprobs, target_probs
 from .sampling_metadata import SamplingMetadata
 
 
+def accept(u: torch.Tensor, p_draft: torch.Tensor) -> torch.Tensor:
+    """Which drafts stay: a one-hot q accepts draft x with probability p(x) (min(1, p/q))."""
+    return u < p_draft
+
+
+def residual(probs: torch.Tensor, rows: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """What a rejected position draws from: max(p - q, 0), with q one-hot at the draft: p
+    without the draft (the draw renormalises it)."""
+    return probs.index_put((rows, drafts), torch.zeros_like(drafts, dtype=probs.dtype))
+
+
 def rejection_sample(logits: torch.Tensor, md: SamplingMetadata, spans: list[tuple[int, int]],
                      drafts: list[list[int]], greedy: list[bool],
                      generators: list[torch.Generator | None],
@@ -46,21 +57,19 @@ def rejection_sample(logits: torch.Tensor, md: SamplingMetadata, spans: list[tup
         u_draw[a:a + m] = u[m - 1:]
     d_rows = [a + j for (a, _), x in zip(spans, drafts) for j in range(len(x))]
     d_ids = [t for x in drafts for t in x]
-    residual = probs
-    accept = []
+    rest, kept = probs, []
     if d_rows:
         r = torch.tensor(d_rows, device=dev)
         t = torch.tensor(d_ids, device=dev)
-        px = probs[r, t]
-        accept = (u_accept[r] < px).tolist()
-        residual = probs.index_put((r, t), torch.zeros_like(px))
-    cum = residual.cumsum(-1)
+        kept = accept(u_accept[r], probs[r, t]).tolist()
+        rest = residual(probs, r, t)
+    cum = rest.cumsum(-1)
     own = _search(cum, cum[:, -1], u_draw).tolist()
     tokens, num_accepted, at = [], [], 0
     for (a, m), x in zip(spans, drafts):
         out = []
         for j, tok in enumerate(x):
-            if not accept[at + j]:
+            if not kept[at + j]:
                 break
             out.append(tok)
         at += len(x)
@@ -69,8 +78,8 @@ def rejection_sample(logits: torch.Tensor, md: SamplingMetadata, spans: list[tup
         tokens.append(out)
     lp = None
     if md.max_num_logprobs is not None:
-        kept = [0] * n
+        ids = [0] * n
         for (a, _), out in zip(spans, tokens):
-            kept[a:a + len(out)] = out
-        lp = compute_logprobs(raw, torch.tensor(kept, device=dev), md.max_num_logprobs)
+            ids[a:a + len(out)] = out
+        lp = compute_logprobs(raw, torch.tensor(ids, device=dev), md.max_num_logprobs)
     return tokens, lp, num_accepted
