@@ -212,7 +212,9 @@ class EngineConfig:
             bad("max_step_events", "must be an integer >= 1")
         if not isinstance(self.max_request_records, int) or self.max_request_records < 1:
             bad("max_request_records", "must be an integer >= 1")
-        self.speculative()
+        if self.speculative() is not None and self.device.startswith("model:"):
+            bad("speculative_config", "a modelled device does not run speculative decoding "
+                "(use a real device)")
 
     def speculative(self) -> "SpeculativeConfig | None":
         """speculative_config, checked and typed (None: off)."""

@@ -196,9 +196,6 @@ def build_engine(dev: Device) -> BuiltEngine:
                  else dev.runs_async) and runner.graphs is not None
     spec, proposer = config.speculative(), None
     if spec is not None:
-        if dev.pipeline_class is not None:
-            raise ValueError("speculative_config: a modelled device does not run speculative "
-                             "decoding (use a real device)")
         proposer = make_proposer(spec, target_vocab_size=hf_config.vocab_size,
                                  target_tokenizer=dev.tokenizer, device=dev.platform.device,
                                  max_model_len=max_model_len, max_num_seqs=config.max_num_seqs)

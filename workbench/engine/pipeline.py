@@ -155,7 +155,8 @@ class StepPipeline:
         rows, reqs = ParentRequest.sampling_rows(reqs)
         if ran.num_rows is not None:          # verifies: speculative decoding
             tokens, lp, lp_rows, drafts, accepted = self.spec.verify(
-                logits, ran, reqs, rows, sched, self.sampling, self.generator)
+                logits, ran, reqs, rows, sched, self.sampling, self.generator,
+                lambda some, at: self._sample(logits, some, at))
             self.scheduler.update_after_step(sched)
             return self._hand_out(sched, reqs, tokens, lp and lp.to_host(), graph, t0,
                                   held_back=held, lp_rows=lp_rows, drafts=drafts,

@@ -17,6 +17,7 @@ then keeps the accepted drafts' K/V and gives back the blocks past them
 from __future__ import annotations
 
 import itertools
+from typing import Callable
 
 import torch
 
@@ -59,19 +60,23 @@ class SpecDecoding:
 
     def verify(self, logits: torch.Tensor, ran: ModelRunnerOutput, reqs: list[Request],
                rows: list[int] | None, sched: SchedulerOutput, builder: SamplingMetadataBuilder,
-               shared: torch.Generator
+               shared: torch.Generator, sample: Callable
                ) -> tuple[list[list[int]], LogprobsTensors | None, list[int], dict, dict]:
         """A step with verifies, sampled: each request's kept tokens, the logprobs (of each
         request's tokens from row lp_rows[i] on), lp_rows, and each verified request's
         drafts and accepted count. rows: the runner's request of each of reqs (n > 1
-        choices share their prompt's; None: reqs are the runner's)."""
+        choices share their prompt's; None: reqs are the runner's). The requests without
+        drafts are sampled as in a plain step, by `sample(reqs, logits rows)` (the
+        pipeline's), so a seeded one draws the same token whether or not others verify."""
         base = [0, *itertools.accumulate(ran.num_rows)]
         drafts_of = {s.req_id: s.spec_token_ids for s in sched.scheduled}
+        at = [e if rows is None else rows[e] for e in range(len(reqs))]
+        plain = [e for e, i in enumerate(at) if ran.num_rows[i] == 1]
+        ver = [e for e, i in enumerate(at) if ran.num_rows[i] > 1]
         srows, lrows, spans, drafts, greedy, gens = [], [], [], [], [], []
-        for e, r in enumerate(reqs):
-            i = e if rows is None else rows[e]
-            m = ran.num_rows[i]
-            d = drafts_of[ran.req_ids[i]] if m > 1 else []
+        for e in ver:
+            r, i = reqs[e], at[e]
+            m, d = ran.num_rows[i], drafts_of[ran.req_ids[i]]
             p, seq = r.seq.params, r.seq
             history = p.has_penalties or p.min_tokens
             spans.append((len(srows), m))
@@ -83,11 +88,40 @@ class SpecDecoding:
             greedy.append(p.greedy)
             gens.append(r.generator)
         md = builder.build(srows, shared=shared, logits_rows=lrows)
-        tokens, lp, accepted = rejection_sample(logits, md, spans, drafts, greedy, gens, shared)
+        vtok, vlp, accepted = rejection_sample(logits, md, spans, drafts, greedy, gens, shared)
+        tokens: list[list[int]] = [[] for _ in reqs]
+        lp_rows = [0] * len(reqs)
+        plp = None
+        if plain:
+            out = sample([reqs[e] for e in plain], [base[at[e]] for e in plain])
+            plp = out.logprobs
+            for row, (e, t) in enumerate(zip(plain, out.token_ids.tolist())):
+                tokens[e], lp_rows[e] = [t], row
         verified, acc = {}, {}
-        for r, d, a in zip(reqs, drafts, accepted):
-            if d:
-                verified[r.seq_id], acc[r.seq_id] = list(d), a
-                r.first.metrics.num_draft_tokens += len(d)
-                r.first.metrics.num_accepted_tokens += a
-        return tokens, lp, [a for a, _ in spans], verified, acc
+        for e, t, (a, _), d, n in zip(ver, vtok, spans, drafts, accepted):
+            r = reqs[e]
+            tokens[e], lp_rows[e] = t, len(plain) + a
+            verified[r.seq_id], acc[r.seq_id] = list(d), n
+            r.first.metrics.num_draft_tokens += len(d)
+            r.first.metrics.num_accepted_tokens += n
+        lp = _cat(plp, len(plain), vlp, len(srows))
+        return tokens, lp, lp_rows, verified, acc
+
+
+def _cat(a: LogprobsTensors | None, na: int, b: LogprobsTensors | None, nb: int
+         ) -> LogprobsTensors | None:
+    """Two batches' logprobs rows one after the other (a part that asked for none, or fewer
+    top tokens, padded: its rows are never read past what they asked)."""
+    if a is None and b is None:
+        return None
+    some = a if a is not None else b
+    width = max(t.token_ids.shape[1] for t in (a, b) if t is not None)
+
+    def full(t: LogprobsTensors | None, n: int) -> list[torch.Tensor]:
+        if t is None:
+            z = some.token_ids.new_zeros((n, width))
+            return [z, z.float(), some.ranks.new_ones(n)]
+        pad = width - t.token_ids.shape[1]
+        return [torch.nn.functional.pad(t.token_ids, (0, pad)),
+                torch.nn.functional.pad(t.logprobs, (0, pad)), t.ranks]
+    return LogprobsTensors(*(torch.cat([x, y]) for x, y in zip(full(a, na), full(b, nb))))
