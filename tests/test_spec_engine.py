@@ -194,3 +194,21 @@ def test_what_a_speculative_engine_refuses():
                                    "num_speculative_tokens": 2})
     # the engine still serves
     assert e.generate([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids
+
+
+def test_a_request_whose_drafts_miss_stops_drafting_for_a_while():
+    e = Engine(model="random:tiny", device="cpu", speculative_config=NGRAM)
+    plain = Engine(model="random:tiny", device="cpu")
+
+    class Wrong:          # drafts the token after the last, which a random model never picks
+        def propose(self, reqs):
+            return [[(t[-1] + 1) % 512] * 4 for _, t in reqs]
+
+        def free(self, rid):
+            pass
+    e.core.pipeline.spec.proposer = Wrong()
+    p = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    prompt = prompts(1, seed=9)[0]
+    assert e.generate(prompt, p)[0].token_ids == plain.generate(prompt, p)[0].token_ids
+    verifies = [s for s in e.telemetry.steps if s.drafts]
+    assert e.telemetry.spec_decode.num_accepted_tokens < len(verifies) <= 6

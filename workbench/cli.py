@@ -163,6 +163,9 @@ def cmd_bench(a) -> int:
     if a.ignore_eos is not None:
         raise ValueError("--ignore-eos/--no-ignore-eos: only for a server (--url); the offline "
                          "benchmark always runs each request to its length")
+    if a.speculative_config:      # the A/B beside plain decoding (bench/speculative.py)
+        from .bench.speculative import main
+        return main(a.model or "smollm2", _engine_kwargs(a), a.output)
     from .bench.offline import SAMPLING_WORKLOADS, format_table, make_workload, run, save
     from .platforms import auto_device
     if (auto_device() if a.device in (None, "auto") else a.device) == "cpu":
@@ -170,13 +173,11 @@ def cmd_bench(a) -> int:
         ensure_kernel_built(lambda s: print(s, file=sys.stderr))
     if a.formats:
         from .bench import formats
-        kw = {k: v for k, v in _engine_kwargs(a).items() if k not in ("dtype", "quantization",
-                                                                       "device")}
+        kw = {k: v for k, v in _engine_kwargs(a).items() if k not in ("dtype", "quantization", "device")}
         wl = (make_workload(a.num_requests, _range(a.input_len), _range(a.output_len), 49152,
                             a.seed) if a.num_requests else None)
         report = formats.run(tuple(x for x in a.formats.split(",") if x), a.model or "smollm2",
-                             workload=wl, engine_kwargs=kw,
-                             log=lambda s: print(s, file=sys.stderr))
+                             workload=wl, engine_kwargs=kw, log=lambda s: print(s, file=sys.stderr))
         print(formats.format_table(report))
         if a.output:
             save(report, a.output)
@@ -188,8 +189,7 @@ def cmd_bench(a) -> int:
     report = run(model=a.model or "smollm2", num_requests=a.num_requests, in_range=_range(a.input_len),
                  out_range=_range(a.output_len), seed=a.seed, peers=peers,
                  static_batch=a.static_batch, engine_kwargs=_engine_kwargs(a),
-                 log=lambda s: print(s, file=sys.stderr),
-                 sampling=sampling)
+                 log=lambda s: print(s, file=sys.stderr), sampling=sampling)
     print(format_table(report))
     if a.output:
         save(report, a.output)

@@ -7,7 +7,9 @@ the model's length); the scheduler feeds them after the decode's token, in the s
 budget; the runner computes logits at each of those positions as for a prefill chunk on
 cached context (so a verify step runs eager, or piecewise where graph_mode 'full' captured
 its token bucket: never as a captured decode graph, which feeds one token a request); a
-request that got no draft stays a plain decode, so a miss costs nothing. After the step,
+request that got no draft stays a plain decode, and one whose drafts were all rejected
+decodes without drafts for the next 2, 4, ... 32 steps (misses in a row), so a proposer that
+does not predict a request's text soon stops costing it verify steps. After the step,
 SpecDecoding.verify samples every position with the request's own filters and processors
 (one SamplingMetadata row per position, its history the drafts before it) and keeps the
 accepted drafts and the target's next token (executor/rejection_sampler.py). The scheduler
@@ -30,11 +32,21 @@ from ..executor.sampling_metadata import SamplingMetadataBuilder, SamplingRow
 from .request import Request
 
 
+MAX_PAUSE = 32
+"""Most steps a request decodes without drafts after its drafts missed (see _pause)."""
+
+
 class SpecDecoding:
     def __init__(self, proposer, num_speculative_tokens: int, scheduler: Scheduler):
         self.proposer = proposer
         self.k = num_speculative_tokens
         self.scheduler = scheduler
+        self._misses: dict[str, int] = {}
+        """Verify steps in a row whose drafts were all rejected, by sequence id."""
+        self._pause: dict[str, int] = {}
+        """Steps a request still decodes without drafts after such a miss (2^misses, at most
+        MAX_PAUSE): a verify costs more than a decode, so a request whose text the proposer
+        does not predict stops paying for it, and tries again later."""
 
     def propose(self) -> None:
         """Draft the next step's tokens of each running request that decodes next."""
@@ -45,7 +57,9 @@ class SpecDecoding:
                 continue
             room = min(self.k, seq.params.max_tokens - seq.num_output_tokens - 1,
                        sched.max_model_len - seq.num_tokens - 1)
-            if room > 0:
+            if self._pause.get(seq.request_id):
+                self._pause[seq.request_id] -= 1
+            elif room > 0:
                 want.append((seq, room))
         if not want:
             return
@@ -57,6 +71,8 @@ class SpecDecoding:
         """The proposer forgets requests that ended or were preempted."""
         for rid in seq_ids:
             self.proposer.free(rid)
+            self._misses.pop(rid, None)
+            self._pause.pop(rid, None)
 
     def verify(self, logits: torch.Tensor, ran: ModelRunnerOutput, reqs: list[Request],
                rows: list[int] | None, sched: SchedulerOutput, builder: SamplingMetadataBuilder,
@@ -102,6 +118,9 @@ class SpecDecoding:
             r = reqs[e]
             tokens[e], lp_rows[e] = t, len(plain) + a
             verified[r.seq_id], acc[r.seq_id] = list(d), n
+            miss = self._misses[r.seq_id] = 0 if n else self._misses.get(r.seq_id, 0) + 1
+            if miss:
+                self._pause[r.seq_id] = min(2 ** miss, MAX_PAUSE)
             r.first.metrics.num_draft_tokens += len(d)
             r.first.metrics.num_accepted_tokens += n
         lp = _cat(plp, len(plain), vlp, len(srows))
