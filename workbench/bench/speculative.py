@@ -33,12 +33,17 @@ OPEN = ("Write a short story about a lighthouse keeper who finds a message in a 
 
 def passages(tokenizer, n: int, lo: int = 300, hi: int = 600) -> list[str]:
     """n passages of lo..hi tokens from this repository's docs and sources."""
-    files = sorted([*ROOT.glob("docs/*.md"), *ROOT.glob("workbench/core/*.py")])
+    files = sorted(ROOT.glob("docs/*.md"))
     out: list[str] = []
     for f in files:
-        words = f.read_text(errors="replace").split("\n")
+        # prose only: no code blocks, tables or diagrams
+        lines, fenced = [], False
+        for line in f.read_text(errors="replace").split("\n"):
+            fenced ^= line.startswith("```")
+            if not fenced and line.strip() and line[0].isalpha() and "|" not in line:
+                lines.append(line)
         chunk: list[str] = []
-        for line in words:
+        for line in lines:
             chunk.append(line)
             size = len(tokenizer.encode("\n".join(chunk)))
             if size >= lo:
