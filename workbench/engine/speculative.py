@@ -43,6 +43,9 @@ class SpecDecoding:
         self.scheduler = scheduler
         self._misses: dict[str, int] = {}
         """Verify steps in a row whose drafts were all rejected, by sequence id."""
+        self._known: set[str] = set()
+        """Requests drafted for and not freed since (an abort is found out at the next
+        propose: the scheduler no longer holds it)."""
         self._pause: dict[str, int] = {}
         """Steps a request still decodes without drafts after such a miss (2^misses, at most
         MAX_PAUSE): a verify costs more than a decode, so a request whose text the proposer
@@ -51,6 +54,9 @@ class SpecDecoding:
     def propose(self) -> None:
         """Draft the next step's tokens of each running request that decodes next."""
         sched, want = self.scheduler, []
+        gone = [rid for rid in self._known if rid not in sched.requests]
+        if gone:
+            self.free(gone)
         for seq in sched.running:
             if (seq.status is not SequenceStatus.RUNNING or seq.num_output_tokens == 0
                     or seq.num_computed_tokens != seq.num_tokens - 1):
@@ -63,6 +69,7 @@ class SpecDecoding:
                 want.append((seq, room))
         if not want:
             return
+        self._known.update(s.request_id for s, _ in want)
         drafts = self.proposer.propose([(s.request_id, s.token_ids) for s, _ in want])
         for (seq, room), d in zip(want, drafts):
             seq.spec_token_ids = list(d[:room])
@@ -70,6 +77,9 @@ class SpecDecoding:
     def free(self, seq_ids) -> None:
         """The proposer forgets requests that ended or were preempted."""
         for rid in seq_ids:
+            if rid not in self._known:
+                continue
+            self._known.discard(rid)
             self.proposer.free(rid)
             self._misses.pop(rid, None)
             self._pause.pop(rid, None)
