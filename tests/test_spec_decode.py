@@ -27,6 +27,8 @@ from workbench.spec_decode.ngram import NgramProposer, propose_ngram
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram"}, "num_speculative_tokens"),
     ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0},
+     "disable_by_batch_size"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
       "prompt_lookup_max": 2}, "prompt_lookup_min"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
@@ -44,6 +46,9 @@ def test_speculative_config_typed_and_unknown_fields_warned(caplog):
         c = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                              "prompt_lookup_max": 5, "frobnicate": 1})
     assert c.speculative() == SpeculativeConfig("ngram", 3, 1, 5)
+    assert EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                            "disable_by_batch_size": 8}
+                        ).speculative().disable_by_batch_size == 8
     assert "frobnicate" in caplog.text
     assert EngineConfig().speculative() is None
 

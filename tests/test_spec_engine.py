@@ -212,3 +212,13 @@ def test_a_request_whose_drafts_miss_stops_drafting_for_a_while():
     assert e.generate(prompt, p)[0].token_ids == plain.generate(prompt, p)[0].token_ids
     verifies = [s for s in e.telemetry.steps if s.drafts]
     assert e.telemetry.spec_decode.num_accepted_tokens < len(verifies) <= 6
+
+
+def test_disable_by_batch_size_turns_drafting_off_for_large_batches():
+    e = Engine(model="random:tiny", device="cpu",
+               speculative_config={**NGRAM, "disable_by_batch_size": 3})
+    p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    e.generate(prompts(4, seed=1), p)          # four at once: no drafts while 3+ run
+    assert not any(s.drafts and len(s.tokens_per_request) >= 3 for s in e.telemetry.steps)
+    e.generate(prompts(2, seed=1)[1:], p)      # alone, a repeating prompt: drafts
+    assert e.telemetry.spec_decode.num_drafts > 0

@@ -240,6 +240,10 @@ class SpeculativeConfig:
     """ngram: the longest (tried first)."""
     model: str | None = None
     """draft_model: the draft's source (any the engine loads)."""
+    disable_by_batch_size: int | None = None
+    """No drafts while this many requests or more run (vLLM's knob): where a batch is large
+    a decode step is no longer bound by reading the weights, and verifying costs what it
+    computes. None: always draft."""
     dtype: str | None = None
     quantization: str | None = None
 
@@ -262,7 +266,7 @@ class SpeculativeConfig:
                              f"(got {method!r})")
         ints = {}
         for name, default in (("num_speculative_tokens", None), ("prompt_lookup_min", None),
-                              ("prompt_lookup_max", None)):
+                              ("prompt_lookup_max", None), ("disable_by_batch_size", None)):
             v = d.get(name, default)
             if v is None:
                 continue
@@ -291,7 +295,8 @@ class SpeculativeConfig:
         if q is not None and q not in QUANTIZATIONS:
             raise ValueError(f"speculative_config.quantization: must be one of {QUANTIZATIONS} "
                              f"or None (got {q!r})")
-        return cls(method, ints["num_speculative_tokens"], lo, hi, model, d.get("dtype"), q)
+        return cls(method, ints["num_speculative_tokens"], lo, hi, model,
+                   ints.get("disable_by_batch_size"), d.get("dtype"), q)
 
 
 def validate_capture_sizes(sizes: list[int], max_num_seqs: int,

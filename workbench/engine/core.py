@@ -62,8 +62,9 @@ class EngineCore:
         self.output = OutputProcessor(self.tokenizer, self.requests, self.scheduler.finish,
                                       self.telemetry, self.clock)
         pipeline = b.pipeline_class or StepPipeline
-        spec = (SpecDecoding(b.proposer, self.config.speculative().num_speculative_tokens,
-                             self.scheduler) if b.proposer is not None else None)
+        sc = self.config.speculative()
+        spec = (SpecDecoding(b.proposer, sc.num_speculative_tokens, self.scheduler,
+                             sc.disable_by_batch_size) if b.proposer is not None else None)
         self.pipeline = pipeline(self.scheduler, self.runner, self.platform, self.output,
                                  self.structured_output, self.telemetry, b.eos_token_ids,
                                  b.async_scheduling, self.config.max_num_seqs,

@@ -37,9 +37,12 @@ MAX_PAUSE = 32
 
 
 class SpecDecoding:
-    def __init__(self, proposer, num_speculative_tokens: int, scheduler: Scheduler):
+    def __init__(self, proposer, num_speculative_tokens: int, scheduler: Scheduler,
+                 disable_by_batch_size: int | None = None):
         self.proposer = proposer
         self.k = num_speculative_tokens
+        self.disable_by_batch_size = disable_by_batch_size
+        """No drafts while this many requests or more run (SpeculativeConfig's)."""
         self.scheduler = scheduler
         self._misses: dict[str, int] = {}
         """Verify steps in a row whose drafts were all rejected, by sequence id."""
@@ -57,6 +60,8 @@ class SpecDecoding:
         gone = [rid for rid in self._known if rid not in sched.requests]
         if gone:
             self.free(gone)
+        if self.disable_by_batch_size and len(sched.running) >= self.disable_by_batch_size:
+            return
         for seq in sched.running:
             if (seq.status is not SequenceStatus.RUNNING or seq.num_output_tokens == 0
                     or seq.num_computed_tokens != seq.num_tokens - 1):
