@@ -188,10 +188,6 @@ def test_what_a_speculative_engine_refuses():
             choice=["a", "b"])))
     with pytest.raises(ValueError, match="speculative_config.*modelled"):
         Engine(model="random:tiny", device="model:h100", speculative_config=NGRAM)
-    with pytest.raises(ValueError, match="speculative_config.method.*draft_model"):
-        Engine(model="random:tiny", device="cpu",
-               speculative_config={"method": "draft_model", "model": "random:tiny",
-                                   "num_speculative_tokens": 2})
     # the engine still serves
     assert e.generate([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids
 
@@ -222,3 +218,22 @@ def test_disable_by_batch_size_turns_drafting_off_for_large_batches():
     assert not any(s.drafts and len(s.tokens_per_request) >= 3 for s in e.telemetry.steps)
     e.generate(prompts(2, seed=1)[1:], p)      # alone, a repeating prompt: drafts
     assert e.telemetry.spec_decode.num_drafts > 0
+
+
+def test_draft_model_method_greedy_equal_or_refused_until_it_exists():
+    """With spec_decode/draft_model.py (branch draft) the method runs: the target drafting
+    for itself keeps its greedy tokens and nearly every draft; without it, a clear refusal."""
+    from importlib.util import find_spec
+    cfg = {"method": "draft_model", "model": "random:tiny", "num_speculative_tokens": 3}
+    if find_spec("workbench.spec_decode.draft_model") is None:
+        with pytest.raises(ValueError, match="draft_model.*not available yet"):
+            Engine(model="random:tiny", device="cpu", speculative_config=cfg)
+        return
+    e = Engine(model="random:tiny", device="cpu", speculative_config=cfg)
+    plain = Engine(model="random:tiny", device="cpu")
+    p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    batch = prompts(3, seed=4)
+    assert tokens(e.generate(batch, p)) == tokens(plain.generate(batch, p))
+    sd = e.telemetry.spec_decode
+    assert sd.num_draft_tokens > 0 and sd.num_accepted_tokens >= 0.9 * sd.num_draft_tokens
+    assert pool_is_whole(e)
