@@ -67,9 +67,14 @@ ALLOWED = {
     "workbench.modelled": {"workbench.config", "workbench.cache", "workbench.telemetry",
                            "workbench.utils", "workbench.core", "workbench.executor",
                            "workbench.platforms", "workbench.roofline"},
+    # Speculative decoding's proposers: n-gram lookup (numpy), a draft model (the executor's
+    # models and loaders).
+    "workbench.spec_decode": {"workbench.config", "workbench.cache", "workbench.telemetry",
+                              "workbench.utils", "workbench.core", "workbench.executor",
+                              "workbench.platforms"},
     "workbench.engine": {"workbench.config", "workbench.telemetry", "workbench.utils", "workbench.core",
                          "workbench.executor", "workbench.platforms", "workbench.roofline",
-                         "workbench.modelled", "workbench.cache"},
+                         "workbench.modelled", "workbench.cache", "workbench.spec_decode"},
     "workbench": {"workbench.config", "workbench.engine", "workbench.core"},
     "workbench.trace": {"workbench.engine", "workbench.core", "workbench.telemetry",
                         "workbench.config", "workbench.roofline", "workbench"},

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -25,13 +26,16 @@ def _int_list(text: str) -> list[int]:
 
 
 def _positive_int(text: str) -> int:
+    if text.strip().isdigit() and int(text) > 0:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected a whole number > 0, got {text!r}")
+
+
+def _json_dict(text: str) -> dict:      # its fields are checked by EngineConfig
     try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number > 0, got {text!r}")
-    return v
+        return dict(json.loads(text))
+    except (ValueError, TypeError):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
 
 
 def _device(text: str) -> str:      # a modelled profile's name is checked by EngineConfig
@@ -59,9 +63,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"].default)
     p.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"].default)
     p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float,
-                   default=d["gpu_memory_utilization"].default,
-                   help="share of the device's memory the engine may take (KV pool sizing)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=d["gpu_memory_utilization"]
+                   .default, help="share of the device's memory the engine may take (KV pool)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--graph-mode", default=d["graph_mode"].default, choices=GRAPH_MODES,
                    help="eager, decode (capture decode steps) or full (prefill too, piecewise); "
@@ -69,8 +72,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cudagraph-capture-sizes", type=_int_list, default=None,
                    help="decode batch sizes to capture, e.g. 1,2,4,8,16")
     p.add_argument("--pa-shape-list", type=_int_list, default=None,
-                   help="NPU: decode batch sizes captured whole with _npu_paged_attention "
-                        "(vLLM-Ascend's pa_shape_list; default none: decode runs piecewise)")
+                   help="NPU: decode batch sizes captured whole with _npu_paged_attention (vLLM-"
+                        "Ascend's pa_shape_list; default none)")
     p.add_argument("--generation-config", default=d["generation_config"].default,
                    choices=GENERATION_CONFIGS,
                    help="auto: sampling defaults from the model's generation_config.json for "
@@ -78,6 +81,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default=d["attention_backend"].default,
                    choices=ATTENTION_BACKENDS,
                    help="auto (the device's fused kernels) or reference (plain torch)")
+    p.add_argument("--speculative-config", type=_json_dict, default=None,
+                   help='speculative decoding as vllm serve takes it, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
 
 
 def _engine_kwargs(a) -> dict:
@@ -88,7 +93,8 @@ def _engine_kwargs(a) -> dict:
                 num_kv_blocks=a.num_kv_blocks, gpu_memory_utilization=a.gpu_memory_utilization,
                 enable_prefix_caching=not a.no_prefix_caching, graph_mode=a.graph_mode,
                 cudagraph_capture_sizes=a.cudagraph_capture_sizes, pa_shape_list=a.pa_shape_list,
-                attention_backend=a.attention_backend, generation_config=a.generation_config)
+                attention_backend=a.attention_backend, generation_config=a.generation_config,
+                speculative_config=a.speculative_config)
 
 
 def _say_notices(engine) -> None:
@@ -157,6 +163,9 @@ def cmd_bench(a) -> int:
     if a.ignore_eos is not None:
         raise ValueError("--ignore-eos/--no-ignore-eos: only for a server (--url); the offline "
                          "benchmark always runs each request to its length")
+    if a.speculative_config:      # the A/B beside plain decoding (bench/speculative.py)
+        from .bench.speculative import main
+        return main(a.model or "smollm2", _engine_kwargs(a), a.output)
     from .bench.offline import SAMPLING_WORKLOADS, format_table, make_workload, run, save
     from .platforms import auto_device
     if (auto_device() if a.device in (None, "auto") else a.device) == "cpu":
@@ -164,13 +173,11 @@ def cmd_bench(a) -> int:
         ensure_kernel_built(lambda s: print(s, file=sys.stderr))
     if a.formats:
         from .bench import formats
-        kw = {k: v for k, v in _engine_kwargs(a).items() if k not in ("dtype", "quantization",
-                                                                       "device")}
+        kw = {k: v for k, v in _engine_kwargs(a).items() if k not in ("dtype", "quantization", "device")}
         wl = (make_workload(a.num_requests, _range(a.input_len), _range(a.output_len), 49152,
                             a.seed) if a.num_requests else None)
         report = formats.run(tuple(x for x in a.formats.split(",") if x), a.model or "smollm2",
-                             workload=wl, engine_kwargs=kw,
-                             log=lambda s: print(s, file=sys.stderr))
+                             workload=wl, engine_kwargs=kw, log=lambda s: print(s, file=sys.stderr))
         print(formats.format_table(report))
         if a.output:
             save(report, a.output)
@@ -182,8 +189,7 @@ def cmd_bench(a) -> int:
     report = run(model=a.model or "smollm2", num_requests=a.num_requests, in_range=_range(a.input_len),
                  out_range=_range(a.output_len), seed=a.seed, peers=peers,
                  static_batch=a.static_batch, engine_kwargs=_engine_kwargs(a),
-                 log=lambda s: print(s, file=sys.stderr),
-                 sampling=sampling)
+                 log=lambda s: print(s, file=sys.stderr), sampling=sampling)
     print(format_table(report))
     if a.output:
         save(report, a.output)
@@ -330,10 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "none, or a comma list of bench.offline.SAMPLING_WORKLOADS' names "
                         "(qwen3_defaults, t0.7_top_p0.9, greedy_stop_string, greedy_logprobs5)")
     b.add_argument("--formats", default=None,
-                   help="compare weight formats on the CPU instead (comma list of fp32, gguf, "
-                        "int8, gguf-a8, int8-a8, bf16, bf16c): weight bytes, batch-1 TPOT, prefill, quality against "
-                        "fp32, the --num-requests workload, and llama.cpp on the same GGUF "
-                        "where llama-cpp-python is installed")
+                   help="compare weight formats on the CPU instead (comma list of fp32, gguf, int8, "
+                        "gguf-a8, int8-a8, bf16, bf16c): weight bytes, batch-1 TPOT, prefill, quality "
+                        "against fp32, the --num-requests workload, and llama.cpp on the same GGUF")
     b.add_argument("--output", default="bench.json", help="JSON report path ('' for none)")
     serving = b.add_argument_group("serving benchmark (with --url, in the manner of vllm bench serve)")
     serving.add_argument("--url", default=None,
@@ -342,17 +347,15 @@ def build_parser() -> argparse.ArgumentParser:
                               "(default: the first the server lists)")
     serving.add_argument("--api-key", default=None)
     serving.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
-                         help="send vLLM's ignore_eos so each request runs to its length "
-                              "(default: not sent; strict OpenAI servers refuse it)")
+                         help="send vLLM's ignore_eos so each request runs to its length (default: not sent)")
     serving.add_argument("--concurrency", type=int, default=16, help="most requests in flight")
     serving.add_argument("--request-rate", type=float, default=float("inf"),
                          help="Poisson arrivals, requests/s (default: all at once)")
     serving.add_argument("--input-words", default="16:256", help="prompt length range in words")
     serving.add_argument("--endpoint", default="completions",
                          choices=("completions", "chat", "responses"),
-                         help="the API to send the requests to: /v1/completions (default), "
-                              "/v1/chat/completions, or /v1/responses (for a server that "
-                              "speaks only the Responses API)")
+                         help="the API to send the requests to: /v1/completions (default), /v1/"
+                              "chat/completions, or /v1/responses (a Responses-only server)")
     serving.add_argument("--chat", action="store_true", help="the same as --endpoint chat")
     b.set_defaults(func=cmd_bench)
 
@@ -372,8 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allow-missing-model", action="store_true",
                    help="a request without 'model' gets the served one (default: 400)")
     s.add_argument("--strict-fields", action="store_true",
-                   help="refuse (400) request fields this server does not know (default: "
-                        "ignore them, with a warning in the log and a response header, as vLLM)")
+                   help="refuse (400) request fields this server does not know (default: ignore "
+                        "them, warned in the log and a response header, as vLLM)")
     s.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
                    help="the Jinja chat template for chat requests that send none (default: "
                         "the tokenizer's)")
@@ -381,9 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how tool_choice auto reads the model's calls (hermes: <tool_call> "
                         "JSON blocks, as Hermes, Qwen2.5/3 and SmolLM3 write them)")
     s.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
-                   help="split a reasoning model's <think> block from its answer: chat's "
-                        "reasoning_content, the Responses API's reasoning items (qwen3: Qwen3; "
-                        "deepseek_r1: models whose template opens the block); default: no split")
+                   help="split a reasoning model's <think> block from its answer: chat's reasoning_"
+                        "content, the Responses API's reasoning items (qwen3: Qwen3; deepseek_r1: "
+                        "models whose template opens the block); default: no split")
     s.add_argument("--header-timeout", type=float, default=None, metavar="S",
                    help="close a connection that has not sent a whole request head in S "
                         "seconds (default 10)")
@@ -395,9 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("dashboard", help="the live dashboard, served with Voila (needs 'ui')")
     d.add_argument("--model", default=None,
-                   help="'smollm2' (embedded, the default), 'random:<shape>' or a local HF "
-                        "checkpoint dir; with --url, the model id to request (default: the "
-                        "first the server lists)")
+                   help="'smollm2' (embedded, the default), 'random:<shape>' or a local HF checkpoint "
+                        "dir; with --url, the model id to request (default: the first listed)")
     d.add_argument("--device", default="auto", help="auto, cpu, cuda or npu")
     d.add_argument("--url", default=None,
                    help="watch and drive a running OpenAI-compatible server instead (vLLM, "
@@ -415,13 +417,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--port", type=int, default=8866)
     d.add_argument("--browser", action="store_true", help="also open it in a browser")
     d.add_argument("--kernel-idle-timeout", type=_positive_int, default=60, metavar="S",
-                   help="shut down a page's kernel this many seconds after the page is closed "
-                        "(default 60)")
+                   help="shut down a page's kernel S seconds after its page closes (default 60)")
     d.set_defaults(func=cmd_dashboard)
 
-    doc = sub.add_parser("doctor", help="check a device without loading a model: versions, "
-                                        "chip, head sizes, how graphs are updated, and one "
-                                        "tiny op of each kind (ran / failed, with the fix)")
+    doc = sub.add_parser("doctor", help="check a device without loading a model: versions, chip, "
+                         "head sizes, graph updates, one tiny op of each kind (ran / failed, the fix)")
     doc.add_argument("--device", required=True, choices=["cpu", "npu"],
                      help="the device to check (cpu: the CPU's ISA, its C++ kernel's build "
                           "and what 'auto' measured)")

@@ -1,6 +1,7 @@
 """EngineConfig: every knob of the engine, validated in one place, named as in vLLM."""
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass
 
 # The knobs' domains, listed once: the CLI's choices and the knob panel's options read them.
@@ -135,6 +136,14 @@ class EngineConfig:
     """Which running request gives its blocks back when the pool is full: 'newest' (vLLM's
     choice), 'oldest', or 'largest' (the one holding the most blocks)."""
 
+    speculative_config: dict | None = None
+    """Speculative decoding, in vLLM's shape (SpeculativeConfig.from_dict checks it):
+    {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
+    "prompt_lookup_max": b} drafts from the request's own tokens (prompt lookup);
+    {"method": "draft_model", "model": <source>, "num_speculative_tokens": k} from a smaller
+    model (optional "dtype", "quantization"). Each decode step then verifies up to k drafted
+    tokens in one forward pass (workbench/spec_decode/). None: off."""
+
     # Telemetry
     max_step_events: int = 100_000
     """Step records kept in memory (oldest dropped first)."""
@@ -203,9 +212,91 @@ class EngineConfig:
             bad("max_step_events", "must be an integer >= 1")
         if not isinstance(self.max_request_records, int) or self.max_request_records < 1:
             bad("max_request_records", "must be an integer >= 1")
+        if self.speculative() is not None and self.device.startswith("model:"):
+            bad("speculative_config", "a modelled device does not run speculative decoding "
+                "(use a real device)")
+
+    def speculative(self) -> "SpeculativeConfig | None":
+        """speculative_config, checked and typed (None: off)."""
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+SPEC_METHODS = ("ngram", "draft_model")
+"""speculative_config's methods (vLLM's names)."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """EngineConfig.speculative_config, checked (vLLM's SpeculativeConfig fields)."""
+    method: str
+    num_speculative_tokens: int
+    """k: most tokens drafted per request per step."""
+    prompt_lookup_min: int = 1
+    """ngram: the shortest suffix n-gram looked up in the request's earlier tokens."""
+    prompt_lookup_max: int = 4
+    """ngram: the longest (tried first)."""
+    model: str | None = None
+    """draft_model: the draft's source (any the engine loads)."""
+    disable_by_batch_size: int | None = None
+    """No drafts while this many requests or more run (vLLM's knob): where a batch is large
+    a decode step is no longer bound by reading the weights, and verifying costs what it
+    computes. None: always draft."""
+    dtype: str | None = None
+    quantization: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "SpeculativeConfig | None":
+        """The dict as vLLM takes it, each refusal a ValueError naming the field; an unknown
+        field is accepted, warned about and named, as vLLM does."""
+        if d is None:
+            return None
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config: must be a dict (got {d!r})")
+        known = set(cls.__dataclass_fields__)
+        extra = sorted(set(d) - known)
+        if extra:
+            logging.getLogger("workbench").warning(
+                "speculative_config: ignoring unknown field(s) %s", ", ".join(extra))
+        method = d.get("method", "draft_model" if d.get("model") else None)
+        if method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method: must be one of {SPEC_METHODS} "
+                             f"(got {method!r})")
+        ints = {}
+        for name, default in (("num_speculative_tokens", None), ("prompt_lookup_min", None),
+                              ("prompt_lookup_max", None), ("disable_by_batch_size", None)):
+            v = d.get(name, default)
+            if v is None:
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"speculative_config.{name}: must be an integer >= 1 "
+                                 f"(got {v!r})")
+            ints[name] = v
+        if "num_speculative_tokens" not in ints:
+            raise ValueError("speculative_config.num_speculative_tokens: required, an integer "
+                             ">= 1 (got None)")
+        lo = ints.get("prompt_lookup_min")
+        hi = ints.get("prompt_lookup_max")
+        lo = 1 if lo is None else lo
+        hi = max(4, lo) if hi is None else hi      # (vLLM's defaults differ; any lo <= hi works)
+        if lo > hi:
+            raise ValueError(f"speculative_config.prompt_lookup_min: must be <= "
+                             f"prompt_lookup_max (got {lo} > {hi})")
+        model = d.get("model")
+        if method == "draft_model" and (not isinstance(model, str) or not model):
+            raise ValueError(f"speculative_config.model: the draft model's source is required "
+                             f"for method 'draft_model' (got {model!r})")
+        if d.get("dtype") is not None and d["dtype"] not in DTYPES:
+            raise ValueError(f"speculative_config.dtype: must be one of {DTYPES} (got "
+                             f"{d['dtype']!r})")
+        q = d.get("quantization")
+        if q is not None and q not in QUANTIZATIONS:
+            raise ValueError(f"speculative_config.quantization: must be one of {QUANTIZATIONS} "
+                             f"or None (got {q!r})")
+        return cls(method, ints["num_speculative_tokens"], lo, hi, model,
+                   ints.get("disable_by_batch_size"), d.get("dtype"), q)
 
 
 def validate_capture_sizes(sizes: list[int], max_num_seqs: int,

@@ -47,7 +47,7 @@ def step_cost(ev: StepEvent, info: EngineInfo) -> StepCost:
 
     - Matmuls: 2 FLOPs per decoder-layer parameter per token fed; the LM head (hidden ×
       vocab) only for the rows that sample (a prompt chunk that does not end its prompt
-      samples nothing).
+      samples nothing; a verify samples each of its positions).
     - Attention: a request feeding q tokens after c tokens already in the cache scores
       q·c + q(q+1)/2 (query, key) pairs (causal); each pair costs 2·head_dim FLOPs for QKᵀ and
       as many for PV, per query head and layer.
@@ -56,7 +56,7 @@ def step_cost(ev: StepEvent, info: EngineInfo) -> StepCost:
     Norms, RoPE and activations are left out: they are small next to these.
     """
     tokens = sum(ev.tokens_per_request.values())
-    sampled = sum(1 for k in ev.kinds.values() if k != "chunk")
+    sampled = sum(1 + len(ev.drafts.get(r, ())) for r, k in ev.kinds.items() if k != "chunk")
     pairs = kv_tokens = 0
     for rid, q in ev.tokens_per_request.items():
         c = ev.context_lens.get(rid, 0)

@@ -33,7 +33,8 @@ class StepEvent:
     tokens_per_request: dict[str, int]
     kinds: dict[str, str]
     """What each scheduled request did: 'prefill' (its prompt's last chunk; it got a token),
-    'chunk' (a prompt chunk that did not reach the end; no token) or 'decode'."""
+    'chunk' (a prompt chunk that did not reach the end; no token), 'decode', or 'verify' (a
+    decode with drafted tokens, speculative decoding)."""
     num_running: int
     num_waiting: int
     kv_blocks_used: int
@@ -60,6 +61,28 @@ class StepEvent:
     context_lens: dict[str, int] = field(default_factory=dict)
     """Tokens each scheduled request already had in the KV cache before the step (its
     attention read them besides its new tokens; see roofline.step_cost)."""
+    drafts: dict[str, list[int]] = field(default_factory=dict)
+    """Speculative decoding: the tokens drafted for each verified request."""
+    accepted: dict[str, int] = field(default_factory=dict)
+    """How many of each request's drafts the target accepted (its first ones; the rest were
+    rejected, and the target's own token followed the accepted ones)."""
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(map(len, self.drafts.values()))
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return sum(self.accepted.values())
+
+    @property
+    def accepted_per_pos(self) -> list[int]:
+        """Accepted drafts by position (0: the first draft), over the step's requests."""
+        out = [0] * max(map(len, self.drafts.values()), default=0)
+        for n in self.accepted.values():
+            for j in range(n):
+                out[j] += 1
+        return out
 
     @property
     def num_tokens(self) -> int:
@@ -127,6 +150,21 @@ class RequestMetrics:
     cached_tokens: int = 0
     num_preemptions: int = 0
     finish_reason: str | None = None
+    num_token_steps: int = 0
+    """Steps that handed it tokens (several each, with speculative decoding)."""
+    num_draft_tokens: int = 0
+    """Speculative decoding: tokens drafted for it, and below, how many were accepted."""
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted drafts / drafted ones; None where nothing was drafted."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_tokens_per_step(self) -> float | None:
+        """Output tokens per step that gave it any (1 without speculation)."""
+        return self.output_tokens / self.num_token_steps if self.num_token_steps else None
 
     @property
     def ttft(self) -> float | None:
@@ -151,7 +189,9 @@ class RequestMetrics:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(ttft=self.ttft, tpot=self.tpot, e2e=self.e2e, itl=self.itl)
+        d.update(ttft=self.ttft, tpot=self.tpot, e2e=self.e2e, itl=self.itl,
+                 acceptance_rate=self.acceptance_rate,
+                 mean_tokens_per_step=self.mean_tokens_per_step)
         return d
 
 
@@ -271,6 +311,25 @@ def _tail(d: deque, n: int) -> list:
     return [d[i] for i in range(len(d) - n, len(d))]
 
 
+@dataclass(slots=True)
+class SpecDecodeCounts:
+    """Speculative decoding's counters, vLLM's (vllm:spec_decode_*)."""
+    num_drafts: int = 0
+    """Drafts verified: one per request per verify step."""
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def add(self, ev: StepEvent) -> None:
+        self.num_drafts += len(ev.drafts)
+        self.num_draft_tokens += ev.num_draft_tokens
+        self.num_accepted_tokens += ev.num_accepted_tokens
+        per = ev.accepted_per_pos
+        self.accepted_per_pos += [0] * (len(per) - len(self.accepted_per_pos))
+        for j, n in enumerate(per):
+            self.accepted_per_pos[j] += n
+
+
 class Telemetry:
     def __init__(self, max_steps: int = 100_000, max_requests: int = 100_000):
         self._lock = threading.Lock()
@@ -282,11 +341,15 @@ class Telemetry:
         self.memory: MemoryStats | None = None
         self.notices: list[str] = []
         """What the engine does differently from what was asked (e.g. graph mode on a CPU)."""
+        self.spec_decode = SpecDecodeCounts()
+        """Speculative decoding's totals since start (Prometheus reads them)."""
 
     def add_step(self, ev: StepEvent) -> None:
         with self._lock:
             self.steps.append(ev)
             self.num_steps += 1
+            if ev.drafts:
+                self.spec_decode.add(ev)
 
     def add_request(self, m: RequestMetrics) -> None:
         with self._lock:

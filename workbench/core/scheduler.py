@@ -7,108 +7,22 @@ fit stops the queue, so nobody is overtaken). When the KV pool runs out, a runni
 preempted by recompute: its blocks are freed and it goes back to the head of the queue, to be
 prefilled again (prompt + what it had generated) when blocks free up.
 
+Speculative decoding: a decoding request with drafts (Sequence.spec_token_ids) feeds them
+after its token, within the budget and only where the pool has room without a preemption;
+update_from_output then keeps the accepted ones' K/V and gives back whole blocks past them.
+
 Pure Python over token counts and block ids, so it is unit-tested without a model.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from .block_manager import BlockManager, PrefixHit
 from ..config import EngineConfig
 from .sequence import Sequence, SequenceStatus
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    """One request's part of a step, as data: which request, how many tokens it feeds from
-    which position, and whether the step samples its next token."""
-    req_id: str
-    num_new_tokens: int
-    start: int
-    """Position of the first token fed (== num_computed_tokens before the step): the tokens
-    it already has in the KV cache, which its attention reads besides its new ones."""
-    will_sample: bool
-    """Whether this step reaches the end of the request's known tokens, so its last logits
-    give the next token (a mid-prompt chunk does not)."""
-    is_decode: bool
-    """One new token after at least one output token: a decode, not a (re)prefill."""
-
-
-@dataclass(slots=True)
-class NewRequestData:
-    """A request the model runner does not hold yet (just admitted, forked, or back from a
-    preemption): everything it needs to compute it (vLLM's NewRequestData)."""
-    req_id: str
-    token_ids: list[int]
-    """Every token known so far: the prompt, then (a request resumed after a preemption, a
-    forked choice) the outputs it had."""
-    num_prompt_tokens: int
-    block_ids: list[int]
-    num_computed_tokens: int
-    prompt_logprobs: int | None
-    """Top prompt logprobs asked for (the runner computes logits for prompt positions)."""
-
-
-@dataclass(slots=True)
-class CachedRequestData:
-    """A request the runner already holds: only what changed since it last ran (vLLM's
-    CachedRequestData, one per request)."""
-    req_id: str
-    new_token_ids: list[int]
-    """Tokens that became known since (the token sampled by its last step); empty for a
-    step scheduled before that token reached the host (async scheduling)."""
-    new_block_ids: list[int]
-    num_computed_tokens: int
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """One step as the scheduler decided it, in data only: the model runner keeps its own
-    copy of each request's tokens and blocks and applies these changes to it, so nothing
-    here is a live object of the scheduler's."""
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    """The step's requests, running ones first, in scheduling order."""
-    new_reqs: list[NewRequestData] = field(default_factory=list)
-    cached_reqs: list[CachedRequestData] = field(default_factory=list)
-    finished_req_ids: list[str] = field(default_factory=list)
-    """Requests the runner held that have ended or been preempted since the last step: it
-    forgets them."""
-    preempted: list[str] = field(default_factory=list)
-    """Requests preempted by this step (their blocks freed; they wait to be recomputed)."""
-    num_cached_tokens: int = 0
-    """Prompt tokens of newly admitted requests served from the prefix cache."""
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled if not s.is_decode)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return sum(1 for s in self.scheduled if s.is_decode)
-
-    @property
-    def phase(self) -> str:
-        p, d = self.num_prefill_tokens, self.num_decode_tokens
-        return "mixed" if p and d else "prefill" if p else "decode" if d else "idle"
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass(slots=True)
-class EngineCoreOutput:
-    """One request's part of a step's result once the scheduler has taken it in (vLLM's
-    EngineCoreOutput): the tokens it kept and whether the request ended by the stop rule."""
-    new_token_ids: list[int]
-    """The tokens appended to the request: what the step sampled for it, up to and including
-    one that stops it (several where a step proposes several); none for a request that only
-    scored its prompt."""
-    finish_reason: str | None = None
-    """'stop' (a stop token or EOS), 'length' (max_tokens or max_model_len), or None: it goes
-    on. The output processor may still end it on a stop string or its grammar."""
+from .sched_output import (CachedRequestData, EngineCoreOutput, NewRequestData,  # noqa: F401
+                           ScheduledRequest, SchedulerOutput)
 
 
 class Scheduler:
@@ -131,6 +45,13 @@ class Scheduler:
         been sent (the next step sends only what came after)."""
         self._gone: list[str] = []
         """Requests the runner holds that ended or were preempted since the last step."""
+        self._verifying: set[str] = set()
+        """Requests whose step verified drafts and whose tokens are not taken in yet: their
+        computed count moves past the accepted drafts, and blocks past them go back, in
+        update_from_output."""
+        self._shrunk: dict[str, int] = {}
+        """Requests that gave blocks back since the runner was last sent their table: how
+        many of the ids it holds stay."""
 
     # ---- queue ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -193,6 +114,14 @@ class Scheduler:
         while queue and budget > 0:
             seq = queue.pop(0)
             n = min(seq.num_uncomputed_tokens, budget)
+            # A decode's drafts, if the budget and the pool have room for them: never a
+            # preemption for a draft.
+            drafts = seq.spec_token_ids[:budget - 1] if seq.num_uncomputed_tokens == 1 else []
+            seq.spec_token_ids = []
+            if drafts and self._allocate(seq, n + len(drafts)):
+                self._scheduled(out, seq, n + len(drafts), drafts=drafts)
+                budget -= n + len(drafts)
+                continue
             while not self._allocate(seq, n):
                 victim = self._pick_victim(queue, seq)
                 self._preempt(victim, out)
@@ -231,15 +160,18 @@ class Scheduler:
             self._steps_since_prefill += 1
         return self._flush(out)
 
-    def _scheduled(self, out: SchedulerOutput, seq: Sequence, n: int, ahead: bool = False) -> None:
-        """seq feeds n tokens this step: its row, and what the runner must be told (all of
-        it, or what changed since it last ran). ahead: scheduled before the token it feeds
-        reached the host (async scheduling), so it samples and decodes by construction."""
-        start = seq.num_computed_tokens
-        will_sample = ahead or start + n == seq.num_tokens
-        is_decode = ahead or (n == 1 and will_sample and seq.num_output_tokens > 0)
+    def _scheduled(self, out: SchedulerOutput, seq: Sequence, n: int, ahead: bool = False,
+                   drafts: list[int] = ()) -> None:
+        """seq feeds n tokens this step (its drafts the last of them): its row, and what the
+        runner must be told (all of it, or what changed since it last ran). ahead: scheduled
+        before the token it feeds reached the host (async scheduling), so it samples and
+        decodes by construction."""
+        start, d = seq.num_computed_tokens, len(drafts)
+        will_sample = ahead or start + n - d == seq.num_tokens
+        is_decode = ahead or (n == 1 + d and will_sample and seq.num_output_tokens > 0)
         rid = seq.request_id
-        out.scheduled.append(ScheduledRequest(rid, n, start, will_sample, is_decode))
+        out.scheduled.append(ScheduledRequest(rid, n, start, will_sample, is_decode,
+                                              list(drafts)))
         sent = self._sent.get(rid)
         if sent is None:
             out.new_reqs.append(NewRequestData(rid, list(seq.token_ids), seq.num_prompt_tokens,
@@ -247,7 +179,8 @@ class Scheduler:
                                                seq.params.prompt_logprobs))
         else:
             out.cached_reqs.append(CachedRequestData(rid, seq.token_ids[sent[0]:],
-                                                     seq.block_table[sent[1]:], start))
+                                                     seq.block_table[sent[1]:], start,
+                                                     self._shrunk.pop(rid, None)))
         self._sent[rid] = (seq.num_tokens, len(seq.block_table))
 
     def _flush(self, out: SchedulerOutput) -> SchedulerOutput:
@@ -308,8 +241,10 @@ class Scheduler:
     def _free(self, seq: Sequence) -> None:
         if self._sent.pop(seq.request_id, None) is not None:
             self._gone.append(seq.request_id)
+        self._verifying.discard(seq.request_id)
+        self._shrunk.pop(seq.request_id, None)
         self.block_manager.free(seq.block_table)
-        seq.block_table, seq.block_hashes = [], []
+        seq.block_table, seq.block_hashes, seq.spec_token_ids = [], [], []
         seq.num_computed_tokens = 0
 
     def _pick_victim(self, candidates: list[Sequence], current: Sequence) -> Sequence:
@@ -351,7 +286,7 @@ class Scheduler:
             seq = self.requests.get(s.req_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue
-            if not s.is_decode or not may_run_ahead(seq):
+            if not s.is_decode or s.spec_token_ids or not may_run_ahead(seq):
                 return None
             if self.reaches_length(seq, seq.num_tokens + 1):   # with prev's token: its last
                 continue
@@ -371,12 +306,15 @@ class Scheduler:
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance computed-token counts and register newly full blocks for prefix caching
         (the step has run; its tokens may not be on the host yet: update_from_output takes
-        them)."""
+        them). A verify counts only its decode's token so far: its drafts' K/V is valid only
+        where they are accepted, so no block holding one enters the prefix cache here."""
         for s in out.scheduled:
             seq = self.requests.get(s.req_id)
             if seq is None:
                 continue                    # ended while its step was in flight: blocks freed
-            seq.num_computed_tokens = s.start + s.num_new_tokens
+            seq.num_computed_tokens = s.start + s.num_new_tokens - len(s.spec_token_ids)
+            if s.spec_token_ids:
+                self._verifying.add(s.req_id)
             seq.block_hashes.extend(self.block_manager.cache_full_blocks(
                 seq.token_ids, seq.block_table, seq.block_hashes, seq.num_computed_tokens))
 
@@ -404,8 +342,29 @@ class Scheduler:
                 if (reason := self.check_stop(seq)) is not None:
                     self.finish(seq, reason)
                     break
+            if seq.request_id in self._verifying and not seq.is_finished:
+                self._verified(seq)
             outs.append(EngineCoreOutput(new, reason))
         return outs
+
+    def _verified(self, seq: Sequence) -> None:
+        """After a verify step: the accepted drafts' K/V counts as computed (every token
+        but the newest, which the next step feeds), their full blocks enter the prefix
+        cache, and whole blocks past the new length (holding only rejected drafts' K/V) go
+        back to the pool."""
+        self._verifying.discard(seq.request_id)
+        bm = self.block_manager
+        seq.num_computed_tokens = seq.num_tokens - 1
+        seq.block_hashes.extend(bm.cache_full_blocks(
+            seq.token_ids, seq.block_table, seq.block_hashes, seq.num_computed_tokens))
+        keep = bm.blocks_needed(seq.num_tokens)
+        if len(seq.block_table) > keep:
+            bm.free(seq.block_table[keep:])
+            del seq.block_table[keep:]
+            sent = self._sent.get(seq.request_id)
+            if sent is not None and sent[1] > keep:
+                self._sent[seq.request_id] = (sent[0], keep)
+                self._shrunk[seq.request_id] = min(keep, self._shrunk.get(seq.request_id, keep))
 
     def check_stop(self, seq: Sequence) -> str | None:
         """Whether seq's newest token ends it by the stop rule (vLLM's check_stop): 'stop'

@@ -49,6 +49,9 @@ class Sequence:
     stop_reason: int | str | None = None
     """What stopped it, as vLLM reports it: the stop token id from stop_token_ids, or the
     stop string matched; None for EOS, a length limit or an abort."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Draft tokens proposed for its next step (speculative decoding): not its tokens yet,
+    the step verifies them; the scheduler clears them once scheduled or preempted."""
     num_preemptions: int = 0
     arrival_index: int = 0
     """Order of arrival; FIFO and preemption policies compare it."""

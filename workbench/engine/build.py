@@ -21,6 +21,7 @@ from ..config import EngineConfig
 from ..core.block_manager import BlockManager
 from ..core.clock import Clock, WallClock
 from ..core.scheduler import Scheduler
+from ..spec_decode import make_proposer
 from ..executor.kv_sizing import kv_bytes_per_block, num_kv_blocks
 from ..executor.models import build_model, load_checkpoint
 from ..executor.models.loader import generation_defaults
@@ -55,6 +56,8 @@ class BuiltEngine:
     """Where the engine reads the time (a modelled device's is virtual)."""
     pipeline_class: type | None = None
     """The step pipeline to run (None: StepPipeline; a modelled device has its own)."""
+    proposer: object | None = None
+    """Speculative decoding's proposer (spec_decode/), or None: off."""
 
 
 class Device:
@@ -191,6 +194,18 @@ def build_engine(dev: Device) -> BuiltEngine:
     # pays off where the device runs behind the host.
     run_ahead = (config.async_scheduling if config.async_scheduling is not None
                  else dev.runs_async) and runner.graphs is not None
+    spec, proposer = config.speculative(), None
+    if spec is not None:
+        proposer = make_proposer(spec, target_vocab_size=hf_config.vocab_size,
+                                 target_tokenizer=dev.tokenizer, device=dev.platform.device,
+                                 max_model_len=max_model_len, max_num_seqs=config.max_num_seqs)
+        if run_ahead:
+            run_ahead = False
+            text = ("speculative decoding: async scheduling is off for this engine (a verify "
+                    "step's kept tokens decide the next step's input, so it is not launched "
+                    "ahead)")
+            telemetry.notices.append(text)
+            log.info(text)
     info = EngineInfo(
         model=config.model, model_path=str(dev.model_path) if dev.model_path else None,
         max_model_len=max_model_len, block_size=bs, num_kv_blocks=num_blocks,
@@ -204,7 +219,8 @@ def build_engine(dev: Device) -> BuiltEngine:
     dev.built(runner, info, run_ahead)
     built = BuiltEngine(config, dev.platform, dev.attn_backend, dev.tokenizer, model, runner,
                         block_manager, scheduler, telemetry, max_model_len, eos, run_ahead, info,
-                        clock=dev.clock_class(), pipeline_class=dev.pipeline_class)
+                        clock=dev.clock_class(), pipeline_class=dev.pipeline_class,
+                        proposer=proposer)
     del dev
     if len(sys.modules) > modules and not gc.isenabled():
         # A library imported for the first time above may leave a reference cycle that

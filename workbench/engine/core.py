@@ -28,6 +28,7 @@ from ..telemetry import EngineInfo, EngineStats
 from .build import RealDevice, build_engine
 from .output_processor import OutputProcessor
 from .pipeline import StepPipeline, StepResult
+from .speculative import SpecDecoding
 from .request import Request, RequestRegistry, RequestState, TokenEvent, make_request
 
 log = logging.getLogger("workbench")
@@ -61,11 +62,14 @@ class EngineCore:
         self.output = OutputProcessor(self.tokenizer, self.requests, self.scheduler.finish,
                                       self.telemetry, self.clock)
         pipeline = b.pipeline_class or StepPipeline
+        sc = self.config.speculative()
+        spec = (SpecDecoding(b.proposer, sc.num_speculative_tokens, self.scheduler,
+                             sc.disable_by_batch_size) if b.proposer is not None else None)
         self.pipeline = pipeline(self.scheduler, self.runner, self.platform, self.output,
                                  self.structured_output, self.telemetry, b.eos_token_ids,
                                  b.async_scheduling, self.config.max_num_seqs,
                                  self.config.seed, self.clock, requests=self.requests,
-                                 vocab_size=self.vocab_size)
+                                 vocab_size=self.vocab_size, spec=spec)
 
         self._inbox: list[Request] = []
         self._aborts: list[str] = []

@@ -80,7 +80,8 @@ class ModelledPipeline(StepPipeline):
         return step
 
     def _finish(self, s: ModelledStep) -> StepResult:
-        return self._hand_out(s.sched, s.reqs, s.tokens, self._logprobs(s.reqs, s.tokens),
+        return self._hand_out(s.sched, s.reqs, [[t] for t in s.tokens],
+                              self._logprobs(s.reqs, s.tokens),
                               s.graph, s.t0, s.ahead)
 
     def _logprobs(self, reqs, tokens: list[int]) -> LogprobsTensors | None:

@@ -53,9 +53,11 @@ class OutputProcessor:
                 r.metrics.cached_tokens = r.seq.num_cached_tokens
 
     def process(self, reqs: list[Request], outs: list[EngineCoreOutput | None],
-                logprobs: LogprobsTensors | None, now: float) -> tuple[list[TokenEvent], list[str]]:
+                logprobs: LogprobsTensors | None, now: float, lp_rows: list[int] | None = None
+                ) -> tuple[list[TokenEvent], list[str]]:
         """Hand out one step's tokens as the scheduler took them in (Scheduler.
-        update_from_output: outs[i] is reqs[i]'s, and row i of `logprobs`, on the host).
+        update_from_output: outs[i] is reqs[i]'s, and row i of `logprobs`, on the host; with
+        several tokens a request, its j-th token's row is lp_rows[i] + j).
         Returns the events and the sequences that ended. A request that ended while its step
         was in flight (None) drops its token; one whose listener raised is aborted."""
         events: list[TokenEvent] = []
@@ -65,7 +67,8 @@ class OutputProcessor:
             if out is None:
                 continue
             try:
-                evs, delivered = self._process_one(r, i, out, logprobs, now)
+                evs, delivered = self._process_one(r, i if lp_rows is None else lp_rows[i], out,
+                                                   logprobs, now)
             except Exception:   # its detokenizer, stop strings, grammar or logprobs
                 log.exception("%s: handing out its token failed; that request alone fails",
                               r.seq.request_id)
@@ -84,20 +87,24 @@ class OutputProcessor:
     def _process_one(self, r: Request, i: int, out: EngineCoreOutput,
                      logprobs: LogprobsTensors | None, now: float
                      ) -> tuple[list[TokenEvent], bool]:
-        """One request's tokens of the step (row i): their events and whether its listener
-        took them all. A request that only scored its prompt ends with no token."""
+        """One request's tokens of the step (logprobs from row i on): their events and
+        whether its listener took them all. A request that only scored its prompt ends with
+        no token. A text stop (a stop string, the grammar) inside the step's tokens ends the
+        request there: the tokens after it are taken back out of its sequence (their K/V
+        went with its blocks when it finished), as if they had never been sampled."""
         if not out.new_token_ids:           # prompt scoring only (max_tokens 0)
             self._end(r, now)
             return [], True
         events, delivered = [], True
         last = len(out.new_token_ids) - 1
+        r.first.metrics.num_token_steps += 1
         for j, tok in enumerate(out.new_token_ids):
             lp = None
             if r.logprobs is not None:
-                lp = logprobs.row(i, r.seq.params.logprobs, self.decode_token)
+                lp = logprobs.row(i + j, r.seq.params.logprobs, self.decode_token)
                 r.logprobs.append(lp)
             ev, ok = self._append_token(r, tok, now, lp, out.finish_reason if j == last else None,
-                                        r.seq.num_output_tokens - last + j)
+                                        r.seq.num_output_tokens - last + j, last - j)
             events.append(ev)
             delivered &= ok
             if ev.finished:
@@ -106,11 +113,12 @@ class OutputProcessor:
 
     def _append_token(self, r: Request, tok: int, now: float,
                       logprobs: dict[int, Logprob] | None, reason: str | None,
-                      index: int) -> tuple[TokenEvent, bool]:
+                      index: int, after: int = 0) -> tuple[TokenEvent, bool]:
         """One token the scheduler appended (its index-th output), with the scheduler's
         verdict on it (`reason`): the text's own stops (a stop string, the grammar), its
         event, delivered; and whether the listener took it (False: it raised). A text stop
-        ends the request through finish, the one call back to the scheduler."""
+        ends the request through finish, the one call back to the scheduler; `after` tokens
+        of the same step follow this one in the sequence, taken back out if it ends here."""
         seq, p, m = r.seq, r.seq.params, r.metrics
         m.output_tokens += 1
         m.token_times.append(now)
@@ -129,6 +137,8 @@ class OutputProcessor:
         elif r.grammar is not None and r.grammar.is_stopped():
             ended = "stop"       # the grammar is complete and allows nothing more
         if ended != reason:
+            if after:                 # the step's tokens after this one: never sampled
+                del seq.token_ids[-after:]
             self.finish(seq, ended)
         final = ended is not None
         ev = TokenEvent(request_id=r.request_id, token_id=tok, text=r.detok.take(final=final),

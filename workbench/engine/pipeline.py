@@ -86,7 +86,7 @@ class StepPipeline:
                  output: OutputProcessor, structured_output: StructuredOutputManager,
                  telemetry: Telemetry, eos_token_ids: set[int], async_scheduling: bool,
                  max_num_seqs: int, seed: int = 0, clock: Clock | None = None, *,
-                 requests: RequestRegistry, vocab_size: int):
+                 requests: RequestRegistry, vocab_size: int, spec=None):
         self.scheduler = scheduler
         self.requests = requests
         """Where a step's rows find their requests (by sequence id)."""
@@ -109,6 +109,8 @@ class StepPipeline:
         engine seed and the same requests in the same order sample the same tokens."""
         self.sampling = SamplingMetadataBuilder(platform, vocab_size, eos_token_ids)
         """Builds each step's SamplingMetadata from its requests (and copies it, staged)."""
+        self.spec = spec
+        """Speculative decoding (speculative.py's SpecDecoding), or None: off."""
 
     def step(self, run_ahead: Callable[[], bool]) -> StepResult:
         """One step's worth of work (see the module's docstring). `run_ahead()` is asked just
@@ -148,12 +150,22 @@ class StepPipeline:
             return self._copy_to_host(sched, self._sample(logits, reqs), reqs, graph, t0,
                                       ahead=False)
         if spans:
-            self.output.add_prompt_logprobs(spans, logits[len(ran.req_ids):], ran.prompt_targets)
+            num_rows = len(ran.req_ids) if ran.num_rows is None else sum(ran.num_rows)
+            self.output.add_prompt_logprobs(spans, logits[num_rows:], ran.prompt_targets)
         rows, reqs = ParentRequest.sampling_rows(reqs)
+        if ran.num_rows is not None:          # verifies: speculative decoding
+            tokens, lp, lp_rows, drafts, accepted = self.spec.verify(
+                logits, ran, reqs, rows, sched, self.sampling, self.generator,
+                lambda some, at: self._sample(logits, some, at))
+            self.scheduler.update_after_step(sched)
+            return self._hand_out(sched, reqs, tokens, lp and lp.to_host(), graph, t0,
+                                  held_back=held, lp_rows=lp_rows, drafts=drafts,
+                                  accepted=accepted)
         out = self._sample(logits, reqs, rows)
         self.scheduler.update_after_step(sched)
         lp = out.logprobs.to_host() if out.logprobs is not None else None
-        return self._hand_out(sched, reqs, out.token_ids.tolist(), lp, graph, t0, held_back=held)
+        return self._hand_out(sched, reqs, [[t] for t in out.token_ids.tolist()], lp, graph, t0,
+                              held_back=held)
 
     def _end(self, pending) -> None:
         """Step `pending` ends before the next is launched (a modelled device's clock moves
@@ -175,20 +187,26 @@ class StepPipeline:
     def _finish(self, pending: InFlightStep) -> StepResult:
         """Wait for `pending`'s ids and hand them out."""
         pending.ready.synchronize()
-        return self._hand_out(pending.sched, pending.reqs, pending.host_ids.tolist(),
+        return self._hand_out(pending.sched, pending.reqs, [[t] for t in pending.host_ids.tolist()],
                               pending.host_logprobs, pending.graph, pending.t0, pending.ahead)
 
     def _schedule(self) -> tuple[SchedulerOutput, float]:
         """The next step, scheduled at the clock's time (and noted as scheduled), and that
         time."""
         t0 = self.clock.now()
+        if self.spec is not None:
+            self.spec.propose()
         sched = self.scheduler.schedule(t0)
         self.output.note_scheduled(sched, t0)
         return sched, t0
 
     def check_request(self, params) -> None:
         """Raise ValueError for what this pipeline cannot run (a real device runs anything
-        the params' own checks let through)."""
+        the params' own checks let through, but a grammar under speculative decoding)."""
+        if self.spec is not None and params.structured_outputs is not None:
+            raise ValueError("structured_outputs: not supported by an engine with "
+                             "speculative decoding (speculative_config); drafted positions "
+                             "are not masked by the grammar")
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request], rows: list[int] | None = None,
                 pending_ids: torch.Tensor | None = None) -> SamplerOutput:
@@ -259,7 +277,7 @@ class StepPipeline:
         return InFlightStep(sched, reqs, ids, host, lp, self.platform.record_event(), graph, t0,
                             ahead)
 
-    def _update(self, reqs: list[Request], tokens: list[int]) -> list:
+    def _update(self, reqs: list[Request], tokens: list[list[int]]) -> list:
         """The step's tokens into the scheduler (Scheduler.update_from_output), row by row
         in order, with the other choices of an n > 1 request started (Scheduler.fork on the
         first choice's blocks) just before its first choice's first token is taken in: the
@@ -272,36 +290,43 @@ class StepPipeline:
                     or r.seq.params.max_tokens == 0):
                 continue
             outs += self.scheduler.update_from_output([q.seq for q in reqs[start:i]],
-                                                      [[t] for t in tokens[start:i]])
+                                                      tokens[start:i])
             start = i
             started = parent.fork()
             for c in started:
                 self.scheduler.fork(r.seq, c.seq)
             self.requests.adopt(started)
         return outs + self.scheduler.update_from_output([q.seq for q in reqs[start:]],
-                                                        [[t] for t in tokens[start:]])
+                                                        tokens[start:])
 
-    def _hand_out(self, sched: SchedulerOutput, reqs: list[Request], tokens: list[int],
+    def _hand_out(self, sched: SchedulerOutput, reqs: list[Request], tokens: list[list[int]],
                   logprobs: LogprobsTensors | None, graph, t0: float,
-                  ahead: bool = False, held_back: dict[str, str] | None = None) -> StepResult:
-        """One step's tokens into the scheduler (the stop rule, finishing), then to the
-        output processor (text, text stops, logprobs, events), and the step into telemetry.
-        An n > 1 request whose prompt this step computed starts its other choices first."""
+                  ahead: bool = False, held_back: dict[str, str] | None = None,
+                  lp_rows: list[int] | None = None, drafts: dict | None = None,
+                  accepted: dict | None = None) -> StepResult:
+        """One step's tokens (a list per request) into the scheduler (the stop rule,
+        finishing), then to the output processor (text, text stops, logprobs, events), and
+        the step into telemetry. An n > 1 request whose prompt this step computed starts its
+        other choices first. lp_rows: where each request's logprobs rows start (None: row
+        i); drafts, accepted: a verify step's (speculative decoding)."""
         outs = self._update(reqs, tokens)
-        events, finished = self.output.process(reqs, outs, logprobs, self.clock.now())
+        events, finished = self.output.process(reqs, outs, logprobs, self.clock.now(), lp_rows)
+        if self.spec is not None:
+            self.spec.free([*finished, *sched.preempted])
         bstats = self.scheduler.block_manager.stats()
         self.telemetry.add_step(StepEvent(
             step=self.telemetry.num_steps, start=t0, duration=self.clock.now() - t0,
             phase=sched.phase, num_prefill_tokens=sched.num_prefill_tokens,
             num_decode_tokens=sched.num_decode_tokens, num_cached_tokens=sched.num_cached_tokens,
             tokens_per_request={s.req_id: s.num_new_tokens for s in sched.scheduled},
-            kinds={s.req_id: "decode" if s.is_decode else "prefill" if s.will_sample
-                   else "chunk" for s in sched.scheduled},
+            kinds={s.req_id: "verify" if s.spec_token_ids else "decode" if s.is_decode
+                   else "prefill" if s.will_sample else "chunk" for s in sched.scheduled},
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=bstats.used, kv_blocks_free=bstats.free, kv_blocks_cached=bstats.cached,
             num_preempted=len(sched.preempted), preempted=list(sched.preempted),
             graph=graph is not None, graph_kind=graph and graph[0],
             graph_size=graph and graph[1], finished=finished, scheduled_ahead=ahead,
             held_back=held_back or {},
-            context_lens={s.req_id: s.start for s in sched.scheduled}))
+            context_lens={s.req_id: s.start for s in sched.scheduled},
+            drafts=drafts or {}, accepted=accepted or {}))
         return StepResult(events, sched.phase)

@@ -49,6 +49,8 @@ class PersistentBatch(dict):
         for c in out.cached_reqs:
             r = self[c.req_id]
             r.token_ids += c.new_token_ids
+            if c.block_ids_from is not None:     # blocks of rejected drafts given back
+                del r.block_ids[c.block_ids_from:]
             r.block_ids += c.new_block_ids
             r.num_computed_tokens = c.num_computed_tokens
 
@@ -67,6 +69,8 @@ class StepInputs:
     common: CommonAttentionMetadata
     sampling: list[str]
     """In logits order: the requests that sample."""
+    num_rows: list[int] | None
+    """Logits rows of each of them (1; a verify's 1 + its drafts), or None: one each."""
     prompt_spans: list[tuple[str, int, int]]
     """(request id, first position, count) of the prompt-logprob rows."""
     prompt_targets: torch.Tensor
@@ -80,7 +84,8 @@ class ModelRunnerOutput:
     modelled device's runner."""
     req_ids: list[str]
     """The requests of the sampling rows, in logits order: decodes first, then the prompts
-    that reach their end (each sequence by its own id; an n > 1 choice's is '<id>#<i>')."""
+    that reach their end and the verifies (each sequence by its own id; an n > 1 choice's
+    is '<id>#<i>')."""
     graph: tuple[str, int] | None
     """How graphs ran it: (FULL, batch size) for a replayed decode graph, (PIECEWISE, token
     bucket), or None when it ran eager."""
@@ -100,6 +105,9 @@ class ModelRunnerOutput:
     tokens); None where the pipeline samples from `logits`."""
     seconds: float | None = None
     """The step's modelled time (a modelled device); None on a real one."""
+    num_rows: list[int] | None = None
+    """Speculative decoding: the logits rows of each of req_ids (a verify has one per
+    position: 1 + its drafts), in order; None: one each."""
 
 
 class ModelRunner:
@@ -199,7 +207,10 @@ class ModelRunner:
     def prepare(self, out: SchedulerOutput, pad_to: int | None = None,
                 input_rows: list[int] | None = None) -> StepInputs:
         """Flatten the step, decodes first, then prefill chunks, into the staging buffers
-        and copy them to the device once. pad_to: rows to pad a pure decode step to (a
+        and copy them to the device once. A verify (a decode with drafts, speculative
+        decoding) is an ordinary chunk on cached context among the prefill chunks, whose
+        logits are computed at every position, so every attention backend (the CPU's
+        kernels, Triton, the NPU's FIA) runs it as it runs a chunk. pad_to: rows to pad a pure decode step to (a
         decode graph's size), each a token 0 at position 0 whose K/V goes to the null block.
         input_rows: the ids are on the device already (async scheduling), not yet known
         here; request i's is row input_rows[i] of them (staged in the ids' place).
@@ -209,8 +220,8 @@ class ModelRunner:
         bs = self.block_size
         state = self.requests
         state.update_from(out)
-        decodes = [s for s in out.scheduled if s.is_decode]
-        prefills = [s for s in out.scheduled if not s.is_decode]
+        decodes = [s for s in out.scheduled if s.is_decode and not s.spec_token_ids]
+        prefills = [s for s in out.scheduled if not s.is_decode or s.spec_token_ids]
         reqs = decodes + prefills
         n, nd = len(reqs), len(decodes)
         rows = n if pad_to is None else pad_to
@@ -218,6 +229,7 @@ class ModelRunner:
         counts[nd:n] = [s.num_new_tokens for s in prefills]
         num_tokens = int(counts.sum())
         sampling = [s.req_id for s in decodes]
+        num_rows = [1] * nd if any(s.spec_token_ids for s in prefills) else None
         logits_rows: list[int] = []
         prompt_rows: list[int] = []
         prompt_spans: list[tuple[str, int, int]] = []
@@ -226,8 +238,11 @@ class ModelRunner:
         for s in prefills:
             k = s.num_new_tokens
             if s.will_sample:
-                logits_rows.append(q_start + k - 1)
+                m = 1 + len(s.spec_token_ids)
+                logits_rows += range(q_start + k - m, q_start + k)
                 sampling.append(s.req_id)
+                if num_rows is not None:
+                    num_rows.append(m)
             # Prompt logprobs: the logits at each fed position whose next token is a prompt
             # token, in rows after the sampling rows.
             r = state[s.req_id]
@@ -267,7 +282,9 @@ class ModelRunner:
         else:
             ids[:nd] = [state[s.req_id].token_ids[s.start] for s in decodes]
             for s, a in zip(prefills, qsl[nd:n].tolist()):
-                ids[a:a + s.num_new_tokens] = state[s.req_id].token_ids[s.start:s.start + s.num_new_tokens]
+                known = s.num_new_tokens - len(s.spec_token_ids)
+                ids[a:a + known] = state[s.req_id].token_ids[s.start:s.start + known]
+                ids[a + known:a + s.num_new_tokens] = s.spec_token_ids
             ids[qsl[n]:] = 0
         logits[:nd] = np.arange(nd)
         logits[nd:] = logits_rows + prompt_rows
@@ -281,14 +298,15 @@ class ModelRunner:
             query_start_loc_cpu=host[4], seq_lens_cpu=host[5])
         on_device = input_rows is not None
         return StepInputs(None if on_device else d_ids, d_ids[:n] if on_device else None, d_pos,
-                          d_logits, common, sampling, prompt_spans, d_targets)
+                          d_logits, common, sampling, num_rows, prompt_spans, d_targets)
 
     def _replay_decode(self, out: SchedulerOutput, input_ids: torch.Tensor | None = None,
                        input_rows: list[int] | None = None):
         """A pure decode step on a captured graph, or None to run it eager. input_ids,
         input_rows: see execute."""
         g = self.graphs
-        if g is None or not out.scheduled or not all(s.is_decode for s in out.scheduled):
+        if g is None or not out.scheduled or not all(s.is_decode and not s.spec_token_ids
+                                                     for s in out.scheduled):
             return None
         size = g.size_for(len(out.scheduled))
         if size is None:
@@ -318,6 +336,8 @@ class ModelRunner:
         pw = self.piecewise
         if pw is not None and pw.size_for(input_ids.shape[0]) is not None:
             logits, size = pw.run(input_ids, positions, meta, logits_indices)
-            return ModelRunnerOutput(sampling, (PIECEWISE, size), logits, spans, targets)
+            return ModelRunnerOutput(sampling, (PIECEWISE, size), logits, spans, targets,
+                                     num_rows=step.num_rows)
         logits = self.model(input_ids, positions, self.layer_caches, meta, logits_indices)
-        return ModelRunnerOutput(sampling, None, logits, spans, targets)
+        return ModelRunnerOutput(sampling, None, logits, spans, targets,
+                                 num_rows=step.num_rows)

@@ -186,13 +186,17 @@ def _search(cum: torch.Tensor, mass: torch.Tensor, u: torch.Tensor) -> torch.Ten
     return torch.searchsorted(cum, v.contiguous(), right=True)[:, 0].clamp_(max=cum.shape[1] - 1)
 
 
-def _draw_full(logits, f: Filters, u) -> torch.Tensor:
+def _full_probs(logits, f: Filters) -> torch.Tensor:
     """Rows without top-k / top-p: the whole vocabulary at the row's temperature, min-p
-    filtered."""
+    filtered (not renormalised)."""
     probs = torch.softmax(logits / f.temperature[:, None], dim=-1)
     if f.min_p is not None:
         probs = probs.masked_fill(probs < f.min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
-    cum = probs.cumsum(-1)
+    return probs
+
+
+def _draw_full(logits, f: Filters, u) -> torch.Tensor:
+    cum = _full_probs(logits, f).cumsum(-1)
     return _search(cum, cum[:, -1], u)
 
 
@@ -202,10 +206,34 @@ def _draw_truncated(logits, f: Filters, u, candidates: int | None = None) -> tor
     first of CANDIDATES on the CPU, the whole vocabulary elsewhere); a row whose kept set
     reaches past them is drawn again among the next number of CANDIDATES, the last time over
     the whole vocabulary."""
+    if candidates is None:
+        candidates = CANDIDATES[0] if host_reads_are_free(logits.device) else logits.shape[1]
+    order, probs, cum, thr, kept, tails, width = _truncate(logits, f, candidates)
+    nucleus = cum.gather(1, (kept - 1)[:, None])[:, 0]
+    ids = order.gather(1, _search(cum, nucleus, u)[:, None])[:, 0]
+    # Rows whose kept set may reach past the candidates, drawn again among more: a top-k
+    # wider than them, or a nucleus they do not complete.
+    n, vocab, k_of = logits.shape[0], logits.shape[1], f.top_k
+    redo = [i for i in range(n) if k_of[i] > width]
+    if tails:
+        short = (cum[:, -1] < thr).tolist()
+        redo = [i for i in redo if k_of[i] < vocab or short[i]]
+    if redo:
+        idx = _host_index(redo)
+        again = _draw_truncated(_select(logits, redo, idx), f.select(redo), _select(u, redo, idx),
+                                candidates=next((c for c in CANDIDATES if c > width), vocab))
+        ids = again if len(redo) == n else ids.index_copy_(0, idx, again)
+    return ids
+
+
+def _truncate(logits, f: Filters, candidates: int):
+    """The top-k / min-p / top-p filter among each row's best `candidates` tokens: (order,
+    probs, cum, thr, kept, tails, width): the candidates' ids best first, their
+    unnormalised probabilities (top-k and min-p applied), its cumulative sum, the top-p
+    threshold, how many of them the nucleus keeps, the rows whose top-p mass counted the
+    tokens past the candidates, and how many candidates there were."""
     n, vocab = logits.shape
     dev = logits.device
-    if candidates is None:
-        candidates = CANDIDATES[0] if host_reads_are_free(dev) else vocab
     k_of, temp, min_p = f.top_k, f.temperature, f.min_p
     has_p = [p < 1.0 for p in f.top_p]
     # Every row inside its own top-k: its top max(top_k) is all it needs.
@@ -235,20 +263,46 @@ def _draw_truncated(logits, f: Filters, u, candidates: int | None = None) -> tor
     thr = torch.where(p_col < 1.0, p_col * mass, torch.full_like(mass, float("inf")))
     # Kept: the smallest prefix whose mass reaches thr (the top token always stays).
     kept = ((cum - probs) < thr[:, None]).sum(-1)
-    nucleus = cum.gather(1, (kept - 1)[:, None])[:, 0]
-    ids = order.gather(1, _search(cum, nucleus, u)[:, None])[:, 0]
-    # Rows whose kept set may reach past the candidates, drawn again among more: a top-k
-    # wider than them, or a nucleus they do not complete.
-    redo = [i for i in range(n) if k_of[i] > width]
-    if tails:
-        short = (cum[:, -1] < thr).tolist()
-        redo = [i for i in redo if k_of[i] < vocab or short[i]]
-    if redo:
-        idx = _host_index(redo)
-        again = _draw_truncated(_select(logits, redo, idx), f.select(redo), _select(u, redo, idx),
-                                candidates=next((c for c in CANDIDATES if c > width), vocab))
-        ids = again if len(redo) == n else ids.index_copy_(0, idx, again)
-    return ids
+    return order, probs, cum, thr, kept, tails, width
+
+
+def target_probs(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's distribution after everything `sample` applies (the grammar's mask, the
+    processors, temperature, min-p, top-k, top-p; a greedy row: one-hot at its argmax), as
+    dense probabilities [N, vocab] fp32, and the logits logprobs are taken from (as
+    `sample`'s). The same filters as `sample`'s draw, over the whole vocabulary: what the
+    rejection sampler (rejection_sampler.py) accepts drafts against."""
+    if md.logits_rows is not None:
+        logits = logits.index_select(0, md.logits_rows)
+    elif logits.shape[0] != md.num_rows:
+        logits = logits[:md.num_rows]
+    if md.bitmask is not None:
+        logits = apply_token_bitmask(logits, md.bitmask, md.bitmask_rows)
+    raw = logits
+    if md.processors is not None:
+        logits = apply_processors(logits, md.processors)
+    n, vocab = logits.shape
+    probs = torch.zeros(n, vocab, dtype=torch.float32, device=logits.device)
+    probs.scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+    draw = md.draw
+    if draw is not None:
+        rows = torch.arange(n, device=logits.device) if draw.rows is None else draw.rows
+        sub = logits.index_select(0, rows)
+        dense = torch.zeros(sub.shape, dtype=torch.float32, device=logits.device)
+        for f in (draw.truncated, draw.full):
+            if f is None:
+                continue
+            at = torch.arange(sub.shape[0], device=sub.device) if f.rows is None else f.rows
+            part = sub.index_select(0, at)
+            if f is draw.full:
+                p = _full_probs(part, f)
+            else:
+                order, p, _, _, kept, _, width = _truncate(part, f, vocab)
+                p = p.masked_fill(torch.arange(width, device=p.device) >= kept[:, None], 0.0)
+                p = torch.zeros_like(part, dtype=torch.float32).scatter_(1, order, p.float())
+            dense.index_copy_(0, at, p.float() / p.sum(-1, keepdim=True).float())
+        probs.index_copy_(0, rows, dense)
+    return probs, raw
 
 
 def apply_processors(logits: torch.Tensor, procs: Processors) -> torch.Tensor:

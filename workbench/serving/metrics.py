@@ -152,6 +152,26 @@ class EngineMetrics:
                        "Arrival to last token, requests that finished (stop or length).", self.e2e)
             yield hist("vllm:request_queue_time_seconds", "Arrival to first scheduling.",
                        self.queue)
+            if self.engine.info().config.speculative_config is not None:
+                yield from self._spec_decode(counter)
+
+    def _spec_decode(self, counter):
+        """Speculative decoding's counters (vLLM's names), from the engine's totals."""
+        sd = self.engine.telemetry.spec_decode
+        yield counter("vllm:spec_decode_num_drafts", "Drafts verified (one per request per "
+                      "verify step).", sd.num_drafts)
+        yield counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                      sd.num_draft_tokens)
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                      sd.num_accepted_tokens)
+        per = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted, by position in the draft.",
+                                  labels=["model_name", "position"])
+        k = self.engine.info().config.speculative().num_speculative_tokens
+        counts = list(sd.accepted_per_pos) + [0] * k
+        for pos in range(max(k, len(sd.accepted_per_pos))):
+            per.add_metric([self.model_name, str(pos)], counts[pos])
+        yield per
 
     def render(self) -> bytes:
         registry = CollectorRegistry(auto_describe=False)

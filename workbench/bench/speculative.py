@@ -1,0 +1,135 @@
+"""Speculative decoding beside plain decoding (`workbench bench --speculative-config ...`):
+the same requests through an engine without speculation and one with it, built with the
+same knobs, in the same run, rounds interleaved (plain, speculative, plain, ...) so a noisy
+machine moves both alike; each arm's best round is kept.
+
+Workloads: 'grounded', chat prompts that carry a passage of 300-600 tokens (files of this
+repository, read locally) and ask to copy, extract from or edit it, where prompt lookup
+finds long drafts; 'open', chat prompts that ground nothing, where it finds few (a miss
+must cost nothing). Greedy, so the two arms must produce the same tokens (checked).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from ..engine import Engine
+from ..core.sampling_params import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+TASKS = ("Repeat the following text exactly, word for word:",
+         "Copy this text, changing every full stop into an exclamation mark:",
+         "Extract the first two paragraphs of this text, unchanged:",
+         "Rewrite this text with each line's first word in capitals, keeping the rest unchanged:")
+OPEN = ("Write a short story about a lighthouse keeper who finds a message in a bottle.",
+        "Explain how a refrigerator works to a ten-year-old.",
+        "What are three good habits for learning a new language?",
+        "Describe a walk through a forest in autumn.",
+        "Give me a recipe for a simple tomato soup.",
+        "Why is the sky blue?",
+        "Write a poem about the sea at night.",
+        "What should I pack for a weekend hiking trip?")
+
+
+def passages(tokenizer, n: int, lo: int = 300, hi: int = 600) -> list[str]:
+    """n passages of lo..hi tokens from this repository's docs and sources."""
+    files = sorted(ROOT.glob("docs/*.md"))
+    out: list[str] = []
+    for f in files:
+        # prose only: no code blocks, tables or diagrams
+        lines, fenced = [], False
+        for line in f.read_text(errors="replace").split("\n"):
+            fenced ^= line.startswith("```")
+            if not fenced and line.strip() and line[0].isalpha() and "|" not in line:
+                lines.append(line)
+        chunk: list[str] = []
+        for line in lines:
+            chunk.append(line)
+            size = len(tokenizer.encode("\n".join(chunk)))
+            if size >= lo:
+                if size <= hi:
+                    out.append("\n".join(chunk))
+                chunk = []
+                if len(out) == n:
+                    return out
+    return out
+
+
+def workload(kind: str, tokenizer, n: int) -> list[list[dict]]:
+    if kind == "grounded":
+        texts = passages(tokenizer, n)
+        return [[{"role": "user", "content": f"{TASKS[i % len(TASKS)]}\n\n{t}"}]
+                for i, t in enumerate(texts)]
+    return [[{"role": "user", "content": OPEN[i % len(OPEN)]}] for i in range(n)]
+
+
+def _round(engine: Engine, prompts, params) -> tuple[float, list, dict]:
+    steps0, reqs0 = engine.telemetry.num_steps, engine.telemetry.num_requests
+    t = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    dt = time.perf_counter() - t
+    reqs = engine.telemetry.requests_since(reqs0)
+    drafted = sum(r.num_draft_tokens for r in reqs)
+    stats = {"steps": engine.telemetry.num_steps - steps0,
+             "acceptance_rate": (sum(r.num_accepted_tokens for r in reqs) / drafted
+                                 if drafted else None),
+             "tokens_per_step": (sum(r.output_tokens for r in reqs)
+                                 / max(1, sum(r.num_token_steps for r in reqs)))}
+    return dt, [o.token_ids for o in outs], stats
+
+
+def run(model: str, speculative_config: dict, engine_kwargs: dict, batch_sizes=(1, 8),
+        kinds=("grounded", "open"), max_tokens: int = 128, rounds: int = 3, log=print) -> dict:
+    kw = {k: v for k, v in engine_kwargs.items() if k != "speculative_config"}
+    plain = Engine(model=model, **kw)
+    spec = Engine(model=model, speculative_config=speculative_config, **kw)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    rows = []
+    for kind in kinds:
+        for b in batch_sizes:
+            prompts = workload(kind, plain.tokenizer, b)
+            plain.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4))  # warm
+            spec.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4))
+            best = {"plain": None, "spec": None}
+            for _ in range(rounds):
+                for arm, e in (("plain", plain), ("spec", spec)):
+                    dt, toks, st = _round(e, prompts, params)
+                    if best[arm] is None or dt < best[arm][0]:
+                        best[arm] = (dt, toks, st)
+            (tp, kp, sp), (ts, ks, ss) = best["plain"], best["spec"]
+            n = sum(map(len, kp))
+            row = {"workload": kind, "batch": len(prompts), "output_tokens": n,
+                   "plain_tok_s": n / tp, "spec_tok_s": sum(map(len, ks)) / ts,
+                   "ratio": (sum(map(len, ks)) / ts) / (n / tp), "same_tokens": kp == ks,
+                   "acceptance_rate": ss["acceptance_rate"],
+                   "tokens_per_step": ss["tokens_per_step"]}
+            rows.append(row)
+            log(format_row(row))
+    return {"model": model, "speculative_config": speculative_config,
+            "engine": plain.info().device_name, "rounds": rounds, "rows": rows}
+
+
+def format_row(r: dict) -> str:
+    acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
+    return (f"{r['workload']:>9} b={r['batch']:<3} plain {r['plain_tok_s']:7.1f} tok/s  "
+            f"spec {r['spec_tok_s']:7.1f} tok/s  x{r['ratio']:.2f}  acceptance {acc}  "
+            f"tokens/step {r['tokens_per_step']:.2f}  same tokens: {r['same_tokens']}")
+
+
+def format_table(report: dict) -> str:
+    head = (f"speculative decoding {report['speculative_config']} on {report['model']} "
+            f"({report['engine']}), best of {report['rounds']} interleaved rounds")
+    return "\n".join([head, *map(format_row, report["rows"])])
+
+
+def main(model: str, engine_kwargs: dict, output: str | None) -> int:
+    """`workbench bench --speculative-config '<json>'`: the table, and the JSON report."""
+    import json
+    import sys
+    report = run(model, engine_kwargs["speculative_config"], engine_kwargs,
+                 log=lambda s: print(s, file=sys.stderr))
+    print(format_table(report))
+    if output:
+        Path(output).write_text(json.dumps(report, indent=1))
+        print(f"wrote {output}", file=sys.stderr)
+    return 0

@@ -1,0 +1,31 @@
+"""Speculative decoding's proposers (vLLM's package name): what drafts each request's next
+tokens for the target model to verify in one step (issue 40).
+
+A proposer is any object with `propose(reqs) -> drafts` (reqs: (request id, every token the
+request has, the newest last); drafts: up to k token ids each, greedy, so the draft
+distribution q is one-hot) and `free(req_id)` (the request ended or was preempted).
+`make_proposer` builds the one a SpeculativeConfig names. The scheduler makes room for the
+drafts, the runner feeds them as a chunk, the rejection sampler (executor/rejection_sampler.py)
+keeps what the target agrees with.
+"""
+from __future__ import annotations
+
+from ..config import SpeculativeConfig
+from .ngram import NgramProposer
+
+
+def make_proposer(spec: SpeculativeConfig, *, target_vocab_size: int, target_tokenizer=None,
+                  device=None, max_model_len: int = 4096, max_num_seqs: int = 64):
+    """The proposer spec names (draft_model: workbench/spec_decode/draft_model.py)."""
+    if spec.method == "ngram":
+        return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                             spec.prompt_lookup_max)
+    try:
+        from .draft_model import DraftModelProposer
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.draft_model":
+            raise
+        raise ValueError("speculative_config.method: 'draft_model' is not available yet in "
+                         "this build (use 'ngram')") from None
+    return DraftModelProposer(spec, target_vocab_size, target_tokenizer, device,
+                              spec.num_speculative_tokens, max_model_len, max_num_seqs)
