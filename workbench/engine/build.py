@@ -25,6 +25,7 @@ from ..executor.kv_sizing import kv_bytes_per_block, num_kv_blocks
 from ..executor.device_model import load_device_model
 from ..executor.models.loader import generation_defaults
 from ..executor.runner import ModelRunner
+from ..platforms import get_platform
 from ..telemetry import EngineInfo, MemoryStats, Telemetry
 from .sizing import (eos_ids, fit_max_model_len, model_max_len, model_shape, num_params,
                      weight_bytes, weight_formats)
@@ -103,7 +104,7 @@ class RealDevice(Device):
 
     def __init__(self, config: EngineConfig):
         self.modules_before = len(sys.modules)
-        m = load_device_model(config, model_max_len)
+        m = load_device_model(config, model_max_len, get_platform(config.device))
         self.config, self.platform, self.attn_backend, self.dtype = \
             m.config, m.platform, m.attn_backend, m.dtype
         self.quantization, self.quantization_choice = m.quantization, m.quantization_choice

@@ -37,11 +37,12 @@ class DeviceModel:
     notices: list[str]
 
 
-def load_device_model(config: EngineConfig,
-                      max_len_of: Callable[[EngineConfig, object], int]) -> DeviceModel:
-    """Load config.model on config.device. max_len_of(config, hf_config): the positions the
-    model is built for (engine/sizing.model_max_len)."""
-    platform = get_platform(config.device)
+def load_device_model(config: EngineConfig, max_len_of: Callable[[EngineConfig, object], int],
+                      platform=None) -> DeviceModel:
+    """Load config.model on config.device (`platform`: that device's, if made already).
+    max_len_of(config, hf_config): the positions the model is built for
+    (engine/sizing.model_max_len)."""
+    platform = platform if platform is not None else get_platform(config.device)
     # config.DTYPES lists torch's own names for the dtypes.
     dtype = (platform.default_dtype if config.dtype == "auto" else getattr(torch, config.dtype))
     backend = platform.attention_backend(dtype, config.attention_backend)
