@@ -169,8 +169,7 @@ def test_a_different_tokenizer_is_refused(smollm2_dir):
 
 
 CHATS = ["Tell me a short story about a lighthouse keeper.",
-         "What do you think makes a good friend?",
-         "Write a poem about the sea in winter."]
+         "What do you think makes a good friend?"]
 
 
 def test_smollm2_gguf_a8_drafting_for_its_fp32_self(smollm2_dir, smollm2_tokenizer):
@@ -182,12 +181,12 @@ def test_smollm2_gguf_a8_drafting_for_its_fp32_self(smollm2_dir, smollm2_tokeniz
     prompts = [tok.apply_chat_template([{"role": "user", "content": c}],
                                        add_generation_prompt=True, tokenize=False) for c in CHATS]
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    n = 24
+    n = 16
     target = Engine(model="smollm2", device="cpu", quantization=None, max_model_len=512,
                     max_num_seqs=4)
     want = greedy(target, prompts, n + 4)
-    greedy(target, prompts[:1], 12)              # alone: its decode steps are at batch 1
-    decode_s = statistics.median(s.duration for s in target.telemetry.snapshot()[0][-11:]
+    greedy(target, prompts[:1], 8)              # alone: its decode steps are at batch 1
+    decode_s = statistics.median(s.duration for s in target.telemetry.snapshot()[0][-7:]
                                  if s.phase == "decode")
     del target
     draft = DraftModelProposer({"model": "smollm2", "quantization": "gguf-a8"}, 49152, tok,
