@@ -108,6 +108,27 @@ def test_near_max_model_len_fewer_proposals_then_none(tiny):
     assert tiny.num_free_blocks == tiny.num_usable_blocks
 
 
+def test_a_failed_step_loses_no_block_and_no_request_goes_wrong(tiny):
+    prompts = prompts_of(3, seed=5)
+    want = proposer().propose([(str(i), p) for i, p in enumerate(prompts)])
+    tiny.propose([("0", prompts[0])])
+    execute, calls = tiny.runner.execute, []
+
+    def failing(out, *a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the device failed")
+        return execute(out, *a, **kw)
+    tiny.runner.execute = failing
+    with pytest.raises(RuntimeError, match="device failed"):
+        tiny.propose([(str(i), p) for i, p in enumerate(prompts)])
+    tiny.runner.execute = execute
+    assert tiny.num_free_blocks == tiny.num_usable_blocks
+    assert tiny.propose([(str(i), p) for i, p in enumerate(prompts)]) == want
+    for i in range(3):
+        tiny.free(str(i))
+
+
 def test_kv_pool_comes_back_full_after_random_rounds(caplog):
     """Many random rounds of propose, accept some, replace, free, with a pool too small for
     all of them: requests that do not fit get [] (said once), no block is held by two

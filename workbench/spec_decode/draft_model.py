@@ -228,6 +228,19 @@ class DraftModelProposer:
         if not first.scheduled:
             self._forget = first.finished_req_ids + self._forget   # told at the next step
             return proposals
+        try:
+            self._draft(first, want, where, proposals)
+        except BaseException:
+            # What the failed step wrote is unknown: these requests start again next time.
+            for rid in want:
+                self.free(rid)
+            raise
+        return proposals
+
+    def _draft(self, first: SchedulerOutput, want: dict[str, int], where: dict[str, int],
+               proposals: list[list[int]]) -> None:
+        """The catch-up step, then the decode steps, each one batch of every request that
+        still wants a token; the tokens appended to `proposals`."""
         last = self._run(first)
         for rid, tok in last.items():
             proposals[where[rid]].append(tok)
@@ -246,7 +259,6 @@ class DraftModelProposer:
             last = self._run(step)
             for rid, tok in last.items():
                 proposals[where[rid]].append(tok)
-        return proposals
 
     def release(self) -> None:
         """Drop the draft's pool, graphs and model."""
