@@ -6,11 +6,13 @@ proposals are worth (acceptance against the fp32 target's greedy tokens, and the
 from __future__ import annotations
 
 import logging
+import os
 import random
 import statistics
 import time
 
 import pytest
+import torch
 
 from workbench import Engine, SamplingParams
 from workbench.spec_decode.draft_model import DraftModelProposer
@@ -238,4 +240,5 @@ def test_smollm2_gguf_a8_drafting_for_its_fp32_self(smollm2_dir, smollm2_tokeniz
           f"{(accepted + verify_steps) / verify_steps:.2f} tokens per verify step; "
           f"propose k=4 at batch 1 {propose_s * 1e3:.1f} ms (median, after the first), "
           f"one fp32 decode step at batch 1 {decode_s * 1e3:.1f} ms (median): "
-          f"{propose_s / decode_s:.2f} steps")
+          f"{propose_s / decode_s:.2f} steps ({torch.get_num_threads()} threads, load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
