@@ -178,6 +178,17 @@ def test_bad_drafts_are_refused_by_name(tmp_path):
         DraftModelProposer({}, 512, None, "cpu", 4, 256, 8)
 
 
+def test_a_config_object_and_a_torch_device_do_as_the_dict_and_the_name(tiny):
+    from types import SimpleNamespace
+    spec = SimpleNamespace(method="draft_model", model=TINY, dtype=None, quantization=None)
+    p = DraftModelProposer(spec, 512, None, torch.device("cpu"), 4, 256, 8)
+    prompts = prompts_of(2, seed=8)
+    assert p.propose([("a", prompts[0]), ("b", prompts[1])]) == \
+        tiny.propose([("x", prompts[0]), ("y", prompts[1])])
+    for rid in "xy":
+        tiny.free(rid)
+
+
 def test_a_different_tokenizer_is_refused(smollm2_dir):
     from transformers import AutoTokenizer
     from workbench.spec_decode.draft_model import tokenizer_difference

@@ -67,7 +67,8 @@ ALLOWED = {
     "workbench.modelled": {"workbench.config", "workbench.cache", "workbench.telemetry",
                            "workbench.utils", "workbench.core", "workbench.executor",
                            "workbench.platforms", "workbench.roofline"},
-    # Speculative decoding: proposers (a draft model runs on the executor's runner and pool).
+    # Speculative decoding's proposers: n-gram lookup (numpy), a draft model (the executor's
+    # models and loaders).
     "workbench.spec_decode": {"workbench.config", "workbench.cache", "workbench.telemetry",
                               "workbench.utils", "workbench.core", "workbench.executor",
                               "workbench.platforms"},

@@ -81,11 +81,16 @@ class DraftModelProposer:
     """Proposals from a draft model (see the module's docstring).
 
     config: the speculative_config ("model", optional "dtype" and "quantization" with
-    EngineConfig's meanings; optional "num_kv_blocks", the draft pool's size). The draft's
-    vocabulary must be the target's (target_vocab_size, target_tokenizer)."""
+    EngineConfig's meanings, 'auto' where absent; optional "num_kv_blocks", the draft pool's
+    size), or an object with those attributes (None: absent). The draft's vocabulary must be
+    the target's (target_vocab_size, target_tokenizer). device: the target's ('cpu',
+    'cuda:0', a torch.device or a Platform)."""
 
     def __init__(self, config: dict, target_vocab_size: int, target_tokenizer, device,
                  num_speculative_tokens: int, max_model_len: int, max_num_seqs: int):
+        if not isinstance(config, dict):      # a SpeculativeConfig: its fields, None unset
+            config = {name: getattr(config, name) for name in ("model", "dtype", "quantization")
+                      if getattr(config, name, None) is not None}
         source = config.get("model")
         if not isinstance(source, str) or not source:
             raise ValueError(f"speculative_config.model: the draft model to load is missing "
@@ -96,7 +101,7 @@ class DraftModelProposer:
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
         draft_config = EngineConfig(
-            model=source, device=_device_name(device), dtype=config.get("dtype", "auto"),
+            model=source, device=_device_name(device), dtype=config.get("dtype") or "auto",
             quantization=config.get("quantization", "auto"), max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, enable_prefix_caching=False)
         try:

@@ -1,1 +1,0 @@
-"""Speculative decoding: proposers of draft tokens and what verifies them."""
