@@ -108,6 +108,15 @@ def test_near_max_model_len_fewer_proposals_then_none(tiny):
         assert len(tiny.propose([("edge", tokens)])[0]) == k
         tiny.free("edge")
     assert tiny.num_free_blocks == tiny.num_usable_blocks
+    # A draft with fewer positions (random:tiny's 2048) than the target's 4096: its K/V stops
+    # at its last position, and past it it proposes nothing.
+    short = proposer(max_model_len=4096, max_num_seqs=1)
+    assert short.draft_len == 2048
+    for n, k in ((2040, 4), (2046, 3), (2048, 1), (2049, 0)):
+        tokens = prompts_of(1, seed=n, lo=n, hi=n + 1)[0]
+        assert len(short.propose([("edge", tokens)])[0]) == k
+    short.free("edge")
+    assert short.num_free_blocks == short.num_usable_blocks
 
 
 def test_a_failed_step_loses_no_block_and_no_request_goes_wrong(tiny):

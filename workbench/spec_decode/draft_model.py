@@ -104,8 +104,13 @@ class DraftModelProposer:
             model=source, device=_device_name(device), dtype=config.get("dtype") or "auto",
             quantization=config.get("quantization", "auto"), max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, enable_prefix_caching=False)
+        # Positions: the target's max_model_len, or fewer where the draft takes fewer (as
+        # vLLM does, requests past them get no proposals).
+        def positions(c, hf_config):
+            return min(c.max_model_len, getattr(hf_config, "max_position_embeddings",
+                                                c.max_model_len))
         try:
-            m = load_device_model(draft_config, lambda c, hf: c.max_model_len)
+            m = load_device_model(draft_config, positions)
         except Exception as e:       # noqa: BLE001 (any failure to load names the source)
             raise ValueError(f"speculative_config.model: cannot load the draft model "
                              f"{source!r}: {e}") from e
@@ -118,11 +123,8 @@ class DraftModelProposer:
         if why is not None:
             raise ValueError(f"speculative_config.model: the draft {source!r} has a different "
                              f"tokenizer from the target's ({why})")
-        limit = getattr(m.hf_config, "max_position_embeddings", max_model_len)
-        if limit < max_model_len:
-            raise ValueError(f"speculative_config.model: the draft {source!r} takes at most "
-                             f"{limit} positions, the target's max_model_len is "
-                             f"{max_model_len}")
+        self.draft_len = m.max_model_len
+        """The positions the draft computes (at most the target's max_model_len)."""
         self.source, self.config = source, m.config
         self.model, self.platform, self.quantization = m.model, m.platform, m.quantization
         self.tokenizer = m.tokenizer
@@ -138,13 +140,13 @@ class DraftModelProposer:
             memory = m.platform.memory_info()
             budget = DEFAULT_KV_BYTES if memory is None else min(DEFAULT_KV_BYTES,
                                                                  memory[0] // 10)
-            want = max_num_seqs * cdiv(max_model_len, bs) + 1
+            want = max_num_seqs * cdiv(self.draft_len, bs) + 1
             num_blocks = max(2, min(want, int(budget // per_block)))
         self.block_manager = BlockManager(num_blocks, bs, enable_prefix_caching=False)
         self.runner = ModelRunner(m.model, num_blocks, bs, m.platform, m.attn_backend,
                                   max_num_tokens=m.config.max_num_batched_tokens,
-                                  max_num_seqs=max_num_seqs, max_model_len=max_model_len)
-        plan = self.runner.capture_graphs(m.config, max_model_len)
+                                  max_num_seqs=max_num_seqs, max_model_len=self.draft_len)
+        plan = self.runner.capture_graphs(m.config, self.draft_len)
         self.graph_mode = plan.mode
         for text in plan.notices:
             log.info("draft model: %s", text)
@@ -205,7 +207,8 @@ class DraftModelProposer:
     def propose(self, reqs: list[tuple[str, list[int]]]) -> list[list[int]]:
         """Up to k greedy draft tokens for each (request id, all its tokens so far), in
         order: fewer where the request nears max_model_len (no more than it can still grow
-        by, less the target's own token after them), [] where none fit or the pool is full."""
+        by, less the target's own token after them) or the draft's own positions, [] where
+        none fit or the pool is full."""
         proposals: list[list[int]] = [[] for _ in reqs]
         first = SchedulerOutput(finished_req_ids=self._forget)
         self._forget = []
@@ -213,7 +216,9 @@ class DraftModelProposer:
         where: dict[str, int] = {}
         for i, (rid, tokens) in enumerate(reqs):
             n = len(tokens)
-            k = min(self.k, self.max_model_len - n - 1)
+            # No more than the request can still grow by, less the target's own token after
+            # them; K/V for positions up to n + k - 2 within the draft's.
+            k = min(self.k, self.max_model_len - n - 1, self.draft_len - n + 1)
             if n == 0 or k <= 0:
                 continue
             st = self._reqs.setdefault(rid, _DraftRequest())
