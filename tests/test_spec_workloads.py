@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from workbench.bench.spec_workloads import (GROUNDED_TASKS, grounded_prompts, open_ended_prompts,
-                                            prompt_token_ids, spec_prompts)
+                                            prompt_token_ids, spec_prompts, workload)
 
 
 def test_grounded_prompts_carry_a_passage_of_300_to_600_tokens(smollm2_tokenizer):
@@ -27,6 +27,7 @@ def test_open_ended_prompts_ground_nothing():
     assert ps == open_ended_prompts(40, seed=3) != open_ended_prompts(40, seed=4)
     assert len({p.messages[0]["content"] for p in ps}) == 40
     assert all(p.passage is None and len(p.messages[0]["content"]) < 200 for p in ps)
-    assert spec_prompts("open-ended", 5, 3) == ps[:5]
+    assert spec_prompts("open-ended", 5, 3) == ps[:5] == spec_prompts("open", 5, 3)
+    assert workload("open", None, 5, seed=3) == [p.messages for p in ps[:5]]
     with pytest.raises(ValueError, match="kind"):
         spec_prompts("closed", 1)

@@ -170,12 +170,17 @@ def open_ended_prompts(n: int, seed: int = 0) -> list[SpecPrompt]:
 
 
 def spec_prompts(kind: str, n: int, seed: int = 0, tokenizer=None) -> list[SpecPrompt]:
-    """The prompt set by name: 'grounded' or 'open-ended'."""
+    """The prompt set by name: 'grounded' or 'open-ended' ('open')."""
     if kind == "grounded":
         return grounded_prompts(n, seed, tokenizer)
-    if kind == "open-ended":
+    if kind in ("open-ended", "open"):
         return open_ended_prompts(n, seed)
     raise ValueError(f"kind: 'grounded' or 'open-ended' (got {kind!r})")
+
+
+def workload(kind: str, tokenizer, n: int, seed: int = 0) -> list[list[dict]]:
+    """The chat requests alone (each a list of messages), as a benchmark sends them."""
+    return [p.messages for p in spec_prompts(kind, n, seed, tokenizer)]
 
 
 def prompt_token_ids(tokenizer, prompt: SpecPrompt) -> list[int]:
