@@ -215,11 +215,22 @@ CHATS = ["Tell me a short story about a lighthouse keeper.",
          "What do you think makes a good friend?"]
 
 
-def test_smollm2_gguf_a8_drafting_for_its_fp32_self(smollm2_dir, smollm2_tokenizer):
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test: on a shared 2-core machine two threads that wait for
+    each other make every step many times slower (and the figures noise)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_smollm2_gguf_a8_drafting_for_its_fp32_self(smollm2_dir, smollm2_tokenizer, one_thread):
     """What the engine will see from a quantized self-draft: the share of its k=4 greedy
     proposals the fp32 target keeps (greedy acceptance: the longest prefix equal to the
     target's own tokens) on open-ended chat prompts, and a propose's cost against one fp32
-    decode step at batch 1. Printed, not asserted: figures, not a speed test."""
+    decode step at batch 1, both on one thread. Printed, not asserted: figures, not a speed
+    test."""
     tok = smollm2_tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": c}],
                                        add_generation_prompt=True, tokenize=False) for c in CHATS]
