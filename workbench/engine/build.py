@@ -23,7 +23,7 @@ from ..core.clock import Clock, WallClock
 from ..core.scheduler import Scheduler
 from ..spec_decode import make_proposer
 from ..executor.kv_sizing import kv_bytes_per_block, num_kv_blocks
-from ..executor.models import build_model, load_checkpoint
+from ..executor.device_model import load_device_model
 from ..executor.models.loader import generation_defaults
 from ..executor.runner import ModelRunner
 from ..platforms import get_platform
@@ -107,51 +107,16 @@ class RealDevice(Device):
 
     def __init__(self, config: EngineConfig):
         self.modules_before = len(sys.modules)
-        platform = self.platform = get_platform(config.device)
-        # config.DTYPES lists torch's own names for the dtypes.
-        dtype = self.dtype = (platform.default_dtype if config.dtype == "auto"
-                              else getattr(torch, config.dtype))
-        backend = self.attn_backend = platform.attention_backend(dtype, config.attention_backend)
-        if config.block_size is None:
-            config = replace(config, block_size=backend.default_block_size)
-        # 'auto' stays 'auto' in the config (a rebuild with another model, an A/B arm or a
-        # replay resolves it again); what it resolved to is info().quantization.
-        # The device decides 'auto' (the CPU by measuring its kernels) and says what a format
-        # asked for by name costs where it is slower than the plain weights.
-        quantization, choice = config.quantization, None
-        if platform.packed_weights and config.attention_backend == "auto":
-            own = "gguf" if config.model == "smollm2" else None
-            quantization, choice = platform.choose_quantization(quantization, own, dtype)
-        elif quantization == "auto":
-            quantization = None
-        if quantization == "bf16c" and dtype != torch.bfloat16:
-            raise ValueError(f"quantization: 'bf16c' keeps bf16 weights; it needs "
-                             f"dtype='bfloat16' (got {str(dtype).removeprefix('torch.')})")
-        platform.check_config(config)
-        backend.check_config(config, platform.name)
-        if quantization is not None and not platform.packed_weights:
-            raise ValueError(f"quantization: low-bit weights ({quantization!r}) run on the "
-                             f"CPU's kernels; {platform.name} takes them unquantized (None)")
-        self.config, self.quantization, self.quantization_choice = config, quantization, choice
-
-        ckpt = load_checkpoint(config.model, quantization)
-        self.gguf_path = str(ckpt.gguf_path) if ckpt.gguf_path else None
-        self.hf_config, self.tokenizer, self.model_path = ckpt.hf_config, ckpt.tokenizer, ckpt.path
-        self.max_model_len = model_max_len(config, self.hf_config)
-        platform.empty_cache()       # what dropped engines left cached counts as free
-        platform.reset_peak_memory()
-        ops = platform.model_ops(dtype) if config.attention_backend == "auto" else None
-        model = self.model = build_model(ckpt, dtype, platform.device, self.max_model_len,
-                                         config.seed, ops, quantization)
-        del ckpt
-        platform.check_model(model)
-        model.ops.prepare(model, platform)
-        platform.empty_cache()      # what measuring kernels cached is not in use
-        self.memory = platform.memory_info()
-        self.runs_async = platform.runs_async
-        self.notices = list(platform.notices())
-        if choice and config.quantization != "auto":
-            self.notices.append(choice)      # what the format asked for costs: said once
+        m = load_device_model(config, model_max_len, get_platform(config.device))
+        self.config, self.platform, self.attn_backend, self.dtype = \
+            m.config, m.platform, m.attn_backend, m.dtype
+        self.quantization, self.quantization_choice = m.quantization, m.quantization_choice
+        self.model, self.hf_config, self.tokenizer, self.model_path = \
+            m.model, m.hf_config, m.tokenizer, m.model_path
+        self.gguf_path, self.max_model_len = m.gguf_path, m.max_model_len
+        self.memory = m.platform.memory_info()
+        self.runs_async = m.platform.runs_async
+        self.notices = m.notices
 
     def make_runner(self, num_blocks: int, max_model_len: int) -> ModelRunner:
         c = self.config

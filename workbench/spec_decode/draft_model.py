@@ -1,0 +1,276 @@
+"""The draft-model proposer (vLLM's `method: "draft_model"`): a smaller or cheaper model with
+the target's vocabulary drafts k greedy tokens per request, which the target then verifies
+in one forward pass.
+
+The draft is an engine's model in all but the scheduler: it is loaded by the engine's own
+loader (executor/device_model.py: any model source, dtype and weight format an EngineConfig
+takes, e.g. the embedded model's own 'gguf-a8' blocks drafting for its fp32 self), runs
+through a ModelRunner of its own (the target's attention backends and captured decode
+graphs) and keeps its K/V in its own paged pool, held per request in a BlockManager between
+calls. Each call brings every request's tokens (prompt, then output); the draft feeds what
+it has not computed yet (after the longest prefix it has in common with what it computed:
+the target may have replaced its rejected drafts) as one batched catch-up step for all
+requests, then k-1 batched decode steps.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import EngineConfig
+from ..core.block_manager import BlockManager
+from ..core.scheduler import (CachedRequestData, NewRequestData, ScheduledRequest,
+                              SchedulerOutput)
+from ..executor.device_model import load_device_model
+from ..executor.kv_sizing import kv_bytes_per_block
+from ..executor.runner import ModelRunner
+from ..utils import cdiv
+
+log = logging.getLogger("workbench")
+
+DEFAULT_KV_BYTES = 2**30
+"""The draft's KV pool where the device has no memory figure of its own (the CPU), or, on a
+device with one, at most a tenth of what is free once the draft is loaded."""
+
+
+@dataclass(slots=True)
+class _DraftRequest:
+    """What the draft holds of one request between calls."""
+    token_ids: list[int] = field(default_factory=list)
+    """The tokens whose K/V its pool holds, position by position."""
+    block_ids: list[int] = field(default_factory=list)
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def tokenizer_difference(target, draft) -> str | None:
+    """What differs between two tokenizers where it matters to a draft (the ids it proposes
+    must mean the same tokens): the vocabulary and the special ids; None where they agree or
+    either side has none (a random model's)."""
+    if target is None or draft is None:
+        return None
+    if len(target) != len(draft):
+        return f"the target's tokenizer has {len(target)} tokens, the draft's {len(draft)}"
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        a, b = getattr(target, name, None), getattr(draft, name, None)
+        if a != b:
+            return f"{name} is {a} for the target and {b} for the draft"
+    if target.get_vocab() != draft.get_vocab():
+        return "the same ids stand for different tokens"
+    return None
+
+
+def _device_name(device) -> str:
+    """'cpu', 'cuda', 'npu' from a name ('cuda:0'), a torch.device or a Platform."""
+    if isinstance(device, torch.device):
+        return device.type
+    if isinstance(device, str):
+        return device.split(":")[0]
+    return getattr(device, "name")
+
+
+class DraftModelProposer:
+    """Proposals from a draft model (see the module's docstring).
+
+    config: the speculative_config ("model", optional "dtype" and "quantization" with
+    EngineConfig's meanings, 'auto' where absent; optional "num_kv_blocks", the draft pool's
+    size), or an object with those attributes (None: absent). The draft's vocabulary must be
+    the target's (target_vocab_size, target_tokenizer). device: the target's ('cpu',
+    'cuda:0', a torch.device or a Platform)."""
+
+    def __init__(self, config: dict, target_vocab_size: int, target_tokenizer, device,
+                 num_speculative_tokens: int, max_model_len: int, max_num_seqs: int):
+        if not isinstance(config, dict):      # a SpeculativeConfig: its fields, None unset
+            config = {name: getattr(config, name) for name in ("model", "dtype", "quantization")
+                      if getattr(config, name, None) is not None}
+        source = config.get("model")
+        if not isinstance(source, str) or not source:
+            raise ValueError(f"speculative_config.model: the draft model to load is missing "
+                             f"(got {source!r})")
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens: must be >= 1 (got "
+                             f"{num_speculative_tokens})")
+        self.k = num_speculative_tokens
+        self.max_model_len = max_model_len
+        draft_config = EngineConfig(
+            model=source, device=_device_name(device), dtype=config.get("dtype") or "auto",
+            quantization=config.get("quantization", "auto"), max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, enable_prefix_caching=False)
+        # Positions: the target's max_model_len, or fewer where the draft takes fewer (as
+        # vLLM does, requests past them get no proposals).
+        def positions(c, hf_config):
+            return min(c.max_model_len, getattr(hf_config, "max_position_embeddings",
+                                                c.max_model_len))
+        try:
+            m = load_device_model(draft_config, positions)
+        except Exception as e:       # noqa: BLE001 (any failure to load names the source)
+            raise ValueError(f"speculative_config.model: cannot load the draft model "
+                             f"{source!r}: {e}") from e
+        vocab = m.hf_config.vocab_size
+        if vocab != target_vocab_size:
+            raise ValueError(f"speculative_config.model: the draft {source!r} has a vocabulary "
+                             f"of {vocab} tokens, the target's has {target_vocab_size}; a "
+                             "draft must share the target's vocabulary")
+        why = tokenizer_difference(target_tokenizer, m.tokenizer)
+        if why is not None:
+            raise ValueError(f"speculative_config.model: the draft {source!r} has a different "
+                             f"tokenizer from the target's ({why})")
+        self.draft_len = m.max_model_len
+        """The positions the draft computes (at most the target's max_model_len)."""
+        self.source, self.config = source, m.config
+        self.model, self.platform, self.quantization = m.model, m.platform, m.quantization
+        self.tokenizer = m.tokenizer
+        for text in m.notices:
+            log.info("draft model: %s", text)
+
+        bs = m.config.block_size
+        per_block = kv_bytes_per_block(m.model, bs, m.dtype)
+        if config.get("num_kv_blocks"):
+            num_blocks = int(config["num_kv_blocks"])
+        else:
+            # Enough for every sequence at its longest, within the budget.
+            memory = m.platform.memory_info()
+            budget = DEFAULT_KV_BYTES if memory is None else min(DEFAULT_KV_BYTES,
+                                                                 memory[0] // 10)
+            want = max_num_seqs * cdiv(self.draft_len, bs) + 1
+            num_blocks = max(2, min(want, int(budget // per_block)))
+        self.block_manager = BlockManager(num_blocks, bs, enable_prefix_caching=False)
+        self.runner = ModelRunner(m.model, num_blocks, bs, m.platform, m.attn_backend,
+                                  max_num_tokens=m.config.max_num_batched_tokens,
+                                  max_num_seqs=max_num_seqs, max_model_len=self.draft_len)
+        plan = self.runner.capture_graphs(m.config, self.draft_len)
+        self.graph_mode = plan.mode
+        for text in plan.notices:
+            log.info("draft model: %s", text)
+        self._reqs: dict[str, _DraftRequest] = {}
+        self._in_runner: set[str] = set()
+        """Requests the runner holds (sent whole, not yet told to forget)."""
+        self._forget: list[str] = []
+        """Requests freed since the last step, for the runner to forget."""
+        self._told_full = False
+
+    # ---- the pool --------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.block_manager.num_usable_blocks
+
+    def free(self, req_id: str) -> None:
+        """Give the request's blocks back (a request that finished or was preempted)."""
+        st = self._reqs.pop(req_id, None)
+        if st is not None:
+            self.block_manager.free(st.block_ids)
+        if req_id in self._in_runner:
+            self._in_runner.discard(req_id)
+            self._forget.append(req_id)
+
+    def _hold(self, req_id: str, st: _DraftRequest, num_tokens: int) -> bool:
+        """Hold exactly the blocks num_tokens tokens take (the tail beyond them given back);
+        False, the request freed, where the pool has too few."""
+        need = cdiv(num_tokens, self.block_manager.block_size)
+        if len(st.block_ids) > need:
+            self.block_manager.free(st.block_ids[need:])
+            del st.block_ids[need:]
+            return True
+        new = self.block_manager.allocate_slots(len(st.block_ids), num_tokens)
+        if new is None:
+            self.free(req_id)
+            if not self._told_full:
+                self._told_full = True
+                log.warning("draft model: its KV pool (%d blocks of %d tokens) is full; "
+                            "requests that do not fit get no proposals until it has room "
+                            "(said once)", self.block_manager.num_usable_blocks,
+                            self.block_manager.block_size)
+            return False
+        st.block_ids += new
+        return True
+
+    # ---- proposing -------------------------------------------------------------------------
+    def _run(self, out: SchedulerOutput) -> dict[str, int]:
+        """One step of the draft; the greedy token of each request that sampled."""
+        result = self.runner.execute(out)
+        ids = result.logits[:len(result.req_ids)].argmax(dim=-1).tolist()
+        return dict(zip(result.req_ids, ids))
+
+    @torch.inference_mode()
+    def propose(self, reqs: list[tuple[str, list[int]]]) -> list[list[int]]:
+        """Up to k greedy draft tokens for each (request id, all its tokens so far), in
+        order: fewer where the request nears max_model_len (no more than it can still grow
+        by, less the target's own token after them) or the draft's own positions, [] where
+        none fit or the pool is full."""
+        proposals: list[list[int]] = [[] for _ in reqs]
+        first = SchedulerOutput(finished_req_ids=self._forget)
+        self._forget = []
+        want: dict[str, int] = {}
+        where: dict[str, int] = {}
+        for i, (rid, tokens) in enumerate(reqs):
+            n = len(tokens)
+            # No more than the request can still grow by, less the target's own token after
+            # them; K/V for positions up to n + k - 2 within the draft's.
+            k = min(self.k, self.max_model_len - n - 1, self.draft_len - n + 1)
+            if n == 0 or k <= 0:
+                continue
+            st = self._reqs.setdefault(rid, _DraftRequest())
+            start = min(common_prefix_len(st.token_ids, tokens), n - 1)
+            # The K/V it writes: every token but the last draft (positions 0 .. n + k - 2).
+            if not self._hold(rid, st, n + k - 1):
+                continue
+            if rid in self._in_runner:       # sent whole again: its tokens may have changed
+                first.finished_req_ids.append(rid)
+            self._in_runner.add(rid)
+            first.new_reqs.append(NewRequestData(rid, list(tokens), n, list(st.block_ids),
+                                                 start, None))
+            first.scheduled.append(ScheduledRequest(rid, n - start, start, True,
+                                                    n - start == 1))
+            st.token_ids = list(tokens)
+            want[rid], where[rid] = k, i
+        if not first.scheduled:
+            self._forget = first.finished_req_ids + self._forget   # told at the next step
+            return proposals
+        try:
+            self._draft(first, want, where, proposals)
+        except BaseException:
+            # What the failed step wrote is unknown: these requests start again next time.
+            for rid in want:
+                self.free(rid)
+            raise
+        return proposals
+
+    def _draft(self, first: SchedulerOutput, want: dict[str, int], where: dict[str, int],
+               proposals: list[list[int]]) -> None:
+        """The catch-up step, then the decode steps, each one batch of every request that
+        still wants a token; the tokens appended to `proposals`."""
+        last = self._run(first)
+        for rid, tok in last.items():
+            proposals[where[rid]].append(tok)
+        for j in range(1, self.k):
+            step = SchedulerOutput()
+            for rid, tok in last.items():
+                if want[rid] <= j:
+                    continue
+                st = self._reqs[rid]
+                pos = len(st.token_ids)
+                step.scheduled.append(ScheduledRequest(rid, 1, pos, True, True))
+                step.cached_reqs.append(CachedRequestData(rid, [tok], [], pos))
+                st.token_ids.append(tok)
+            if not step.scheduled:
+                break
+            last = self._run(step)
+            for rid, tok in last.items():
+                proposals[where[rid]].append(tok)
+
+    def release(self) -> None:
+        """Drop the draft's pool, graphs and model."""
+        self.runner.release()
+        self.model = None
