@@ -332,13 +332,3 @@ def test_seeded_requests_draw_the_same_whatever_shares_the_batch(case):
                                            torch.Generator().manual_seed(others))
         return tokens[-1]
     assert run(0) == run(3) == run(7)
-
-
-def test_the_benchmarks_grounded_prompts_carry_300_to_600_token_passages(smollm2_tokenizer):
-    from workbench.bench.speculative import workload
-    grounded = workload("grounded", smollm2_tokenizer, 8)
-    assert len(grounded) == 8
-    for chat in grounded:
-        task, _, passage = chat[0]["content"].partition("\n\n")
-        assert 300 <= len(smollm2_tokenizer.encode(passage)) <= 600 and "```" not in passage
-    assert len(workload("open", smollm2_tokenizer, 8)) == 8

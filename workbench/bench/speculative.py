@@ -3,10 +3,11 @@ the same requests through an engine without speculation and one with it, built w
 same knobs, in the same run, rounds interleaved (plain, speculative, plain, ...) so a noisy
 machine moves both alike; each arm's best round is kept.
 
-Workloads: 'grounded', chat prompts that carry a passage of 300-600 tokens (files of this
-repository, read locally) and ask to copy, extract from or edit it, where prompt lookup
-finds long drafts; 'open', chat prompts that ground nothing, where it finds few (a miss
-must cost nothing). Greedy, so the two arms must produce the same tokens (checked).
+Workloads (bench/spec_workloads.py): 'grounded', chat prompts that carry a passage of
+300-600 tokens (files of this repository, read locally) and ask to copy, summarise, extract
+from or edit it, where prompt lookup finds long drafts; 'open', chat prompts that ground
+nothing, where it finds few (a miss must cost nothing). Greedy, so the two arms must
+produce the same tokens (checked).
 """
 from __future__ import annotations
 
@@ -15,52 +16,7 @@ from pathlib import Path
 
 from ..engine import Engine
 from ..core.sampling_params import SamplingParams
-
-ROOT = Path(__file__).resolve().parents[2]
-TASKS = ("Repeat the following text exactly, word for word:",
-         "Copy this text, changing every full stop into an exclamation mark:",
-         "Extract the first two paragraphs of this text, unchanged:",
-         "Rewrite this text with each line's first word in capitals, keeping the rest unchanged:")
-OPEN = ("Write a short story about a lighthouse keeper who finds a message in a bottle.",
-        "Explain how a refrigerator works to a ten-year-old.",
-        "What are three good habits for learning a new language?",
-        "Describe a walk through a forest in autumn.",
-        "Give me a recipe for a simple tomato soup.",
-        "Why is the sky blue?",
-        "Write a poem about the sea at night.",
-        "What should I pack for a weekend hiking trip?")
-
-
-def passages(tokenizer, n: int, lo: int = 300, hi: int = 600) -> list[str]:
-    """n passages of lo..hi tokens from this repository's docs and sources."""
-    files = sorted(ROOT.glob("docs/*.md"))
-    out: list[str] = []
-    for f in files:
-        # prose only: no code blocks, tables or diagrams
-        lines, fenced = [], False
-        for line in f.read_text(errors="replace").split("\n"):
-            fenced ^= line.startswith("```")
-            if not fenced and line.strip() and line[0].isalpha() and "|" not in line:
-                lines.append(line)
-        chunk: list[str] = []
-        for line in lines:
-            chunk.append(line)
-            size = len(tokenizer.encode("\n".join(chunk)))
-            if size >= lo:
-                if size <= hi:
-                    out.append("\n".join(chunk))
-                chunk = []
-                if len(out) == n:
-                    return out
-    return out
-
-
-def workload(kind: str, tokenizer, n: int) -> list[list[dict]]:
-    if kind == "grounded":
-        texts = passages(tokenizer, n)
-        return [[{"role": "user", "content": f"{TASKS[i % len(TASKS)]}\n\n{t}"}]
-                for i, t in enumerate(texts)]
-    return [[{"role": "user", "content": OPEN[i % len(OPEN)]}] for i in range(n)]
+from .spec_workloads import workload
 
 
 def _round(engine: Engine, prompts, params) -> tuple[float, list, dict]:
@@ -96,7 +52,7 @@ def run(model: str, speculative_config: dict, engine_kwargs: dict, batch_sizes=(
                     dt, toks, st = _round(e, prompts, params)
                     if best[arm] is None or dt < best[arm][0]:
                         best[arm] = (dt, toks, st)
-            (tp, kp, sp), (ts, ks, ss) = best["plain"], best["spec"]
+            (tp, kp, _), (ts, ks, ss) = best["plain"], best["spec"]
             n = sum(map(len, kp))
             row = {"workload": kind, "batch": len(prompts), "output_tokens": n,
                    "plain_tok_s": n / tp, "spec_tok_s": sum(map(len, ks)) / ts,

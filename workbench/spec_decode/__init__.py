@@ -20,12 +20,6 @@ def make_proposer(spec: SpeculativeConfig, *, target_vocab_size: int, target_tok
     if spec.method == "ngram":
         return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                              spec.prompt_lookup_max)
-    try:
-        from .draft_model import DraftModelProposer
-    except ModuleNotFoundError as e:
-        if e.name != f"{__name__}.draft_model":
-            raise
-        raise ValueError("speculative_config.method: 'draft_model' is not available yet in "
-                         "this build (use 'ngram')") from None
+    from .draft_model import DraftModelProposer
     return DraftModelProposer(spec, target_vocab_size, target_tokenizer, device,
                               spec.num_speculative_tokens, max_model_len, max_num_seqs)
