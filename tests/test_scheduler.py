@@ -205,14 +205,14 @@ def test_prefix_hits_counted_once_per_admission():
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_runner_follows_each_request_from_the_changes_alone(seed):
     """The scheduler's output says only what changed (vLLM's new and cached request data);
-    a runner that applies those changes to its own copy (PersistentBatch) holds, at every
+    a runner that applies those changes to its own copy (CachedRequests) holds, at every
     step, exactly each scheduled request's tokens, blocks and computed count, through
     preemption, prefix hits, aborts, forked choices and steps scheduled ahead of their
     tokens (async scheduling). A change left out of the output fails this."""
-    from workbench.executor.runner import PersistentBatch
+    from workbench.executor.runner import CachedRequests
     rng = random.Random(seed)
     s, bm = make(num_blocks=20, block_size=4, max_num_batched_tokens=32, max_num_seqs=5)
-    batch = PersistentBatch()
+    batch = CachedRequests()
     shared = list(range(500, 508))
     for i in range(24):
         prompt = (shared if i % 3 == 0 else []) + [rng.randrange(10, 400)

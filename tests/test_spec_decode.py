@@ -16,7 +16,7 @@ from workbench.core.sampling_params import SamplingParams
 from workbench.core.scheduler import Scheduler
 from workbench.core.sequence import Sequence
 from workbench.executor import rejection_sampler as rs
-from workbench.executor.runner import PersistentBatch
+from workbench.executor.runner import CachedRequests
 from workbench.executor.sampling_metadata import SamplingRow, sampling_metadata
 from workbench.spec_decode import make_proposer
 from workbench.spec_decode.ngram import NgramProposer, propose_ngram
@@ -129,7 +129,7 @@ def test_random_acceptance_keeps_the_block_pool_whole(prefix_caching):
                        enable_prefix_caching=prefix_caching)
     bm = BlockManager(25, 4, prefix_caching)          # small: preemptions happen
     sched = Scheduler(cfg, bm, max_model_len=120, eos_token_ids={0})
-    runner = PersistentBatch()
+    runner = CachedRequests()
     shared = [rng.randrange(1, 9) for _ in range(9)]   # a common prefix: cache hits
     n_req, verified, gave_back = 0, 0, 0
     for _ in range(3000):

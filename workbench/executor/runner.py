@@ -32,9 +32,10 @@ class CachedRequestState:
     prompt_logprobs: int | None
 
 
-class PersistentBatch(dict):
-    """The runner's requests by id (vLLM's `GPUModelRunner.requests`): every request the
-    scheduler has sent it and not yet retired, kept up to date from each step's changes."""
+class CachedRequests(dict):
+    """The runner's requests by id, {id: CachedRequestState} (vLLM's `GPUModelRunner.requests`;
+    not a batch of tensors: each step's tensors are built from it by `prepare`): every request
+    the scheduler has sent it and not yet retired, kept up to date from each step's changes."""
 
     def update_from(self, out: SchedulerOutput) -> None:
         """Forget the requests that are gone, take the new ones whole, extend the others by
@@ -128,7 +129,7 @@ class ModelRunner:
         self.kv_cache = backend.bind(model.num_layers, attn.num_heads, model.num_kv_heads,
                                      model.head_dim, num_blocks, block_size, self.device)
         self.layer_caches = [(layer[0], layer[1]) for layer in self.kv_cache]   # views, made once
-        self.requests = PersistentBatch()
+        self.requests = CachedRequests()
         """Every request the scheduler has sent and not yet retired, as the runner keeps it."""
         self.graphs = None
         """DecodeGraphs, once captured."""
