@@ -107,10 +107,9 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> L
                            torch.cat([picked, top_vals[:, :k]], 1), ranks)
 
 
-def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-    """logits: [>= N, vocab] fp32 (rows past the metadata's are not read unless
-    md.logits_rows names them); md: the step's SamplingMetadata, N rows. Returns each row's
-    token, and logprobs when any row asks for them."""
+def _processed(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """The metadata's rows of `logits`, a grammar's mask applied (what logprobs are taken
+    from), and those after the logits processors (what is drawn from)."""
     if md.logits_rows is not None:
         logits = logits.index_select(0, md.logits_rows)
     elif logits.shape[0] != md.num_rows:
@@ -120,6 +119,14 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     raw = logits
     if md.processors is not None:
         logits = apply_processors(logits, md.processors)
+    return raw, logits
+
+
+def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+    """logits: [>= N, vocab] fp32 (rows past the metadata's are not read unless
+    md.logits_rows names them); md: the step's SamplingMetadata, N rows. Returns each row's
+    token, and logprobs when any row asks for them."""
+    raw, logits = _processed(logits, md)
     draw = md.draw
     if draw is None:
         ids = logits.argmax(dim=-1)
@@ -272,15 +279,7 @@ def target_probs(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tens
     dense probabilities [N, vocab] fp32, and the logits logprobs are taken from (as
     `sample`'s). The same filters as `sample`'s draw, over the whole vocabulary: what the
     rejection sampler (rejection_sampler.py) accepts drafts against."""
-    if md.logits_rows is not None:
-        logits = logits.index_select(0, md.logits_rows)
-    elif logits.shape[0] != md.num_rows:
-        logits = logits[:md.num_rows]
-    if md.bitmask is not None:
-        logits = apply_token_bitmask(logits, md.bitmask, md.bitmask_rows)
-    raw = logits
-    if md.processors is not None:
-        logits = apply_processors(logits, md.processors)
+    raw, logits = _processed(logits, md)
     n, vocab = logits.shape
     probs = torch.zeros(n, vocab, dtype=torch.float32, device=logits.device)
     probs.scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
