@@ -62,9 +62,17 @@ class CpuOps(TorchOps):
                 return self._dense_linear(x, weight, bias)
             y = k.qlinear(x, weight.data, weight.code)
             return y if bias is None else y.add_(bias)
-        if k and x.shape[0] == 1 and x.dim() == 2 and x.dtype in _DTYPES \
-                and weight.dtype == x.dtype and hasattr(k, "gemv"):
-            return k.gemv(x, weight, bias)
+        if k and x.dim() == 2 and x.dtype in _DTYPES and weight.dtype == x.dtype \
+                and hasattr(k, "gemv"):
+            if x.shape[0] == 1:
+                return k.gemv(x, weight, bias)
+            if 2 <= x.shape[0] <= small_m_rows(x.dtype) and weight.is_contiguous():
+                return k.small_m_linear(x, weight, bias)
+        return self.batched_linear(x, weight, bias)
+
+    def batched_linear(self, x, weight, bias=None):
+        """A plain weight's linear as torch runs it (oneDNN's matmul; bf16 on the prepacked
+        weight where oneDNN has native bf16)."""
         if x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2 and onednn_bf16():
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.prepacked(weight),
                                                       bias, "none", [], "")
@@ -162,6 +170,24 @@ class CpuOps(TorchOps):
 
 
 _onednn_bf16: bool | None = None
+
+
+SMALL_M_ROWS: dict[str, int] | None = None
+"""dtype name -> the most rows (2..cpu_choice.SMALL_M[-1]) that take the kernel's
+`small_m_linear` (each weight row read once for all rows) instead of torch's batched linear:
+measured once per kernel build (cpu_choice.small_m_rows), read at the first use; 0: never."""
+
+
+def small_m_rows(dtype: torch.dtype) -> int:
+    """The most rows of `dtype` that small_m_linear takes here (see SMALL_M_ROWS)."""
+    global SMALL_M_ROWS
+    if SMALL_M_ROWS is None:
+        from . import cpu_choice
+        k = cpu_kernels.kernels()
+        if not (k and hasattr(k, "small_m_linear")):
+            return 0
+        SMALL_M_ROWS = cpu_choice.small_m_rows(cpu_kernels.kernel_dir(), k)
+    return SMALL_M_ROWS.get(str(dtype).removeprefix("torch."), 0)
 
 
 def onednn_bf16() -> bool:
