@@ -5,7 +5,10 @@ one call. At batch 1 a step reads all the weights (540 MB for SmolLM2-135M in fp
 bf16) and the rest was dispatch; see docs/benchmarks.md. In bf16 each op rounds where the
 torch reference's bf16 ops round. Until the kernel module is built (the first start on a
 machine builds it in a detached process), and for other dtypes, they are the torch
-reference's. Batched linear layers are torch's oneDNN matmul (AMX where the CPU has it); in
+reference's. A few rows (2-16: a speculative verify step, a small batch) take
+`small_m_linear`, which reads each weight row once for all of them, up to the row count it
+measured faster than torch's matmul on this CPU (cpu_choice.small_m_rows, once per kernel
+build). Batched linear layers are torch's oneDNN matmul (AMX where the CPU has it); in
 bf16 on the weights packed once into oneDNN's blocked layout (`CpuOps.prepacked`), which torch's
 F.linear repacks on every call: the same kernel and the same bits, 1.1-1.8x faster at
 SmolLM2's shapes from 4 to 256 rows."""
