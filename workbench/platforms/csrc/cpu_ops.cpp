@@ -330,6 +330,17 @@ at::Tensor gemv(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias)
 // or so (fp32) and at most a unit of bf16 now and then.
 static constexpr int64_t kSmallM = 16;
 
+// a * b + c, one rounding where the ISA has a fused multiply-add (this file has contraction
+// off for torch's bits elsewhere); a build without one (plain x86-64) multiplies and adds,
+// where fmaf would be a library call per element.
+static inline float madd(float a, float b, float c) {
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA) || defined(__aarch64__)
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
 static inline void dot_4x2(const float* __restrict w, int64_t K, const float* __restrict x0,
                            const float* __restrict x1, float* s) {
   const float* __restrict w0 = w;
@@ -339,14 +350,14 @@ static inline void dot_4x2(const float* __restrict w, int64_t K, const float* __
   float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f, b0 = 0.f, b1 = 0.f, b2 = 0.f, b3 = 0.f;
 #pragma omp simd simdlen(8) reduction(+ : a0, a1, a2, a3, b0, b1, b2, b3)
   for (int64_t k = 0; k < K; ++k) {
-    a0 = __builtin_fmaf(w0[k], x0[k], a0);
-    a1 = __builtin_fmaf(w1[k], x0[k], a1);
-    a2 = __builtin_fmaf(w2[k], x0[k], a2);
-    a3 = __builtin_fmaf(w3[k], x0[k], a3);
-    b0 = __builtin_fmaf(w0[k], x1[k], b0);
-    b1 = __builtin_fmaf(w1[k], x1[k], b1);
-    b2 = __builtin_fmaf(w2[k], x1[k], b2);
-    b3 = __builtin_fmaf(w3[k], x1[k], b3);
+    a0 = madd(w0[k], x0[k], a0);
+    a1 = madd(w1[k], x0[k], a1);
+    a2 = madd(w2[k], x0[k], a2);
+    a3 = madd(w3[k], x0[k], a3);
+    b0 = madd(w0[k], x1[k], b0);
+    b1 = madd(w1[k], x1[k], b1);
+    b2 = madd(w2[k], x1[k], b2);
+    b3 = madd(w3[k], x1[k], b3);
   }
   s[0] = a0, s[1] = a1, s[2] = a2, s[3] = a3, s[4] = b0, s[5] = b1, s[6] = b2, s[7] = b3;
 }
@@ -360,10 +371,10 @@ static inline void dot_4x1(const float* __restrict w, int64_t K, const float* __
   float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
 #pragma omp simd simdlen(8) reduction(+ : a0, a1, a2, a3)
   for (int64_t k = 0; k < K; ++k) {
-    a0 = __builtin_fmaf(w0[k], x0[k], a0);
-    a1 = __builtin_fmaf(w1[k], x0[k], a1);
-    a2 = __builtin_fmaf(w2[k], x0[k], a2);
-    a3 = __builtin_fmaf(w3[k], x0[k], a3);
+    a0 = madd(w0[k], x0[k], a0);
+    a1 = madd(w1[k], x0[k], a1);
+    a2 = madd(w2[k], x0[k], a2);
+    a3 = madd(w3[k], x0[k], a3);
   }
   s[0] = a0, s[1] = a1, s[2] = a2, s[3] = a3;
 }
@@ -371,7 +382,7 @@ static inline void dot_4x1(const float* __restrict w, int64_t K, const float* __
 static inline float dot_1(const float* __restrict w, const float* __restrict x, int64_t K) {
   float a = 0.f;
 #pragma omp simd reduction(+ : a)
-  for (int64_t k = 0; k < K; ++k) a = __builtin_fmaf(w[k], x[k], a);
+  for (int64_t k = 0; k < K; ++k) a = madd(w[k], x[k], a);
   return a;
 }
 
