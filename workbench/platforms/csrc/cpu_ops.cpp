@@ -341,42 +341,64 @@ static inline float madd(float a, float b, float c) {
 #endif
 }
 
+// Eight lanes as the compiler's generic vectors (AVX2's ymm; two NEON registers; SSE's two
+// xmm), so that each weight vector is loaded once into a register for both x rows (an
+// `omp simd` loop here reloaded it per x row: 10 loads per 8 FMAs instead of 6, and Zen 1
+// splits each 256-bit load in two).
+typedef float v8f __attribute__((vector_size(32)));
+static inline v8f load8(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+static inline v8f madd8(v8f a, v8f b, v8f c) {
+#if defined(__FMA__) && defined(__AVX__)
+  return __builtin_ia32_vfmaddps256(a, b, c);
+#else
+  return a * b + c;          // NEON's fmla where contraction is allowed; a multiply and an add here
+#endif
+}
+static inline float hsum8(v8f v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
 static inline void dot_4x2(const float* __restrict w, int64_t K, const float* __restrict x0,
                            const float* __restrict x1, float* s) {
-  const float* __restrict w0 = w;
-  const float* __restrict w1 = w + K;
-  const float* __restrict w2 = w + 2 * K;
-  const float* __restrict w3 = w + 3 * K;
-  float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f, b0 = 0.f, b1 = 0.f, b2 = 0.f, b3 = 0.f;
-#pragma omp simd simdlen(8) reduction(+ : a0, a1, a2, a3, b0, b1, b2, b3)
-  for (int64_t k = 0; k < K; ++k) {
-    a0 = madd(w0[k], x0[k], a0);
-    a1 = madd(w1[k], x0[k], a1);
-    a2 = madd(w2[k], x0[k], a2);
-    a3 = madd(w3[k], x0[k], a3);
-    b0 = madd(w0[k], x1[k], b0);
-    b1 = madd(w1[k], x1[k], b1);
-    b2 = madd(w2[k], x1[k], b2);
-    b3 = madd(w3[k], x1[k], b3);
+  v8f a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const v8f u = load8(x0 + k), v = load8(x1 + k);
+    v8f w0 = load8(w + k), w1 = load8(w + K + k), w2 = load8(w + 2 * K + k),
+        w3 = load8(w + 3 * K + k);
+#if defined(__AVX__)
+    __asm__("" : "+x"(w0), "+x"(w1), "+x"(w2), "+x"(w3));   // in registers: gcc would
+#endif                                                       // fold each load into both FMAs
+    a0 = madd8(w0, u, a0), a1 = madd8(w1, u, a1), a2 = madd8(w2, u, a2), a3 = madd8(w3, u, a3);
+    b0 = madd8(w0, v, b0), b1 = madd8(w1, v, b1), b2 = madd8(w2, v, b2), b3 = madd8(w3, v, b3);
   }
-  s[0] = a0, s[1] = a1, s[2] = a2, s[3] = a3, s[4] = b0, s[5] = b1, s[6] = b2, s[7] = b3;
+  float t[8] = {hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3),
+                hsum8(b0), hsum8(b1), hsum8(b2), hsum8(b3)};
+  for (; k < K; ++k)
+    for (int i = 0; i < 4; ++i) {
+      t[i] = madd(w[i * K + k], x0[k], t[i]);
+      t[4 + i] = madd(w[i * K + k], x1[k], t[4 + i]);
+    }
+  for (int i = 0; i < 8; ++i) s[i] = t[i];
 }
 
 static inline void dot_4x1(const float* __restrict w, int64_t K, const float* __restrict x0,
                            float* s) {
-  const float* __restrict w0 = w;
-  const float* __restrict w1 = w + K;
-  const float* __restrict w2 = w + 2 * K;
-  const float* __restrict w3 = w + 3 * K;
-  float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-#pragma omp simd simdlen(8) reduction(+ : a0, a1, a2, a3)
-  for (int64_t k = 0; k < K; ++k) {
-    a0 = madd(w0[k], x0[k], a0);
-    a1 = madd(w1[k], x0[k], a1);
-    a2 = madd(w2[k], x0[k], a2);
-    a3 = madd(w3[k], x0[k], a3);
+  v8f a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const v8f u = load8(x0 + k);
+    a0 = madd8(load8(w + k), u, a0), a1 = madd8(load8(w + K + k), u, a1);
+    a2 = madd8(load8(w + 2 * K + k), u, a2), a3 = madd8(load8(w + 3 * K + k), u, a3);
   }
-  s[0] = a0, s[1] = a1, s[2] = a2, s[3] = a3;
+  float t[4] = {hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3)};
+  for (; k < K; ++k)
+    for (int i = 0; i < 4; ++i) t[i] = madd(w[i * K + k], x0[k], t[i]);
+  for (int i = 0; i < 4; ++i) s[i] = t[i];
 }
 
 static inline float dot_1(const float* __restrict w, const float* __restrict x, int64_t K) {
