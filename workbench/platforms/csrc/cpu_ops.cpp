@@ -318,95 +318,93 @@ at::Tensor gemv(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias)
 }
 
 // x [M, K] @ weight [N, K]^T (+ bias) -> [M, N] for a few rows (2 <= M <= kSmallM): a
-// speculative decoding verify step (k + 1 tokens of one request) or a small batch. Like
-// batch 1 this is bound by reading the weights, not by the arithmetic, as long as each
-// weight row is read from memory once for all M rows; torch's F.linear at these M took 3-8x
-// a GEMV here (AVX2). Each thread streams a contiguous range of rows, four at a time; the
-// four rows (and x, M rows of K) stay in L1 while every row of x is multiplied by them, two
-// x rows at a time: eight independent fp32 sums (the compiler's vectors: AVX2's 8 lanes,
-// AVX-512's 16, NEON's 4), 6 loads per 8 FMAs. bf16: the four weight rows widened to fp32
-// first (exact), fp32 FMAs, one rounding at the end after the bias, as torch's bf16 linear.
-// The sums are in another order than torch's, so results differ from F.linear's by an ulp
-// or so (fp32) and at most a unit of bf16 now and then.
+// speculative decoding verify step (k + 1 tokens of one request) or a small batch. Each
+// weight row is read from memory once for all M rows (torch's F.linear at these M took
+// 1.5-5x a GEMV on the AVX2 EPYC, docs/benchmarks.md): each thread streams a contiguous range
+// of rows, four at a time, and multiplies them, while they are in L1, by every row of x, two
+// at a time: eight independent fp32 sums of 8-lane vectors, the four weight vectors in
+// registers (6 loads per 8 FMAs). At 2 rows that costs about one GEMV; from 4 up, on a CPU
+// with two 128-bit FMA units (Zen 1) the arithmetic rather than the weights is the bound.
+// bf16: the four weight rows widened to fp32 first (exact), fp32 sums, one rounding after
+// the bias, as torch's bf16 linear. The sums are in another order than torch's: results
+// differ from F.linear's by an ulp or so (fp32), a bf16 unit now and then.
 static constexpr int64_t kSmallM = 16;
 
-// a * b + c, one rounding where the ISA has a fused multiply-add (this file has contraction
-// off for torch's bits elsewhere); a build without one (plain x86-64) multiplies and adds,
-// where fmaf would be a library call per element.
-static inline float madd(float a, float b, float c) {
-#if defined(__FMA__) || defined(__ARM_FEATURE_FMA) || defined(__aarch64__)
-  return __builtin_fmaf(a, b, c);
-#else
-  return a * b + c;
-#endif
-}
+// These sums contract a * b + c into one FMA wherever the ISA has one (the rest of the file
+// keeps contraction off for torch's bits); a plain x86-64 build multiplies and adds.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
 
-// Eight lanes as the compiler's generic vectors (AVX2's ymm; two NEON registers; SSE's two
-// xmm), so that each weight vector is loaded once into a register for both x rows (an
-// `omp simd` loop here reloaded it per x row: 10 loads per 8 FMAs instead of 6, and Zen 1
-// splits each 256-bit load in two).
-typedef float v8f __attribute__((vector_size(32)));
-static inline v8f load8(const float* p) {
-  v8f v;
+// The compiler's generic vectors: 8 lanes where there is AVX (one ymm), else 4 (one NEON or
+// SSE register: 8 there made gcc keep the sums on the stack), so that each weight vector is
+// loaded once for both x rows (an `omp simd` loop reloaded it per x row: 10 loads per 8
+// FMAs, and Zen 1 splits each 256-bit load in two).
+#if defined(__AVX__)
+static constexpr int kLanes = 8;
+#else
+static constexpr int kLanes = 4;
+#endif
+typedef float vf __attribute__((vector_size(4 * kLanes)));
+static inline vf loadv(const float* p) {
+  vf v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-static inline v8f madd8(v8f a, v8f b, v8f c) {
-#if defined(__FMA__) && defined(__AVX__)
-  return __builtin_ia32_vfmaddps256(a, b, c);
-#else
-  return a * b + c;          // NEON's fmla where contraction is allowed; a multiply and an add here
-#endif
-}
-static inline float hsum8(v8f v) {
-  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+static inline float hsum(vf v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
 }
 
-static inline void dot_4x2(const float* __restrict w, int64_t K, const float* __restrict x0,
-                           const float* __restrict x1, float* s) {
-  v8f a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
+static void dot_4x2(const float* __restrict w, int64_t K, const float* __restrict x0,
+                    const float* __restrict x1, float* s) {
+  vf a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
   int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    const v8f u = load8(x0 + k), v = load8(x1 + k);
-    v8f w0 = load8(w + k), w1 = load8(w + K + k), w2 = load8(w + 2 * K + k),
-        w3 = load8(w + 3 * K + k);
+  for (; k + kLanes <= K; k += kLanes) {
+    const vf u = loadv(x0 + k), v = loadv(x1 + k);
+    vf w0 = loadv(w + k), w1 = loadv(w + K + k), w2 = loadv(w + 2 * K + k),
+        w3 = loadv(w + 3 * K + k);
 #if defined(__AVX__)
     __asm__("" : "+x"(w0), "+x"(w1), "+x"(w2), "+x"(w3));   // in registers: gcc would
 #endif                                                       // fold each load into both FMAs
-    a0 = madd8(w0, u, a0), a1 = madd8(w1, u, a1), a2 = madd8(w2, u, a2), a3 = madd8(w3, u, a3);
-    b0 = madd8(w0, v, b0), b1 = madd8(w1, v, b1), b2 = madd8(w2, v, b2), b3 = madd8(w3, v, b3);
+    a0 += w0 * u, a1 += w1 * u, a2 += w2 * u, a3 += w3 * u;
+    b0 += w0 * v, b1 += w1 * v, b2 += w2 * v, b3 += w3 * v;
   }
-  float t[8] = {hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3),
-                hsum8(b0), hsum8(b1), hsum8(b2), hsum8(b3)};
+  float t[8] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3),
+                hsum(b0), hsum(b1), hsum(b2), hsum(b3)};
   for (; k < K; ++k)
     for (int i = 0; i < 4; ++i) {
-      t[i] = madd(w[i * K + k], x0[k], t[i]);
-      t[4 + i] = madd(w[i * K + k], x1[k], t[4 + i]);
+      t[i] += w[i * K + k] * x0[k];
+      t[4 + i] += w[i * K + k] * x1[k];
     }
   for (int i = 0; i < 8; ++i) s[i] = t[i];
 }
 
-static inline void dot_4x1(const float* __restrict w, int64_t K, const float* __restrict x0,
-                           float* s) {
-  v8f a0 = {}, a1 = {}, a2 = {}, a3 = {};
+static void dot_4x1(const float* __restrict w, int64_t K, const float* __restrict x0,
+                    float* s) {
+  vf a0 = {}, a1 = {}, a2 = {}, a3 = {};
   int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    const v8f u = load8(x0 + k);
-    a0 = madd8(load8(w + k), u, a0), a1 = madd8(load8(w + K + k), u, a1);
-    a2 = madd8(load8(w + 2 * K + k), u, a2), a3 = madd8(load8(w + 3 * K + k), u, a3);
+  for (; k + kLanes <= K; k += kLanes) {
+    const vf u = loadv(x0 + k);
+    a0 += loadv(w + k) * u, a1 += loadv(w + K + k) * u;
+    a2 += loadv(w + 2 * K + k) * u, a3 += loadv(w + 3 * K + k) * u;
   }
-  float t[4] = {hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3)};
+  float t[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
   for (; k < K; ++k)
-    for (int i = 0; i < 4; ++i) t[i] = madd(w[i * K + k], x0[k], t[i]);
+    for (int i = 0; i < 4; ++i) t[i] += w[i * K + k] * x0[k];
   for (int i = 0; i < 4; ++i) s[i] = t[i];
 }
 
-static inline float dot_1(const float* __restrict w, const float* __restrict x, int64_t K) {
-  float a = 0.f;
-#pragma omp simd reduction(+ : a)
-  for (int64_t k = 0; k < K; ++k) a = madd(w[k], x[k], a);
-  return a;
+static float dot_1(const float* __restrict w, const float* __restrict x, int64_t K) {
+  vf a = {};
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) a += loadv(w + k) * loadv(x + k);
+  float t = hsum(a);
+  for (; k < K; ++k) t += w[k] * x[k];
+  return t;
 }
+
+#pragma GCC pop_options
 
 // Rows [n, n + 4) of the weight (fp32; `w` already points at row n) against x's M rows;
 // put(m, n + i, sum).
