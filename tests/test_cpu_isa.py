@@ -325,6 +325,11 @@ for n, kk in ((37, 128), (64, 576)):
             ce = bf16c_pack(esc, max_escape_bytes=1.0)
             out[f"bf16c escapes {n}"] = rel(k.bf16c_gemv(xb, ce.data, None),
                                             xb.double() @ esc.double().T)
+        else:                                   # a few rows: each weight row read once
+            out[f"small_m fp32 {n}x{m}"] = rel(k.small_m_linear(x, w, None), x.double() @ w.double().T)
+            wb, xb = w.bfloat16(), x.bfloat16()
+            out[f"small_m bf16 {n}x{m}"] = rel(k.small_m_linear(xb, wb, None),
+                                               xb.double() @ wb.double().T)
         for fmt, pw in (("q4_1", _gguf(w, "q4_1")), ("q8_0", _gguf(w, "q8_0")),
                         ("int8", quantize_int8(w))):
             ref = x.double() @ pw.dequantize().double().T

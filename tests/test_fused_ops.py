@@ -227,7 +227,13 @@ def test_cpu_ops_match_the_torch_reference():
             assert torch.equal(ops.linear(x, wt), kern.gemv(x, wt, None))
             assert close(ops.linear(x, wt), ref.linear(x, wt), 16)
             assert close(ops.linear(x, wt, bias), ref.linear(x, wt, bias), 16)
-    x, wt = torch.randn(3, 64), torch.randn(8, 64)                    # batches: torch's GEMM
+    from workbench.platforms.cpu_ops import small_m_rows
+    x, wt = torch.randn(3, 64), torch.randn(8, 64)        # a few rows: small_m_linear where
+    few = ops.linear(x, wt)                               # it measured faster than torch's GEMM
+    assert torch.equal(few, kern.small_m_linear(x, wt, None) if small_m_rows(torch.float32) >= 3
+                       else ref.linear(x, wt))
+    assert close(few, ref.linear(x, wt), 16)
+    x = torch.randn(17, 64)                                           # more: torch's GEMM
     assert torch.equal(ops.linear(x, wt), ref.linear(x, wt))
 
 

@@ -149,3 +149,61 @@ def cost(figures: dict[str, float], asked: str | None, dtype: torch.dtype) -> st
     return (f"{what} is slower than {plain} on this CPU: its batch-1 GEMV measured "
             f"{figures[fmt]:.0f} µs against {plain}'s {figures[plain]:.0f} µs "
             f"({figures[fmt] / figures[plain]:.1f}x); 'auto' would not pick it")
+
+
+# --- a few rows: the kernel's small_m_linear or torch's batched linear -----------------------
+
+SMALL_M = (2, 4, 8, 16)
+"""The row counts timed for small_m_linear against torch's linear (16: the kernel's most)."""
+SMALL_M_FILE = "small_m.json"
+
+
+def small_m_rows(folder, k, timer: Callable[[], float] = time.perf_counter,
+                 reps: int = 5) -> dict[str, int]:
+    """dtype name -> the most rows for which the kernel's small_m_linear (a verify step's
+    k + 1 tokens, a small batch: each weight row read once for all rows) was faster than
+    torch's batched linear at every count of SMALL_M up to it (0: at none), on SHAPES, one
+    thread, in interleaved rounds; measured once per kernel build and kept beside it as
+    `choice.json` is. Which wins is the CPU's (oneDNN with AMX against an AVX2 loop), not a
+    constant."""
+    path = folder / SMALL_M_FILE
+    try:
+        return json.loads(path.read_text())["rows"]
+    except (OSError, ValueError, KeyError):
+        pass
+    from .cpu_ops import CpuOps
+    ops = CpuOps()
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(n, kk, generator=g) * 0.02 for n, kk in SHAPES]
+    runners: dict[str, list[Callable[[], object]]] = {}
+    for dt in (torch.float32, torch.bfloat16):
+        name = str(dt).removeprefix("torch.")
+        for m in SMALL_M:
+            xs = [torch.randn(m, w.shape[1], generator=g).to(dt) for w in ws]
+            wd = [w.to(dt) for w in ws]
+            runners[f"{name} {m} small_m"] = [
+                (lambda x=x, w=w: k.small_m_linear(x, w, None)) for x, w in zip(xs, wd)]
+            runners[f"{name} {m} torch"] = [
+                (lambda x=x, w=w: ops.batched_linear(x, w)) for x, w in zip(xs, wd)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            us = measure(runners, timer, reps)
+    finally:
+        torch.set_num_threads(threads)
+    rows = {}
+    for dt in ("float32", "bfloat16"):
+        rows[dt] = 0
+        for m in SMALL_M:
+            if us[f"{dt} {m} small_m"] >= us[f"{dt} {m} torch"]:
+                break
+            rows[dt] = m
+    tmp = path.with_name(f"{SMALL_M_FILE}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps({"rows": rows, "us": us, "shapes": SHAPES, "threads": 1},
+                                  indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return rows

@@ -5,7 +5,10 @@ one call. At batch 1 a step reads all the weights (540 MB for SmolLM2-135M in fp
 bf16) and the rest was dispatch; see docs/benchmarks.md. In bf16 each op rounds where the
 torch reference's bf16 ops round. Until the kernel module is built (the first start on a
 machine builds it in a detached process), and for other dtypes, they are the torch
-reference's. Batched linear layers are torch's oneDNN matmul (AMX where the CPU has it); in
+reference's. A few rows (2-16: a speculative verify step, a small batch) take
+`small_m_linear`, which reads each weight row once for all of them, up to the row count it
+measured faster than torch's matmul on this CPU (cpu_choice.small_m_rows, once per kernel
+build). Batched linear layers are torch's oneDNN matmul (AMX where the CPU has it); in
 bf16 on the weights packed once into oneDNN's blocked layout (`CpuOps.prepacked`), which torch's
 F.linear repacks on every call: the same kernel and the same bits, 1.1-1.8x faster at
 SmolLM2's shapes from 4 to 256 rows."""
@@ -62,9 +65,17 @@ class CpuOps(TorchOps):
                 return self._dense_linear(x, weight, bias)
             y = k.qlinear(x, weight.data, weight.code)
             return y if bias is None else y.add_(bias)
-        if k and x.shape[0] == 1 and x.dim() == 2 and x.dtype in _DTYPES \
-                and weight.dtype == x.dtype and hasattr(k, "gemv"):
-            return k.gemv(x, weight, bias)
+        if k and x.dim() == 2 and x.dtype in _DTYPES and weight.dtype == x.dtype \
+                and hasattr(k, "gemv"):
+            if x.shape[0] == 1:
+                return k.gemv(x, weight, bias)
+            if 2 <= x.shape[0] <= small_m_rows(x.dtype) and weight.is_contiguous():
+                return k.small_m_linear(x, weight, bias)
+        return self.batched_linear(x, weight, bias)
+
+    def batched_linear(self, x, weight, bias=None):
+        """A plain weight's linear as torch runs it (oneDNN's matmul; bf16 on the prepacked
+        weight where oneDNN has native bf16)."""
         if x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2 and onednn_bf16():
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.prepacked(weight),
                                                       bias, "none", [], "")
@@ -162,6 +173,24 @@ class CpuOps(TorchOps):
 
 
 _onednn_bf16: bool | None = None
+
+
+SMALL_M_ROWS: dict[str, int] | None = None
+"""dtype name -> the most rows (2..cpu_choice.SMALL_M[-1]) that take the kernel's
+`small_m_linear` (each weight row read once for all rows) instead of torch's batched linear:
+measured once per kernel build (cpu_choice.small_m_rows), read at the first use; 0: never."""
+
+
+def small_m_rows(dtype: torch.dtype) -> int:
+    """The most rows of `dtype` that small_m_linear takes here (see SMALL_M_ROWS)."""
+    global SMALL_M_ROWS
+    if SMALL_M_ROWS is None:
+        from . import cpu_choice
+        k = cpu_kernels.kernels()
+        if not (k and hasattr(k, "small_m_linear")):
+            return 0
+        SMALL_M_ROWS = cpu_choice.small_m_rows(cpu_kernels.kernel_dir(), k)
+    return SMALL_M_ROWS.get(str(dtype).removeprefix("torch."), 0)
 
 
 def onednn_bf16() -> bool:

@@ -32,6 +32,7 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, std::vector<at::Tensor> weig
                                       int64_t num_heads, int64_t num_kv_heads, double eps,
                                       double scale);
 at::Tensor gemv(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias);
+at::Tensor small_m_linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias);
 // cpu_quant.cpp
 at::Tensor dequantize(at::Tensor w, int64_t fmt, int64_t K);
 at::Tensor qlinear(at::Tensor x, at::Tensor w, int64_t fmt);
@@ -97,6 +98,7 @@ TORCH_LIBRARY(workbench_cpu, m) {
   m.def("a8_quantize", &a8_quantize);             // fp32 [M, K] -> (int8 [M, K_pad], scales)
   m.def("a8_embedding", &a8_embedding);           // rows of a tiled packed table -> [T, K]
   m.def("gemv", &gemv);                           // x [1, K] @ weight [N, K]^T (+ bias)
+  m.def("small_m_linear", &small_m_linear);       // x [M <= 16, K] @ weight [N, K]^T (+ bias)
   m.def("qgemv", &qgemv);                         // x [1, K] fp32 @ packed weight^T
   m.def("bf16c_stream", &bf16c_stream);           // bf16c_gemv streams the packed rows
   m.def("isa", &isa);                             // the ISA macros this build saw

@@ -1,0 +1,95 @@
+"""A few rows through a linear layer on the CPU (csrc/cpu_ops.cpp: small_m_linear, a verify
+step's k + 1 tokens or a small batch): each weight row read once for all rows. Its sums run
+in another order than torch's, so it must equal F.linear to a few units in the last place
+(fp32) or one bf16 unit, for every row count it takes, N and K with vector tails, with and
+without a bias; CpuOps.linear takes it for the rows measured faster here (cpu_choice)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workbench.platforms import cpu_kernels as cpu
+
+
+@pytest.fixture(scope="module")
+def kern():
+    k = cpu.load_cpu_kernels()
+    if k is None or not hasattr(k, "small_m_linear"):
+        pytest.skip("no C++ compiler: the CPU kernels could not be built")
+    return k
+
+
+def units(got: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor) -> float:
+    """The largest difference in units of the last place of fp32 (2^-23) of the row's
+    magnitude (the sum of |x| |w|, the scale of the rounding errors of any order of sums)."""
+    return float(((got.double() - ref.double()).abs() / mag).max()) / 2 ** -23
+
+
+@pytest.mark.parametrize("n,k", [(96, 64), (37, 100), (9, 33), (5, 7), (4, 576), (1, 3)])
+def test_small_m_linear_equals_f_linear(kern, n, k):
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    for m in range(2, 17):
+        x = torch.randn(m, k, generator=g)
+        for bias in (None, b):
+            mag = x.abs().double() @ w.abs().double().T + (0 if bias is None else b.abs().double())
+            # fp32: a few ulps of F.linear's (and as close to float64's as F.linear is)
+            y, ref = kern.small_m_linear(x, w, bias), F.linear(x, w, bias)
+            assert y.shape == (m, n) and y.dtype == torch.float32
+            assert units(y, ref, mag) <= 4, (m, bias is None)
+            want = x.double() @ w.double().T + (0 if bias is None else b.double())
+            assert units(y, want, mag) <= 2 * units(ref, want, mag) + 2
+            # bf16: fp32 sums of the exact products, one rounding after the bias: one bf16
+            # unit of torch's bf16 linear at most, and mostly its bits
+            xb, wb = x.bfloat16(), w.bfloat16()
+            bb = None if bias is None else bias.bfloat16()
+            yb, refb = kern.small_m_linear(xb, wb, bb), F.linear(xb, wb, bb)
+            assert yb.dtype == torch.bfloat16 and yb.shape == (m, n)
+            assert bool(((yb.float() - refb.float()).abs() <= 2 ** -7 * refb.float().abs()).all())
+            assert float((yb != refb).float().mean()) <= 0.05
+
+
+def test_small_m_linear_refuses_what_it_does_not_take(kern):
+    w = torch.randn(8, 16)
+    for x, what in ((torch.randn(17, 16), "rows"), (torch.randn(0, 16), "rows"),
+                    (torch.randn(3, 15), "shapes")):
+        with pytest.raises(RuntimeError, match=what):
+            kern.small_m_linear(x, w, None)
+    with pytest.raises(RuntimeError, match="mixed dtypes"):
+        kern.small_m_linear(torch.randn(3, 16).bfloat16(), w, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        kern.small_m_linear(torch.randn(3, 16), w, torch.randn(7))
+
+
+def test_cpu_ops_takes_it_for_the_rows_measured_faster(kern):
+    from workbench.platforms.cpu_ops import CpuOps, small_m_rows
+    ops = CpuOps()
+    w, b = torch.randn(40, 24), torch.randn(40)
+    for dt in (torch.float32, torch.bfloat16):
+        most = small_m_rows(dt)
+        assert most in (0, 2, 4, 8, 16)
+        for m in (2, 5, 16, 17):
+            x = torch.randn(m, 24).to(dt)
+            want = kern.small_m_linear(x, w.to(dt), b.to(dt)) if m <= most else \
+                ops.batched_linear(x, w.to(dt), b.to(dt))
+            assert torch.equal(ops.linear(x, w.to(dt), b.to(dt)), want), (dt, m, most)
+
+
+def test_the_choice_is_measured_once_per_build_and_kept(kern, tmp_path):
+    from workbench.platforms import cpu_choice
+    rows = cpu_choice.small_m_rows(tmp_path, kern, reps=1)
+    kept = json.loads((tmp_path / cpu_choice.SMALL_M_FILE).read_text())
+    assert kept["rows"] == rows and set(rows) == {"float32", "bfloat16"}
+    for dt, most in rows.items():                      # the rule: faster at every count to it
+        for m in cpu_choice.SMALL_M:
+            faster = kept["us"][f"{dt} {m} small_m"] < kept["us"][f"{dt} {m} torch"]
+            if m <= most:
+                assert faster
+            elif m == min(c for c in cpu_choice.SMALL_M if c > most):
+                assert not faster
+    kept["rows"] = {"float32": 4, "bfloat16": 0}       # read back, not measured again
+    (tmp_path / cpu_choice.SMALL_M_FILE).write_text(json.dumps(kept))
+    assert cpu_choice.small_m_rows(tmp_path, kern) == {"float32": 4, "bfloat16": 0}
