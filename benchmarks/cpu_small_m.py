@@ -72,7 +72,7 @@ def engine_steps(rounds: int, chunk: int = 5) -> None:
     e = Engine(model="smollm2", device="cpu", dtype="float32", quantization=None,
                async_scheduling=False)
     try:
-        bs = e.core.info().block_size
+        bs = e.info().block_size
         g = torch.Generator().manual_seed(1)
         ctx = torch.randint(100, 40000, (8 * bs,), generator=g).tolist()
         e.generate([ctx], SamplingParams(max_tokens=1, temperature=0))   # cache the context
@@ -92,9 +92,9 @@ def engine_steps(rounds: int, chunk: int = 5) -> None:
                 e.add_request(ctx + tail, SamplingParams(max_tokens=4, temperature=0,
                                                          ignore_eos=True))
                 times = []
-                while e.core.has_unfinished_requests():
+                while e.has_unfinished_requests():
                     t0 = time.perf_counter()
-                    e.core.step()
+                    e.step()
                     times.append(time.perf_counter() - t0)
                 if i:
                     best[f"chunk {s}"] = min(best[f"chunk {s}"], times[0])

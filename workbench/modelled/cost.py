@@ -108,7 +108,7 @@ def step_features(tokens_per_request: dict[str, int], context_lens: dict[str, in
                   ) -> StepFeatures:
     """What one step's time depends on, on these roofs."""
     ev = SimpleNamespace(tokens_per_request=tokens_per_request, context_lens=context_lens,
-                         kinds=kinds)
+                         kinds=kinds, drafts={})       # a modelled device never drafts
     c = step_cost(ev, info)
     tokens = sum(tokens_per_request.values())
     sampled = sum(1 for k in kinds.values() if k != "chunk")

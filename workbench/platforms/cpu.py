@@ -9,10 +9,19 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_kernels
+from . import cpu_kernels, cpu_ops
 from .base import Platform
 from .cpu_attention import CpuAttention
 from .cpu_ops import CpuOps
+
+
+def _measure_small_m_rows(k) -> dict[str, int]:
+    """cpu_ops' small-row choice, measured once per kernel build (cpu_choice.py)."""
+    from . import cpu_choice
+    return cpu_choice.small_m_rows(cpu_kernels.kernel_dir(), k)
+
+
+cpu_ops.MEASURE_SMALL_M_ROWS = _measure_small_m_rows
 
 
 class CpuPlatform(Platform):

@@ -14,6 +14,8 @@ F.linear repacks on every call: the same kernel and the same bits, 1.1-1.8x fast
 SmolLM2's shapes from 4 to 256 rows."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from . import cpu_kernels
@@ -179,17 +181,19 @@ SMALL_M_ROWS: dict[str, int] | None = None
 """dtype name -> the most rows (2..cpu_choice.SMALL_M[-1]) that take the kernel's
 `small_m_linear` (each weight row read once for all rows) instead of torch's batched linear:
 measured once per kernel build (cpu_choice.small_m_rows), read at the first use; 0: never."""
+MEASURE_SMALL_M_ROWS: Callable[[object], dict[str, int]] | None = None
+"""What measures them, given the kernels: set by platforms/cpu.py (cpu_choice times CpuOps,
+so this module does not import it); None: small_m_linear is never taken."""
 
 
 def small_m_rows(dtype: torch.dtype) -> int:
     """The most rows of `dtype` that small_m_linear takes here (see SMALL_M_ROWS)."""
     global SMALL_M_ROWS
     if SMALL_M_ROWS is None:
-        from . import cpu_choice
         k = cpu_kernels.kernels()
-        if not (k and hasattr(k, "small_m_linear")):
+        if not (k and hasattr(k, "small_m_linear")) or MEASURE_SMALL_M_ROWS is None:
             return 0
-        SMALL_M_ROWS = cpu_choice.small_m_rows(cpu_kernels.kernel_dir(), k)
+        SMALL_M_ROWS = MEASURE_SMALL_M_ROWS(k)
     return SMALL_M_ROWS.get(str(dtype).removeprefix("torch."), 0)
 
 
