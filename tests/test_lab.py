@@ -60,12 +60,15 @@ def run_all(page, base: str, name: str, timeout_s: float) -> dict:
     page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
     code_cells = page.locator(".jp-CodeCell").count()
     indicator = page.locator(".jp-Notebook-ExecutionIndicator")
-    deadline, quiet = time.monotonic() + timeout_s, 0
+    deadline, quiet, started = time.monotonic() + timeout_s, 0, False
     while time.monotonic() < deadline:
         time.sleep(1.0)
         prompts = [p.strip() for p in page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()]
         busy = "[*]:" in prompts or indicator.get_attribute("data-status") != "idle"
-        quiet = 0 if busy else quiet + 1
+        # Quiet counts once the run has begun (a loaded machine can take seconds to queue the
+        # first cell: idle before it is not the end).
+        started = started or busy or any(p[1:-2].isdigit() for p in prompts)
+        quiet = 0 if busy or not started else quiet + 1
         if quiet >= 3:                   # idle, nothing queued: done, or stopped at an error
             break
     else:
