@@ -43,23 +43,6 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "interpreted(*keys): the test reads these runs of "
-                            "triton_on_cpu's session queue (registered by its module)")
-
-
-def pytest_collection_finish(session):
-    """Tell the queue of interpreted runs which ones the selected tests read."""
-    import triton_on_cpu
-    triton_on_cpu.select({key for item in session.items
-                          for mark in item.iter_markers("interpreted") for key in mark.args})
-
-
-def pytest_sessionfinish(session, exitstatus):
-    import triton_on_cpu
-    triton_on_cpu.stop_all()
-
-
 @pytest.fixture(scope="session", autouse=True)
 def cpu_kernel_built():
     """The CPU kernel of the default cache is built before any test runs. Otherwise the first

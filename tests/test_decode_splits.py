@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from triton_on_cpu import interpreted, register
+from triton_on_cpu import run_interpreted
 
 CODE = textwrap.dedent('''
     import json, numpy as np, torch, triton.language as tl
@@ -105,12 +105,8 @@ CODE = textwrap.dedent('''
 ''')
 
 
-register("decode_splits", CODE)
-
-
-@pytest.mark.interpreted("decode_splits")
 def test_split_decode_matches_the_reference_in_the_interpreter():
-    res = json.loads(interpreted("decode_splits").output().splitlines()[-1])
+    res = json.loads(run_interpreted(CODE).splitlines()[-1])
     assert res[-1]["splits"] > 1, res[-1]
     for r in res:
         fp32 = r["dtype"] in ("torch.float32", "auto batch 1")

@@ -15,9 +15,7 @@ import textwrap
 
 import pytest
 
-from pathlib import Path
-
-from triton_on_cpu import interpreted, register
+from triton_on_cpu import start_interpreted
 
 CODE = textwrap.dedent('''
     import json, torch
@@ -154,14 +152,23 @@ CODE = textwrap.dedent('''
 ''')
 
 
-register("fused ops", CODE)
-register("launches", None, Path(__file__).resolve().parent.parent / "benchmarks" / "launches.py")
+@pytest.fixture(scope="module")
+def interpreted():
+    """This module's two interpreter runs, both started by the first test that needs one
+    (each runs on one core, so the second costs the suite little), ended and reaped after
+    the module whether or not a test read them."""
+    from pathlib import Path
+    pytest.importorskip("triton")
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "launches.py"
+    runs = {"ops": start_interpreted(CODE), "launches": start_interpreted(None, script)}
+    yield runs
+    for r in runs.values():
+        r.stop()
 
 
-@pytest.mark.interpreted("fused ops")
-def test_fused_ops_match_the_torch_reference_in_the_interpreter():
+def test_fused_ops_match_the_torch_reference_in_the_interpreter(interpreted):
     import json
-    res = json.loads(interpreted("fused ops").output().splitlines()[-1])
+    res = json.loads(interpreted["ops"].output().splitlines()[-1])
     for name, (equal, worst) in ((k, v) for k, v in res.items() if len(v) == 2):
         if name.startswith("gemv"):                         # tolerances in CODE
             assert equal, (name, worst)
@@ -264,15 +271,14 @@ def test_cpu_batch_1_decode_in_one_call_equals_the_layer_loop(model):
     assert fused.core.model.embed_tokens.weight.dtype == torch.float32
 
 
-@pytest.mark.interpreted("launches")
-def test_batch_1_decode_launches_fewer_kernels_with_the_gemv():
+def test_batch_1_decode_launches_fewer_kernels_with_the_gemv(interpreted):
     """benchmarks/launches.py counts a batch-1 decode step's device launches on the CUDA path
     (under the interpreter). As it runs now, no norm, SiLU-and-mul or KV-write launches of
     their own remain (fused into the GEMVs and the decode kernel), every linear layer is one
     GEMV launch, and the step launches at least three fewer kernels per layer than before
     (cuBLAS, separate norms and write, no split)."""
     import json
-    rows = {d["setup"]: d for d in map(json.loads, interpreted("launches").output().splitlines())}
+    rows = {d["setup"]: d for d in map(json.loads, interpreted["launches"].output().splitlines())}
     before, after = rows["before"], rows["gemv+kv+split"]
     layers = before["layers"]
     ops = after["by_op"]

@@ -7,9 +7,7 @@ from __future__ import annotations
 import json
 import textwrap
 
-import pytest
-
-from triton_on_cpu import interpreted, register
+from triton_on_cpu import run_interpreted, start_interpreted
 
 KERNEL = textwrap.dedent('''
     import json, torch
@@ -97,23 +95,24 @@ ENGINE = textwrap.dedent('''
 ''')
 
 
-MODELS = ("random:tiny-qwen3", "random:tiny")
-register("prefill kernel", KERNEL)
-for _m in MODELS:                   # one interpreter per model (each runs on one core)
-    register(f"prefill engine {_m}", ENGINE, None, _m)
+def _run(code: str) -> str:
+    return run_interpreted(code).splitlines()[-1]
 
 
-@pytest.mark.interpreted("prefill kernel")
 def test_prefill_kernel_matches_dense_causal_attention_in_the_interpreter():
-    for dtype, has_nan, err in json.loads(interpreted("prefill kernel").output().splitlines()[-1]):
+    for dtype, has_nan, err in json.loads(_run(KERNEL)):
         assert not has_nan, dtype
         assert err < (1e-5 if dtype == "torch.float32" else 2e-3), (dtype, err)
 
 
-@pytest.mark.interpreted(*(f"prefill engine {m}" for m in MODELS))
 def test_engine_with_the_prefill_kernel_gives_the_reference_tokens():
-    runs = [interpreted(f"prefill engine {m}") for m in MODELS]
-    res = {k: v for r in runs for k, v in json.loads(r.output().splitlines()[-1]).items()}
+    # one interpreter per model, both at once (each runs on one core)
+    runs = [start_interpreted(ENGINE, None, m) for m in ("random:tiny-qwen3", "random:tiny")]
+    try:
+        res = {k: v for r in runs for k, v in json.loads(r.output().splitlines()[-1]).items()}
+    finally:
+        for r in runs:
+            r.stop()
     assert len(res) == 2, res
     for model, r in res.items():
         assert r["equal"], (model, r)

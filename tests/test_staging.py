@@ -11,8 +11,6 @@ import numpy as np
 import torch
 
 import fake_torch_npu
-import pytest
-from triton_on_cpu import interpreted, register
 from workbench.executor.staging import StagingBuffers
 from workbench.platforms.cpu import CpuPlatform
 
@@ -192,17 +190,14 @@ print(json.dumps(dict(equal=got == want, attention=e.info().attention,
 '''
 
 
-register("staging cuda-shaped", CUDA_SHAPED)
-
-
-@pytest.mark.interpreted("staging cuda-shaped")
 def test_a_cuda_shaped_engine_through_the_staging_gives_the_reference_tokens():
     """What a CUDA engine runs, as far as the CPU can: Triton's attention (interpreted),
     decode graphs filled from the staged tensors, async scheduling, and a platform with
     memory of its own, so every step goes through the staging's copy; greedy tokens equal
     the plain-torch engine's."""
     import json
-    res = json.loads(interpreted("staging cuda-shaped").output().splitlines()[-1])
+    from triton_on_cpu import run_interpreted
+    res = json.loads(run_interpreted(CUDA_SHAPED).splitlines()[-1])
     assert res == dict(equal=True, attention="triton", graphs=res["graphs"], copies=True)
     assert res["graphs"] > 0
 
