@@ -75,7 +75,7 @@ ALLOWED = {
     "workbench.engine": {"workbench.config", "workbench.telemetry", "workbench.utils", "workbench.core",
                          "workbench.executor", "workbench.platforms", "workbench.roofline",
                          "workbench.modelled", "workbench.cache", "workbench.spec_decode"},
-    "workbench": {"workbench.config", "workbench.engine", "workbench.core"},
+    "workbench": {"workbench.config", "workbench.engine", "workbench.core", "workbench.utils"},
     "workbench.trace": {"workbench.engine", "workbench.core", "workbench.telemetry",
                         "workbench.config", "workbench.roofline", "workbench"},
     "workbench.serving": {"workbench.engine", "workbench.core", "workbench.telemetry",
@@ -84,7 +84,7 @@ ALLOWED = {
     "workbench.bench": {"workbench.engine", "workbench.core", "workbench.telemetry",
                         "workbench.serving", "workbench.config", "workbench.platforms"},
     # The goodput tuner: drives engines on workloads, reads knob domains from the platforms.
-    "workbench.tune": {"workbench.engine", "workbench.core", "workbench.telemetry",
+    "workbench.tune": {"workbench.utils", "workbench.engine", "workbench.core", "workbench.telemetry",
                        "workbench.config", "workbench.platforms", "workbench.trace",
                        "workbench.modelled"},
     "workbench.cli": {"workbench", "workbench.config", "workbench.bench", "workbench.serving",

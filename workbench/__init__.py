@@ -8,7 +8,7 @@ dashboard`, whose Jupyter kernels import the engine themselves) does not wait se
 """
 from __future__ import annotations
 
-import importlib
+from .utils import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -20,14 +20,4 @@ __all__ = ["Engine", "EngineConfig", "SamplingParams", "RequestOutput", "Complet
            "TokenEvent", "Logprob", "StructuredOutputsParams"]
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'workbench' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -13,7 +13,7 @@ cli.py (`workbench tune`). docs/tuning.md says how to read the answer.
 """
 from __future__ import annotations
 
-import importlib
+from ..utils import lazy_exports
 
 _EXPORTS = {"TuneResult": ".result", "VllmFlags": ".result", "vllm_flags": ".result",
             "Trial": ".search", "successive_halving": ".search", "SLO": ".slo",
@@ -26,14 +26,4 @@ engine)."""
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'workbench.tune' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
