@@ -84,7 +84,8 @@ ALLOWED = {
     "workbench.bench": {"workbench.engine", "workbench.core", "workbench.telemetry",
                         "workbench.serving", "workbench.config", "workbench.platforms"},
     # The goodput tuner: drives engines on workloads, reads knob domains from the platforms.
-    "workbench.tune": {"workbench.utils", "workbench.engine", "workbench.core", "workbench.telemetry",
+    "workbench.tune": {"workbench.utils", "workbench.engine", "workbench.core",
+                       "workbench.telemetry",
                        "workbench.config", "workbench.platforms", "workbench.trace",
                        "workbench.modelled"},
     "workbench.cli": {"workbench", "workbench.config", "workbench.bench", "workbench.serving",
