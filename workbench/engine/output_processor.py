@@ -53,11 +53,14 @@ class OutputProcessor:
                 r.metrics.cached_tokens = r.seq.num_cached_tokens
 
     def process(self, reqs: list[Request], outs: list[EngineCoreOutput | None],
-                logprobs: LogprobsTensors | None, now: float, lp_rows: list[int] | None = None
-                ) -> tuple[list[TokenEvent], list[str]]:
+                logprobs: LogprobsTensors | None, now: float, lp_rows: list[int] | None = None,
+                drafts: dict[str, list[int]] | None = None,
+                accepted: dict[str, int] | None = None) -> tuple[list[TokenEvent], list[str]]:
         """Hand out one step's tokens as the scheduler took them in (Scheduler.
         update_from_output: outs[i] is reqs[i]'s, and row i of `logprobs`, on the host; with
-        several tokens a request, its j-th token's row is lp_rows[i] + j).
+        several tokens a request, its j-th token's row is lp_rows[i] + j). drafts, accepted:
+        a verify step's, by sequence id (speculative decoding; its events say which tokens
+        were accepted drafts and what the target rejected: TokenEvent.draft, rejected).
         Returns the events and the sequences that ended. A request that ended while its step
         was in flight (None) drops its token; one whose listener raised is aborted."""
         events: list[TokenEvent] = []
@@ -67,8 +70,10 @@ class OutputProcessor:
             if out is None:
                 continue
             try:
+                verify = (drafts[r.seq_id], accepted[r.seq_id]) \
+                    if drafts and r.seq_id in drafts else None
                 evs, delivered = self._process_one(r, i if lp_rows is None else lp_rows[i], out,
-                                                   logprobs, now)
+                                                   logprobs, now, verify)
             except Exception:   # its detokenizer, stop strings, grammar or logprobs
                 log.exception("%s: handing out its token failed; that request alone fails",
                               r.seq.request_id)
@@ -85,10 +90,12 @@ class OutputProcessor:
         return events, finished
 
     def _process_one(self, r: Request, i: int, out: EngineCoreOutput,
-                     logprobs: LogprobsTensors | None, now: float
+                     logprobs: LogprobsTensors | None, now: float,
+                     verify: tuple[list[int], int] | None = None
                      ) -> tuple[list[TokenEvent], bool]:
-        """One request's tokens of the step (logprobs from row i on): their events and
-        whether its listener took them all. A request that only scored its prompt ends with
+        """One request's tokens of the step (logprobs from row i on; verify: its drafts and
+        how many were accepted, at a verify step): their events and whether its listener
+        took them all. A request that only scored its prompt ends with
         no token. A text stop (a stop string, the grammar) inside the step's tokens ends the
         request there: the tokens after it are taken back out of its sequence (their K/V
         went with its blocks when it finished), as if they had never been sampled."""
@@ -103,8 +110,15 @@ class OutputProcessor:
             if r.logprobs is not None:
                 lp = logprobs.row(i + j, r.seq.params.logprobs, self.decode_token)
                 r.logprobs.append(lp)
+            draft, rejected = False, None
+            if verify is not None:            # the accepted drafts, then the target's own
+                d, n = verify
+                draft = j < n
+                if j == n:
+                    rejected = [self.decode_token(t) or "" for t in d[n:]]
             ev, ok = self._append_token(r, tok, now, lp, out.finish_reason if j == last else None,
-                                        r.seq.num_output_tokens - last + j, last - j)
+                                        r.seq.num_output_tokens - last + j, last - j,
+                                        draft, rejected)
             events.append(ev)
             delivered &= ok
             if ev.finished:
@@ -113,7 +127,8 @@ class OutputProcessor:
 
     def _append_token(self, r: Request, tok: int, now: float,
                       logprobs: dict[int, Logprob] | None, reason: str | None,
-                      index: int, after: int = 0) -> tuple[TokenEvent, bool]:
+                      index: int, after: int = 0, draft: bool = False,
+                      rejected: list[str] | None = None) -> tuple[TokenEvent, bool]:
         """One token the scheduler appended (its index-th output), with the scheduler's
         verdict on it (`reason`): the text's own stops (a stop string, the grammar), its
         event, delivered; and whether the listener took it (False: it raised). A text stop
@@ -145,7 +160,7 @@ class OutputProcessor:
                         index=index, time=now, finished=final, finish_reason=ended,
                         logprobs=logprobs, choice=r.choice,
                         prompt_logprobs=r.prompt_logprobs if index == 1 else None,
-                        stop_reason=seq.stop_reason)
+                        stop_reason=seq.stop_reason, draft=draft, rejected=rejected)
         all_ended = final and self._end(r, now, deliver=False)
         delivered = self._deliver(r, ev)
         if all_ended:

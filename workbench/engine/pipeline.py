@@ -310,7 +310,8 @@ class StepPipeline:
         other choices first. lp_rows: where each request's logprobs rows start (None: row
         i); drafts, accepted: a verify step's (speculative decoding)."""
         outs = self._update(reqs, tokens)
-        events, finished = self.output.process(reqs, outs, logprobs, self.clock.now(), lp_rows)
+        events, finished = self.output.process(reqs, outs, logprobs, self.clock.now(), lp_rows,
+                                               drafts, accepted)
         if self.spec is not None:
             self.spec.free([*finished, *sched.preempted])
         bstats = self.scheduler.block_manager.stats()

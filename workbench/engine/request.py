@@ -52,6 +52,14 @@ class TokenEvent:
     entry per prompt token (None for the first)."""
     stop_reason: int | str | None = None
     """On a final event: the stop token id or stop string that ended it (Sequence.stop_reason)."""
+    draft: bool = False
+    """Speculative decoding: the proposer drafted this token and the target accepted it (a
+    verify step's first tokens; False for every token the target chose itself)."""
+    rejected: list[str] | None = None
+    """Speculative decoding, on the token the target chose itself at a verify step (the one
+    after its accepted drafts): the text of each draft it rejected, each decoded alone
+    ([]: it accepted them all); None on every other token. What a token-stream view needs
+    to draw the step; StepEvent.drafts/accepted have the ids, by step."""
 
 
 @dataclass(eq=False)
