@@ -17,6 +17,9 @@ RUNNING = "#59a14f"
 WAITING = "#e15759"
 KV = "#b07aa1"
 GRAPH = "#76b7b2"
+DRAFTED = "#bab0ac"
+ACCEPTED = "#8cd17d"
+"""Speculative decoding: tokens drafted, and those of them the target accepted."""
 # Request colours (Tableau 20, reordered so neighbours differ).
 PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1",
            "#ff9da7", "#9c755f", "#a0cbe8", "#ffbe7d", "#8cd17d", "#f1ce63", "#86bcb6",
@@ -53,6 +56,13 @@ CSS = """
                  padding: 0 4px; }
 .wb .card .txt .tk { border-radius: 2px; }
 .wb .card .txt .think { color: var(--jp-ui-font-color3, #999); font-style: italic; }
+/* Speculative decoding: an accepted draft underlined green, the token the target chose
+   itself at a verify step double-underlined blue, a rejected draft faint and struck through
+   (the underlines stay readable over the probability shading, which is a background). */
+.wb .txt .acc, .wb .legend .acc { border-bottom: 2px solid #59a14f; }
+.wb .txt .own, .wb .legend .own { border-bottom: 3px double #4e79a7; }
+.wb .txt .rej, .wb .legend .rej { color: var(--jp-ui-font-color3, #999); opacity: .8;
+                                  text-decoration: line-through; }
 /* The footer's figures wrap as whole items where a card is narrow, never cut off. */
 .wb .card .st { font-size: 11px; color: var(--jp-ui-font-color2, #555); margin-top: 2px;
                 display: flex; flex-wrap: wrap; column-gap: 7px; }

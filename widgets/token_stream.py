@@ -10,6 +10,14 @@ Where the engine streams log-probabilities (`TokenEvent.logprobs`: token id -> L
 model was less sure) and its hover text lists the top alternatives with their
 probabilities. Events without them (a remote server, an engine not asked) show plain text.
 
+Where the engine decodes speculatively (`EngineConfig.speculative_config`), its events say
+which tokens were drafts the target accepted (`TokenEvent.draft`) and, on the token the target
+chose itself at a verify step, which drafts it rejected (`TokenEvent.rejected`): accepted
+drafts are underlined green, the target's own token at a verify step double-underlined blue,
+and a legend line says so once any request speculated. The rejected drafts are named in that
+token's hover text, and drawn faint and struck through before it with the panel's "show
+rejected drafts" toggle. Plain decode steps' tokens are left unmarked.
+
 A reasoning model's thinking (the `<think>` block Qwen3 opens its reply with; from a server
 with a reasoning parser, its reasoning_content, which the remote client hands on in the same
 tags) is shown dimmed and in italics, apart from the answer, without the tags.
@@ -40,17 +48,27 @@ class Piece:
     prob: float
     """Probability of the sampled token."""
     alternatives: list[tuple[str, float]]
-    """The top candidates (text, probability), most likely first, the sampled one included."""
+    """The top candidates (text, probability), most likely first, the sampled one included
+    ([]: the event carried no logprobs)."""
+    spec: str = ""
+    """Speculative decoding: 'draft' (an accepted draft), 'own' (the target's own token at a
+    verify step), '' (neither: a plain step's token)."""
+    rejected: list[str] = field(default_factory=list)
+    """With spec 'own': the drafts the target rejected in its place (their text)."""
 
 
 def piece_of(ev) -> Piece | None:
-    """A shaded piece from an event that carries logprobs, else None."""
+    """A piece from an event that carries logprobs (shaded) or speculative decoding's marks,
+    else None."""
+    rejected = getattr(ev, "rejected", None)
+    spec = "draft" if getattr(ev, "draft", False) else "own" if rejected is not None else ""
     lps = getattr(ev, "logprobs", None)
     if not lps or ev.token_id is None or ev.token_id not in lps:
-        return None
+        return Piece(ev.text, 1.0, [], spec, list(rejected or [])) if spec else None
     ranked = sorted(lps.values(), key=lambda lp: -lp.logprob)
     return Piece(ev.text, math.exp(lps[ev.token_id].logprob),
-                 [(lp.decoded_token or "", math.exp(lp.logprob)) for lp in ranked])
+                 [(lp.decoded_token or "", math.exp(lp.logprob)) for lp in ranked], spec,
+                 list(rejected or []))
 
 
 @dataclass
@@ -65,9 +83,13 @@ class StreamState:
     status: str = "waiting"
     """'waiting', 'streaming', or the finish reason: 'stop', 'length', 'abort', 'error'."""
     pieces: list[Piece] = field(default_factory=list)
-    """The text token by token with probabilities, where the events carried them."""
+    """The text token by token, from the first event that carried probabilities or
+    speculative decoding's marks on."""
     plain: int = 0
     """Characters of `text` before the first shaded piece."""
+
+    speculated: bool = False
+    """Whether any of its tokens came from a verify step (speculative decoding)."""
 
     @property
     def ttft(self) -> float | None:
@@ -85,7 +107,8 @@ class StreamState:
             if not self.pieces:
                 self.plain = len(self.text)
             self.pieces.append(piece)
-        elif ev.text and self.pieces:           # text with no probability (a final flush)
+            self.speculated |= bool(piece.spec)
+        elif ev.text and self.pieces:     # text with no probability or mark (a final flush)
             self.pieces.append(Piece(ev.text, 1.0, []))
         if ev.text:
             self.text += ev.text
@@ -116,12 +139,20 @@ class TokenStreamPanel(w.VBox):
         self.max_cards = max_cards
         self.title = title
         self.streams: dict[str, StreamState] = {}
+        self.show_rejected = w.Checkbox(
+            value=False, indent=False, description="show rejected drafts",
+            tooltip="speculative decoding: draw the drafts the target rejected, faint and "
+            "struck through, before the token it chose instead (hover that token to see them "
+            "without this)", layout=w.Layout(display="none", width="auto"))
+        """Shown once a request speculated."""
         self.view = w.HTML(self._html())
-        super().__init__([css_widget(), self.view], **kw)
+        self.show_rejected.observe(lambda _: self._render(), names="value")
+        super().__init__([css_widget(), self.show_rejected, self.view], **kw)
 
     def clear(self) -> None:
         self.streams.clear()
         self.num_requests = self.num_tokens = self.num_finished = 0
+        self.show_rejected.layout.display = "none"
         self._render()
 
     def update(self, u: Update) -> None:
@@ -137,6 +168,8 @@ class TokenStreamPanel(w.VBox):
         self.num_requests = len(self.streams)
         self.num_tokens = sum(s.num_tokens for s in self.streams.values())
         self.num_finished = sum(s.status in DONE for s in self.streams.values())
+        if any(s.speculated for s in self.streams.values()):
+            self.show_rejected.layout.display = ""
         self._render()
 
     def set_modelled(self, label: str) -> None:
@@ -169,16 +202,19 @@ class TokenStreamPanel(w.VBox):
             done = [s for s in streams if s.status in DONE][:len(streams) - self.max_cards]
             shown = [s for s in streams if s not in done][-self.max_cards:]
         more = len(streams) - len(shown)
-        cards = "".join(self._card(s) for s in shown)
+        rejected = self.show_rejected.value
+        cards = "".join(self._card(s, rejected) for s in shown)
         tail = f'<div class="muted">… and {more} more</div>' if more > 0 else ""
+        if any(s.speculated for s in shown):
+            head += SPEC_LEGEND
         return f'<div class="wb">{head}<div class="cards">{cards}</div>{tail}</div>'
 
     @staticmethod
-    def _card(s: StreamState) -> str:
+    def _card(s: StreamState, rejected: bool = False) -> str:
         return (f'<div class="card"><div class="hd"><b>{esc(s.request_id)}</b>'
                 f'<span class="badge b-{esc(s.status)}">{esc(s.status)}</span></div>'
                 f'<div class="prompt" title="{esc(s.label)}">{esc(s.label)}</div>'
-                f'<div class="txt"><div>{_text_html(s)}</div></div>'
+                f'<div class="txt"><div>{_text_html(s, rejected)}</div></div>'
                 f'<div class="st"><span>TTFT {ms(s.ttft)}</span><span>TPOT '
                 f'{ms(s.tpot, 1 if (s.tpot or 0) < 0.1 else 0)}</span>'
                 f'<span>{s.num_tokens} tok</span></div></div>')
@@ -198,9 +234,18 @@ def thinking_regions(text: str) -> list[tuple[int, int, str]]:
             (c, len(text), "text")]
 
 
-def _text_html(s: StreamState) -> str:
-    """The card's text: the thinking dimmed (its tags not shown), then the answer; with
-    logprobs, the last SHADED_TOKENS tokens shaded."""
+SPEC_LEGEND = ('<div class="legend spec"><span class="acc">accepted draft</span>'
+               '<span class="own">chosen by the target at a verify step</span>'
+               '<span class="rej">rejected draft</span><span class="muted">(speculative '
+               'decoding; unmarked: plain decode steps)</span></div>')
+"""The marks' key, under the panel's title once a request speculated."""
+
+
+def _text_html(s: StreamState, rejected: bool = False) -> str:
+    """The card's text: the thinking dimmed (its tags not shown), then the answer; its last
+    SHADED_TOKENS tokens shaded by probability (with logprobs) and marked as accepted drafts
+    or the target's own at a verify step (speculative decoding), with the rejected drafts
+    before the latter when `rejected`."""
     regions = thinking_regions(s.text)
     if not s.pieces:
         return _spans(s.text, 0, regions)
@@ -208,7 +253,7 @@ def _text_html(s: StreamState) -> str:
     plain = s.text[:s.plain] + "".join(p.text for p in head)
     out, at = [_spans(plain, 0, regions)], len(plain)
     for p in s.pieces[len(head):]:
-        out.append(_piece_html(p, at, regions))
+        out.append(_piece_html(p, at, regions, rejected))
         at += len(p.text)
     return "".join(out)
 
@@ -225,14 +270,34 @@ def _spans(text: str, at: int, regions) -> str:
                    for kind, part in _parts(text, at, regions))
 
 
-def _piece_html(p: Piece, at: int, regions) -> str:
-    if not p.alternatives:
-        return _spans(p.text, at, regions)
+SPEC_CLASS = {"draft": "acc", "own": "own"}
+SPEC_TIP = {"draft": "accepted draft (proposed, then verified by the target)",
+            "own": "chosen by the target at a verify step"}
+
+
+def _piece_html(p: Piece, at: int, regions, rejected: bool = False) -> str:
+    """One token's span: shaded by its probability, marked by speculative decoding, with its
+    hover text; after the rejected drafts it replaced (faint, struck through) when
+    `rejected`."""
+    rej = (f'<span class="rej" title="rejected draft">{esc("".join(p.rejected))}</span>'
+           if rejected and p.rejected else "")
+    if not (p.alternatives or p.spec):
+        return rej + _spans(p.text, at, regions)
     parts = _parts(p.text, at, regions)
     if not parts:
-        return ""
+        return rej
     text = "".join(part for _, part in parts)
-    cls = "tk think" if parts[0][0] == "think" else "tk"
-    tip = f"p = {p.prob:.2f}\n" + "\n".join(f"{t!r}  {q:.2f}" for t, q in p.alternatives)
-    return (f'<span class="{cls}" style="background: rgba(242, 142, 43, {0.75 * (1 - p.prob):.2f})"'
-            f' title="{esc(tip)}">{esc(text)}</span>')
+    cls = " ".join(["tk", *(["think"] if parts[0][0] == "think" else []),
+                    *([SPEC_CLASS[p.spec]] if p.spec else [])])
+    tip = []
+    if p.spec:
+        tip.append(SPEC_TIP[p.spec])
+        if p.spec == "own":
+            tip.append("rejected drafts: " + " ".join(map(repr, p.rejected)) if p.rejected
+                       else "every draft accepted (this is the bonus token)")
+    style = ""
+    if p.alternatives:
+        tip += [f"p = {p.prob:.2f}", *(f"{t!r}  {q:.2f}" for t, q in p.alternatives)]
+        style = f' style="background: rgba(242, 142, 43, {0.75 * (1 - p.prob):.2f})"'
+    return (f'{rej}<span class="{cls}"{style} title="{esc(chr(10).join(tip))}">'
+            f'{esc(text)}</span>')
