@@ -4,7 +4,10 @@ Three rows on one step axis: prompt (prefill) tokens per step, output (decode) t
 step, each on its own y axis so that a 1-token-per-request decode step stays readable next
 to a prefill of hundreds; then running and waiting requests, with KV-pool usage on the right
 axis. Steps that replayed a captured graph are drawn hatched, so eager and graph steps tell
-apart at a glance. Hovering a bar names the requests in the step and what each did. The x
+apart at a glance. Hovering a bar names the requests in the step and what each did. With
+speculative decoding, once any step drafted, the output row also shows each verify step's
+drafted tokens (grey) and, inside them, those the target accepted (green), with the
+acceptance by request and by draft position in their hover text. The x
 axis keeps at most ~10 tick labels whatever the number of steps, and `clear()` (a rebuilt
 engine restarts at step 0) forgets the old axis ranges.
 
@@ -23,7 +26,7 @@ from plotly.subplots import make_subplots
 
 from .figures import LivePlot
 from .sources import Update
-from .style import DECODE, KV, PREFILL, RUNNING, WAITING, css_widget, esc
+from .style import ACCEPTED, DECODE, DRAFTED, KV, PREFILL, RUNNING, WAITING, css_widget, esc
 
 HOVER_REQUESTS = 8
 
@@ -49,6 +52,29 @@ def _hover(s) -> str:
         lines.append(f"… {len(items) - HOVER_REQUESTS} more")
     if s.preempted:
         lines.append("preempted: " + ", ".join(map(esc, s.preempted[:HOVER_REQUESTS])))
+    if getattr(s, "drafts", None):
+        lines.append(_spec_line(s))
+    return "<br>".join(lines)
+
+
+def _spec_line(s) -> str:
+    d, a = s.num_draft_tokens, s.num_accepted_tokens
+    return f"speculative: {d} drafted, {a} accepted ({a / d:.0%})"
+
+
+def _spec_hover(s) -> str | None:
+    """A verify step's drafts against what the target kept, by request and by position."""
+    if not getattr(s, "drafts", None):
+        return None
+    per_pos = s.accepted_per_pos
+    drafted_at = [sum(len(d) > j for d in s.drafts.values()) for j in range(len(per_pos))]
+    lines = [f"step {s.step} · verify", _spec_line(s),
+             "accepted by position: " + " ".join(f"{a}/{n}" for a, n in zip(per_pos, drafted_at))]
+    items = list(s.drafts.items())
+    for rid, d in items[:HOVER_REQUESTS]:
+        lines.append(f"{esc(rid)}: {s.accepted.get(rid, 0)} of {len(d)} kept")
+    if len(items) > HOVER_REQUESTS:
+        lines.append(f"… {len(items) - HOVER_REQUESTS} more")
     return "<br>".join(lines)
 
 
@@ -82,6 +108,13 @@ class BatchTimeline(w.VBox):
         fig.add_scatter(name="waiting", line_color=WAITING, row=3, col=1, **line)
         fig.add_scatter(name="KV used %", line=dict(color=KV, dash="dot"), mode="lines",
                         row=3, col=1, secondary_y=True, hoverinfo="x+y+name")
+        # Speculative decoding: narrower bars inside each verify step's output bar (which
+        # counts the drafts fed with each request's token), shown once any step drafted.
+        fig.add_bar(name="drafted", marker_color=DRAFTED, width=0.6, row=2, col=1,
+                    visible=False, **bar)
+        fig.add_bar(name="accepted", marker=dict(color=ACCEPTED, line=dict(color="#59a14f",
+                                                                           width=1)),
+                    width=0.3, row=2, col=1, visible=False, hoverinfo="text")
         fig.update_layout(barmode="overlay", bargap=0.05, height=height,
                           title=dict(text=title, x=0, xanchor="left", y=0.99, yanchor="top",
                                      font=dict(size=14)),
@@ -170,6 +203,15 @@ class BatchTimeline(w.VBox):
             data[5].x, data[5].y = x, [p.num_waiting for p in pts]
             data[6].x, data[6].y = x, [None if p.kv_usage is None else round(100 * p.kv_usage, 1)
                                        for p in pts]
+            spec = [_spec_hover(p) for p in pts]
+            drafted = any(spec)
+            if drafted or data[7].visible:     # (nothing to send while no step drafted)
+                for trace, ys in zip(data[7:9], ([p.num_draft_tokens if h else None
+                                                  for p, h in zip(pts, spec)],
+                                                 [p.num_accepted_tokens if h else None
+                                                  for p, h in zip(pts, spec)])):
+                    trace.x, trace.y, trace.hovertext = x, ys, spec
+                    trace.visible = drafted
             # Whole-step ticks while there are few steps (plotly would put ticks at halves);
             # past that plotly picks round steps, at most `nticks` of them. The mode is set
             # each time: a dtick left from the first few steps would label every step.
