@@ -2,6 +2,11 @@
 serving until the new one is ready, and stays if the new one cannot be built.
 
 Temperature and max tokens are per-request settings (`sampling_params()`), not rebuilds.
+
+Speculative decoding is three knobs that make one `speculative_config` (vLLM's shape): the
+method (off, n-gram prompt lookup, or a draft model with its source) and k, the tokens drafted
+per request per step. The config's other fields (lookup bounds, the draft's dtype, ...) are
+kept while the method stays the same.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import ipywidgets as w
 import traitlets
 
 from workbench import Engine, EngineConfig, SamplingParams
-from workbench.config import BLOCK_SIZES, GRAPH_MODES
+from workbench.config import BLOCK_SIZES, GRAPH_MODES, SpeculativeConfig
 from workbench.modelled import profile_names
 from workbench.platforms import available_devices, block_sizes
 
@@ -54,6 +59,11 @@ def _label(text: str, tip: str, width: str = "150px") -> dict:
 
 GRAPH_MODE_LABELS = {"eager": "eager (no graphs)", "decode": "decode steps",
                      "full": "all steps (piecewise)"}
+
+SPEC_OFF = "off"
+SPEC_METHOD_LABELS = {SPEC_OFF: "off", "ngram": "n-gram (prompt lookup)",
+                      "draft_model": "draft model"}
+"""The speculative method knob's options (config.SPEC_METHODS, and off)."""
 
 
 class KnobPanel(w.VBox):
@@ -113,6 +123,29 @@ class KnobPanel(w.VBox):
                                                 description="Prefix caching", tooltip="enable_prefix_caching: "
                                                 "requests that share a prompt prefix reuse its "
                                                 "KV blocks instead of recomputing them")
+        sc = c.speculative()
+        self.spec_method = w.Dropdown(
+            options=[(label, m) for m, label in SPEC_METHOD_LABELS.items()],
+            value=sc.method if sc else SPEC_OFF,
+            **_label("Speculative decoding", "speculative_config.method: draft tokens cheaply "
+                     "and verify them all in one forward pass of the model. ngram looks the "
+                     "request's last tokens up in its own prompt and output (pays off when "
+                     "the reply copies the prompt); draft_model asks a smaller model with "
+                     "the same vocabulary"))
+        self.num_speculative_tokens = w.IntSlider(
+            value=sc.num_speculative_tokens if sc else 4, min=1,
+            max=max(16, sc.num_speculative_tokens if sc else 0),
+            **_label("Drafts per step (k)", "speculative_config.num_speculative_tokens: most "
+                     "tokens drafted per request per step; a step then yields 1 to k+1 tokens. "
+                     "Larger k wins more when drafts are right and wastes more compute when "
+                     "they are wrong"))
+        self.spec_model = w.Combobox(
+            value=(sc.model or "") if sc else "", options=MODELS, ensure_option=False,
+            placeholder="smollm2, random:<shape> or a checkpoint dir",
+            **_label("Draft model", "speculative_config.model: the draft's source (any the "
+                     "engine loads); its vocabulary and tokenizer must be the target's"))
+        self.spec_method.observe(lambda _: self._show_spec_knobs(), names="value")
+        self._show_spec_knobs()
         self.temperature = w.FloatSlider(value=0.7, min=0.0, max=2.0, step=0.05,
                                          **_label("Temperature", "0 is greedy; replies differ "
                                                   "between sends unless a seed is set"))
@@ -131,7 +164,8 @@ class KnobPanel(w.VBox):
         self.device.observe(self._device_changed, names="value")
         engine_knobs = [self.model, self.device, self.block_size, self.num_kv_blocks,
                         self.max_num_seqs, self.max_num_batched_tokens, self.graph_mode,
-                        self.enable_prefix_caching]
+                        self.enable_prefix_caching, self.spec_method,
+                        self.num_speculative_tokens, self.spec_model]
         # Apply and its outcome first: at the foot of the knobs, a refusal fell below a
         # 900-px fold; here it shows right under the button that was clicked.
         super().__init__([css_widget(), self.apply_button, self.progress, self.status,
@@ -147,6 +181,34 @@ class KnobPanel(w.VBox):
         self.block_size.options = _block_size_options(change["new"])
         self.block_size.value = keep if keep in _block_sizes(change["new"]) else DEVICE_CHOICE
 
+    def _show_spec_knobs(self) -> None:
+        """k only while speculation is on, the draft's source only for draft_model."""
+        method = self.spec_method.value
+        self.num_speculative_tokens.layout.display = "none" if method == SPEC_OFF else ""
+        self.spec_model.layout.display = "" if method == "draft_model" else "none"
+
+    def speculative_config(self) -> dict | None:
+        """The speculative knobs as EngineConfig.speculative_config (None: off), with the
+        current config's other fields kept where its method is the same."""
+        method = self.spec_method.value
+        if method == SPEC_OFF:
+            return None
+        sc = self.config.speculative()
+        d = dict(self.config.speculative_config) if sc and sc.method == method else {}
+        d.update(method=method, num_speculative_tokens=self.num_speculative_tokens.value)
+        if method == "draft_model":
+            d["model"] = self.spec_model.value.strip()
+        return d
+
+    def _set_speculative(self, d: dict | None) -> None:
+        sc = SpeculativeConfig.from_dict(d)      # (a bad dict: its ValueError, nothing set)
+        self.spec_method.value = sc.method if sc else SPEC_OFF
+        if sc:
+            k = self.num_speculative_tokens
+            k.max = max(k.max, sc.num_speculative_tokens)
+            k.value = sc.num_speculative_tokens
+            self.spec_model.value = sc.model or ""
+
     # ---- reading the knobs ----------------------------------------------------------------
     def values(self) -> dict:
         return dict(model=self.model.value.strip(), device=self.device.value,
@@ -155,7 +217,8 @@ class KnobPanel(w.VBox):
                     max_num_seqs=self.max_num_seqs.value,
                     max_num_batched_tokens=self.max_num_batched_tokens.value,
                     graph_mode=self.graph_mode.value,
-                    enable_prefix_caching=self.enable_prefix_caching.value)
+                    enable_prefix_caching=self.enable_prefix_caching.value,
+                    speculative_config=self.speculative_config())
 
     def make_config(self) -> EngineConfig:
         """The knobs as a config (raises ValueError naming the field, like EngineConfig)."""
@@ -174,6 +237,9 @@ class KnobPanel(w.VBox):
     def set_values(self, **values) -> None:
         """Set knobs by EngineConfig name (for notebooks and tests)."""
         for name, v in values.items():
+            if name == "speculative_config":
+                self._set_speculative(v)
+                continue
             widget = getattr(self, name, None)
             if not isinstance(widget, w.ValueWidget):
                 raise ValueError(f"{name}: not a knob of this panel")

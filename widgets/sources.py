@@ -106,7 +106,15 @@ def describe_engine(i: EngineInfo) -> dict[str, str]:
             "max_num_batched_tokens": str(c.max_num_batched_tokens),
             "graph mode": i.graph_mode if i.graph_mode == c.graph_mode
             else f"{i.graph_mode} (asked: {c.graph_mode})",
-            "prefix caching": "on" if c.enable_prefix_caching else "off"}
+            "prefix caching": "on" if c.enable_prefix_caching else "off",
+            **({"speculative": _speculative(c)} if c.speculative_config else {})}
+
+
+def _speculative(c) -> str:
+    """speculative_config in a few words: 'ngram, k=4' or 'draft_model random:tiny, k=4'."""
+    sc = c.speculative()
+    what = f"{sc.method} {sc.model}" if sc.model else sc.method
+    return f"{what}, k={sc.num_speculative_tokens}"
 
 
 class LocalSource:
