@@ -82,6 +82,12 @@ def test_live_panels_hold_what_the_engine_generated(smollm2_engine, comms):
     assert drawn_prefill == sum(s.num_prefill_tokens for s in steps)
     assert drawn_decode == sum(s.num_decode_tokens for s in steps) == 3 * 15
     assert any("decode" in h and rids[0] in h for h in bars[1].hovertext)
+    # No speculation: no token marked, no legend, no toggle, no drafted/accepted bars.
+    cards = streams.view.value.split('<div class="cards">')[1]
+    assert not re.search(r'class="[^"]*\b(acc|own|rej)\b', streams.view.value)
+    assert "accepted draft" not in streams.view.value and cards
+    assert streams.show_rejected.layout.display == "none"
+    assert not bars[7].visible and not bars[8].visible and not bars[7].y
     assert summary.num_finished == 3 and summary.output_tokens == 3 * 16
     f = summary.figures()
     assert f["ttft_p50"] > 0 and f["tpot_p99"] >= f["tpot_p50"] > 0 and f["throughput"] > 0
@@ -594,3 +600,166 @@ def test_stream_cards_dim_a_reasoning_models_thinking():
     assert re.search(r'<span class="tk think" [^>]*> see</span>', html_)
     assert re.search(r'<span class="tk" [^>]*>Paris</span>', html_)
     assert "think&gt;" not in html_
+
+
+def spec_event(rid, i, text, **kw):
+    from workbench.engine import TokenEvent
+    return TokenEvent(rid, i, text, i, float(i), **kw)
+
+
+def test_stream_cards_mark_accepted_drafts_and_show_rejected_ones_on_demand():
+    """Accepted drafts and the target's own token at a verify step are marked apart (with a
+    legend once any request speculated); the rejected drafts are in that token's hover text,
+    and drawn struck through before it only with the toggle on."""
+    from widgets import TokenStreamPanel
+    from widgets.sources import Update
+    ev = spec_event
+    panel = TokenStreamPanel()
+    panel.update(Update(submitted=[("a", 0.0, "p"), ("b", 0.0, "q")],
+                        events=[ev("a", 1, " The"), ev("b", 1, " plain"), ev("b", 2, " text")]))
+    assert "accepted draft" not in panel.view.value                    # nobody speculated
+    assert panel.show_rejected.layout.display == "none"
+    panel.update(Update(events=[
+        ev("a", 2, " quick", draft=True), ev("a", 3, " brown", draft=True),
+        ev("a", 4, " cat", rejected=[" fox", " jumps"]),                # verify: 2 of 4 kept
+        ev("a", 5, " sat"),                                             # a plain decode
+        ev("a", 6, " on", rejected=[]), ev("a", 7, " the", draft=True),  # all kept, the bonus
+        ev("a", 8, " mat", rejected=[" rug"], finished=True, finish_reason="stop")]))
+    page = panel.view.value
+    head, cards = page.split('<div class="cards">')
+    assert 'class="acc">accepted draft' in head and 'class="rej">rejected draft' in head
+    assert panel.show_rejected.layout.display == ""
+    marked = re.findall(r'<span class="tk (acc|own)" title="([^"]*)">([^<]*)</span>', cards)
+    assert [(k, t) for k, _, t in marked] == [("acc", " quick"), ("acc", " brown"),
+                                              ("own", " cat"), ("own", " on"), ("acc", " the"),
+                                              ("own", " mat")]
+    tips = [html.unescape(tip) for _, tip, _ in marked]
+    assert "rejected drafts: ' fox' ' jumps'" in tips[2] and "bonus token" in tips[3]
+    assert "accepted draft" in tips[0]
+    assert "class=\"rej\"" not in cards                              # toggle off
+    text = re.sub(r"<[^>]+>", "", cards.split('<div class="txt"><div>')[1].split("</div>")[0])
+    assert html.unescape(text) == " The quick brown cat sat on the mat"
+    assert re.search(r"<div>\s*plain text</div>", cards)                 # b: unmarked
+    panel.show_rejected.value = True                                   # redraws at once
+    cards = panel.view.value.split('<div class="cards">')[1]
+    assert re.findall(r'<span class="rej"[^>]*>([^<]*)</span><span class="tk own"[^>]*>'
+                      r'([^<]*)</span>', cards) == [(" fox jumps", " cat"), (" rug", " mat")]
+    panel.clear()
+    assert panel.show_rejected.layout.display == "none"
+
+
+def test_timeline_draws_drafted_against_accepted_tokens_per_verify_step():
+    """A real n-gram engine's verify steps: a drafted and an accepted bar each, equal to the
+    step's counts, with hover text; none drawn while no step drafted."""
+    from widgets import BatchTimeline
+    from widgets.sources import Update
+    from workbench.telemetry import StepEvent
+    p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompt = [17, 42, 99, 5, 311, 12, 250, 7] * 4
+    e = Engine(model="random:tiny", device="cpu", speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3})
+    e.generate([prompt, prompt[3:]], p)
+    steps = list(e.telemetry.steps)
+    tl = BatchTimeline()
+    tl.update(Update(steps=steps[:1]))                      # the prefill: nothing drafted yet
+    drafted, accepted = tl.fig.data[7:9]
+    assert not drafted.visible and not accepted.visible
+    tl.update(Update(steps=steps[1:]))
+    assert drafted.visible and accepted.visible and drafted.name == "drafted"
+    verify = [s for s in steps if s.drafts]
+    sd = e.telemetry.spec_decode
+    assert verify and sd.num_accepted_tokens > 0
+    by_step = {x: (d, a, h) for x, d, a, h in zip(drafted.x, drafted.y, accepted.y,
+                                                  accepted.hovertext)}
+    for s in steps:
+        d, a, h = by_step[s.step]
+        if s.drafts:
+            assert (d, a) == (s.num_draft_tokens, s.num_accepted_tokens)
+            assert f"{s.num_draft_tokens} drafted, {s.num_accepted_tokens} accepted" in h
+            assert all(f"{rid}: {s.accepted[rid]} of {len(ds)} kept" in h
+                       for rid, ds in s.drafts.items())
+        else:
+            assert (d, a, h) == (None, None, None)
+    assert sum(filter(None, drafted.y)) == sd.num_draft_tokens
+    assert sum(filter(None, accepted.y)) == sd.num_accepted_tokens
+    i = list(tl.fig.data[1].x).index(verify[0].step)
+    assert "speculative:" in tl.fig.data[1].hovertext[i]      # the output bar's hover too
+    tl.clear()
+    assert not tl.fig.data[7].visible and not tl.fig.data[7].x
+    e.shutdown()
+
+
+def test_knobs_make_the_speculative_config():
+    """Method and k (and the draft's source) make speculative_config; the config's other
+    fields stay while the method does; a bad one is the config's error, naming the field."""
+    from widgets.knobs import KnobPanel
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    knobs = KnobPanel(EngineConfig(model="random:tiny", device="cpu", speculative_config=ngram))
+    assert (knobs.spec_method.value, knobs.num_speculative_tokens.value) == ("ngram", 3)
+    assert knobs.spec_model.layout.display == "none"
+    knobs.num_speculative_tokens.value = 5
+    assert knobs.make_config().speculative_config == {**ngram, "num_speculative_tokens": 5}
+    knobs.spec_method.value = "draft_model"
+    assert knobs.spec_model.layout.display == ""
+    with pytest.raises(ValueError, match="speculative_config.model"):
+        knobs.make_config()
+    knobs.spec_model.value = "random:tiny"
+    assert knobs.make_config().speculative() .model == "random:tiny"
+    assert knobs.make_config().speculative_config == {
+        "method": "draft_model", "num_speculative_tokens": 5, "model": "random:tiny"}
+    knobs.spec_method.value = "off"
+    assert knobs.make_config().speculative_config is None
+    assert knobs.num_speculative_tokens.layout.display == "none"
+    knobs.show_config(EngineConfig(model="random:tiny", device="cpu", speculative_config={
+        "method": "ngram", "num_speculative_tokens": 24}))
+    assert (knobs.spec_method.value, knobs.num_speculative_tokens.value) == ("ngram", 24)
+    off = KnobPanel(EngineConfig(model="random:tiny", device="cpu"))
+    assert off.spec_method.value == "off" and off.values()["speculative_config"] is None
+
+
+PASSAGE = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins "
+           "with a single step. All that glitters is not gold. ")
+
+
+def test_dashboard_rebuilt_with_speculation_marks_exactly_the_accepted_tokens(comms):
+    """Apply with n-gram speculation: the header says so, and the stream card of a reply that
+    copies its prompt marks exactly the tokens the engine's verify steps accepted (and the
+    target's own after them); with the toggle, exactly the drafts they rejected, struck
+    through; the timeline draws the verify steps' drafts."""
+    from widgets import Dashboard
+    dash = Dashboard(config=EngineConfig(model="random:tiny", device="cpu", num_kv_blocks=64))
+    knobs = dash.knobs
+    knobs.set_values(model="smollm2", speculative_config={"method": "ngram",
+                                                          "num_speculative_tokens": 4})
+    e = knobs.apply()
+    assert e is not None and dash.source.engine is e, knobs.last_error
+    assert e.info().config.speculative().method == "ngram"
+    assert "ngram, k=4" in dash.header.value and knobs.spec_method.value == "ngram"
+    dash.prompts.value, dash.chat.value = PASSAGE * 2 + "The quick", False
+    first = e.telemetry.num_steps
+    (rid,) = dash.send(1, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert asyncio.run(dash.wait(timeout=120))
+    dash.pump.tick()
+    steps = [s for s in e.telemetry.steps_since(first) if s.drafts]
+    acc = sum(s.accepted[rid] for s in steps)
+    assert steps and acc > 0, "nothing was accepted: the test would check nothing"
+    assert any(s.accepted[rid] < len(s.drafts[rid]) for s in steps), "nothing rejected"
+    decode = e.tokenizer.decode
+    want_acc = [decode([t]) for s in steps for t in s.drafts[rid][:s.accepted[rid]]]
+    want_rej = ["".join(decode([t]) for t in s.drafts[rid][s.accepted[rid]:])
+                for s in steps if s.accepted[rid] < len(s.drafts[rid])]
+    st = dash.streams.streams[rid]
+    assert [p.text for p in st.pieces if p.spec == "draft"] == want_acc
+    assert sum(p.spec == "own" for p in st.pieces) == len(steps)
+    cards = dash.streams.view.value.split('<div class="cards">')[1]
+    assert "accepted draft" in dash.streams.view.value.split('<div class="cards">')[0]
+    marked = [html.unescape(t) for t in re.findall(r'class="tk acc"[^>]*>([^<]*)<', cards)]
+    assert marked == want_acc
+    assert len(re.findall(r'class="tk own"', cards)) == len(steps)
+    assert 'class="rej"' not in cards
+    dash.streams.show_rejected.value = True
+    cards = dash.streams.view.value.split('<div class="cards">')[1]
+    assert [html.unescape(t) for t in re.findall(r'class="rej"[^>]*>([^<]*)<', cards)] == want_rej
+    assert dash.timeline.fig.data[7].visible
+    assert sum(filter(None, dash.timeline.fig.data[8].y)) == acc
+    dash.source.close()
