@@ -59,7 +59,7 @@ def _hover(s) -> str:
 
 def _spec_line(s) -> str:
     d, a = s.num_draft_tokens, s.num_accepted_tokens
-    return f"speculative: {d} drafted, {a} accepted ({a / d:.0%})"
+    return f"speculative: {d} drafted, {a} accepted" + (f" ({a / d:.0%})" if d else "")
 
 
 def _spec_hover(s) -> str | None:
