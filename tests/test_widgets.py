@@ -763,3 +763,24 @@ def test_dashboard_rebuilt_with_speculation_marks_exactly_the_accepted_tokens(co
     assert dash.timeline.fig.data[7].visible
     assert sum(filter(None, dash.timeline.fig.data[8].y)) == acc
     dash.source.close()
+
+
+def test_dashboard_command_takes_a_speculative_config(monkeypatch, capsys):
+    """`workbench dashboard --speculative-config`: a bad one is refused before Voila starts;
+    a good one reaches the page's engine and its knobs (through the environment)."""
+    from widgets import Dashboard
+    from workbench import cli
+    assert cli.main(["dashboard", "--speculative-config",
+                     '{"method": "nope", "num_speculative_tokens": 2}']) == 2
+    assert "speculative_config.method" in capsys.readouterr().err
+    assert cli.main(["dashboard", "--url", "http://127.0.0.1:1", "--speculative-config",
+                     '{"method": "ngram", "num_speculative_tokens": 2}']) == 2
+    assert "--speculative-config" in capsys.readouterr().err
+    monkeypatch.setenv("WORKBENCH_MODEL", "random:tiny")
+    monkeypatch.setenv("WORKBENCH_DEVICE", "cpu")
+    monkeypatch.setenv("WORKBENCH_SPECULATIVE_CONFIG",
+                       '{"method": "ngram", "num_speculative_tokens": 2}')
+    dash = Dashboard.from_env()
+    assert dash.source.engine.info().config.speculative().num_speculative_tokens == 2
+    assert (dash.knobs.spec_method.value, dash.knobs.num_speculative_tokens.value) == ("ngram", 2)
+    dash.source.close()

@@ -12,6 +12,7 @@ block map, summary and knobs, all fed by one engine (or one remote server).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import time
@@ -235,7 +236,8 @@ class Dashboard(w.VBox):
     @classmethod
     def from_env(cls) -> "Dashboard":
         """Settings from WORKBENCH_URL (+ WORKBENCH_API_KEY, WORKBENCH_MODEL) for a server, else
-        WORKBENCH_MODEL / WORKBENCH_DEVICE for an engine here, or WORKBENCH_REPLAY (+
+        WORKBENCH_MODEL / WORKBENCH_DEVICE (+ WORKBENCH_SPECULATIVE_CONFIG, JSON) for an
+        engine here, or WORKBENCH_REPLAY (+
         WORKBENCH_REPLAY_SPEED, WORKBENCH_REPLAY_PAUSED) for a trace (what `workbench
         dashboard` sets)."""
         url = os.environ.get("WORKBENCH_URL")
@@ -246,8 +248,10 @@ class Dashboard(w.VBox):
         if url:
             return cls(url=url, api_key=os.environ.get("WORKBENCH_API_KEY"),
                        model=os.environ.get("WORKBENCH_MODEL"))
+        spec = os.environ.get("WORKBENCH_SPECULATIVE_CONFIG")
         config = EngineConfig(model=os.environ.get("WORKBENCH_MODEL", "smollm2"),
                               device=os.environ.get("WORKBENCH_DEVICE", "auto"),
+                              speculative_config=json.loads(spec) if spec else None,
                               **DASHBOARD_DEFAULTS)
         return cls(config=config)
 

@@ -268,6 +268,13 @@ def cmd_dashboard(a) -> int:
         raise ValueError("--paused: only with --replay")
     if a.model:
         env["WORKBENCH_MODEL"] = a.model
+    if a.speculative_config is not None:
+        if a.url or a.replay:
+            raise ValueError("--speculative-config: for an engine built here; a server's is set "
+                             "where it runs, and a replay loads no model")
+        from .config import SpeculativeConfig
+        SpeculativeConfig.from_dict(a.speculative_config)   # a bad one fails here, not in the page
+        env["WORKBENCH_SPECULATIVE_CONFIG"] = json.dumps(a.speculative_config)
     if a.url:
         env["WORKBENCH_URL"] = a.url
         if a.api_key:
@@ -401,6 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'smollm2' (embedded, the default), 'random:<shape>' or a local HF checkpoint "
                         "dir; with --url, the model id to request (default: the first listed)")
     d.add_argument("--device", default="auto", help="auto, cpu, cuda or npu")
+    d.add_argument("--speculative-config", type=_json_dict, default=None,
+                   help="the engine's speculative decoding, as for serve (the page's knobs "
+                        "start from it)")
     d.add_argument("--url", default=None,
                    help="watch and drive a running OpenAI-compatible server instead (vLLM, "
                         "vLLM-Ascend, workbench serve)")
