@@ -5,6 +5,7 @@ $WORKBENCH_ARTIFACTS (default: artifacts/ in the repository)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -108,8 +109,10 @@ def streams_header(page) -> dict:
 
 
 def knob(page, label: str):
-    """The widget whose description is `label`."""
-    return page.locator(".widget-inline-hbox", has=page.locator("label", has_text=label))
+    """The widget whose description is `label` (the whole of it: "Model" is not "Draft
+    model")."""
+    whole = re.compile(rf"^\s*{re.escape(label)}\s*$")
+    return page.locator(".widget-inline-hbox", has=page.locator("label", has_text=whole))
 
 
 def wait_for(predicate, timeout: float, what: str, page, shot: str):
@@ -122,8 +125,8 @@ def wait_for(predicate, timeout: float, what: str, page, shot: str):
 
 def test_dashboard_at_a_glance_streams_and_rebuilds_in_chromium(dashboard, tiny_chat_model):
     """At 1440×900: streams, the timeline and the KV map visible together while 8 requests
-    stream; Apply (to a tiny model) clears the old axes; 300+ steps keep ≤ 20 x labels; no
-    page error, and no request leaves 127.0.0.1."""
+    stream; Apply (to a tiny model, with n-gram speculation picked in its knobs) clears the
+    old axes; 300+ steps keep ≤ 20 x labels; no page error, and no request leaves 127.0.0.1."""
     url, log_path = dashboard
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     size = {"width": 1440, "height": 900}
@@ -192,13 +195,20 @@ def test_dashboard_at_a_glance_streams_and_rebuilds_in_chromium(dashboard, tiny_
             budget.fill("2048")
             budget.press("Enter")
 
-            # Apply a tiny model with 32-token blocks: the header reports it, and the
-            # timeline starts over with fresh axes (no old step numbers left).
+            # Apply a tiny model with 32-token blocks and n-gram speculation (its k shows
+            # once a method is picked): the header reports both, and the timeline starts
+            # over with fresh axes (no old step numbers left).
             knob(page, "Model").locator("input").fill(str(tiny_chat_model))
             knob(page, "KV block (tokens)").locator("select").select_option("32")
+            k = knob(page, "Drafts per step (k)")
+            assert not k.is_visible()
+            knob(page, "Speculative decoding").locator("select").select_option(
+                label="n-gram (prompt lookup)")
+            k.wait_for(state="visible", timeout=10_000)
             page.get_by_role("button", name="Apply (rebuild engine)").click()
             wait_for(lambda: "block size 32" in info.inner_text(), 180, "the rebuilt engine",
                      page, "no-rebuild.png")
+            assert "speculative ngram, k=4" in info.inner_text()
             assert "Engine rebuilt" in page.locator(".wb .ok").inner_text()
             # The old engine's stream cards went with it, like its stats and timeline.
             wait_for(lambda: page.locator(".wb .card").count() == 0, 10, "the old cards to go",
