@@ -212,9 +212,28 @@ class EngineConfig:
             bad("max_step_events", "must be an integer >= 1")
         if not isinstance(self.max_request_records, int) or self.max_request_records < 1:
             bad("max_request_records", "must be an integer >= 1")
-        if self.speculative() is not None and self.device.startswith("model:"):
-            bad("speculative_config", "a modelled device does not run speculative decoding "
-                "(use a real device)")
+        spec = self.speculative()
+        if spec is not None and self.device.startswith("model:"):
+            if spec.method != "ngram":
+                raise ValueError(
+                    f"speculative_config.method: a modelled device runs only 'ngram' (its "
+                    f"lookup is host work, in the step's modelled time); a draft model's own "
+                    f"forward passes are not modelled: run {spec.method!r} on a real device")
+            if spec.acceptance is None:
+                raise ValueError(
+                    "speculative_config.acceptance: required on a modelled device. It draws "
+                    "random tokens, so it cannot tell how many drafts the target would accept, "
+                    "and it does not assume a rate. Measure it on the workload with a real run "
+                    "of the same proposer and pass what that returns as "
+                    "speculative_config['acceptance']: "
+                    "workbench.modelled.measure_acceptance(model, speculative_config, prompts) "
+                    "runs a real engine on those prompts; "
+                    "workbench.modelled.acceptance_of(engine) reads a real engine's telemetry, "
+                    "acceptance_of(Trace.load(path)) a recorded trace's steps")
+        elif spec is not None and spec.acceptance is not None:
+            logging.getLogger("workbench").warning(
+                "speculative_config.acceptance: ignored on a real device (it measures its own; "
+                "only a modelled device reads it)")
 
     def speculative(self) -> "SpeculativeConfig | None":
         """speculative_config, checked and typed (None: off)."""
@@ -246,6 +265,12 @@ class SpeculativeConfig:
     computes. None: always draft."""
     dtype: str | None = None
     quantization: str | None = None
+    acceptance: "Acceptance | None" = None
+    """A modelled device's (device='model:<name>') drafts are accepted at this rate,
+    measured on the workload by a real run of the same proposer (not one of vLLM's fields;
+    a real device ignores it). Given as a dict, {"num_draft_tokens": N,
+    "num_accepted_tokens": A, "source": "<where it was measured>"}, as
+    workbench.modelled.measure_acceptance and acceptance_of return it."""
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SpeculativeConfig | None":
@@ -296,7 +321,48 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.quantization: must be one of {QUANTIZATIONS} "
                              f"or None (got {q!r})")
         return cls(method, ints["num_speculative_tokens"], lo, hi, model,
-                   ints.get("disable_by_batch_size"), d.get("dtype"), q)
+                   ints.get("disable_by_batch_size"), d.get("dtype"), q,
+                   Acceptance.from_dict(d.get("acceptance")))
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """Speculative decoding's acceptance as a real run measured it (SpeculativeConfig's
+    `acceptance`): the counts, so the rate's sample size is known, and where they came
+    from."""
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    source: str
+    """Where it was measured: the run (model, device, proposer, prompts) or the trace."""
+
+    @property
+    def rate(self) -> float:
+        """Accepted drafts / drafted ones (vLLM's acceptance rate)."""
+        return self.num_accepted_tokens / self.num_draft_tokens
+
+    @classmethod
+    def from_dict(cls, d) -> "Acceptance | None":
+        if d is None:
+            return None
+        where = "speculative_config.acceptance"
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: must be a dict with num_draft_tokens, "
+                             f"num_accepted_tokens and source (got {d!r})")
+        n, a, src = d.get("num_draft_tokens"), d.get("num_accepted_tokens"), d.get("source")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"{where}.num_draft_tokens: must be an integer >= 1, the drafted "
+                             f"tokens the rate was measured over (got {n!r})")
+        if not isinstance(a, int) or isinstance(a, bool) or not 0 <= a <= n:
+            raise ValueError(f"{where}.num_accepted_tokens: must be an integer in [0, "
+                             f"num_draft_tokens={n}] (got {a!r})")
+        if not isinstance(src, str) or not src.strip():
+            raise ValueError(f"{where}.source: must say where the counts were measured (got "
+                             f"{src!r})")
+        extra = sorted(set(d) - {"num_draft_tokens", "num_accepted_tokens", "source"})
+        if extra:
+            logging.getLogger("workbench").warning("%s: ignoring unknown field(s) %s", where,
+                                                   ", ".join(extra))
+        return cls(n, a, src)
 
 
 def validate_capture_sizes(sizes: list[int], max_num_seqs: int,

@@ -133,13 +133,19 @@ class SpecDecoding:
             r = reqs[e]
             tokens[e], lp_rows[e] = t, len(plain) + a
             verified[r.seq_id], acc[r.seq_id] = list(d), n
-            miss = self._misses[r.seq_id] = 0 if n else self._misses.get(r.seq_id, 0) + 1
-            if miss:
-                self._pause[r.seq_id] = min(2 ** miss, MAX_PAUSE)
-            r.first.metrics.num_draft_tokens += len(d)
-            r.first.metrics.num_accepted_tokens += n
+            self.verified(r, d, n)
         lp = _cat(plp, len(plain), vlp, len(srows))
         return tokens, lp, lp_rows, verified, acc
+
+    def verified(self, r: Request, drafts: list[int], n: int) -> None:
+        """Request r's verify accepted the first n of `drafts`: its misses in a row (and the
+        pause after a miss) and its metrics (what every device's pipeline calls once per
+        verified request: verify here, a modelled device's pipeline with its drawn counts)."""
+        miss = self._misses[r.seq_id] = 0 if n else self._misses.get(r.seq_id, 0) + 1
+        if miss:
+            self._pause[r.seq_id] = min(2 ** miss, MAX_PAUSE)
+        r.first.metrics.num_draft_tokens += len(drafts)
+        r.first.metrics.num_accepted_tokens += n
 
 
 def _cat(a: LogprobsTensors | None, na: int, b: LogprobsTensors | None, nb: int

@@ -1,0 +1,127 @@
+"""Speculative decoding on a modelled device (issue 40): everything but the proposer's tokens
+and the target's verdict is the real engine's (engine/speculative.py's SpecDecoding drafts
+before each step, with its room, its pause after a miss and disable_by_batch_size; the
+scheduler counts the drafts in the step's budget and allocates and gives back their KV; the
+pipeline hands out the kept tokens and records them in telemetry).
+
+What a modelled device cannot know is how many drafts the target would accept: its tokens
+are random. So it takes that from a real run of the same proposer on the workload
+(SpeculativeConfig.acceptance, made by `measure_acceptance` or `acceptance_of` here) and
+draws each verify's accepted count from it:
+
+- The rate measured is vLLM's: accepted drafts / drafted ones, alpha.
+- A verify of d drafts accepts them in order, each (while the ones before it were accepted)
+  with the same probability b_d, the b for which the expected share accepted,
+  (b + b^2 + ... + b^d) / d, is alpha. So over many verifies, whatever their lengths, the
+  share of drafted tokens accepted converges to the measured alpha, and within one verify
+  the accepted run is geometric (as where each token agrees with the target independently).
+- Draws come from the runner's seeded generator (EngineConfig.seed): the same engine seed
+  and requests draw the same acceptances.
+
+The proposer (ModelledProposer) drafts k random tokens (never EOS) whenever SpecDecoding
+asks. Not modelled: a prompt lookup that finds no match (a real n-gram proposer then drafts
+nothing and the request decodes plainly); here every request asked for drafts gets k.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Callable
+
+import numpy as np
+
+
+@lru_cache(maxsize=None)
+def position_rate(alpha: float, d: int) -> float:
+    """b with (b + b^2 + ... + b^d) / d = alpha (bisection: the left side grows with b)."""
+    if alpha <= 0 or alpha >= 1:
+        return min(max(alpha, 0.0), 1.0)
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        b = (lo + hi) / 2
+        if sum(b ** j for j in range(1, d + 1)) / d < alpha:
+            lo = b
+        else:
+            hi = b
+    return (lo + hi) / 2
+
+
+def draw_accepted(rng: np.random.Generator, alpha: float, d: int) -> int:
+    """How many of d drafts the target accepts (its first ones), drawn as described above."""
+    b = position_rate(alpha, d)
+    n = 0
+    while n < d and rng.random() < b:
+        n += 1
+    return n
+
+
+class ModelledProposer:
+    """Drafts k tokens for every request (the Proposer duck type of spec_decode/), drawn by
+    `tokens(n)` (the modelled runner's: random, never an EOS id)."""
+
+    def __init__(self, k: int, tokens: Callable[[int], list[int]]):
+        self.k = k
+        self.tokens = tokens
+
+    def propose(self, reqs: list[tuple[str, list[int]]]) -> list[list[int]]:
+        return [self.tokens(self.k) for _ in reqs]
+
+    def free(self, req_id: str) -> None:
+        """Nothing is kept per request."""
+
+
+# ---- measuring it ------------------------------------------------------------------------------
+def acceptance_of(run, source: str | None = None) -> dict:
+    """The acceptance a real run measured, as SpeculativeConfig's `acceptance` takes it: `run`
+    is a real Engine (its telemetry's spec_decode totals), a recorded Trace (its steps'
+    drafts and accepted counts) or a telemetry.spec_decode figure (SpecDecodeCounts, or its
+    dict). `source` says where it came from (the default names the engine or the trace)."""
+    info = None
+    if hasattr(run, "frames"):                       # a Trace
+        steps = [f.step for f in run.frames]
+        n = sum(s.num_draft_tokens for s in steps)
+        a = sum(s.num_accepted_tokens for s in steps)
+        info, what = run.info, "a recorded trace"
+    else:
+        if hasattr(run, "telemetry"):                # an Engine
+            info, run = run.info(), run.telemetry.spec_decode
+            what = "a real run"
+        else:
+            what = "telemetry.spec_decode"
+        n, a = ((run["num_draft_tokens"], run["num_accepted_tokens"]) if isinstance(run, dict)
+                else (run.num_draft_tokens, run.num_accepted_tokens))
+    if info is not None:
+        if info.modelled:
+            raise ValueError("acceptance_of: this run is on a modelled device, whose "
+                             "acceptance is the one it was given; measure on a real device")
+        if source is None:
+            sc = info.config.speculative_config or {}
+            source = (f"{what}: {info.model} on {info.device_name}, speculative_config "
+                      + ", ".join(f"{k}={v}" for k, v in sc.items() if k != "acceptance"))
+    if not n:
+        raise ValueError("acceptance_of: the run drafted no tokens (speculative decoding off, "
+                         "or no request decoded past its first token), so it measured no "
+                         "acceptance")
+    return {"num_draft_tokens": int(n), "num_accepted_tokens": int(a),
+            "source": source or what}
+
+
+def measure_acceptance(model: str, speculative_config: dict, prompts: list, params=None,
+                       **engine_kwargs) -> dict:
+    """Run `prompts` through a real engine (engine_kwargs: its knobs; device 'cpu' unless
+    given) with `speculative_config`'s proposer and return the acceptance it measured
+    (acceptance_of), to pass to a modelled device as speculative_config['acceptance']."""
+    from ..engine import Engine
+    from ..core.sampling_params import SamplingParams
+    sc = {k: v for k, v in speculative_config.items() if k != "acceptance"}
+    engine_kwargs.setdefault("device", "cpu")
+    if str(engine_kwargs["device"]).startswith("model:"):
+        raise ValueError("measure_acceptance: device must be a real one (a modelled device "
+                         "draws random tokens)")
+    e = Engine(model=model, speculative_config=sc, **engine_kwargs)
+    try:
+        e.generate(prompts, params if params is not None else SamplingParams(max_tokens=64))
+        return acceptance_of(e, f"a real run: {model} on {e.info().device_name}, "
+                                f"{len(prompts)} prompts, speculative_config "
+                                + ", ".join(f"{k}={v}" for k, v in sc.items()))
+    finally:
+        e.close()
