@@ -1,0 +1,200 @@
+"""Speculative decoding on a modelled device (issue 40, item 5: "the modelled device accounts
+for verify steps with an acceptance rate measured on the workload, not assumed").
+
+- Without a measured acceptance a modelled device refuses speculative_config, saying how to
+  measure one; a real run's measurement (measure_acceptance, acceptance_of) is taken and its
+  source said.
+- Over many verify steps the share of drafted tokens accepted matches the measured rate
+  within an Azuma-Hoeffding bound (a rule that ignores the draft's length falls outside it);
+  draws are seeded; telemetry, request metrics and Prometheus count as on a real device; the
+  KV pool is whole at the end.
+- From the cost model: a verify at batch 1 on a weight-bound device costs more than a decode
+  and less than k + 1 of them (its weight reads are a decode's, its matmuls k + 1 times);
+  at batch 64 its matmuls outgrow the weights (its linear layers' bound 1.7 times a decode's
+  on a modelled H200 for a Qwen3-0.6B shape).
+"""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from workbench import Engine, SamplingParams
+from workbench.modelled import acceptance_of, get_profile, measure_acceptance, step_time
+from workbench.telemetry import FULL, PIECEWISE
+
+K = 4
+NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3}
+
+
+def grounded_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Random prompts that repeat a stretch of themselves: n-gram drafts hit on a real model."""
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 512) for _ in range(20)] * 3 for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict:
+    """The acceptance a real CPU engine measures for NGRAM on grounded prompts."""
+    return measure_acceptance("random:tiny", NGRAM, grounded_prompts(4),
+                              SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+
+
+def pool_is_whole(e: Engine) -> bool:
+    st = e.stats()
+    return st.kv_blocks_used == 0 and st.kv_blocks_free == st.num_kv_blocks - 1
+
+
+def test_a_modelled_device_refuses_speculation_without_a_measured_rate():
+    with pytest.raises(ValueError) as err:
+        Engine(model="random:tiny", device="model:h200", speculative_config=NGRAM)
+    msg = str(err.value)
+    assert msg.startswith("speculative_config.acceptance: required on a modelled device")
+    assert "measure_acceptance(model, speculative_config, prompts)" in msg
+    assert "acceptance_of(engine)" in msg and "Trace.load(path)" in msg
+    with pytest.raises(ValueError, match="speculative_config.acceptance.num_accepted_tokens"):
+        Engine(model="random:tiny", device="model:h200", speculative_config={
+            **NGRAM, "acceptance": {"num_draft_tokens": 10, "num_accepted_tokens": 11,
+                                    "source": "x"}})
+    with pytest.raises(ValueError, match="speculative_config.acceptance.source"):
+        Engine(model="random:tiny", device="model:h200", speculative_config={
+            **NGRAM, "acceptance": {"num_draft_tokens": 10, "num_accepted_tokens": 5}})
+    with pytest.raises(ValueError, match="speculative_config.method: a modelled device runs "
+                                         "only 'ngram'"):
+        Engine(model="random:tiny", device="model:h200", speculative_config={
+            "method": "draft_model", "model": "random:tiny", "num_speculative_tokens": 2,
+            "acceptance": {"num_draft_tokens": 10, "num_accepted_tokens": 5, "source": "x"}})
+
+
+def test_the_measurement_is_a_real_runs_and_says_where_it_came_from(measured):
+    assert measured["num_draft_tokens"] > 0
+    assert 0 < measured["num_accepted_tokens"] <= measured["num_draft_tokens"]
+    assert measured["source"].startswith("a real run: random:tiny on ")
+    assert "4 prompts" in measured["source"] and "method=ngram" in measured["source"]
+    e = Engine(model="random:tiny", device="model:h200", num_kv_blocks=64,
+               speculative_config={**NGRAM, "acceptance": measured})
+    try:
+        rate = measured["num_accepted_tokens"] / measured["num_draft_tokens"]
+        notice = [n for n in e.telemetry.notices if "accepted at the rate measured" in n]
+        assert notice and f"{rate:.3f}" in notice[0] and measured["source"] in notice[0]
+        with pytest.raises(ValueError, match="modelled device"):
+            acceptance_of(e)            # a modelled run measures nothing
+    finally:
+        e.close()
+
+
+def run_modelled(acceptance: dict, seed: int = 0, n: int = 32, max_tokens: int = 400,
+                 **knobs) -> Engine:
+    knobs = {"num_kv_blocks": 1 + n * 30, "max_model_len": 480, **knobs}
+    e = Engine(model="random:tiny", device="model:h200", seed=seed, block_size=16,
+               speculative_config={**NGRAM, "acceptance": acceptance}, **knobs)
+    e.generate([[1, 2, 3, 4, 5]] * n, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return e
+
+
+def test_verify_steps_accept_at_the_measured_rate_and_count_as_on_a_real_device(measured):
+    pytest.importorskip("prometheus_client")
+    from workbench.serving.metrics import EngineMetrics
+    alpha = measured["num_accepted_tokens"] / measured["num_draft_tokens"]
+    e = run_modelled(measured)
+    try:
+        steps = [s for s in e.telemetry.steps if s.drafts]
+        assert steps and all(s.kinds[r] == "verify" for s in steps for r in s.drafts)
+        assert all(not s.graph for s in steps), "a verify is never a captured decode graph"
+        # The accepted share against the measured rate. Given its length d_i, verify i's
+        # accepted count is drawn afresh in [0, d_i] with mean alpha * d_i, so the sum of
+        # (accepted_i - alpha d_i) is a martingale with bounded steps and, by
+        # Azuma-Hoeffding, exceeds t with probability <= 2 exp(-2 t^2 / sum d_i^2):
+        # t below is that bound at probability 1e-6.
+        d = [len(x) for s in steps for x in s.drafts.values()]
+        a = [n for s in steps for n in s.accepted.values()]
+        t = math.sqrt(math.log(2 / 1e-6) * sum(x * x for x in d) / 2)
+        bound = t / sum(d)
+        got = sum(a) / sum(d)
+        assert abs(got - alpha) <= bound, (got, alpha, bound)
+        # the bound is tight enough to fail a rule that accepts each position at alpha
+        # whatever the draft's length (its share over drafts of K: (a + .. + a^K) / K)
+        naive = sum(alpha ** j for j in range(1, K + 1)) / K
+        assert abs(naive - alpha) > 2 * bound, (naive, alpha, bound)
+        assert bound < 0.06, f"too few drafts ({sum(d)}) for a useful bound"
+        # telemetry, request records and Prometheus count the modelled verifies
+        sd = e.telemetry.spec_decode
+        assert sd.num_drafts == len(d) and sd.num_draft_tokens == sum(d)
+        assert sd.num_accepted_tokens == sum(a) and sd.accepted_per_pos[0] == sum(n > 0 for n in a)
+        reqs = list(e.telemetry.requests)
+        assert len(reqs) == 32 and all(r.output_tokens == 400 for r in reqs)
+        assert sum(r.num_draft_tokens for r in reqs) == sd.num_draft_tokens
+        assert sum(r.num_accepted_tokens for r in reqs) == sd.num_accepted_tokens
+        assert all(r.acceptance_rate is not None and r.mean_tokens_per_step > 1 for r in reqs)
+        text = EngineMetrics(e, "m").render().decode()
+        assert (f'vllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} '
+                f'{float(sd.num_accepted_tokens)}') in text
+        assert pool_is_whole(e)
+    finally:
+        e.close()
+
+
+def test_modelled_acceptance_draws_are_seeded():
+    acc = {"num_draft_tokens": 100, "num_accepted_tokens": 60, "source": "a test's figure"}
+
+    def run(seed):
+        e = run_modelled(acc, seed=seed, n=4, max_tokens=60)
+        try:
+            return ([s.accepted for s in e.telemetry.steps if s.drafts],
+                    [s.duration for s in e.telemetry.steps])
+        finally:
+            e.close()
+    first = run(0)
+    assert first == run(0) and first[0] != run(1)[0]
+
+
+def test_an_all_rejecting_rate_still_gives_the_pool_back_and_decodes_between():
+    acc = {"num_draft_tokens": 50, "num_accepted_tokens": 0, "source": "a test's figure"}
+    e = run_modelled(acc, n=6, max_tokens=80, max_num_seqs=4, num_kv_blocks=12,
+                     max_model_len=160)
+    try:
+        sd = e.telemetry.spec_decode
+        assert sd.num_draft_tokens > 0 and sd.num_accepted_tokens == 0
+        kinds = [k for s in e.telemetry.steps for k in s.kinds.values()]
+        assert "decode" in kinds, "after a miss a request pauses its drafts (SpecDecoding)"
+        assert e.stats().num_preemptions > 0 and pool_is_whole(e)
+        assert all(r.output_tokens == 80 for r in e.telemetry.requests)
+    finally:
+        e.close()
+
+
+def test_a_verify_costs_more_than_a_decode_and_less_than_k_plus_1_at_batch_1():
+    """From the cost model (no clock): on a modelled H200 with graph_mode 'full' (a decode
+    replays its graph, a verify its token bucket piecewise, as the real runner runs them),
+    a Qwen3-0.6B-shaped batch-1 step reads the weights once either way."""
+    acc = {"num_draft_tokens": 100, "num_accepted_tokens": 60, "source": "a test's figure"}
+    e = Engine(model="random:qwen3-0.6b", device="model:h200", graph_mode="full",
+               num_kv_blocks=64, speculative_config={**NGRAM, "acceptance": acc})
+    try:
+        info, prof = e.info(), get_profile("h200")
+        drafts = list(range(1, K + 1))
+
+        def times(batch):
+            ids = [f"r{i}" for i in range(batch)]
+            ctx = {r: 512 for r in ids}
+            dec = step_time(prof, info, {r: 1 for r in ids}, ctx, {r: "decode" for r in ids},
+                            FULL, False)
+            ver = step_time(prof, info, {r: 1 + K for r in ids}, ctx,
+                            {r: "verify" for r in ids}, PIECEWISE, False,
+                            {r: drafts for r in ids})
+            return dec, ver
+        dec, ver = times(1)
+        assert dec.seconds < ver.seconds < (K + 1) * dec.seconds, (dec, ver)
+        assert ver.linear == dec.linear, "batch 1: the weights bound both, read once"
+        dec64, ver64 = times(64)
+        assert ver64.linear > 1.5 * dec64.linear, "batch 64: a verify's matmuls pass the weights"
+        # the engine's own verify steps at batch 1 take that (the virtual clock)
+        e.generate([[1, 2, 3]], SamplingParams(max_tokens=120, ignore_eos=True))
+        steps = [s for s in e.telemetry.steps if s.phase != "idle"]
+        vs = [s.duration for s in steps if "verify" in s.kinds.values()]
+        ds = [s.duration for s in steps if list(s.kinds.values()) == ["decode"]]
+        assert vs and ds and all(s.graph_kind == PIECEWISE for s in steps if s.drafts)
+        assert max(ds) < min(vs) and max(vs) < (K + 1) * min(ds)
+    finally:
+        e.close()
