@@ -84,6 +84,22 @@ def test_the_measurement_is_a_real_runs_and_says_where_it_came_from(measured):
         e.close()
 
 
+def test_a_recorded_traces_steps_give_the_same_measurement(tmp_path):
+    from workbench.trace import Trace, record
+    e = Engine(model="random:tiny", device="cpu", num_kv_blocks=64, speculative_config=NGRAM)
+    try:
+        trace = record(e, grounded_prompts(2, seed=1),
+                       SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), roofs=False)
+        want = acceptance_of(e)
+    finally:
+        e.close()
+    got = acceptance_of(Trace.load(trace.save(tmp_path / "spec.trace.json.gz")))
+    assert want["num_draft_tokens"] > 0
+    assert (got["num_draft_tokens"], got["num_accepted_tokens"]) == (
+        want["num_draft_tokens"], want["num_accepted_tokens"])
+    assert got["source"].startswith("a recorded trace: random:tiny on ")
+
+
 def run_modelled(acceptance: dict, seed: int = 0, n: int = 32, max_tokens: int = 400,
                  **knobs) -> Engine:
     knobs = {"num_kv_blocks": 1 + n * 30, "max_model_len": 480, **knobs}
