@@ -34,10 +34,17 @@ def grounded_prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(1, 512) for _ in range(20)] * 3 for _ in range(n)]
 
 
+def open_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Random prompts that repeat nothing: the lookup finds fewer drafts."""
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 512) for _ in range(40)] for _ in range(n)]
+
+
 @pytest.fixture(scope="module")
 def measured() -> dict:
-    """The acceptance a real CPU engine measures for NGRAM on grounded prompts."""
-    return measure_acceptance("random:tiny", NGRAM, grounded_prompts(4),
+    """The acceptance a real CPU engine measures for NGRAM on a workload of grounded and
+    open prompts."""
+    return measure_acceptance("random:tiny", NGRAM, grounded_prompts(4) + open_prompts(4),
                               SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
 
 
@@ -70,14 +77,18 @@ def test_a_modelled_device_refuses_speculation_without_a_measured_rate():
 def test_the_measurement_is_a_real_runs_and_says_where_it_came_from(measured):
     assert measured["num_draft_tokens"] > 0
     assert 0 < measured["num_accepted_tokens"] <= measured["num_draft_tokens"]
+    assert 0 < measured["num_drafted"] < measured["num_asked"], "some lookups find nothing"
+    assert measured["num_drafts"] == measured["num_drafted"]
     assert measured["source"].startswith("a real run: random:tiny on ")
-    assert "4 prompts" in measured["source"] and "method=ngram" in measured["source"]
+    assert "8 prompts" in measured["source"] and "method=ngram" in measured["source"]
     e = Engine(model="random:tiny", device="model:h200", num_kv_blocks=64,
                speculative_config={**NGRAM, "acceptance": measured})
     try:
         rate = measured["num_accepted_tokens"] / measured["num_draft_tokens"]
         notice = [n for n in e.telemetry.notices if "accepted at the rate measured" in n]
         assert notice and f"{rate:.3f}" in notice[0] and measured["source"] in notice[0]
+        share = measured["num_drafted"] / measured["num_asked"]
+        assert f"made for {share:.3f} of the requests asked (measured" in notice[0]
         with pytest.raises(ValueError, match="modelled device"):
             acceptance_of(e)            # a modelled run measures nothing
     finally:
@@ -95,12 +106,20 @@ def test_a_recorded_traces_steps_give_the_same_measurement(tmp_path):
         e.close()
     got = acceptance_of(Trace.load(trace.save(tmp_path / "spec.trace.json.gz")))
     assert want["num_draft_tokens"] > 0
-    assert (got["num_draft_tokens"], got["num_accepted_tokens"]) == (
-        want["num_draft_tokens"], want["num_accepted_tokens"])
+    keys = ("num_draft_tokens", "num_accepted_tokens", "num_drafts")
+    assert [got[k] for k in keys] == [want[k] for k in keys]
+    assert "num_asked" in want and "num_asked" not in got, "a trace's steps do not say"
     assert got["source"].startswith("a recorded trace: random:tiny on ")
+    m = Engine(model="random:tiny", device="model:h200", num_kv_blocks=64,
+               speculative_config={**NGRAM, "acceptance": got})
+    try:
+        assert any("made for every request asked (how often the proposer found a draft was "
+                   "not measured)" in n for n in m.telemetry.notices)
+    finally:
+        m.close()
 
 
-def run_modelled(acceptance: dict, seed: int = 0, n: int = 32, max_tokens: int = 400,
+def run_modelled(acceptance: dict, seed: int = 0, n: int = 64, max_tokens: int = 400,
                  **knobs) -> Engine:
     knobs = {"num_kv_blocks": 1 + n * 30, "max_model_len": 480, **knobs}
     e = Engine(model="random:tiny", device="model:h200", seed=seed, block_size=16,
@@ -125,21 +144,28 @@ def test_verify_steps_accept_at_the_measured_rate_and_count_as_on_a_real_device(
         # t below is that bound at probability 1e-6.
         d = [len(x) for s in steps for x in s.drafts.values()]
         a = [n for s in steps for n in s.accepted.values()]
-        t = math.sqrt(math.log(2 / 1e-6) * sum(x * x for x in d) / 2)
-        bound = t / sum(d)
+        log_p = math.log(2 / 1e-6)
+        bound = math.sqrt(log_p * sum(x * x for x in d) / 2) / sum(d)
         got = sum(a) / sum(d)
         assert abs(got - alpha) <= bound, (got, alpha, bound)
         # the bound is tight enough to fail a rule that accepts each position at alpha
-        # whatever the draft's length (its share over drafts of K: (a + .. + a^K) / K)
-        naive = sum(alpha ** j for j in range(1, K + 1)) / K
+        # whatever the draft's length (expected share: sum over drafts of a + .. + a^d_i)
+        naive = sum(alpha ** j for x in d for j in range(1, x + 1)) / sum(d)
         assert abs(naive - alpha) > 2 * bound, (naive, alpha, bound)
-        assert bound < 0.06, f"too few drafts ({sum(d)}) for a useful bound"
-        # telemetry, request records and Prometheus count the modelled verifies
+        assert bound < 0.05, f"too few drafts ({sum(d)}) for a useful bound"
+        # how often and how long the drafts are: the measured share of requests asked that
+        # got one (each ask a fresh draw: Hoeffding), and mean length (each in [lo, lo + 1])
         sd = e.telemetry.spec_decode
+        share = measured["num_drafted"] / measured["num_asked"]
+        assert sd.num_asked > 1000
+        assert abs(sd.num_drafted / sd.num_asked - share) <= math.sqrt(log_p / 2 / sd.num_asked)
+        length = measured["num_draft_tokens"] / measured["num_drafts"]
+        assert abs(sum(d) / len(d) - length) <= math.sqrt(log_p / 2 / len(d))
+        # telemetry, request records and Prometheus count the modelled verifies
         assert sd.num_drafts == len(d) and sd.num_draft_tokens == sum(d)
         assert sd.num_accepted_tokens == sum(a) and sd.accepted_per_pos[0] == sum(n > 0 for n in a)
         reqs = list(e.telemetry.requests)
-        assert len(reqs) == 32 and all(r.output_tokens == 400 for r in reqs)
+        assert len(reqs) == 64 and all(r.output_tokens == 400 for r in reqs)
         assert sum(r.num_draft_tokens for r in reqs) == sd.num_draft_tokens
         assert sum(r.num_accepted_tokens for r in reqs) == sd.num_accepted_tokens
         assert all(r.acceptance_rate is not None and r.mean_tokens_per_step > 1 for r in reqs)

@@ -269,7 +269,9 @@ class SpeculativeConfig:
     """A modelled device's (device='model:<name>') drafts are accepted at this rate,
     measured on the workload by a real run of the same proposer (not one of vLLM's fields;
     a real device ignores it). Given as a dict, {"num_draft_tokens": N,
-    "num_accepted_tokens": A, "source": "<where it was measured>"}, as
+    "num_accepted_tokens": A, "source": "<where it was measured>"} and, where the run
+    counted them, "num_drafts" (verifies: the drafts' mean length) and "num_asked",
+    "num_drafted" (how often the proposer found a draft), as
     workbench.modelled.measure_acceptance and acceptance_of return it."""
 
     @classmethod
@@ -334,6 +336,23 @@ class Acceptance:
     num_accepted_tokens: int
     source: str
     """Where it was measured: the run (model, device, proposer, prompts) or the trace."""
+    num_drafts: int | None = None
+    """Drafts verified (vLLM's num_drafts): num_draft_tokens / num_drafts is their mean
+    length. None: not measured (the modelled proposer then drafts k)."""
+    num_asked: int | None = None
+    """Requests the proposer was asked to draft for, and below, how many it gave a draft
+    (SpecDecodeCounts). None: not measured (a trace's steps do not say; the modelled
+    proposer then drafts for every request it is asked about)."""
+    num_drafted: int | None = None
+
+    @property
+    def mean_draft_length(self) -> float | None:
+        return self.num_draft_tokens / self.num_drafts if self.num_drafts else None
+
+    @property
+    def draft_share(self) -> float | None:
+        """The share of requests asked that got a draft."""
+        return self.num_drafted / self.num_asked if self.num_asked else None
 
     @property
     def rate(self) -> float:
@@ -358,11 +377,26 @@ class Acceptance:
         if not isinstance(src, str) or not src.strip():
             raise ValueError(f"{where}.source: must say where the counts were measured (got "
                              f"{src!r})")
-        extra = sorted(set(d) - {"num_draft_tokens", "num_accepted_tokens", "source"})
+        opt = {}
+        for name in ("num_drafts", "num_asked", "num_drafted"):
+            v = d.get(name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"{where}.{name}: must be an integer >= 0 or absent (got {v!r})")
+            opt[name] = v
+        if opt["num_drafts"] is not None and not 1 <= opt["num_drafts"] <= n:
+            raise ValueError(f"{where}.num_drafts: must be in [1, num_draft_tokens={n}] (got "
+                             f"{opt['num_drafts']!r})")
+        if (opt["num_asked"] is None) != (opt["num_drafted"] is None):
+            raise ValueError(f"{where}.num_drafted: num_asked and num_drafted come together "
+                             f"(got {opt['num_asked']!r} and {opt['num_drafted']!r})")
+        if opt["num_asked"] is not None and not 0 < opt["num_drafted"] <= opt["num_asked"]:
+            raise ValueError(f"{where}.num_drafted: must be in [1, num_asked="
+                             f"{opt['num_asked']}] (got {opt['num_drafted']!r})")
+        extra = sorted(set(d) - {"num_draft_tokens", "num_accepted_tokens", "source", *opt})
         if extra:
             logging.getLogger("workbench").warning("%s: ignoring unknown field(s) %s", where,
                                                    ", ".join(extra))
-        return cls(n, a, src)
+        return cls(n, a, src, **opt)
 
 
 def validate_capture_sizes(sizes: list[int], max_num_seqs: int,

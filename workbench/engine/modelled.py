@@ -178,10 +178,18 @@ class ModelledDevice(Device):
         spec = config.speculative()
         if spec is not None:
             a = spec.acceptance
+            k = spec.num_speculative_tokens
             self.notices.append(
                 f"speculative decoding on a modelled device: drafts are random tokens, "
                 f"accepted at the rate measured on the workload, {a.rate:.3f} "
-                f"({a.num_accepted_tokens}/{a.num_draft_tokens} drafted tokens; {a.source})")
+                f"({a.num_accepted_tokens}/{a.num_draft_tokens} drafted tokens), made for "
+                + (f"{a.draft_share:.3f} of the requests asked (measured, {a.num_drafted}/"
+                   f"{a.num_asked})" if a.draft_share is not None else
+                   "every request asked (how often the proposer found a draft was not measured)")
+                + ", " + (f"{min(a.mean_draft_length, k):.2f} tokens long on average (measured)"
+                          if a.mean_draft_length is not None else
+                          f"{k} tokens long (their length was not measured)")
+                + f"; measured by {a.source}")
 
     def make_runner(self, num_blocks: int, max_model_len: int) -> ModelledRunner:
         per_block = kv_bytes_per_block(self.model, self.config.block_size, self.dtype)
@@ -192,9 +200,12 @@ class ModelledDevice(Device):
                               acceptance_rate=spec.acceptance.rate if spec else None)
 
     def make_proposer(self, spec, runner: ModelledRunner, max_model_len: int) -> ModelledProposer:
-        """Drafts of k random tokens (modelled/speculative.py); the runner draws how many
-        the target accepts, at the rate measured on the workload (spec.acceptance)."""
-        return ModelledProposer(spec.num_speculative_tokens, runner.tokens)
+        """Random drafts as often and as long as the real run's (modelled/speculative.py);
+        the runner draws how many the target accepts, at the rate measured on the workload
+        (spec.acceptance)."""
+        a = spec.acceptance
+        return ModelledProposer(spec.num_speculative_tokens, runner.tokens, runner.rng,
+                                a.draft_share, a.mean_draft_length)
 
     def peak_memory_bytes(self, runner: ModelledRunner) -> int:
         return self.weights + runner.kv_cache_bytes

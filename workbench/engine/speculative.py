@@ -38,8 +38,11 @@ MAX_PAUSE = 32
 
 class SpecDecoding:
     def __init__(self, proposer, num_speculative_tokens: int, scheduler: Scheduler,
-                 disable_by_batch_size: int | None = None):
+                 disable_by_batch_size: int | None = None, counts=None):
         self.proposer = proposer
+        self.counts = counts
+        """telemetry.spec_decode (SpecDecodeCounts): propose counts requests asked and
+        drafted for there."""
         self.k = num_speculative_tokens
         self.disable_by_batch_size = disable_by_batch_size
         """No drafts while this many requests or more run (SpeculativeConfig's)."""
@@ -78,6 +81,9 @@ class SpecDecoding:
         drafts = self.proposer.propose([(s.request_id, s.token_ids) for s, _ in want])
         for (seq, room), d in zip(want, drafts):
             seq.spec_token_ids = list(d[:room])
+        if self.counts is not None:
+            self.counts.num_asked += len(want)
+            self.counts.num_drafted += sum(1 for s, _ in want if s.spec_token_ids)
 
     def free(self, seq_ids) -> None:
         """The proposer forgets requests that ended or were preempted."""

@@ -38,7 +38,9 @@ class ModelledRunner:
         self.async_scheduling = False
         self.acceptance_rate = acceptance_rate
         """Speculative decoding: the measured share of drafts accepted (None: off)."""
-        self._rng = np.random.default_rng(seed)
+        self.rng = np.random.default_rng(seed)
+        """Every draw of the modelled device (tokens, drafts, acceptances), seeded by
+        EngineConfig.seed."""
         self._eos = np.array(sorted(t for t in eos_token_ids if 0 <= t < vocab_size),
                              dtype=np.int64)
 
@@ -92,7 +94,7 @@ class ModelledRunner:
         num_rows = num_accepted = None
         if any(s.spec_token_ids for s in rest):
             num_rows = [1 + len(s.spec_token_ids) for s in plain + rest]
-            num_accepted = [draw_accepted(self._rng, self.acceptance_rate, len(s.spec_token_ids))
+            num_accepted = [draw_accepted(self.rng, self.acceptance_rate, len(s.spec_token_ids))
                             if s.spec_token_ids else 0 for s in plain + rest]
         sampling = [s.req_id for s in plain + rest]
         return ModelRunnerOutput(sampling, graph, sampled_token_ids=self.tokens(len(sampling)),
@@ -102,7 +104,7 @@ class ModelledRunner:
     def tokens(self, n: int) -> list[int]:
         """n random token ids, none of them an EOS id."""
         eos = self._eos
-        ids = self._rng.integers(0, self.vocab_size - len(eos), size=n)
+        ids = self.rng.integers(0, self.vocab_size - len(eos), size=n)
         if len(eos):                       # shift past each EOS id at or below it
             for e in eos:
                 ids = ids + (ids >= e)

@@ -18,9 +18,13 @@ draws each verify's accepted count from it:
 - Draws come from the runner's seeded generator (EngineConfig.seed): the same engine seed
   and requests draw the same acceptances.
 
-The proposer (ModelledProposer) drafts k random tokens (never EOS) whenever SpecDecoding
-asks. Not modelled: a prompt lookup that finds no match (a real n-gram proposer then drafts
-nothing and the request decodes plainly); here every request asked for drafts gets k.
+The proposer (ModelledProposer) drafts random tokens (never EOS) when SpecDecoding asks,
+as often and as many as the real run's did where it counted them: a draft for a request
+asked with the measured share (num_drafted / num_asked: an n-gram lookup that finds no
+earlier occurrence drafts nothing, and the request decodes plainly), of the measured mean
+length (num_draft_tokens / num_drafts, its two neighbouring integers mixed to that mean, at
+most k). Where they were not counted (a trace's steps do not hold num_asked), a draft of k
+for every request asked, and the engine's notice says so.
 """
 from __future__ import annotations
 
@@ -55,15 +59,31 @@ def draw_accepted(rng: np.random.Generator, alpha: float, d: int) -> int:
 
 
 class ModelledProposer:
-    """Drafts k tokens for every request (the Proposer duck type of spec_decode/), drawn by
-    `tokens(n)` (the modelled runner's: random, never an EOS id)."""
+    """Drafts as the module's docstring says (the Proposer duck type of spec_decode/): with
+    probability `share` (None: always), `length` tokens on average (None: k), drawn by
+    `tokens(n)` (the modelled runner's: random, never an EOS id) from `rng` (its seeded
+    generator)."""
 
-    def __init__(self, k: int, tokens: Callable[[int], list[int]]):
+    def __init__(self, k: int, tokens: Callable[[int], list[int]], rng: np.random.Generator,
+                 share: float | None = None, length: float | None = None):
         self.k = k
         self.tokens = tokens
+        self.rng = rng
+        self.share = share
+        self.length = None if length is None else min(max(length, 1.0), float(k))
 
     def propose(self, reqs: list[tuple[str, list[int]]]) -> list[list[int]]:
-        return [self.tokens(self.k) for _ in reqs]
+        out = []
+        for _ in reqs:
+            if self.share is not None and self.rng.random() >= self.share:
+                out.append([])
+                continue
+            n = self.k
+            if self.length is not None:
+                lo = int(self.length)
+                n = lo + (self.rng.random() < self.length - lo)
+            out.append(self.tokens(n))
+        return out
 
     def free(self, req_id: str) -> None:
         """Nothing is kept per request."""
@@ -78,8 +98,9 @@ def acceptance_of(run, source: str | None = None) -> dict:
     info = None
     if hasattr(run, "frames"):                       # a Trace
         steps = [f.step for f in run.frames]
-        n = sum(s.num_draft_tokens for s in steps)
-        a = sum(s.num_accepted_tokens for s in steps)
+        counts = {"num_draft_tokens": sum(s.num_draft_tokens for s in steps),
+                  "num_accepted_tokens": sum(s.num_accepted_tokens for s in steps),
+                  "num_drafts": sum(len(s.drafts) for s in steps)}
         info, what = run.info, "a recorded trace"
     else:
         if hasattr(run, "telemetry"):                # an Engine
@@ -87,8 +108,10 @@ def acceptance_of(run, source: str | None = None) -> dict:
             what = "a real run"
         else:
             what = "telemetry.spec_decode"
-        n, a = ((run["num_draft_tokens"], run["num_accepted_tokens"]) if isinstance(run, dict)
-                else (run.num_draft_tokens, run.num_accepted_tokens))
+        get = run.get if isinstance(run, dict) else lambda k: getattr(run, k, None)
+        counts = {k: get(k) for k in ("num_draft_tokens", "num_accepted_tokens", "num_drafts",
+                                      "num_asked", "num_drafted")}
+    n = counts["num_draft_tokens"]
     if info is not None:
         if info.modelled:
             raise ValueError("acceptance_of: this run is on a modelled device, whose "
@@ -101,8 +124,10 @@ def acceptance_of(run, source: str | None = None) -> dict:
         raise ValueError("acceptance_of: the run drafted no tokens (speculative decoding off, "
                          "or no request decoded past its first token), so it measured no "
                          "acceptance")
-    return {"num_draft_tokens": int(n), "num_accepted_tokens": int(a),
-            "source": source or what}
+    out = {k: int(v) for k, v in counts.items() if v is not None}
+    if not out.get("num_asked"):
+        out.pop("num_asked", None), out.pop("num_drafted", None)
+    return {**out, "source": source or what}
 
 
 def measure_acceptance(model: str, speculative_config: dict, prompts: list, params=None,
