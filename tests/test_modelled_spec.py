@@ -2,7 +2,7 @@
 for verify steps with an acceptance rate measured on the workload, not assumed").
 
 - Without a measured acceptance a modelled device refuses speculative_config, saying how to
-  measure one; a real run's measurement (measure_acceptance, acceptance_of) is taken and its
+  measure one; a real run's measurement (acceptance_of a real engine or a trace) is taken and its
   source said.
 - Over many verify steps the share of drafted tokens accepted matches the measured rate
   within an Azuma-Hoeffding bound (a rule that ignores the draft's length falls outside it);
@@ -21,7 +21,7 @@ import random
 import pytest
 
 from workbench import Engine, SamplingParams
-from workbench.modelled import acceptance_of, get_profile, measure_acceptance, step_time
+from workbench.modelled import acceptance_of, get_profile, step_time
 from workbench.telemetry import FULL, PIECEWISE
 
 K = 4
@@ -44,8 +44,13 @@ def open_prompts(n: int, seed: int = 0) -> list[list[int]]:
 def measured() -> dict:
     """The acceptance a real CPU engine measures for NGRAM on a workload of grounded and
     open prompts."""
-    return measure_acceptance("random:tiny", NGRAM, grounded_prompts(4) + open_prompts(4),
-                              SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    e = Engine(model="random:tiny", device="cpu", speculative_config=NGRAM)
+    try:
+        e.generate(grounded_prompts(4) + open_prompts(4),
+                   SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+        return acceptance_of(e)
+    finally:
+        e.close()
 
 
 def pool_is_whole(e: Engine) -> bool:
@@ -58,8 +63,9 @@ def test_a_modelled_device_refuses_speculation_without_a_measured_rate():
         Engine(model="random:tiny", device="model:h200", speculative_config=NGRAM)
     msg = str(err.value)
     assert msg.startswith("speculative_config.acceptance: required on a modelled device")
-    assert "measure_acceptance(model, speculative_config, prompts)" in msg
-    assert "acceptance_of(engine)" in msg and "Trace.load(path)" in msg
+    assert "run its prompts on a real engine with the same speculative_config" in msg
+    assert "workbench.modelled.acceptance_of(that engine)" in msg
+    assert "acceptance_of(Trace.load(path))" in msg
     with pytest.raises(ValueError, match="speculative_config.acceptance.num_accepted_tokens"):
         Engine(model="random:tiny", device="model:h200", speculative_config={
             **NGRAM, "acceptance": {"num_draft_tokens": 10, "num_accepted_tokens": 11,
@@ -79,8 +85,8 @@ def test_the_measurement_is_a_real_runs_and_says_where_it_came_from(measured):
     assert 0 < measured["num_accepted_tokens"] <= measured["num_draft_tokens"]
     assert 0 < measured["num_drafted"] < measured["num_asked"], "some lookups find nothing"
     assert measured["num_drafts"] == measured["num_drafted"]
-    assert measured["source"].startswith("a real run: random:tiny on ")
-    assert "8 prompts" in measured["source"] and "method=ngram" in measured["source"]
+    assert measured["source"].startswith("a real run of 8 requests: random:tiny on ")
+    assert "method=ngram" in measured["source"]
     e = Engine(model="random:tiny", device="model:h200", num_kv_blocks=64,
                speculative_config={**NGRAM, "acceptance": measured})
     try:
@@ -109,7 +115,7 @@ def test_a_recorded_traces_steps_give_the_same_measurement(tmp_path):
     keys = ("num_draft_tokens", "num_accepted_tokens", "num_drafts")
     assert [got[k] for k in keys] == [want[k] for k in keys]
     assert "num_asked" in want and "num_asked" not in got, "a trace's steps do not say"
-    assert got["source"].startswith("a recorded trace: random:tiny on ")
+    assert got["source"].startswith("a recorded trace of 2 requests: random:tiny on ")
     m = Engine(model="random:tiny", device="model:h200", num_kv_blocks=64,
                speculative_config={**NGRAM, "acceptance": got})
     try:

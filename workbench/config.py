@@ -223,13 +223,12 @@ class EngineConfig:
                 raise ValueError(
                     "speculative_config.acceptance: required on a modelled device. It draws "
                     "random tokens, so it cannot tell how many drafts the target would accept, "
-                    "and it does not assume a rate. Measure it on the workload with a real run "
-                    "of the same proposer and pass what that returns as "
-                    "speculative_config['acceptance']: "
-                    "workbench.modelled.measure_acceptance(model, speculative_config, prompts) "
-                    "runs a real engine on those prompts; "
-                    "workbench.modelled.acceptance_of(engine) reads a real engine's telemetry, "
-                    "acceptance_of(Trace.load(path)) a recorded trace's steps")
+                    "and it does not assume a rate. Measure it on the workload: run its prompts "
+                    "on a real engine with the same speculative_config (Engine(model, "
+                    "speculative_config=...).generate(prompts, params)) and pass "
+                    "workbench.modelled.acceptance_of(that engine) as "
+                    "speculative_config['acceptance'] (or acceptance_of(Trace.load(path)): a "
+                    "recorded trace's steps)")
         elif spec is not None and spec.acceptance is not None:
             logging.getLogger("workbench").warning(
                 "speculative_config.acceptance: ignored on a real device (it measures its own; "
@@ -272,7 +271,7 @@ class SpeculativeConfig:
     "num_accepted_tokens": A, "source": "<where it was measured>"} and, where the run
     counted them, "num_drafts" (verifies: the drafts' mean length) and "num_asked",
     "num_drafted" (how often the proposer found a draft), as
-    workbench.modelled.measure_acceptance and acceptance_of return it."""
+    workbench.modelled.acceptance_of returns it."""
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SpeculativeConfig | None":

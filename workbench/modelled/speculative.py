@@ -6,7 +6,8 @@ pipeline hands out the kept tokens and records them in telemetry).
 
 What a modelled device cannot know is how many drafts the target would accept: its tokens
 are random. So it takes that from a real run of the same proposer on the workload
-(SpeculativeConfig.acceptance, made by `measure_acceptance` or `acceptance_of` here) and
+(SpeculativeConfig.acceptance, made by `acceptance_of` here from a real engine that ran the
+workload, or from a trace of one) and
 draws each verify's accepted count from it:
 
 - The rate measured is vLLM's: accepted drafts / drafted ones, alpha.
@@ -101,11 +102,11 @@ def acceptance_of(run, source: str | None = None) -> dict:
         counts = {"num_draft_tokens": sum(s.num_draft_tokens for s in steps),
                   "num_accepted_tokens": sum(s.num_accepted_tokens for s in steps),
                   "num_drafts": sum(len(s.drafts) for s in steps)}
-        info, what = run.info, "a recorded trace"
+        info, what = run.info, f"a recorded trace of {len(run.requests)} requests"
     else:
         if hasattr(run, "telemetry"):                # an Engine
+            what = f"a real run of {run.telemetry.num_requests} requests"
             info, run = run.info(), run.telemetry.spec_decode
-            what = "a real run"
         else:
             what = "telemetry.spec_decode"
         get = run.get if isinstance(run, dict) else lambda k: getattr(run, k, None)
@@ -128,25 +129,3 @@ def acceptance_of(run, source: str | None = None) -> dict:
     if not out.get("num_asked"):
         out.pop("num_asked", None), out.pop("num_drafted", None)
     return {**out, "source": source or what}
-
-
-def measure_acceptance(model: str, speculative_config: dict, prompts: list, params=None,
-                       **engine_kwargs) -> dict:
-    """Run `prompts` through a real engine (engine_kwargs: its knobs; device 'cpu' unless
-    given) with `speculative_config`'s proposer and return the acceptance it measured
-    (acceptance_of), to pass to a modelled device as speculative_config['acceptance']."""
-    from ..engine import Engine
-    from ..core.sampling_params import SamplingParams
-    sc = {k: v for k, v in speculative_config.items() if k != "acceptance"}
-    engine_kwargs.setdefault("device", "cpu")
-    if str(engine_kwargs["device"]).startswith("model:"):
-        raise ValueError("measure_acceptance: device must be a real one (a modelled device "
-                         "draws random tokens)")
-    e = Engine(model=model, speculative_config=sc, **engine_kwargs)
-    try:
-        e.generate(prompts, params if params is not None else SamplingParams(max_tokens=64))
-        return acceptance_of(e, f"a real run: {model} on {e.info().device_name}, "
-                                f"{len(prompts)} prompts, speculative_config "
-                                + ", ".join(f"{k}={v}" for k, v in sc.items()))
-    finally:
-        e.close()
