@@ -246,3 +246,34 @@ def test_a_verify_costs_more_than_a_decode_and_less_than_k_plus_1_at_batch_1():
         assert max(ds) < min(vs) and max(vs) < (K + 1) * min(ds)
     finally:
         e.close()
+
+
+def test_n2_logprobs_and_stops_with_modelled_verifies():
+    """Several kept tokens a step: each gets its logprobs row, n = 2 choices verify apart, a
+    stop token ends a request inside a verify's kept run, and the pool comes back whole."""
+    acc = {"num_draft_tokens": 100, "num_accepted_tokens": 70, "source": "a test's figure"}
+    e = Engine(model="random:tiny", device="model:h200", num_kv_blocks=64, block_size=16,
+               speculative_config={**NGRAM, "acceptance": acc})
+    try:
+        outs = e.generate([[1, 2, 3], [4, 5, 6, 7]],
+                          SamplingParams(max_tokens=40, ignore_eos=True, n=2, logprobs=2))
+        choices = [c for o in outs for c in o.outputs]
+        assert len(choices) == 4
+        assert all(len(c.token_ids) == len(c.logprobs) == 40 for c in choices)
+        assert e.telemetry.spec_decode.num_accepted_tokens > 0
+        stops = set(range(100, 140))          # about one token in thirteen of random:tiny's
+        outs = e.generate([[1, 2, 3]] * 16, SamplingParams(max_tokens=200, ignore_eos=True,
+                                                           stop_token_ids=sorted(stops)))
+        assert all(o.outputs[0].finish_reason == "stop" and o.outputs[0].token_ids[-1] in stops
+                   and not stops & set(o.outputs[0].token_ids[:-1]) for o in outs)
+        # the tokens each request was handed by its steps (a verify: its accepted drafts and
+        # its own token) against those it kept: more where a stop cut a kept run
+        offered = {o.request_id: 0 for o in outs}
+        for s in e.telemetry.steps:
+            for rid, kind in s.kinds.items():
+                if rid in offered and kind != "chunk":
+                    offered[rid] += 1 + s.accepted.get(rid, 0)
+        assert any(offered[o.request_id] > len(o.outputs[0].token_ids) for o in outs)
+        assert pool_is_whole(e)
+    finally:
+        e.close()
