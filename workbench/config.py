@@ -212,9 +212,27 @@ class EngineConfig:
             bad("max_step_events", "must be an integer >= 1")
         if not isinstance(self.max_request_records, int) or self.max_request_records < 1:
             bad("max_request_records", "must be an integer >= 1")
-        if self.speculative() is not None and self.device.startswith("model:"):
-            bad("speculative_config", "a modelled device does not run speculative decoding "
-                "(use a real device)")
+        spec = self.speculative()
+        if spec is not None and self.device.startswith("model:"):
+            if spec.method != "ngram":
+                raise ValueError(
+                    f"speculative_config.method: a modelled device runs only 'ngram' (its "
+                    f"lookup is host work, in the step's modelled time); a draft model's own "
+                    f"forward passes are not modelled: run {spec.method!r} on a real device")
+            if spec.acceptance is None:
+                raise ValueError(
+                    "speculative_config.acceptance: required on a modelled device. It draws "
+                    "random tokens, so it cannot tell how many drafts the target would accept, "
+                    "and it does not assume a rate. Measure it on the workload: run its prompts "
+                    "on a real engine with the same speculative_config (Engine(model, "
+                    "speculative_config=...).generate(prompts, params)) and pass "
+                    "workbench.modelled.acceptance_of(that engine) as "
+                    "speculative_config['acceptance'] (or acceptance_of(Trace.load(path)): a "
+                    "recorded trace's steps)")
+        elif spec is not None and spec.acceptance is not None:
+            logging.getLogger("workbench").warning(
+                "speculative_config.acceptance: ignored on a real device (it measures its own; "
+                "only a modelled device reads it)")
 
     def speculative(self) -> "SpeculativeConfig | None":
         """speculative_config, checked and typed (None: off)."""
@@ -246,6 +264,14 @@ class SpeculativeConfig:
     computes. None: always draft."""
     dtype: str | None = None
     quantization: str | None = None
+    acceptance: "Acceptance | None" = None
+    """A modelled device's (device='model:<name>') drafts are accepted at this rate,
+    measured on the workload by a real run of the same proposer (not one of vLLM's fields;
+    a real device ignores it). Given as a dict, {"num_draft_tokens": N,
+    "num_accepted_tokens": A, "source": "<where it was measured>"} and, where the run
+    counted them, "num_drafts" (verifies: the drafts' mean length) and "num_asked",
+    "num_drafted" (how often the proposer found a draft), as
+    workbench.modelled.acceptance_of returns it."""
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SpeculativeConfig | None":
@@ -296,7 +322,80 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.quantization: must be one of {QUANTIZATIONS} "
                              f"or None (got {q!r})")
         return cls(method, ints["num_speculative_tokens"], lo, hi, model,
-                   ints.get("disable_by_batch_size"), d.get("dtype"), q)
+                   ints.get("disable_by_batch_size"), d.get("dtype"), q,
+                   Acceptance.from_dict(d.get("acceptance")))
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """Speculative decoding's acceptance as a real run measured it (SpeculativeConfig's
+    `acceptance`): the counts, so the rate's sample size is known, and where they came
+    from."""
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    source: str
+    """Where it was measured: the run (model, device, proposer, prompts) or the trace."""
+    num_drafts: int | None = None
+    """Drafts verified (vLLM's num_drafts): num_draft_tokens / num_drafts is their mean
+    length. None: not measured (the modelled proposer then drafts k)."""
+    num_asked: int | None = None
+    """Requests the proposer was asked to draft for, and below, how many it gave a draft
+    (SpecDecodeCounts). None: not measured (a trace's steps do not say; the modelled
+    proposer then drafts for every request it is asked about)."""
+    num_drafted: int | None = None
+
+    @property
+    def mean_draft_length(self) -> float | None:
+        return self.num_draft_tokens / self.num_drafts if self.num_drafts else None
+
+    @property
+    def draft_share(self) -> float | None:
+        """The share of requests asked that got a draft."""
+        return self.num_drafted / self.num_asked if self.num_asked else None
+
+    @property
+    def rate(self) -> float:
+        """Accepted drafts / drafted ones (vLLM's acceptance rate)."""
+        return self.num_accepted_tokens / self.num_draft_tokens
+
+    @classmethod
+    def from_dict(cls, d) -> "Acceptance | None":
+        if d is None:
+            return None
+        where = "speculative_config.acceptance"
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: must be a dict with num_draft_tokens, "
+                             f"num_accepted_tokens and source (got {d!r})")
+        n, a, src = d.get("num_draft_tokens"), d.get("num_accepted_tokens"), d.get("source")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"{where}.num_draft_tokens: must be an integer >= 1, the drafted "
+                             f"tokens the rate was measured over (got {n!r})")
+        if not isinstance(a, int) or isinstance(a, bool) or not 0 <= a <= n:
+            raise ValueError(f"{where}.num_accepted_tokens: must be an integer in [0, "
+                             f"num_draft_tokens={n}] (got {a!r})")
+        if not isinstance(src, str) or not src.strip():
+            raise ValueError(f"{where}.source: must say where the counts were measured (got "
+                             f"{src!r})")
+        opt = {}
+        for name in ("num_drafts", "num_asked", "num_drafted"):
+            v = d.get(name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"{where}.{name}: must be an integer >= 0 or absent (got {v!r})")
+            opt[name] = v
+        if opt["num_drafts"] is not None and not 1 <= opt["num_drafts"] <= n:
+            raise ValueError(f"{where}.num_drafts: must be in [1, num_draft_tokens={n}] (got "
+                             f"{opt['num_drafts']!r})")
+        if (opt["num_asked"] is None) != (opt["num_drafted"] is None):
+            raise ValueError(f"{where}.num_drafted: num_asked and num_drafted come together "
+                             f"(got {opt['num_asked']!r} and {opt['num_drafted']!r})")
+        if opt["num_asked"] is not None and not 0 < opt["num_drafted"] <= opt["num_asked"]:
+            raise ValueError(f"{where}.num_drafted: must be in [1, num_asked="
+                             f"{opt['num_asked']}] (got {opt['num_drafted']!r})")
+        extra = sorted(set(d) - {"num_draft_tokens", "num_accepted_tokens", "source", *opt})
+        if extra:
+            logging.getLogger("workbench").warning("%s: ignoring unknown field(s) %s", where,
+                                                   ", ".join(extra))
+        return cls(n, a, src, **opt)
 
 
 def validate_capture_sizes(sizes: list[int], max_num_seqs: int,

@@ -319,6 +319,11 @@ class SpecDecodeCounts:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    num_asked: int = 0
+    """Requests the proposer was asked to draft for (one per request per step; not one of
+    vLLM's counters), and below, how many of them it gave a draft: an n-gram lookup that
+    finds no earlier occurrence drafts nothing, and the request decodes plainly."""
+    num_drafted: int = 0
 
     def add(self, ev: StepEvent) -> None:
         self.num_drafts += len(ev.drafts)

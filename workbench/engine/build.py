@@ -100,6 +100,13 @@ class Device:
     def built(self, runner, info: EngineInfo, run_ahead: bool) -> None:
         """Called once the engine is assembled."""
 
+    def make_proposer(self, spec, runner, max_model_len: int):
+        """Speculative decoding's proposer for SpeculativeConfig `spec` (spec_decode/)."""
+        return make_proposer(spec, target_vocab_size=self.hf_config.vocab_size,
+                             target_tokenizer=self.tokenizer, device=self.platform.device,
+                             max_model_len=max_model_len,
+                             max_num_seqs=self.config.max_num_seqs)
+
 
 class RealDevice(Device):
     """A device torch computes on: its platform, attention backend and packed-weight choice;
@@ -161,9 +168,7 @@ def build_engine(dev: Device) -> BuiltEngine:
                  else dev.runs_async) and runner.graphs is not None
     spec, proposer = config.speculative(), None
     if spec is not None:
-        proposer = make_proposer(spec, target_vocab_size=hf_config.vocab_size,
-                                 target_tokenizer=dev.tokenizer, device=dev.platform.device,
-                                 max_model_len=max_model_len, max_num_seqs=config.max_num_seqs)
+        proposer = dev.make_proposer(spec, runner, max_model_len)
         if run_ahead:
             run_ahead = False
             text = ("speculative decoding: async scheduling is off for this engine (a verify "

@@ -38,8 +38,11 @@ MAX_PAUSE = 32
 
 class SpecDecoding:
     def __init__(self, proposer, num_speculative_tokens: int, scheduler: Scheduler,
-                 disable_by_batch_size: int | None = None):
+                 disable_by_batch_size: int | None = None, counts=None):
         self.proposer = proposer
+        self.counts = counts
+        """telemetry.spec_decode (SpecDecodeCounts): propose counts requests asked and
+        drafted for there."""
         self.k = num_speculative_tokens
         self.disable_by_batch_size = disable_by_batch_size
         """No drafts while this many requests or more run (SpeculativeConfig's)."""
@@ -78,6 +81,9 @@ class SpecDecoding:
         drafts = self.proposer.propose([(s.request_id, s.token_ids) for s, _ in want])
         for (seq, room), d in zip(want, drafts):
             seq.spec_token_ids = list(d[:room])
+        if self.counts is not None:
+            self.counts.num_asked += len(want)
+            self.counts.num_drafted += sum(1 for s, _ in want if s.spec_token_ids)
 
     def free(self, seq_ids) -> None:
         """The proposer forgets requests that ended or were preempted."""
@@ -133,13 +139,19 @@ class SpecDecoding:
             r = reqs[e]
             tokens[e], lp_rows[e] = t, len(plain) + a
             verified[r.seq_id], acc[r.seq_id] = list(d), n
-            miss = self._misses[r.seq_id] = 0 if n else self._misses.get(r.seq_id, 0) + 1
-            if miss:
-                self._pause[r.seq_id] = min(2 ** miss, MAX_PAUSE)
-            r.first.metrics.num_draft_tokens += len(d)
-            r.first.metrics.num_accepted_tokens += n
+            self.verified(r, d, n)
         lp = _cat(plp, len(plain), vlp, len(srows))
         return tokens, lp, lp_rows, verified, acc
+
+    def verified(self, r: Request, drafts: list[int], n: int) -> None:
+        """Request r's verify accepted the first n of `drafts`: its misses in a row (and the
+        pause after a miss) and its metrics (what every device's pipeline calls once per
+        verified request: verify here, a modelled device's pipeline with its drawn counts)."""
+        miss = self._misses[r.seq_id] = 0 if n else self._misses.get(r.seq_id, 0) + 1
+        if miss:
+            self._pause[r.seq_id] = min(2 ** miss, MAX_PAUSE)
+        r.first.metrics.num_draft_tokens += len(drafts)
+        r.first.metrics.num_accepted_tokens += n
 
 
 def _cat(a: LogprobsTensors | None, na: int, b: LogprobsTensors | None, nb: int

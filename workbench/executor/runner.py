@@ -109,6 +109,10 @@ class ModelRunnerOutput:
     num_rows: list[int] | None = None
     """Speculative decoding: the logits rows of each of req_ids (a verify has one per
     position: 1 + its drafts), in order; None: one each."""
+    num_accepted: list[int] | None = None
+    """Speculative decoding on a modelled device: how many drafts of each of req_ids it
+    drew as accepted (0 for a row that verified none); None on a real one (the pipeline's
+    rejection sampler decides)."""
 
 
 class ModelRunner:

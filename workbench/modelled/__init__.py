@@ -11,11 +11,14 @@ pass (Vidur's idea, MLSys 2024, at the granularity of a step).
                  recorded aggregate figures through the step sequences they imply (the H200)
     runner.py    the model runner that replaces the forward pass: it times the step and picks
                  random tokens
+    speculative.py  speculative decoding there: drafts accepted at a rate a real run measured
+                 on the workload (acceptance_of: from a real engine or a trace)
     accuracy.json  the measured error of each calibrated profile (benchmarks/modelled_accuracy.py)
 """
 from .cost import StepTime, step_time
 from .profiles import DeviceProfile, get_profile, profile_names
 from .runner import ModelledRunner
+from .speculative import acceptance_of
 
-__all__ = ["DeviceProfile", "ModelledRunner", "StepTime", "get_profile", "profile_names",
-           "step_time"]
+__all__ = ["DeviceProfile", "ModelledRunner", "StepTime", "acceptance_of", "get_profile",
+           "profile_names", "step_time"]

@@ -40,7 +40,9 @@ compute.
 launches: eager, `launch_eager_per_layer` per decoder layer; a replayed whole-step graph,
 `launch_graph`; a piecewise replay, one graph launch plus attention's eager launches (a
 fifth of a layer's, a guess: attention is one of about five launches of a layer); a step
-that runs a prompt adds `launch_prefill_per_layer` per layer (its attention's path).
+that runs a prompt adds `launch_prefill_per_layer` per layer (its attention's path), as
+does a verify (speculative decoding: the real runner feeds its 1 + drafts positions as a
+chunk on cached context, through the same attention path, never a captured decode graph).
 
 A step takes device + host, except a replayed decode graph with async scheduling on: the
 host prepares the next step while the device runs this one, so it takes the longer of the
@@ -90,7 +92,8 @@ class StepFeatures:
     max_context: int
     """The longest context (cached + new tokens) among the step's requests."""
     prefill: bool
-    """Whether a prompt (or a chunk of one) runs in the step."""
+    """Whether a prompt (or a chunk of one) or a verify runs in the step (the prefill
+    path's attention)."""
 
     @property
     def linear(self) -> float:
@@ -104,14 +107,17 @@ class StepFeatures:
 
 
 def step_features(tokens_per_request: dict[str, int], context_lens: dict[str, int],
-                  kinds: dict[str, str], info, peak_flops: float, bandwidth: float
-                  ) -> StepFeatures:
-    """What one step's time depends on, on these roofs."""
+                  kinds: dict[str, str], info, peak_flops: float, bandwidth: float,
+                  drafts: dict[str, list[int]] | None = None) -> StepFeatures:
+    """What one step's time depends on, on these roofs. drafts: a verify's (speculative
+    decoding): each of its 1 + drafts positions is sampled (the LM head's rows), and it
+    runs the prefill path's attention, as a chunk on cached context does."""
+    drafts = drafts or {}
     ev = SimpleNamespace(tokens_per_request=tokens_per_request, context_lens=context_lens,
-                         kinds=kinds, drafts={})       # a modelled device never drafts
+                         kinds=kinds, drafts=drafts)
     c = step_cost(ev, info)
     tokens = sum(tokens_per_request.values())
-    sampled = sum(1 for k in kinds.values() if k != "chunk")
+    sampled = sum(1 + len(drafts.get(r, ())) for r, k in kinds.items() if k != "chunk")
     mm_flops = 2 * tokens * info.num_layer_params + 2 * sampled * info.hidden_size * info.vocab_size
     longest = max((context_lens.get(r, 0) + q for r, q in tokens_per_request.items()), default=0)
     prefill = any(k != "decode" for k in kinds.values())
@@ -154,9 +160,10 @@ def combine(k: Coefficients, f: StepFeatures, graph_kind: str | None, num_layers
 
 def step_time(profile: DeviceProfile, info, tokens_per_request: dict[str, int],
               context_lens: dict[str, int], kinds: dict[str, str], graph_kind: str | None,
-              async_scheduling: bool) -> StepTime:
-    """One step's modelled time on `profile` for the engine `info` describes."""
+              async_scheduling: bool, drafts: dict[str, list[int]] | None = None) -> StepTime:
+    """One step's modelled time on `profile` for the engine `info` describes (drafts: each
+    verify's drafted tokens, speculative decoding)."""
     f = step_features(tokens_per_request, context_lens, kinds, info, profile.peak_flops,
-                      profile.bandwidth)
+                      profile.bandwidth, drafts)
     return combine(profile.coefficients, f, graph_kind, info.num_layers, async_scheduling,
                    profile.runs_async)
