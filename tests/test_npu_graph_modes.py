@@ -87,8 +87,9 @@ def test_npu_decode_graphs_capture_at_the_maximum_and_requery_the_workspace(
     assert [o.token_ids for o in e.generate(prompts, params)] == want
     g = graphs[4]
     used = fake_torch_npu._strong(g.tasks[0].handle.kwargs)   # held weakly by the task
-    assert used["workspace"].data_ptr() == g.step_workspace.data_ptr() != g.workspace.data_ptr()
-    assert g.step_workspace.numel() == fake_torch_npu.pa_workspace_bytes(used["context_lens"])
+    step = g.tasks[0].workspace
+    assert used["workspace"].data_ptr() == step.data_ptr() != g.workspace.data_ptr()
+    assert step.numel() == fake_torch_npu.pa_workspace_bytes(used["context_lens"])
 
 
 def test_npu_default_counts_as_capturing_under_launch_blocking(qwen3_d128, monkeypatch):
@@ -147,3 +148,40 @@ def test_doctor_explains_a_capture_the_driver_refuses(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "  graph          FAILED" in out and "error 207008" in out and "HDK" in out
     assert "  prefill        ran" in out
+
+
+def test_the_fake_runs_a_replay_late(monkeypatch):
+    """A replay is queued, not run: it reads its inputs when the device would have run it
+    (fake_torch_npu.NpuRuntime.run_queued). A same-stream op, a stream that waited, an event
+    and a host read order it; a write from another stream that did not wait lands first."""
+    fake = fake_torch_npu.install(monkeypatch)
+    rt, side = fake.npu, torch.npu.Stream()
+    x, y = torch.ones(4), torch.zeros(4)
+    g = torch.npu.NPUGraph()
+    with torch.npu.graph(g):
+        y.copy_(x * 2)
+    g.replay()
+    assert rt.pending == [g]                 # queued: nothing read yet
+    with torch.npu.stream(side):             # not ordered after the replay
+        x.fill_(5)
+    assert y.tolist() == [10.0] * 4          # the host read runs it: it reads x as it is now
+    g.replay()
+    side.wait_stream(torch.npu.current_stream())
+    with torch.npu.stream(side):             # ordered: the replay ran first
+        x.fill_(7)
+    assert y.tolist() == [10.0] * 4
+    g.replay()
+    x.fill_(1)                               # a same-stream op runs after it
+    assert y.tolist() == [14.0] * 4
+    g.replay()
+    event = torch.npu.Event()
+    event.record()
+    assert not event.query() and rt.pending
+    event.synchronize()
+    assert not rt.pending and y.tolist() == [2.0] * 4
+    g.replay()
+    assert y.sum().item() == 8.0             # .item() is a host read too
+    g.replay()
+    del x                                    # freed before the replay ran
+    with pytest.raises(RuntimeError, match="use after free"):
+        torch.npu.synchronize()
