@@ -23,13 +23,31 @@ and later, each with its CANN and the op-plugin commit read) and models:
 - graphs as traces: inside `torch.npu.graph(...)` every aten op and every fake op is
   recorded with the tensors it used (a TorchDispatchMode); replay re-executes the trace on
   those same tensors, so host values read at capture stay baked in, as on hardware;
+- replays run late, as the device runs them: `replay()` only queues the graph on the current
+  stream, and it reads and writes its tensors when something orders it after the call:
+  `synchronize()` (device or stream); an Event recorded after it, at its `synchronize()` or
+  `wait()`; another stream's `wait_stream` on its stream; any op issued later on the same
+  stream, as far as the fake can see one: a fake torch_npu op, the next replay, a
+  non-blocking copy, or an aten op with a tensor argument that is not a view (issued on
+  install()'s thread, where a TorchDispatchMode sees them; a replay from another thread is
+  refused); and a host read of a tensor that is not pinned (`.tolist()`, `.cpu()`,
+  `.item()`). Nothing else runs it: an op issued on another stream that did not wait runs
+  at once, before the queued replay (so a write from there into a graph's static input is
+  read by that replay, and a read from there sees the outputs before it), and a tensor the
+  graph reads that is freed before the replay ran is a use after free (below). Only
+  replays are queued: other work on a side stream runs at the call, so the opposite
+  mistake (a stream not waiting for a side stream's work) goes unseen. The fake
+  cannot tell host tensors from device ones (all are CPU tensors) nor which tensors an op
+  touches, so it orders every such op after the queue, a host-side op on unpinned memory
+  included, where hardware would not wait: a mistake only that would show goes unseen;
 - task groups: an op between graph_task_group_begin/end is a task whose arguments
   graph_task_update_begin/end can replace; an ExternalEvent waited on in the capture stops
   a replay there until the event is recorded, so a replay whose tasks are never updated
-  hangs (synchronize raises);
+  hangs (synchronize raises, and so does an op ordered behind it);
 - the ordering rules vLLM-Ascend keeps: a task update needs its graph to be waiting in a
-  replay, and no earlier replay left unsynchronized (else it could land in that one), on a
-  stream that is not the capture stream;
+  replay, and no earlier replay left unsynchronized (else it could land in that one: one
+  that ran to its end and was not synchronized since, or a queued one whose task was
+  released already, its event recorded), on a stream that is not the capture stream;
 - the paged-attention workspace: its size depends on the lengths (short ones can need more
   than one), the op checks it at every execution, and inside a graph or an update a call
   without one is refused (it would allocate outside the graph's pool);
@@ -55,7 +73,8 @@ and later, each with its CANN and the op-plugin commit read) and models:
   the host synchronizes or at the next torch_npu op or replay: a temporary overwritten
   meanwhile is read as it is then, one freed meanwhile as garbage, as the copy engine would
   on hardware (torch_npu queues the raw pageable pointer). A copy from pinned memory reads
-  it at the call. `torch.npu.Event` waits for the copies too.
+  it at the call. Either is issued behind the replays queued on its stream (they run
+  first). `torch.npu.Event` waits for the copies too.
 """
 from __future__ import annotations
 
@@ -63,6 +82,7 @@ import gc
 import importlib.machinery
 import math
 import sys
+import threading
 import types
 import weakref
 from collections import Counter
@@ -225,10 +245,15 @@ class FakeStream:
         self.rt, self.name = rt, name
 
     def wait_stream(self, other):
-        pass
+        """Work issued on this stream from now on runs after everything queued on `other`:
+        the fake runs that now."""
+        self.rt.run_queued(other)
 
     def synchronize(self):
         self.rt.synchronize()
+
+    def __repr__(self):
+        return f"<fake NPU stream {self.name}>"
 
 
 class ExternalEvent:
@@ -246,14 +271,14 @@ class ExternalEvent:
             self.signaled = False
 
     def record(self, stream):
+        """Lets a queued replay waiting on this event go on when it runs (not now)."""
         self.signaled = True
-        self.rt.advance()
 
 
 class Entry:
     """One recorded op of a graph: an aten op or a fake torch_npu op."""
     __slots__ = ("kind", "fn", "args", "kwargs", "out", "name", "task", "record", "graph",
-                 "fresh")
+                 "fresh", "event")
 
     def __init__(self, kind, fn, args, kwargs, out=None, name=None):
         self.kind, self.fn, self.args, self.kwargs, self.name = kind, fn, args, kwargs, name
@@ -261,6 +286,7 @@ class Entry:
         self.task = False       # captured between graph_task_group_begin and _end
         self.record = False     # recorded by auto_dispatch_capture (NPUGraph.update reaches it)
         self.graph = None
+        self.event = None       # a task's: the ExternalEvent waited on before it
 
     def set_out(self, out):
         """Which outputs a replay refreshes: those in memory of their own. An output that
@@ -305,9 +331,9 @@ class _Weak:
         base = self.ref()
         if base is None:
             raise RuntimeError(f"fake NPU: use after free: a replay reads a tensor the graph "
-                               f"used at capture ({self.what}: {tuple(self.shape)}) that has "
-                               "been freed since (on hardware its memory is reused: keep it "
-                               "alive as long as the graph)")
+                               f"was handed at capture or by a task update ({self.what}: "
+                               f"{tuple(self.shape)}) that has been freed since (on hardware "
+                               "its memory is reused: keep it alive while a replay can read it)")
         return base.as_strided(self.shape, self.stride, self.offset)
 
 
@@ -325,15 +351,48 @@ class NPUGraph:
         self.cursor = 0
         self.group_open = False
         self.replays = 0
+        self.stream = None
+        """The stream its queued replay was issued on."""
 
     def replay(self):
+        """Queue a run of the graph on the current stream; it runs later (NpuRuntime.
+        run_queued says when)."""
+        rt = self.rt
+        if rt.thread != threading.get_ident():
+            raise RuntimeError("fake NPU: a replay from another thread than install()'s: the "
+                               "fake orders same-stream ops on that thread only")
+        rt.host_copies.flush()
+        rt.run_queued(rt.current)          # an earlier replay of this stream runs first
         if self.pending:
             raise RuntimeError("fake NPUGraph: replayed while its previous replay still waits "
                                "on an ExternalEvent (its tasks were never updated)")
         self.replays += 1
-        self.cursor, self.pending = 0, True
-        self.rt.pending.append(self)
-        self.rt.advance()
+        self.cursor, self.pending, self.stream = 0, True, rt.current
+        rt.pending.append(self)
+
+    def run(self) -> bool:
+        """Run the queued replay on as far as its ExternalEvents let it: whether it ended."""
+        rt = self.rt
+        while self.cursor < len(self.entries):
+            e = self.entries[self.cursor]
+            if isinstance(e, tuple):
+                kind, event = e
+                if kind == "wait" and not event.signaled:
+                    return False
+                if kind == "reset":
+                    event.signaled = False
+            else:
+                with torch.inference_mode():
+                    if e.kind == "npu":
+                        with rt.op_scope():
+                            e.run()
+                    else:
+                        e.run()
+            self.cursor += 1
+        self.pending = False
+        rt.pending.remove(self)
+        rt.unsynced = True
+        return True
 
     def update(self, cpu_update_input):
         if not self.auto_dispatch_capture:
@@ -369,6 +428,45 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+class _StreamOrder(TorchDispatchMode):
+    """On install()'s thread, for the whole test: an aten op that reads or writes memory (any
+    op with a tensor argument but views, which only make a new view of it), issued on a
+    stream with replays queued, runs them first: on hardware it would run after them. An op
+    issued on another stream does not (NpuRuntime.run_queued)."""
+
+    def __init__(self, rt):
+        super().__init__()
+        self.rt = rt
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        rt = self.rt
+        if rt.pending and not rt.running and not func.is_view and rt.capturing is None \
+                and any(isinstance(t, torch.Tensor) for t in tree_flatten((args, kwargs))[0]):
+            rt.run_queued(rt.current, op=f"aten.{func.__name__}")
+        return func(*args, **kwargs)
+
+
+class _OnStack:
+    """Setting `mode` pushes it on this thread's dispatch stack, setting it back to None pops
+    it: so monkeypatch.setattr(holder, "mode", m) keeps it there for one test."""
+
+    def __init__(self):
+        self._mode = None
+
+    @property
+    def mode(self):
+        return self._mode
+
+    @mode.setter
+    def mode(self, m):
+        if m is None and self._mode is not None:
+            self._mode.__exit__(None, None, None)
+        elif m is not None:
+            m.__enter__()
+        self._mode = m
+
+
 def _blocking_h2d(rt, func, args, kwargs) -> bool:
     """Whether this op, run while capturing, is a blocking copy of host data to the device.
     Here the device is the CPU, so host data is recognised by where it came from: a tensor
@@ -398,6 +496,11 @@ class NpuRuntime(types.SimpleNamespace):
         self.update_issued = False
         self.in_op = False
         self.pending: list[NPUGraph] = []
+        """Replays issued and not yet run to their end, in issue order (run_queued)."""
+        self.running = False
+        """run_queued is running replays (their ops are the device's, not issued ones)."""
+        self.thread = threading.get_ident()
+        """install()'s thread, the one whose ops _StreamOrder sees."""
         self.unsynced = False
         """A replay has run to its end and the host has not synchronized since."""
         self.capture_kwargs: list[dict] = []
@@ -412,6 +515,7 @@ class NpuRuntime(types.SimpleNamespace):
         self.host_made: set[int] = set()
         """Storages of tensors made from host values during the current capture."""
         self.host_copies = HostCopies()
+        self.host_copies.issue = lambda: self.run_queued(self.current, op="a non-blocking copy")
 
     # device, memory, streams
     def is_available(self):
@@ -428,11 +532,36 @@ class NpuRuntime(types.SimpleNamespace):
 
     def synchronize(self, device=None):
         self.host_copies.flush()
+        self.run_queued()
         if self.pending:
             raise RuntimeError("fake NPU hangs: a replayed graph waits on an ExternalEvent that "
                                "is never recorded (a task group was not updated)")
         self.unsynced = False
         self.syncs += 1
+
+    def run_queued(self, stream=None, op=None, only=None) -> None:
+        """Run the replays queued on `stream` (on every stream: None) in the order they were
+        issued, each as far as its ExternalEvents let it; a replay that stops at one holds
+        back the later ones of its stream. `op`: what is issued behind them on that stream,
+        which must then run after them: if one cannot end, it never would (a hang).
+        `only`: just these replays (and those before them), those an event was recorded
+        after."""
+        if self.running or not self.pending:
+            return
+        self.running, blocked = True, set()
+        try:
+            for g in list(self.pending):
+                if only is not None and g not in only:
+                    continue
+                if (stream is None or g.stream is stream) and g.stream not in blocked \
+                        and not g.run():
+                    blocked.add(g.stream)
+        finally:
+            self.running = False
+        if blocked and op is not None:
+            raise RuntimeError(f"fake NPU hangs: {op} is issued on {stream} behind a replay "
+                               "that waits on an ExternalEvent nobody records (a task group "
+                               "not updated)")
 
     def mem_get_info(self, device=None):
         return 64 * 2**30, 64 * 2**30
@@ -509,6 +638,8 @@ class NpuRuntime(types.SimpleNamespace):
         g.group_open = False
         handle = g.entries[-1]
         assert handle.kind == "npu" and handle.task, "an empty task group"
+        waits = [e[1] for e in g.entries if isinstance(e, tuple) and e[0] == "wait"]
+        handle.event = waits[-1] if waits else None
         return handle
 
     def graph_task_update_begin(self, stream, handle):
@@ -523,6 +654,10 @@ class NpuRuntime(types.SimpleNamespace):
         if not g.pending:
             raise RuntimeError("fake NPU: task update for a graph that is not waiting in a "
                                "replay (replay first, then update)")
+        if handle.event is not None and handle.event.signaled:
+            raise RuntimeError("fake NPU: task update while an earlier replay was never "
+                               "synchronized: the queued replay's task was released already "
+                               "(its ExternalEvent recorded), so this update could land in it")
         self.updating, self.update_issued = handle, False
 
     def graph_task_update_end(self, stream):
@@ -532,31 +667,6 @@ class NpuRuntime(types.SimpleNamespace):
 
     def Event(self, enable_timing=False):
         return CopyEvent(self)
-
-    def advance(self):
-        """Run pending replays as far as their events allow."""
-        self.host_copies.flush()
-        for g in list(self.pending):
-            while g.cursor < len(g.entries):
-                e = g.entries[g.cursor]
-                if isinstance(e, tuple):
-                    kind, event = e
-                    if kind == "wait" and not event.signaled:
-                        break
-                    if kind == "reset":
-                        event.signaled = False
-                else:
-                    with torch.inference_mode():
-                        if e.kind == "npu":
-                            with self.op_scope():
-                                e.run()
-                        else:
-                            e.run()
-                g.cursor += 1
-            if g.cursor == len(g.entries):
-                g.pending = False
-                self.pending.remove(g)
-                self.unsynced = True
 
     @contextmanager
     def op_scope(self):
@@ -583,6 +693,8 @@ class HostCopies:
         self._pinned: set[int] = set()
         self.counts = Counter()
         """Non-blocking copies seen, by source: 'pinned', 'unpinned'."""
+        self.issue = lambda: None
+        """Called as a queued copy is issued (the runtime runs the stream's replays first)."""
 
     def pin(self, t: torch.Tensor) -> torch.Tensor:
         p = t.clone()
@@ -600,6 +712,7 @@ class HostCopies:
             copy_now(dst, src)
         else:
             self.counts["unpinned"] += 1
+            self.issue()         # on its stream, behind the replays queued there
             # Freed means its memory is: a view (a slice of a live buffer) may die first.
             base = src if src._base is None else src._base
             self.queued.append((dst, weakref.ref(base), src.shape, src.stride(),
@@ -619,24 +732,32 @@ _ORIGINAL = {"copy_": torch.Tensor.copy_, "to": torch.Tensor.to}
 
 
 class CopyEvent:
-    """torch.npu.Event: synchronize() waits for the copies queued before it."""
+    """torch.npu.Event: synchronize() waits for the copies queued before it, and for the
+    replays queued on its stream before it was recorded (running them); wait(stream)
+    orders that stream's later work after them the same way."""
 
     def __init__(self, rt):
-        self.rt = rt
+        self.rt, self.stream, self.before = rt, None, []
 
     def record(self, stream=None):
-        pass
+        self.stream = stream or self.rt.current
+        self.before = [g for g in self.rt.pending if g.stream is self.stream]
 
     def query(self):
-        return not self.rt.host_copies.queued
+        return not self.rt.host_copies.queued and not any(g.pending for g in self.before)
 
     def synchronize(self):
         self.rt.host_copies.flush()
+        self.rt.run_queued(self.stream, only=self.before)
+
+    def wait(self, stream=None):
+        self.synchronize()
 
 
-def _patch_copies(monkeypatch, copies: HostCopies) -> None:
+def _patch_copies(monkeypatch, rt) -> None:
     """Tensor.pin_memory/is_pinned, and copy_ and to with non_blocking=True, through
-    `copies` (other calls go straight to torch)."""
+    rt.host_copies (other calls go straight to torch); tolist and cpu as host reads."""
+    copies = rt.host_copies
     copy_, to = _ORIGINAL["copy_"], _ORIGINAL["to"]
 
     def patched_copy(self, src, non_blocking=False):
@@ -657,6 +778,19 @@ def _patch_copies(monkeypatch, copies: HostCopies) -> None:
         copies.copy(out, self, copy_)
         return out
 
+    def host_read(name):
+        """A host read of a device tensor (.tolist(), .cpu()) waits for the queued work of
+        the current stream (a pinned tensor is host memory already: no wait)."""
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            if not copies.is_pinned(self):
+                rt.run_queued(rt.current, op=f"Tensor.{name}")
+            return original(self, *args, **kwargs)
+        return read
+
+    for name in ("tolist", "cpu"):
+        monkeypatch.setattr(torch.Tensor, name, host_read(name))
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, device=None: copies.pin(self))
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, device=None: copies.is_pinned(self))
     monkeypatch.setattr(torch.Tensor, "copy_", patched_copy)
@@ -700,6 +834,8 @@ class FakeTorchNpu(types.ModuleType):
         rt.host_copies.flush()               # an op reads what was copied for it
         if rt.updating is not None:
             return self._update(name, args, kwargs)
+        if rt.capturing is None and not rt.in_op:
+            rt.run_queued(rt.current, op=name)   # it runs after the replays of its stream
         if rt.capturing is not None and not rt.in_op:
             g = rt.capturing
             if "context_lens" in kwargs:                  # a host tensor: baked in
@@ -1043,7 +1179,8 @@ def install(monkeypatch, version="2.8.0", soc=223, cann=None, fp32=False) -> Fak
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
     monkeypatch.setattr(torch, "npu", fake.npu, raising=False)
     monkeypatch.setattr(NpuPlatform, "device", property(lambda self: torch.device("cpu")))
-    _patch_copies(monkeypatch, fake.npu.host_copies)
+    _patch_copies(monkeypatch, fake.npu)
+    monkeypatch.setattr(_OnStack(), "mode", _StreamOrder(fake.npu))
     if fp32:
         monkeypatch.setattr(NpuPlatform, "default_dtype", torch.float32)
         from workbench.platforms import npu_releases

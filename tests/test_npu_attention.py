@@ -145,7 +145,7 @@ def test_npu_graph_update_order_does_not_rest_on_the_sampler(qwen3_d128, monkeyp
     with pytest.raises(RuntimeError, match="never synchronized"):
         g.update(platform.torch_npu, stream, lens)
     del g.graph.replay
-    torch.npu.unsynced = False
+    npu.core.platform.synchronize()                   # the queued replay runs to its end
     with pytest.raises(RuntimeError, match="not waiting in a replay"):
         g.update(platform.torch_npu, stream, lens)    # an update with no replay waiting
     g.graph.replay()                                  # a replay nobody updates

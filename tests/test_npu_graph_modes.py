@@ -16,9 +16,12 @@ import torch
 import fake_torch_npu
 from conftest import random_prompts
 from workbench import Engine, SamplingParams
-from workbench.platforms.npu_attention import SEQ_LEN_WITH_MAX_PA_WORKSPACE
+from workbench.executor.graph_runner import DecodeGraphs
+from workbench.platforms.npu_attention import (SEQ_LEN_WITH_MAX_PA_WORKSPACE,
+                                                  PagedAttentionTask)
 
 KW = dict(num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=160)
+DECODE_RUN = DecodeGraphs.run
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +90,9 @@ def test_npu_decode_graphs_capture_at_the_maximum_and_requery_the_workspace(
     assert [o.token_ids for o in e.generate(prompts, params)] == want
     g = graphs[4]
     used = fake_torch_npu._strong(g.tasks[0].handle.kwargs)   # held weakly by the task
-    assert used["workspace"].data_ptr() == g.step_workspace.data_ptr() != g.workspace.data_ptr()
-    assert g.step_workspace.numel() == fake_torch_npu.pa_workspace_bytes(used["context_lens"])
+    step = g.tasks[0].workspace
+    assert used["workspace"].data_ptr() == step.data_ptr() != g.workspace.data_ptr()
+    assert step.numel() == fake_torch_npu.pa_workspace_bytes(used["context_lens"])
 
 
 def test_npu_default_counts_as_capturing_under_launch_blocking(qwen3_d128, monkeypatch):
@@ -147,3 +151,102 @@ def test_doctor_explains_a_capture_the_driver_refuses(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "  graph          FAILED" in out and "error 207008" in out and "HDK" in out
     assert "  prefill        ran" in out
+
+
+def test_the_fake_runs_a_replay_late(monkeypatch):
+    """A replay is queued, not run: it reads its inputs when the device would have run it
+    (fake_torch_npu.NpuRuntime.run_queued). A same-stream op, a stream that waited, an event
+    and a host read order it; a write from another stream that did not wait lands first."""
+    fake = fake_torch_npu.install(monkeypatch)
+    rt, side = fake.npu, torch.npu.Stream()
+    x, y = torch.ones(4), torch.zeros(4)
+    g = torch.npu.NPUGraph()
+    with torch.npu.graph(g):
+        y.copy_(x * 2)
+    g.replay()
+    assert rt.pending == [g]                 # queued: nothing read yet
+    with torch.npu.stream(side):             # not ordered after the replay
+        x.fill_(5)
+    assert y.tolist() == [10.0] * 4          # the host read runs it: it reads x as it is now
+    g.replay()
+    side.wait_stream(torch.npu.current_stream())
+    with torch.npu.stream(side):             # ordered: the replay ran first
+        x.fill_(7)
+    assert y.tolist() == [10.0] * 4
+    g.replay()
+    x.fill_(1)                               # a same-stream op runs after it
+    assert y.tolist() == [14.0] * 4
+    g.replay()
+    event = torch.npu.Event()
+    event.record()
+    assert not event.query() and rt.pending
+    event.synchronize()
+    assert not rt.pending and y.tolist() == [2.0] * 4
+    g.replay()
+    assert y.sum().item() == 8.0             # .item() is a host read too
+    g.replay()
+    del x                                    # freed before the replay ran
+    with pytest.raises(RuntimeError, match="use after free"):
+        torch.npu.synchronize()
+
+
+def _misordered(monkeypatch, wait: bool):
+    """A runner variant that overlaps the next step's input copy with the step it just
+    replayed: after DecodeGraphs.run queues the replay, it writes the next step's positions
+    (each request's next token is one further on) into the static buffer on an input stream,
+    which waits for the compute stream only when `wait`."""
+    state = {}
+
+    def run(self, step, b, input_ids=None):
+        logits, size = DECODE_RUN(self, step, b, input_ids)
+        stream = state.setdefault("stream", torch.npu.Stream())
+        if wait:
+            stream.wait_stream(torch.npu.current_stream())
+        with torch.npu.stream(stream):
+            self.positions[:size].add_(1)
+        return logits, size
+    monkeypatch.setattr(DecodeGraphs, "run", run)
+
+
+@pytest.fixture(scope="module")
+def short(qwen3_d128):
+    prompts = random_prompts(3, 5, 40, 1000, seed=5)
+    params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)] * 3
+    ref = Engine(model=str(qwen3_d128), **KW, device="cpu", attention_backend="reference",
+                 block_size=128)
+    return prompts, params, [o.token_ids for o in ref.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("release", ["2.7.1", "2.8.0"])
+def test_decode_graphs_are_ordered_as_the_device_needs(qwen3_d128, short, monkeypatch,
+                                                        release):
+    """The engine's decode graphs under the late replay give the reference tokens on the
+    releases that capture them (2.5.1 and 2.6.0 have no task API: every step runs eager). A
+    runner that writes the next step's inputs into the static buffers from another stream
+    before the replay ran gets other tokens, as it would on hardware; the same writes
+    ordered after the replay (wait_stream) do not."""
+    prompts, params, want = short
+    fake = fake_torch_npu.install(monkeypatch, version=release, fp32=True)
+    e = Engine(model=str(qwen3_d128), device="npu", **KW, graph_mode="decode",
+               cudagraph_capture_sizes=[1, 2, 4])
+
+    def tokens():
+        got = [o.token_ids for o in e.generate(prompts, params)]
+        assert fake.npu.syncs and not fake.npu.pending
+        return got
+
+    assert tokens() == want
+    assert any(s.graph_kind == "FULL" for s in e.telemetry.snapshot()[0])
+    _misordered(monkeypatch, wait=False)
+    assert tokens() != want
+    _misordered(monkeypatch, wait=True)
+    assert tokens() == want
+    # The replay reads the workspace its update was handed after update() has returned:
+    # each task holds it (PagedAttentionTask.workspace). Not held, the late replay reads
+    # freed memory.
+    monkeypatch.setattr(PagedAttentionTask, "workspace",
+                        property(lambda self: None, lambda self, value: None))
+    platform = e.core.platform
+    platform.replay_graph(e.core.runner.graphs.graphs[2], torch.tensor([3, 5], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="use after free: .*_npu_paged_attention workspace"):
+        platform.synchronize()

@@ -164,7 +164,9 @@ def test_fused_mask_is_vllm_ascends_int8_made_on_the_host(qwen3_d128, monkeypatc
 def test_a_failed_task_update_fails_its_step_not_the_engine(qwen3_d128, monkeypatch):
     """An exception between replay and the task update: the step raises, every captured
     attention's event is recorded (no replay left waiting: the fake's synchronize would say
-    it hangs), and the next steps replay the same graph correctly."""
+    it hangs), and the next steps replay the same graph correctly. The failure comes at a
+    later replay than the first, so the tasks it did not reach still name the workspace the
+    step before handed them, which must outlive the new query (else: use after free)."""
     fake = fake_torch_npu.install(monkeypatch, version="2.8.0", fp32=True)
     ref = Engine(model=str(qwen3_d128), **KW, device="cpu", attention_backend="reference",
                  block_size=128)
@@ -178,10 +180,11 @@ def test_a_failed_task_update_fails_its_step_not_the_engine(qwen3_d128, monkeypa
 
     def flaky(stream, handle):
         calls.append(1)
-        if len(calls) == 2:           # the second layer's update of the first replay
+        if len(calls) == len(g.tasks) + 2:    # the second layer's update of the second replay
             raise RuntimeError("aclmdlRIUpdateTask failed")
         return real(stream, handle)
     monkeypatch.setattr(fake.npu, "graph_task_update_begin", flaky)
+    platform.replay_graph(g, torch.tensor([3, 4], dtype=torch.int32))
     with pytest.raises(RuntimeError) as failed:
         platform.replay_graph(g, torch.tensor([5, 7], dtype=torch.int32))
     platform.synchronize()                       # nothing waits (else: "fake NPU hangs")

@@ -65,6 +65,11 @@ class PagedAttentionTask:
     args: dict
     """The op's arguments but context_lens and workspace: the captured tensors, reused as
     they are by every update (a graph's addresses are fixed)."""
+    workspace: torch.Tensor | None = None
+    """The workspace the task was last handed (at capture, then by each update that reached
+    it), held while the task can run with it: a replay runs after update() has returned,
+    and after a failed update the tasks it did not reach run with the one an earlier step
+    gave them, which nothing else holds by then."""
 
 
 def capture_lens(context_lens: torch.Tensor, table_width: int, block_size: int) -> torch.Tensor:
@@ -100,9 +105,6 @@ class DecodeGraphTasks:
         self.workspace: torch.Tensor | None = None
         """The capture-time workspace (for the longest lengths): what an update falls back
         to where this torch_npu cannot size one for the step."""
-        self.step_workspace: torch.Tensor | None = None
-        """The last update's workspace, held until the next update: the replayed kernels
-        read it after update() has returned."""
         self.recorded = 0
         """How many tasks' events this replay's update has recorded."""
         self.updating = False
@@ -120,7 +122,8 @@ class DecodeGraphTasks:
         event.reset(stream)
         npu.graph_task_group_begin(stream)
         ops._npu_paged_attention(**args, context_lens=longest, workspace=self.workspace)
-        self.tasks.append(PagedAttentionTask(event, npu.graph_task_group_end(stream), args))
+        self.tasks.append(PagedAttentionTask(event, npu.graph_task_group_end(stream), args,
+                                             self.workspace))
 
     def update(self, ops, stream, context_lens: torch.Tensor) -> None:
         """Hand every task this step's host-side lengths (int32, one per graph row) and a
@@ -136,12 +139,12 @@ class DecodeGraphTasks:
             workspace = self.workspace
             if query is not None:
                 workspace = query(**self.tasks[0].args, context_lens=context_lens)
-            self.step_workspace = workspace
             for task in self.tasks:
                 npu.graph_task_update_begin(stream, task.handle)
                 self.updating = True
                 ops._npu_paged_attention(**task.args, context_lens=context_lens,
                                          workspace=workspace)
+                task.workspace = workspace
                 npu.graph_task_update_end(stream)
                 self.updating = False
                 task.event.record(stream)
