@@ -19,6 +19,29 @@ from ..core.sampling_params import SamplingParams
 from .spec_workloads import workload
 
 
+def expected_tokens_per_step(alpha: float, k: int) -> float:
+    """Tokens a verify step keeps on average when each of its k drafts is accepted with
+    probability alpha, independently, and the first rejection cuts the rest (Leviathan et al.
+    2023): 1 + alpha + ... + alpha^k = (1 - alpha^(k+1)) / (1 - alpha) (the accepted drafts,
+    and the target's own token after them)."""
+    if not 0 <= alpha <= 1 or k < 0:
+        raise ValueError(f"alpha must be in [0, 1] and k >= 0 (got {alpha}, {k})")
+    return float(k + 1) if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def check_tokens_per_step(answer, alpha: float, k: int) -> str:
+    """Notebook 02's exercise: `answer`, the expected tokens per verify step from alpha and k,
+    against the formula; a line starting 'right:' or 'not quite'."""
+    want = expected_tokens_per_step(alpha, k)
+    if answer is None:
+        return "not answered yet: set answer_spec above, then run this cell"
+    if isinstance(answer, (int, float)) and abs(answer - want) <= 1e-3 * want:
+        return (f"right: {want:.2f} tokens a verify step (α = {alpha:.3f}, k = {k}: "
+                f"1 + α + … + α^{k})")
+    return (f"not quite: {answer} is not it. Hint: the target's own token always comes; draft "
+            f"j is kept only if drafts 1..j all are, with probability α^j; add them up")
+
+
 def _round(engine: Engine, prompts, params) -> tuple[float, list, dict]:
     steps0, reqs0 = engine.telemetry.num_steps, engine.telemetry.num_requests
     t = time.perf_counter()
