@@ -235,7 +235,26 @@ def test_tuning(tmp_path):
     alone, batched = data["results"]["alone_vs_batched"]
     assert alone["requests"] == 1 and batched["requests"] == 8
     assert batched["out_tok_s"] > alone["out_tok_s"]          # batching pays, even on a CPU
-    assert plotly_figures(outputs) == 5       # three sweeps, alone against batched, the tuner's
+    assert plotly_figures(outputs) == 6       # three sweeps, speculative k, alone against batched,
+    #                                           the tuner's
+    # Speculative decoding, method and k: the printed rows are the exported ones, greedy tokens
+    # unchanged by k, and the sentences are the figures'.
+    spec = data["results"]["speculative"]
+    assert {(r["workload"], r["k"]) for r in spec} == {(w, k) for w in ("grounded", "open")
+                                                       for k in (0, 2, 4)}
+    assert all(r["same_tokens"] for r in spec)
+    for r in spec:
+        acc = "   -" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
+        assert (f"{r['workload']:8s} k={r['k']}: acceptance {acc}, {r['tokens_per_step']:.2f} "
+                f"tokens/step, {r['tok_s_median']:6.1f} tok/s") in text, r
+        assert (r["k"] == 0) == (r["acceptance_rate"] is None)
+    by = {(r["workload"], r["k"]): r for r in spec}
+    assert by["grounded", 4]["tokens_per_step"] > 1.5                  # drafts kept
+    g, o = by["grounded", 4]["tokens_per_step"], by["open", 4]["tokens_per_step"]
+    assert f"At k=4 a step kept {g:.2f} tokens on the grounded prompt and {o:.2f} on the open one" in text
+    assert ("prompt lookup finds its drafts where" in text) == (g > o)
+    assert re.search(r"^(This machine was busy \(|Speculation decodes the grounded prompt faster than "
+                     r"plain decoding: k=\d|The lesson says speculation)", text, re.M)
     assert "winner: trial" in text and "vllm serve" in text     # the SLO tuner (workbench.tune)
     assert data["results"]["tune"]["winner"]["measurement"]["goodput"] > 0
     # Trials are numbered as progress counted them (1, 2, …): the winner is one of them.

@@ -88,6 +88,45 @@ def run(model: str, speculative_config: dict, engine_kwargs: dict, batch_sizes=(
             "engine": plain.info().device_name, "rounds": rounds, "rows": rows}
 
 
+def k_sweep(model: str, ks=(0, 2, 4), kinds=("grounded", "open"), max_tokens: int = 32,
+            repeats: int = 2, engine_kwargs: dict | None = None, progress=None) -> list[dict]:
+    """Notebook 03's sweep of k: one request of each kind (the first of spec_workloads') decoded
+    greedily by one engine per k (0: no speculation; else prompt lookup drafting k tokens),
+    runs interleaved (steady.interleaved: a slow spell lands on every point alike). A row per
+    (kind, k): the acceptance rate and tokens per step (RequestMetrics, the last run's: greedy
+    runs repeat), decode tok/s (1 / TPOT) of every run as steady.Runs, and whether its tokens
+    are k = 0's. `progress(done, total)` after each run."""
+    from .steady import Runs, interleaved
+    kw = dict(engine_kwargs or {})
+    kw.pop("speculative_config", None)
+    engines = {k: Engine(model=model, speculative_config={"method": "ngram",
+                                                         "num_speculative_tokens": k} if k else None,
+                         **kw) for k in ks}
+    prompts = {kind: workload(kind, engines[ks[0]].tokenizer, 1)[0] for kind in kinds}
+    for e in engines.values():                                   # first forwards: one-off costs
+        e.generate([prompts[kinds[0]]], SamplingParams(temperature=0, max_tokens=2))
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    points = [(kind, k) for kind in kinds for k in ks]
+    done = [0]
+
+    def once(point):
+        kind, k = point
+        out = engines[k].generate([prompts[kind]], params)[0]
+        done[0] += 1
+        if progress is not None:
+            progress(done[0], len(points) * repeats)
+        m = out.metrics
+        return 1 / m.tpot, m.acceptance_rate, m.mean_tokens_per_step, out.token_ids
+    runs = interleaved(points, once, repeats)
+    plain = {kind: r[-1][3] for (kind, k), r in zip(points, runs) if k == ks[0]}
+    for e in engines.values():
+        e.shutdown()
+    return [{"workload": kind, "k": k, "tok_s": Runs([x[0] for x in r]),
+             "acceptance_rate": r[-1][1], "tokens_per_step": r[-1][2],
+             "output_tokens": len(r[-1][3]), "same_tokens": r[-1][3] == plain[kind]}
+            for (kind, k), r in zip(points, runs)]
+
+
 def format_row(r: dict) -> str:
     acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
     return (f"{r['workload']:>9} b={r['batch']:<3} plain {r['plain_tok_s']:7.1f} tok/s  "
