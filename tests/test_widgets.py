@@ -633,3 +633,6 @@ def test_stepper_shows_drafts_accepted_and_rejected():
     assert shown.count("class='draft-rejected'") == len(x.rejected)
     assert shown.count("class='draft-accepted'") == x.accepted
     assert "accepted/drafted" in st.history_view.value
+    parts = [st.kv, st.view, st.step_button, *st.kv.children]
+    st.close()                                # its widgets go with it (no saved state left)
+    assert st.comm is None and all(x.comm is None for x in parts)

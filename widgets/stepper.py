@@ -299,6 +299,17 @@ class Stepper(w.VBox):
         return HTML(CSS + self.view.value + self.kv.view.value
                     + (self.history_view.value if history else ""))
 
+    def close(self) -> None:
+        """Close the Stepper's widgets with it (panels, buttons, the block map): a notebook
+        section that keeps only its snapshots then saves none of their state."""
+        def widgets_in(box):
+            for child in getattr(box, "children", ()):
+                yield from widgets_in(child)
+                yield child
+        for child in list(widgets_in(self)):
+            child.close()
+        super().close()
+
     # ---- drawing --------------------------------------------------------------------------
     def _render(self, rec: StepRecord | None = None) -> None:
         if rec is None:
