@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..engine import Engine
 from ..core.sampling_params import SamplingParams
-from .spec_workloads import workload
+from .spec_workloads import grounded_prompts, workload
 
 
 def expected_tokens_per_step(alpha: float, k: int) -> float:
@@ -89,9 +89,12 @@ def run(model: str, speculative_config: dict, engine_kwargs: dict, batch_sizes=(
 
 
 def k_sweep(model: str, ks=(0, 2, 4), kinds=("grounded", "open"), max_tokens: int = 32,
-            repeats: int = 2, engine_kwargs: dict | None = None, progress=None) -> list[dict]:
+            repeats: int = 2, engine_kwargs: dict | None = None, progress=None,
+            passage: tuple[int, int] = (300, 600)) -> list[dict]:
     """Notebook 03's sweep of k: one request of each kind (the first of spec_workloads') decoded
-    greedily by one engine per k (0: no speculation; else prompt lookup drafting k tokens),
+    greedily by one engine per k (0: no speculation; else prompt lookup drafting k tokens;
+    a grounded prompt's passage of `passage` tokens, shorter than the benchmark's for a quick
+    run),
     runs interleaved (steady.interleaved: a slow spell lands on every point alike). A row per
     (kind, k): the acceptance rate and tokens per step (RequestMetrics, the last run's: greedy
     runs repeat), decode tok/s (1 / TPOT) of every run as steady.Runs, and whether its tokens
@@ -102,7 +105,9 @@ def k_sweep(model: str, ks=(0, 2, 4), kinds=("grounded", "open"), max_tokens: in
     engines = {k: Engine(model=model, speculative_config={"method": "ngram",
                                                          "num_speculative_tokens": k} if k else None,
                          **kw) for k in ks}
-    prompts = {kind: workload(kind, engines[ks[0]].tokenizer, 1)[0] for kind in kinds}
+    tok = engines[ks[0]].tokenizer
+    prompts = {kind: (grounded_prompts(1, 0, tok, *passage)[0].messages if kind == "grounded"
+                      else workload(kind, tok, 1)[0]) for kind in kinds}
     for e in engines.values():                                   # first forwards: one-off costs
         e.generate([prompts[kinds[0]]], SamplingParams(temperature=0, max_tokens=2))
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
