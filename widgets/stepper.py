@@ -300,8 +300,9 @@ class Stepper(w.VBox):
                     + (self.history_view.value if history else ""))
 
     def close(self) -> None:
-        """Close the Stepper's widgets with it (panels, buttons, the block map): a notebook
-        section that keeps only its snapshots then saves none of their state."""
+        """Close the Stepper's widgets with it (panels, buttons, the block map), not only
+        its box: a notebook section that keeps only its snapshots leaves no live widget
+        behind (JupyterLab then saves none of their state)."""
         def widgets_in(box):
             for child in getattr(box, "children", ()):
                 yield from widgets_in(child)
