@@ -19,7 +19,9 @@ nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("ipykernel")
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-MAX_SAVED_BYTES = 500_000
+MAX_SAVED_BYTES = 600_000
+"""A notebook saved with its outputs and widget state (02 with its speculative decoding
+section: about 555 kB), never with plotly.js inlined (megabytes)."""
 BOUND_S = {"01_quickstart.ipynb": 300, "02_prefill_decode_step_by_step.ipynb": 900,
            "03_tuning.ipynb": 900, "dashboard.ipynb": 300, "04_streaming.ipynb": 300}
 """Run All at the defaults, on a 2-core CPU, the C++ kernel built (03 says "about 5 minutes"
@@ -109,8 +111,9 @@ def test_prefill_decode_step_by_step(tmp_path):
         "answer1": "8 * 2 * (info.num_layer_params + info.hidden_size * info.vocab_size) "
                    "/ info.weight_bytes", "answer2": "5", "answer3": "1",
         "answer_nucleus": "next(i + 1 for i in range(len(dist.probs)) "
-                          "if sum(dist.probs[:i + 1]) >= 0.8 * dist.head_mass)"})
-    assert text.count("right:") == 4 and "not quite" not in text
+                          "if sum(dist.probs[:i + 1]) >= 0.8 * dist.head_mass)",
+        "answer_spec": "(1 - alpha ** (k + 1)) / (1 - alpha)"})
+    assert text.count("right:") == 5 and "not quite" not in text
     # The batch-size lesson says what its figures show, or that the machine was too busy.
     verdict = re.search(r"^(This machine was busy \(.*|Decode's time per token falls as the batch "
                         r"grows: decode .*|The lesson says decode's time per token falls .*)$",
@@ -128,7 +131,9 @@ def test_prefill_decode_step_by_step(tmp_path):
     assert len(kept_lines) == 5 and all(ok == "True" for _, _, ok in kept_lines), kept_lines
     assert "the same seeds again give the same draws: True; other seeds give others: True" in text
     assert re.search(r"at batch 1, sampling adds -?[\d.]+ ms to a decode step", text)
-    assert plotly_figures(outputs) == 6       # batch scaling, roofline, formats, block table, KV, preemption
+    assert plotly_figures(outputs) == 7       # batch scaling, roofline, formats, block table, KV,
+    #                                           preemption, decode against verify
+    spec_section(text, nb)
     assert re.search(r"gguf  \(q4_1\+q8_0\):  +\d+ MB of weights", text)
     from workbench.platforms.cpu_kernels import load_cpu_kernels
     if hasattr(load_cpu_kernels(), "bf16c_fast"):    # bf16's numbers in fewer bytes, shown
@@ -164,6 +169,64 @@ def test_prefill_decode_step_by_step(tmp_path):
     assert "notice above" not in markdown(nb)
 
 
+def spec_section(text: str, nb) -> None:
+    """Section 10 (speculative decoding): each verify step's printed drafted/accepted/rejected
+    add up to the engine's RequestMetrics printed under them; the snapshot is the step that
+    kept some drafts and cut others; the tokens are plain greedy decoding's; the sentences
+    are the figures'."""
+    steps = [tuple(map(int, m)) for m in re.findall(
+        r"^step (\d+): verify, drafted (\d+), accepted (\d+), rejected (\d+) -> (\d+) tokens?",
+        text, re.M)]
+    total = re.search(r"^req-\d+: (\d+) tokens drafted in (\d+) verify steps, (\d+) accepted "
+                      r"\(acceptance rate ([\d.]+)\); (\d+) tokens in (\d+) steps \(([\d.]+) a step", text, re.M)
+    assert steps and total, text[-4000:]
+    drafted, verifies, accepted = (int(total.group(i)) for i in (1, 2, 3))
+    assert (sum(s[1] for s in steps), len(steps), sum(s[2] for s in steps)) == (drafted, verifies, accepted)
+    assert all(d == a + r and 1 <= n <= a + 1 for _, d, a, r, n in steps)
+    assert float(total.group(4)) == pytest.approx(accepted / drafted, abs=5e-4)
+    assert 0 < accepted < drafted                        # the repeated passage: kept and cut
+    out, n_steps = int(total.group(5)), int(total.group(6))
+    assert float(total.group(7)) == pytest.approx(out / n_steps, abs=5e-3) and n_steps < out
+    assert "the same tokens as plain greedy decoding: True" in text
+    cut = re.search(r"^step (\d+): drafted (\d+), the model accepted (\d+) and cut (\d+);", text, re.M)
+    assert cut, "no verify step kept some drafts and cut others"
+    n, d, a, r = map(int, cut.groups())
+    assert (n, d, a, r) in {(s[0], s[1], s[2], s[3]) for s in steps} and 0 < a < d
+    shown = cell_html(nb, cut.group(0))
+    assert f"<h3>Step {n} " in shown and f"drafted {d}, accepted {a}, rejected {r}" in shown
+    assert shown.count("class='draft-rejected'") == r and shown.count("class='draft-accepted'") == a
+    # the roofline's sentences: about one decode step where the verify is left of the balance
+    for name, one in re.findall(r"^  -> (.+?): (?:at batch 1 verifying \d+ drafts costs about one "
+                                r"decode step \(([\d.]+)x\)|even at batch 1)", text, re.M):
+        ratio = float(re.search(rf"^{re.escape(name)} +batch  1: .* costs ([\d.]+)x", text, re.M).group(1))
+        assert (one != "") == (ratio < 1.5), (name, ratio)
+    assert re.search(r"^  -> H200, bf16: at batch 1 verifying 4 drafts costs about one decode step", text, re.M)
+    assert re.search(r"^(This machine was busy \(|A verify of 4 drafts costs less than the 5 decode "
+                     r"steps it can replace: it took|The lesson says a verify)", text, re.M)
+    # the exercise: the formula with the engine's alpha, beside the engine's own figure
+    from workbench.bench.speculative import expected_tokens_per_step
+    f = re.search(r"the formula with alpha = ([\d.]+), k = 4: ([\d.]+) tokens a verify step; the engine: "
+                  r"([\d.]+) \((\d+) verify steps\), and ([\d.]+) a step", text)
+    assert f and float(f.group(1)) == pytest.approx(accepted / drafted, abs=5e-4)
+    assert float(f.group(2)) == pytest.approx(expected_tokens_per_step(accepted / drafted, 4), abs=5e-3)
+    assert float(f.group(3)) == pytest.approx(sum(s[4] for s in steps) / len(steps), abs=5e-3)
+    assert f.group(5) == total.group(7)
+
+
+def test_the_tokens_per_step_exercise_checks_its_answer():
+    """Notebook 02's exercise 4: its check accepts (1 - a^(k+1)) / (1 - a) and refuses others."""
+    from workbench.bench.speculative import check_tokens_per_step, expected_tokens_per_step
+    a, k = 0.7, 4
+    assert check_tokens_per_step((1 - a ** (k + 1)) / (1 - a), a, k).startswith("right: 2.77")
+    assert check_tokens_per_step(sum(a ** j for j in range(k + 1)), a, k).startswith("right:")
+    for wrong in (1 / (1 - a), a * k, a * k + 1, (1 - a ** k) / (1 - a), "2.77"):
+        assert check_tokens_per_step(wrong, a, k).startswith("not quite"), wrong
+    assert check_tokens_per_step(None, a, k).startswith("not answered yet")
+    assert expected_tokens_per_step(1.0, 4) == 5 and expected_tokens_per_step(0.0, 4) == 1
+    with pytest.raises(ValueError, match="alpha"):
+        expected_tokens_per_step(1.5, 4)
+
+
 @pytest.mark.timeout(BOUND_S["03_tuning.ipynb"] + 120)
 def test_tuning(tmp_path):
     text, outputs, nb = run_notebook("03_tuning.ipynb", tmp_path)
@@ -174,7 +237,26 @@ def test_tuning(tmp_path):
     alone, batched = data["results"]["alone_vs_batched"]
     assert alone["requests"] == 1 and batched["requests"] == 8
     assert batched["out_tok_s"] > alone["out_tok_s"]          # batching pays, even on a CPU
-    assert plotly_figures(outputs) == 5       # three sweeps, alone against batched, the tuner's
+    assert plotly_figures(outputs) == 6       # three sweeps, speculative k, alone against batched,
+    #                                           the tuner's
+    # Speculative decoding, method and k: the printed rows are the exported ones, greedy tokens
+    # unchanged by k, and the sentences are the figures'.
+    spec = data["results"]["speculative"]
+    assert {(r["workload"], r["k"]) for r in spec} == {(w, k) for w in ("grounded", "open")
+                                                       for k in (0, 2, 4)}
+    assert all(r["same_tokens"] for r in spec)
+    for r in spec:
+        acc = "   -" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
+        assert (f"{r['workload']:8s} k={r['k']}: acceptance {acc}, {r['tokens_per_step']:.2f} "
+                f"tokens/step, {r['tok_s_median']:6.1f} tok/s") in text, r
+        assert (r["k"] == 0) == (r["acceptance_rate"] is None)
+    by = {(r["workload"], r["k"]): r for r in spec}
+    assert by["grounded", 4]["tokens_per_step"] > 1.5                  # drafts kept
+    g, o = by["grounded", 4]["tokens_per_step"], by["open", 4]["tokens_per_step"]
+    assert f"At k=4 a step kept {g:.2f} tokens on the grounded prompt and {o:.2f} on the open one" in text
+    assert ("prompt lookup finds its drafts where" in text) == (g > o)
+    assert re.search(r"^(This machine was busy \(|Speculation decodes the grounded prompt faster than "
+                     r"plain decoding: k=\d|The lesson says speculation)", text, re.M)
     assert "winner: trial" in text and "vllm serve" in text     # the SLO tuner (workbench.tune)
     assert data["results"]["tune"]["winner"]["measurement"]["goodput"] > 0
     # Trials are numbered as progress counted them (1, 2, …): the winner is one of them.

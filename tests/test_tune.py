@@ -159,6 +159,47 @@ def test_space_domains_come_from_the_engine():
         "max_num_seqs": (4, 8), "graph_mode": ("eager",), "block_size": block_sizes("cpu")}
 
 
+def test_the_space_gains_speculative_method_and_k(tmp_path, capsys):
+    """speculative_config is a knob (issue 40): off or prompt lookup with k = 2, 4, 8 by
+    default, any method's dicts when given (the CLI splits a value list at the commas outside
+    a dict), exported as vLLM's --speculative-config; `workbench tune` runs the trials."""
+    s = Space.default("cpu")
+    dom = s.knobs["speculative_config"]
+    assert dom[0] is None and [(d["method"], d["num_speculative_tokens"]) for d in dom[1:]] == [
+        ("ngram", 2), ("ngram", 4), ("ngram", 8)]
+    assert Space.default("model:h200").knobs["speculative_config"] == (None,)
+    pts = s.sample(12, EngineConfig(device="cpu"), seed=0)
+    assert pts[0]["speculative_config"] is None                 # the default: off
+    assert {json.dumps(p["speculative_config"]) for p in pts} == {json.dumps(d) for d in dom}
+    draft = {"method": "draft_model", "model": "random:tiny", "num_speculative_tokens": 3}
+    parsed = Space.parse(['speculative_config=None,{"method": "ngram", "num_speculative_tokens": 4,'
+                          ' "prompt_lookup_max": 3},' + json.dumps(draft) + ",None"], "cpu")
+    assert parsed.knobs["speculative_config"] == (
+        None, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}, draft)
+    with pytest.raises(ValueError, match="speculative_config.*num_speculative_tokens"):
+        Space({"speculative_config": [{"method": "ngram", "num_speculative_tokens": 0}]})
+    with pytest.raises(ValueError, match="speculative_config.*method"):
+        Space.parse(['speculative_config={"method": "eagle9", "num_speculative_tokens": 2}'], "cpu")
+    f = vllm_flags({"speculative_config": {"method": "ngram", "num_speculative_tokens": 4}})
+    assert f.flags == ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}']
+    assert not f.unmapped and vllm_flags({"speculative_config": None}).flags == []
+    from workbench.cli import main
+    out = tmp_path / "tune.json"
+    rc = main(["tune", "--model", "random:tiny", "--device", "cpu", "--num-kv-blocks", "128",
+               "--concurrency", "2", "--num-requests", "4", "--input-len", "16:24",
+               "--output-len", "24:24", "--ttft-ms", "5000", "--tpot-ms", "1000",
+               "--knob", 'speculative_config=None,{"method": "ngram", "num_speculative_tokens": 2},'
+                         '{"method": "ngram", "num_speculative_tokens": 4}',
+               "--trials", "3", "--eta", "3", "--trial-timeout", "60", "--output", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    d = json.loads(out.read_text())
+    tried = [t["knobs"]["speculative_config"] for t in d["trials"]]
+    assert None in tried and {"method": "ngram", "num_speculative_tokens": 4} in tried
+    assert all(t["error"] is None and t["measurement"]["goodput"] > 0 for t in d["trials"])
+    win = d["winner"]["knobs"]["speculative_config"]
+    assert ("--speculative-config" in d["vllm_serve"]) == (win is not None)
+
+
 def test_workload_arrivals_and_trace_lengths():
     wl = Workload(num_requests=2000, request_rate=4.0, seed=5)
     reqs = wl.requests()

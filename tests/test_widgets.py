@@ -784,3 +784,45 @@ def test_dashboard_command_takes_a_speculative_config(monkeypatch, capsys):
     assert dash.source.engine.info().config.speculative().num_speculative_tokens == 2
     assert (dash.knobs.spec_method.value, dash.knobs.num_speculative_tokens.value) == ("ngram", 2)
     dash.source.close()
+
+
+def test_stepper_shows_drafts_accepted_and_rejected():
+    """An n-gram engine on a prompt that repeats itself: the verify steps' rows list what was
+    drafted, what the target kept and cut, and the tokens are plain greedy decoding's."""
+    from widgets import Stepper
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    e = Engine(model="random:tiny", device="cpu", block_size=8, speculative_config=spec)
+    prompt = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20] * 3
+    p = dict(max_tokens=32, ignore_eos=True)
+    st = Stepper(e)
+    a = st.add(prompt, **p)
+    recs = st.run()
+    rows = [r.row(a) for r in recs if any(x.request_id == a for x in r.rows)]
+    verifies = [x for x in rows if x.action == "verify"]
+    assert verifies and all(x.drafts for x in verifies)
+    for r in recs:                                   # the header's counts are its rows'
+        assert r.num_draft_tokens == sum(len(x.drafts) for x in r.rows)
+        assert r.num_accepted_tokens == sum(x.accepted for x in r.rows)
+    for x in verifies:       # the accepted drafts are the first tokens handed out, then the target's
+        assert x.token_ids[:x.accepted] == x.drafts[:x.accepted]
+        assert len(x.token_ids) <= x.accepted + 1 and x.token_ids[-1] == x.token_id
+    assert sum(x.accepted for x in verifies) > 0
+    got = [t for x in rows for t in x.token_ids]
+    plain = Engine(model="random:tiny", device="cpu", block_size=8)
+    assert got == plain.generate([prompt], SamplingParams(temperature=0, **p))[0].token_ids
+    m = next(m for m in e.telemetry.requests if m.request_id == a)
+    assert m.num_draft_tokens == sum(len(x.drafts) for x in verifies)
+    assert m.num_accepted_tokens == sum(x.accepted for x in verifies)
+    # what the panel drew for a step that drafted: the counts, kept and struck-through drafts
+    shown_rec = next((r for r in recs if r.row(a).rejected),                # one cut, else
+                     next(r for r in recs if r.row(a).drafts))              # a verify
+    st._render(shown_rec)
+    shown = st.view.value
+    x = shown_rec.row(a)
+    assert f"drafted {len(x.drafts)}, accepted {x.accepted}, rejected {len(x.rejected)}" in shown
+    assert shown.count("class='draft-rejected'") == len(x.rejected)
+    assert shown.count("class='draft-accepted'") == x.accepted
+    assert "accepted/drafted" in st.history_view.value
+    parts = [st.kv, st.view, st.step_button, *st.kv.children]
+    st.close()                                # its widgets go with it (no saved state left)
+    assert st.comm is None and all(x.comm is None for x in parts)

@@ -87,6 +87,37 @@ def formats_roofline_figure(roofs: DeviceRoofs, runs, height: int = 380) -> go.F
     return fig
 
 
+def verify_roofline_figure(devices, height: int = 400) -> go.Figure:
+    """Decoding against verifying k drafts, at a small and a large batch, where the roofline
+    puts them: `devices` is a list of (name, DeviceRoofs, [(label, StepCost), ...]); each
+    device's roofs are drawn, and each step sits on them at its intensity (the most FLOP/s it
+    can reach there; its hover, the least time it can take). Left of a device's balance, k + 1
+    rows a request cost the bytes of one row; right of it, they cost their FLOPs."""
+    fig = go.Figure()
+    xs = [c.intensity for _, _, shapes in devices for _, c in shapes]
+    xs += [r.balance for _, r, _ in devices]
+    lo, hi = min(xs) / 4, max(xs) * 4
+    for (name, r, shapes), dash, symbol in zip(devices, ("solid", "dot", "dashdot"),
+                                               ("circle", "diamond", "square")):
+        fig.add_scatter(name=f"{name}: roofs (balance {r.balance:.3g} FLOP/byte)", mode="lines",
+                        x=[lo, r.balance, hi],
+                        y=[lo * r.bandwidth, r.peak_flops, r.peak_flops],
+                        line=dict(color="#555", width=2, dash=dash), hoverinfo="name")
+        for (label, c), colour in zip(shapes, FORMAT_COLOURS):
+            fig.add_scatter(name=f"{name}: {label}", mode="markers", x=[c.intensity],
+                            y=[r.attainable(c.intensity)],
+                            marker=dict(color=colour, size=11, opacity=0.85, symbol=symbol),
+                            hovertext=[f"{name} · {label}<br>{c.intensity:.3g} FLOP/byte · at "
+                                       f"least {r.least_time(c) * 1e3:.3g} ms"],
+                            hoverinfo="text")
+    fig.update_layout(TITLE_AND_LEGEND, height=height, template="plotly_white",
+                      title_text="Decode, or verify k drafts: where each step sits on the roofline")
+    fig.update_xaxes(type="log", title_text="arithmetic intensity (FLOP per byte read)")
+    fig.update_yaxes(type="log", title_text="attainable FLOP/s", exponentformat="SI")
+    _label_decades(fig)
+    return fig
+
+
 def _label_decades(fig) -> None:
     """Tick labels at decades (figures.log_ticks) over what the figure holds."""
     xs = [x for t in fig.data for x in (t.x or ())]

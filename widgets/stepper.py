@@ -11,6 +11,11 @@ loaded): Step shows the next recorded step, Play runs them at the recorded pace 
 
 Where the engine hands out logprobs (`SamplingParams(logprobs=k)`), each sampled token shows
 its top candidates with their probabilities.
+
+With speculative decoding (`speculative_config`), a request whose step verified drafted
+tokens ('verify') shows what was drafted: the drafts the target model accepted, the ones it
+rejected (struck through: cut, their KV given back) and the token the target chose itself
+after the accepted ones; the step's header counts drafted and accepted tokens.
 """
 from __future__ import annotations
 
@@ -49,6 +54,18 @@ class RequestRow:
     candidates: list[tuple[str, float]] = field(default_factory=list)
     """The top candidates for the sampled token, (text, probability), most likely first;
     empty where the request asked for no logprobs."""
+    token_ids: list[int] = field(default_factory=list)
+    """Every token the step handed it, in order (several after a verify: the accepted
+    drafts, then the target's own token, which is token_id)."""
+    drafts: list[int] = field(default_factory=list)
+    """Speculative decoding: the tokens drafted for it and verified in this step."""
+    draft_texts: list[str] = field(default_factory=list)
+    accepted: int = 0
+    """How many of `drafts` the target accepted (the first ones; the rest were rejected)."""
+
+    @property
+    def rejected(self) -> list[int]:
+        return self.drafts[self.accepted:]
 
 
 @dataclass
@@ -65,6 +82,9 @@ class StepRecord:
     """The captured size replayed (decode batch or token bucket), or None when eager."""
     graph_label: str = "eager"
     """StepEvent.graph_label: eager, a whole-step graph, or piecewise graphs."""
+    num_draft_tokens: int = 0
+    """Speculative decoding: tokens drafted for the step's verifies, and how many were kept."""
+    num_accepted_tokens: int = 0
 
     def row(self, request_id: str) -> RequestRow:
         return next(r for r in self.rows if r.request_id == request_id)
@@ -178,25 +198,36 @@ class Stepper(w.VBox):
                 if self._frame else {}
             f = frames[self._frame]
             self._frame += 1
-            events = {t.request_id: t for t in f.tokens}
+            handed = f.tokens
             ev, after, tok = f.step, {s.request_id: s for s in f.states}, None
         else:
             e = self.engine
             before = {s.request_id: s for s in e.request_states()}
-            events = {ev.request_id: ev for ev in e.step()}
+            handed = e.step()
             ev = e.telemetry.steps[-1]
             after = {s.request_id: s for s in e.request_states()}
             tok = e.tokenizer
+        handed_to: dict[str, list] = {}          # a verify hands a request several tokens
+        for t in handed:
+            handed_to.setdefault(t.request_id, []).append(t)
+        drafts_of, accepted_of = getattr(ev, "drafts", {}), getattr(ev, "accepted", {})
         rec = StepRecord(ev.step, ev.phase, ev.duration, ev.num_prefill_tokens,
                          ev.num_decode_tokens, kv_blocks_used=ev.kv_blocks_used,
                          kv_blocks_total=ev.kv_blocks_used + ev.kv_blocks_free,
                          graph_size=ev.graph_size if ev.graph else None,
-                         graph_label=ev.graph_label)
+                         graph_label=ev.graph_label,
+                         num_draft_tokens=sum(map(len, drafts_of.values())),
+                         num_accepted_tokens=sum(accepted_of.values()))
+
+        def text_of(token_id: int, t=None) -> str:
+            if tok is not None:
+                return tok.decode([token_id])
+            return t.text if t is not None else f"#{token_id}"
         for rid in dict.fromkeys([*before, *after]):
             st = after.get(rid) or before[rid]
-            t = events.get(rid)
-            if t is not None and t.text:
-                self.texts[rid] = self.texts.get(rid, "") + t.text
+            mine = handed_to.get(rid, [])
+            t = mine[-1] if mine else None
+            self.texts[rid] = self.texts.get(rid, "") + "".join(x.text for x in mine)
             if rid in ev.preempted:
                 action = "preempted"
             elif rid in ev.kinds:
@@ -206,16 +237,21 @@ class Stepper(w.VBox):
             else:
                 action = "waiting"
             token_id = t.token_id if t is not None else None
-            piece = tok.decode([token_id]) if (tok is not None and token_id is not None) else (
-                t.text if token_id is not None else "")
-            out = st.num_output_tokens + (rid not in after and t is not None)
+            piece = text_of(token_id, t) if token_id is not None else ""
+            drafts = list(drafts_of.get(rid, ()))
+            n_acc = accepted_of.get(rid, 0)
+            # an accepted draft's text is the token event's; a rejected one has none
+            draft_texts = [text_of(d, mine[j] if j < n_acc and j < len(mine) else None)
+                           for j, d in enumerate(drafts)]
+            out = st.num_output_tokens + (len(mine) if rid not in after else 0)
             rec.rows.append(RequestRow(
                 rid, action, ev.tokens_per_request.get(rid, 0), token_id, piece,
                 list(st.block_table) if rid in after else [],
                 f"{min(st.num_computed_tokens, st.num_prompt_tokens)}/{st.num_prompt_tokens} "
                 f"prompt, {out} out", self.texts.get(rid, ""),
                 t.finish_reason if t is not None and t.finished else None,
-                top_candidates(t) if t is not None else []))
+                top_candidates(t) if t is not None else [],
+                [x.token_id for x in mine], drafts, draft_texts, n_acc))
         self.history.append(rec)
         del self.history[:-self.max_history]
         self.num_steps += 1
@@ -263,6 +299,18 @@ class Stepper(w.VBox):
         return HTML(CSS + self.view.value + self.kv.view.value
                     + (self.history_view.value if history else ""))
 
+    def close(self) -> None:
+        """Close the Stepper's widgets with it (panels, buttons, the block map), not only
+        its box: a notebook section that keeps only its snapshots leaves no live widget
+        behind (JupyterLab then saves none of their state)."""
+        def widgets_in(box):
+            for child in getattr(box, "children", ()):
+                yield from widgets_in(child)
+                yield child
+        for child in list(widgets_in(self)):
+            child.close()
+        super().close()
+
     # ---- drawing --------------------------------------------------------------------------
     def _render(self, rec: StepRecord | None = None) -> None:
         if rec is None:
@@ -283,18 +331,23 @@ class Stepper(w.VBox):
                 f'{esc(rec.graph_label)} · '
                 f'{rec.duration * 1e3:.1f} ms · '
                 f'{rec.num_prefill_tokens} prefill + {rec.num_decode_tokens} decode tokens · '
+                + (f'{rec.num_draft_tokens} drafted, {rec.num_accepted_tokens} accepted · '
+                   if rec.num_draft_tokens else '') +
                 f'KV {rec.kv_blocks_used}/{rec.kv_blocks_total} blocks</span></h3>'
                 '<table class="steps"><tr><th>request</th><th>scheduler chose</th><th>fed</th>'
                 '<th>token out</th><th>block table</th><th>progress</th><th>text so far</th></tr>'
                 f'{rows}</table></div>')
         self.kv.show(self._kv_blocks())
+        spec = any(r.num_draft_tokens for r in self.history)    # a column only where it says something
         hist = "".join(f"<tr><td>{r.step}</td><td><span class='badge b-{esc(r.phase)}'>"
                        f"{esc(r.phase)}</span></td><td>{r.num_prefill_tokens}</td>"
-                       f"<td>{r.num_decode_tokens}</td><td>{r.duration * 1e3:.1f}</td></tr>"
-                       for r in reversed(self.history))
+                       f"<td>{r.num_decode_tokens}</td><td>{r.duration * 1e3:.1f}</td>"
+                       + (f"<td>{r.num_accepted_tokens}/{r.num_draft_tokens}</td>" if spec else "")
+                       + "</tr>" for r in reversed(self.history))
         self.history_view.value = ('<div class="wb"><h3>Recent steps</h3><table class="steps"><tr>'
                           '<th>step</th><th>phase</th><th>prefill tok</th><th>decode tok</th>'
-                          f'<th>ms</th></tr>{hist}</table></div>' if hist else "")
+                          '<th>ms</th>' + ('<th>accepted/drafted</th>' if spec else '')
+                          + f'</tr>{hist}</table></div>' if hist else "")
 
     @staticmethod
     def _row(r: RequestRow) -> str:
@@ -303,6 +356,16 @@ class Stepper(w.VBox):
         label = r.action + (f" ({r.finish_reason})" if r.finish_reason else "")
         token = (f"{esc(repr(r.token))} <span class='muted'>#{r.token_id}</span>"
                  if r.token_id is not None else "<span class='muted'>—</span>")
+        if r.drafts:      # drafted: kept (green), rejected (struck through), then the target's own
+            kept = "".join(f"<span class='draft-accepted' style='background:#d8f0d8' "
+                           f"title='drafted, accepted'>{esc(repr(x))}</span> "
+                           for x in r.draft_texts[:r.accepted])
+            cut = "".join(f"<s class='draft-rejected' style='color:#999' "
+                          f"title='drafted, rejected'>{esc(repr(x))}</s> "
+                          for x in r.draft_texts[r.accepted:])
+            token = (f"<div class='muted'>drafted {len(r.drafts)}, accepted {r.accepted}, "
+                     f"rejected {len(r.rejected)}</div>{kept}{cut}"
+                     f"<span title='the target model&#39;s own token'>→ {token}</span>")
         if r.candidates:
             token += "<div class='muted cands'>" + " · ".join(
                 f"{esc(repr(text))} {p:.0%}" for text, p in r.candidates) + "</div>"

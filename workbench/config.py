@@ -410,5 +410,6 @@ def validate_capture_sizes(sizes: list[int], max_num_seqs: int,
 
 TUNABLE = ("max_num_seqs", "max_num_batched_tokens", "block_size", "graph_mode",
            "prefill_interval", "waiting_timeout_ms", "preemption_mode",
-           "enable_chunked_prefill", "enable_prefix_caching")
-"""The knobs the tuner searches by default (issue 26), all EngineConfig fields."""
+           "enable_chunked_prefill", "enable_prefix_caching", "speculative_config")
+"""The knobs the tuner searches by default (issues 26 and 40), all EngineConfig fields
+(speculative_config: off, or a method and its k; tune/space.py)."""

@@ -68,6 +68,20 @@ def step_cost(ev: StepEvent, info: EngineInfo) -> StepCost:
                     float(kv_tokens * info.kv_bytes_per_token))
 
 
+def verify_step(batch: int, k: int, context: int) -> StepEvent:
+    """A step of `batch` requests that each decode after `context` cached tokens and verify k
+    drafted tokens with it (k = 0: a plain decode): k + 1 positions a request in one pass,
+    every one sampled. For step_cost: what verifying costs against decoding, at any batch."""
+    ids = [f"r{i}" for i in range(batch)]
+    return StepEvent(step=0, start=0.0, duration=0.0, phase="decode", num_prefill_tokens=0,
+                     num_decode_tokens=batch * (k + 1), num_cached_tokens=0,
+                     tokens_per_request={r: k + 1 for r in ids},
+                     kinds={r: "verify" if k else "decode" for r in ids}, num_running=batch,
+                     num_waiting=0, kv_blocks_used=0, kv_blocks_free=0, kv_blocks_cached=0,
+                     num_preempted=0, preempted=[], context_lens={r: context for r in ids},
+                     drafts={r: [0] * k for r in ids} if k else {})
+
+
 # ---- the device's two roofs ---------------------------------------------------------------------
 FORMAT_VERSION = 1
 
@@ -90,6 +104,11 @@ class DeviceRoofs:
     def attainable(self, intensity: float) -> float:
         """The roofline: the most FLOP/s a kernel of this intensity can reach here."""
         return min(self.peak_flops, intensity * self.bandwidth)
+
+    def least_time(self, cost: StepCost) -> float:
+        """The shortest a step of this cost can take here, seconds: its FLOPs at the peak or
+        its bytes at the bandwidth, whichever takes longer."""
+        return max(cost.flops / self.peak_flops, cost.bytes / self.bandwidth)
 
     @classmethod
     def modelled(cls, info: EngineInfo) -> "DeviceRoofs":

@@ -16,7 +16,30 @@ from pathlib import Path
 
 from ..engine import Engine
 from ..core.sampling_params import SamplingParams
-from .spec_workloads import workload
+from .spec_workloads import grounded_prompts, workload
+
+
+def expected_tokens_per_step(alpha: float, k: int) -> float:
+    """Tokens a verify step keeps on average when each of its k drafts is accepted with
+    probability alpha, independently, and the first rejection cuts the rest (Leviathan et al.
+    2023): 1 + alpha + ... + alpha^k = (1 - alpha^(k+1)) / (1 - alpha) (the accepted drafts,
+    and the target's own token after them)."""
+    if not 0 <= alpha <= 1 or k < 0:
+        raise ValueError(f"alpha must be in [0, 1] and k >= 0 (got {alpha}, {k})")
+    return float(k + 1) if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def check_tokens_per_step(answer, alpha: float, k: int) -> str:
+    """Notebook 02's exercise: `answer`, the expected tokens per verify step from alpha and k,
+    against the formula; a line starting 'right:' or 'not quite'."""
+    want = expected_tokens_per_step(alpha, k)
+    if answer is None:
+        return "not answered yet: set answer_spec above, then run this cell"
+    if isinstance(answer, (int, float)) and abs(answer - want) <= 1e-3 * want:
+        return (f"right: {want:.2f} tokens a verify step (α = {alpha:.3f}, k = {k}: "
+                f"1 + α + … + α^{k})")
+    return (f"not quite: {answer} is not it. Hint: the target's own token always comes; draft "
+            f"j is kept only if drafts 1..j all are, with probability α^j; add them up")
 
 
 def _round(engine: Engine, prompts, params) -> tuple[float, list, dict]:
@@ -63,6 +86,50 @@ def run(model: str, speculative_config: dict, engine_kwargs: dict, batch_sizes=(
             log(format_row(row))
     return {"model": model, "speculative_config": speculative_config,
             "engine": plain.info().device_name, "rounds": rounds, "rows": rows}
+
+
+def k_sweep(model: str, ks=(0, 2, 4), kinds=("grounded", "open"), max_tokens: int = 32,
+            repeats: int = 2, engine_kwargs: dict | None = None, progress=None,
+            passage: tuple[int, int] = (300, 600)) -> list[dict]:
+    """Notebook 03's sweep of k: one request of each kind (the first of spec_workloads') decoded
+    greedily by one engine per k (0: no speculation; else prompt lookup drafting k tokens;
+    a grounded prompt's passage of `passage` tokens, shorter than the benchmark's for a quick
+    run),
+    runs interleaved (steady.interleaved: a slow spell lands on every point alike). A row per
+    (kind, k): the acceptance rate and tokens per step (RequestMetrics, the last run's: greedy
+    runs repeat), decode tok/s (1 / TPOT) of every run as steady.Runs, and whether its tokens
+    are k = 0's. `progress(done, total)` after each run."""
+    from .steady import Runs, interleaved
+    kw = dict(engine_kwargs or {})
+    kw.pop("speculative_config", None)
+    engines = {k: Engine(model=model, speculative_config={"method": "ngram",
+                                                         "num_speculative_tokens": k} if k else None,
+                         **kw) for k in ks}
+    tok = engines[ks[0]].tokenizer
+    prompts = {kind: (grounded_prompts(1, 0, tok, *passage)[0].messages if kind == "grounded"
+                      else workload(kind, tok, 1)[0]) for kind in kinds}
+    for e in engines.values():                                   # first forwards: one-off costs
+        e.generate([prompts[kinds[0]]], SamplingParams(temperature=0, max_tokens=2))
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    points = [(kind, k) for kind in kinds for k in ks]
+    done = [0]
+
+    def once(point):
+        kind, k = point
+        out = engines[k].generate([prompts[kind]], params)[0]
+        done[0] += 1
+        if progress is not None:
+            progress(done[0], len(points) * repeats)
+        m = out.metrics
+        return 1 / m.tpot, m.acceptance_rate, m.mean_tokens_per_step, out.token_ids
+    runs = interleaved(points, once, repeats)
+    plain = {kind: r[-1][3] for (kind, k), r in zip(points, runs) if k == ks[0]}
+    for e in engines.values():
+        e.shutdown()
+    return [{"workload": kind, "k": k, "tok_s": Runs([x[0] for x in r]),
+             "acceptance_rate": r[-1][1], "tokens_per_step": r[-1][2],
+             "output_tokens": len(r[-1][3]), "same_tokens": r[-1][3] == plain[kind]}
+            for (kind, k), r in zip(points, runs)]
 
 
 def format_row(r: dict) -> str:

@@ -78,6 +78,9 @@ def vllm_flags(knobs: dict, device: str = "cuda") -> VllmFlags:
         elif name == "cudagraph_capture_sizes" and v is not None:
             flags += ["--compilation-config",
                       json.dumps({"cudagraph_capture_sizes": list(v)})]
+        elif name == "speculative_config":
+            if v is not None:
+                flags += ["--speculative-config", json.dumps(v)]
         elif v != getattr(EngineConfig(), name, None):
             unmapped[name] = "no vLLM flag for this workbench knob"
     return VllmFlags(flags, unmapped, ascend)

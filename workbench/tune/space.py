@@ -4,8 +4,13 @@ Knobs are EngineConfig fields under their own names. Where a knob has a fixed se
 its domain is read from where the engine defines it: block sizes from the device's attention
 backends (`platforms.block_sizes`), graph modes from `config.GRAPH_MODES` where the device
 captures graphs (`platforms.graph_modes`: 'eager' alone on the CPU), preemption modes from
-`config.PREEMPTION_MODES`, switches as True/False. On a modelled device ('model:h200') the
-domains are those of the kind of device it models (CUDA's for the H200). Numeric knobs have no fixed set: their
+`config.PREEMPTION_MODES`, switches as True/False, speculative decoding
+(`speculative_config`, vLLM's dict) as off or prompt lookup with k = 2, 4 or 8 drafted tokens
+(a draft model needs its source: give those values yourself, e.g. `--knob
+'speculative_config=None,{"method": "draft_model", "model": "smollm2", "quantization":
+"gguf-a8", "num_speculative_tokens": 4}'`). On a modelled device ('model:h200') the
+domains are those of the kind of device it models (CUDA's for the H200; speculative decoding
+off: it is not modelled). Numeric knobs have no fixed set: their
 default ladders double up and down from EngineConfig's own default (max_num_seqs 64 ->
 8..128), which a caller narrows or replaces (`Space({"max_num_seqs": (8, 16, 32)})`).
 
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+import json
 import random
 from dataclasses import MISSING, fields
 
@@ -28,6 +34,44 @@ FIXED = ("model", "device")
 
 WAITING_TIMEOUT_LADDER_MS = (0.0, 2.0, 5.0, 10.0, 20.0)
 """waiting_timeout_ms's default is 0 (no wait), so it has no default to double from."""
+
+SPEC_K_LADDER = (2, 4, 8)
+"""num_speculative_tokens tried with prompt lookup (speculative_config's default domain)."""
+
+
+def _hashable(v):
+    """A knob value as a key (speculative_config's values are dicts)."""
+    return json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else v
+
+
+def _split_values(text: str) -> list[str]:
+    """`v1,v2,...` split at the commas outside brackets and quotes (a dict value has its own)."""
+    out, depth, quote, start = [], 0, None, 0
+    for i, ch in enumerate(text):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "{[(":
+            depth += 1
+        elif ch in "}])":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append(text[start:i])
+            start = i + 1
+    return out + [text[start:]]
+
+
+def _literal(text: str):
+    """A value as written: a Python literal, JSON (a dict with true/null), else the word."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        pass
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def _default(name: str):
@@ -68,6 +112,10 @@ def knob_domain(name: str, device: str) -> tuple:
         return _ladder(_default(name), 0, 3)
     if name == "waiting_timeout_ms":
         return WAITING_TIMEOUT_LADDER_MS
+    if name == "speculative_config":
+        if parse_device(device) is not None:
+            return (None,)                    # a modelled device does not model drafting
+        return (None, *({"method": "ngram", "num_speculative_tokens": k} for k in SPEC_K_LADDER))
     raise ValueError(f"space: {name!r} has no default domain; give its values "
                      f"(knobs with one: {', '.join(TUNABLE)})")
 
@@ -87,7 +135,10 @@ class Space:
             if name in FIXED:
                 raise ValueError(f"space: {name!r} says what is tuned and where; set it on the "
                                  f"base config, not in the space")
-            values = tuple(dict.fromkeys(values if isinstance(values, (list, tuple)) else [values]))
+            distinct: dict = {}
+            for v in values if isinstance(values, (list, tuple)) else [values]:
+                distinct.setdefault(_hashable(v), v)
+            values = tuple(distinct.values())
             if not values:
                 raise ValueError(f"space: {name!r} has no values to try")
             for v in values:
@@ -122,15 +173,7 @@ class Space:
             if not eq:
                 out[name] = knob_domain(name, device)
                 continue
-            vals = []
-            for text in rest.split(","):
-                text = text.strip()
-                if not text:
-                    continue
-                try:
-                    vals.append(ast.literal_eval(text))
-                except (ValueError, SyntaxError):
-                    vals.append(text)
+            vals = [_literal(text.strip()) for text in _split_values(rest) if text.strip()]
             if not vals:
                 raise ValueError(f"space: {name!r} has no values to try (write {name}=v1,v2)")
             out[name] = vals
@@ -176,7 +219,7 @@ class Space:
         seen = set()
 
         def take(p: dict) -> None:
-            key = tuple(sorted(p.items(), key=lambda kv: kv[0]))
+            key = tuple(sorted((k, _hashable(v)) for k, v in p.items()))
             if key not in seen and self.valid(p, base):
                 seen.add(key)
                 out.append(p)
