@@ -119,6 +119,14 @@ class TorchMetadata(AttentionMetadata):
     prefill_context: list[tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=list)
     """Per chunk: the pool rows holding its context [0, ctx_len) and its [n, ctx_len] causal
     mask, or None for a chunk with no cached prefix (its own K/V is the whole context)."""
+    prefill_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    """For a decode kernel (CpuAttention), where every chunk is a few tokens on cached context
+    (a speculative verify step's k + 1): one row per chunk token, its chunk's block table
+    and its own causal length ([tokens, width], [tokens]), so each token is a decode."""
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The decode rows and prefill_rows together, one per token of the step, where every
+    token is a decode (CpuAttention; what decode_layers runs the whole step on); None
+    otherwise."""
 
 
 class AttentionBackend:

@@ -10,6 +10,13 @@ import torch
 from . import cpu_kernels
 from .attention import TorchAttention
 
+SHORT_CHUNK = 16
+"""A prefill chunk of at most this many tokens on a cached context (a speculative verify's
+k + 1, a short turn after a cached prefix) runs as that many decode rows: the decode kernel
+reads the context once per token, which at these lengths costs less than gathering it for
+the reference (and there is no prefill kernel without AVX-512), and the whole step can run
+in decode_layers."""
+
 
 class CpuAttention(TorchAttention):
     """The reference, with decodes in the C++ paged decode kernel (fp32 or bf16: a bf16 pool
@@ -29,16 +36,33 @@ class CpuAttention(TorchAttention):
 
     def build(self, common):
         """The reference's, but the kernel reads the decodes' rows of the step's table in
-        place (int64, contiguous, as it wants them), each only up to its length."""
+        place (int64, contiguous, as it wants them), each only up to its length; and
+        where every token is a decode (`rows`), their tables and lengths together."""
         meta = super().build(common)
-        if common.num_decode:
-            meta.decode_block_tables = common.block_table[:common.num_decode]
+        nd = common.num_decode
+        if nd:
+            meta.decode_block_tables = common.block_table[:nd]
+        if cpu_kernels.kernels() is not None:
+            if common.num_reqs == nd:
+                meta.rows = (meta.decode_block_tables, meta.decode_lens)
+            elif meta.prefill_rows is not None:
+                tables, lens = meta.prefill_rows
+                meta.rows = (torch.cat((common.block_table[:nd], tables)),
+                             torch.cat((common.seq_lens[:nd], lens))) if nd else (tables, lens)
         return meta
 
     def build_prefill(self, meta, common) -> None:
-        """The kernel's inputs (views of the step's tensors); the reference's gathered
-        contexts only while the kernel is not built."""
+        """The kernel's inputs (views of the step's tensors), or one decode row per token
+        where every chunk is short on a cached context (SHORT_CHUNK); the reference's
+        gathered contexts only while the kernel is not built."""
         nd = common.num_decode
+        if cpu_kernels.kernels() is not None and all(
+                e - s <= SHORT_CHUNK and ctx > e - s for s, e, ctx in meta.prefills):
+            sizes = torch.tensor([e - s for s, e, _ in meta.prefills])
+            meta.prefill_rows = (
+                common.block_table[nd:].repeat_interleave(sizes, 0),
+                torch.cat([torch.arange(ctx - (e - s) + 1, ctx + 1) for s, e, ctx in meta.prefills]))
+            return
         meta.prefill_block_tables = common.block_table[nd:]
         meta.prefill_query_start = common.query_start_loc[nd:] - nd
         meta.prefill_lens = common.seq_lens[nd:]
@@ -55,6 +79,9 @@ class CpuAttention(TorchAttention):
     def prefill(self, q, k, v, k_cache, v_cache, meta, scale: float) -> list:
         if not meta.prefills:
             return []
+        if meta.prefill_rows is not None:
+            return [cpu_kernels.kernels().paged_decode_attention(q, k_cache, v_cache,
+                                                                 *meta.prefill_rows, scale)]
         kernel = self._prefill_kernel()
         if kernel is None:
             return super().prefill(q, k, v, k_cache, v_cache, meta, scale)

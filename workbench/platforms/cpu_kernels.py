@@ -30,7 +30,8 @@ log = logging.getLogger("workbench")
 _CSRC = [Path(__file__).parent / "csrc" / name for name in ("bindings.cpp", "cpu_attention.cpp",
                                                              "cpu_ops.cpp", "cpu_quant.cpp",
                                                              "cpu_a8.cpp")]
-_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_dtype.h", "cpu_torch.h", "cpu_packed.h")]
+_HEADERS = [Path(__file__).parent / "csrc" / name
+            for name in ("cpu_dtype.h", "cpu_torch.h", "cpu_packed.h", "cpu_small_m.h")]
 """Included by the sources: part of what the module depends on (kernel_key), not compiled."""
 _kernels = None
 MARCH_ENV = "WORKBENCH_CPU_MARCH"

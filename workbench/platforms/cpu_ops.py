@@ -24,6 +24,8 @@ from .ops import TorchOps
 from .quant import FORMATS, UNTILED, PackedWeight, a8_linear
 
 _DTYPES = (torch.float32, torch.bfloat16)
+KERNEL_ROWS = 16
+"""The most rows small_m_linear and decode_layers take (kSmallM in csrc/cpu_small_m.h)."""
 TILED_CODES = {FORMATS[f] for f in UNTILED}
 
 
@@ -122,26 +124,32 @@ class CpuOps(TorchOps):
     _weights: list | None = None
 
     def decode_layers(self, model, x, cos, sin, kv_caches, meta):
-        """Batch-1 decode through every layer in one C++ call (`decode_layers` in
-        csrc/cpu_ops.cpp), for fp32 or bf16 Llama layers without biases or q/k norms whose attention
-        runs on this platform's kernels: the same kernels the layer loop calls, without the
+        """A step whose every token is a decode (`meta.rows`: a batch of up to 16 decodes, or
+        a speculative verify step's few tokens on cached context) through every layer in one
+        C++ call (`decode_layers` in csrc/cpu_ops.cpp), for fp32 or bf16 Llama layers without
+        biases or q/k norms whose attention runs on this platform's kernels: the same kernels
+        the layer loop calls for those rows (`linear`'s choice included), without the
         interpreter between them. Anything else runs the loop."""
         k = cpu_kernels.kernels()
         if k and not self._kernel_seen:
             self._arrived()
-        if not (k and x.shape[0] == 1 and meta.num_decode == 1 and x.dtype in _DTYPES
+        rows, m = getattr(meta, "rows", None), x.shape[0]
+        if not (k and rows is not None and m <= KERNEL_ROWS and x.dtype in _DTYPES
                 and isinstance(meta.backend, CpuAttention)):
             return None
         if self._layers is not model.layers:
             self._layers, self._weights = model.layers, _fusable_weights(model)
-        if self._weights is None or (any(f in TILED_CODES for f in self._weights[1])
-                                     and not hasattr(k, "a8_linear")):
-            return None                  # tiled weights need the VNNI kernel
-        attn = model.layers[0].self_attn
+        if self._weights is None:
+            return None
         weights, formats = self._weights
+        linears = {f for i, f in enumerate(formats) if i % 6 not in (0, 3)}
+        if (linears & TILED_CODES and not hasattr(k, "a8_linear")) \
+                or (m > 1 and (FORMATS["bf16c"] in linears           # not linear's rows here
+                               or (0 in linears and m > small_m_rows(x.dtype)))):
+            return None
+        attn = model.layers[0].self_attn
         return k.decode_layers(x, weights, formats, [c[0] for c in kv_caches],
-                               [c[1] for c in kv_caches], cos, sin,
-                               meta.decode_block_tables, meta.decode_lens, meta.slot_mapping,
+                               [c[1] for c in kv_caches], cos, sin, *rows, meta.slot_mapping,
                                attn.num_heads, attn.num_kv_heads,
                                model.layers[0].input_layernorm.eps, attn.scale)
 

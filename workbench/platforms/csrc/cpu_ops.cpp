@@ -317,130 +317,7 @@ at::Tensor gemv(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias)
   return y;
 }
 
-// x [M, K] @ weight [N, K]^T (+ bias) -> [M, N] for a few rows (2 <= M <= kSmallM): a
-// speculative decoding verify step (k + 1 tokens of one request) or a small batch. Each
-// weight row is read from memory once for all M rows (torch's F.linear at these M took
-// 1.5-5x a GEMV on the AVX2 EPYC, docs/benchmarks.md): each thread streams a contiguous range
-// of rows, four at a time, and multiplies them, while they are in L1, by every row of x, two
-// at a time: eight independent fp32 sums of 8-lane vectors, the four weight vectors in
-// registers (6 loads per 8 FMAs). At 2 rows that costs about one GEMV; from 4 up, on a CPU
-// with two 128-bit FMA units (Zen 1) the arithmetic rather than the weights is the bound.
-// bf16: the four weight rows widened to fp32 first (exact), fp32 sums, one rounding after
-// the bias, as torch's bf16 linear. The sums are in another order than torch's: results
-// differ from F.linear's by an ulp or so (fp32), a bf16 unit now and then.
-static constexpr int64_t kSmallM = 16;
-
-// These sums contract a * b + c into one FMA wherever the ISA has one (the rest of the file
-// keeps contraction off for torch's bits); a plain x86-64 build multiplies and adds.
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=fast")
-
-// The compiler's generic vectors: 8 lanes where there is AVX (one ymm), else 4 (one NEON or
-// SSE register: 8 there made gcc keep the sums on the stack), so that each weight vector is
-// loaded once for both x rows (an `omp simd` loop reloaded it per x row: 10 loads per 8
-// FMAs, and Zen 1 splits each 256-bit load in two).
-#if defined(__AVX__)
-static constexpr int kLanes = 8;
-#else
-static constexpr int kLanes = 4;
-#endif
-typedef float vf __attribute__((vector_size(4 * kLanes)));
-static inline vf loadv(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-static inline float hsum(vf v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
-
-static void dot_4x2(const float* __restrict w, int64_t K, const float* __restrict x0,
-                    const float* __restrict x1, float* s) {
-  vf a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
-  int64_t k = 0;
-  for (; k + kLanes <= K; k += kLanes) {
-    const vf u = loadv(x0 + k), v = loadv(x1 + k);
-    vf w0 = loadv(w + k), w1 = loadv(w + K + k), w2 = loadv(w + 2 * K + k),
-        w3 = loadv(w + 3 * K + k);
-#if defined(__AVX__)
-    __asm__("" : "+x"(w0), "+x"(w1), "+x"(w2), "+x"(w3));   // in registers: gcc would
-#endif                                                       // fold each load into both FMAs
-    a0 += w0 * u, a1 += w1 * u, a2 += w2 * u, a3 += w3 * u;
-    b0 += w0 * v, b1 += w1 * v, b2 += w2 * v, b3 += w3 * v;
-  }
-  float t[8] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3),
-                hsum(b0), hsum(b1), hsum(b2), hsum(b3)};
-  for (; k < K; ++k)
-    for (int i = 0; i < 4; ++i) {
-      t[i] += w[i * K + k] * x0[k];
-      t[4 + i] += w[i * K + k] * x1[k];
-    }
-  for (int i = 0; i < 8; ++i) s[i] = t[i];
-}
-
-static void dot_4x1(const float* __restrict w, int64_t K, const float* __restrict x0,
-                    float* s) {
-  vf a0 = {}, a1 = {}, a2 = {}, a3 = {};
-  int64_t k = 0;
-  for (; k + kLanes <= K; k += kLanes) {
-    const vf u = loadv(x0 + k);
-    a0 += loadv(w + k) * u, a1 += loadv(w + K + k) * u;
-    a2 += loadv(w + 2 * K + k) * u, a3 += loadv(w + 3 * K + k) * u;
-  }
-  float t[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
-  for (; k < K; ++k)
-    for (int i = 0; i < 4; ++i) t[i] += w[i * K + k] * x0[k];
-  for (int i = 0; i < 4; ++i) s[i] = t[i];
-}
-
-static float dot_1(const float* __restrict w, const float* __restrict x, int64_t K) {
-  vf a = {};
-  int64_t k = 0;
-  for (; k + kLanes <= K; k += kLanes) a += loadv(w + k) * loadv(x + k);
-  float t = hsum(a);
-  for (; k < K; ++k) t += w[k] * x[k];
-  return t;
-}
-
-#pragma GCC pop_options
-
-// Rows [n, n + 4) of the weight (fp32; `w` already points at row n) against x's M rows;
-// put(m, n + i, sum).
-template <class Put>
-static inline void small_m_rows4(const float* w, int64_t K, const float* x, int64_t M,
-                                 int64_t n, Put put) {
-  float s[8];
-  int64_t m = 0;
-  for (; m + 2 <= M; m += 2) {
-    dot_4x2(w, K, x + m * K, x + (m + 1) * K, s);
-    for (int i = 0; i < 4; ++i) put(m, n + i, s[i]), put(m + 1, n + i, s[4 + i]);
-  }
-  if (m < M) {
-    dot_4x1(w, K, x + m * K, s);
-    for (int i = 0; i < 4; ++i) put(m, n + i, s[i]);
-  }
-}
-
-// row(n, buf) -> row n in fp32 (buf: room for 4 rows; the weight itself where it is fp32).
-template <class Row, class Put>
-static void small_m_gemm(int64_t M, int64_t N, int64_t K, const float* x, Row row, Put put) {
-  at::parallel_for(0, (N + 3) / 4, 1, [&](int64_t g0, int64_t e) {
-    std::vector<float> buf(4 * K);
-    for (int64_t g = g0; g < e; ++g) {
-      const int64_t n = g * 4;
-      if (n + 4 <= N) {
-        small_m_rows4(row(n, 4, buf.data()), K, x, M, n, put);
-      } else {
-        for (int64_t i = n; i < N; ++i) {
-          const float* r = row(i, 1, buf.data());
-          for (int64_t m = 0; m < M; ++m) put(m, i, dot_1(r, x + m * K, K));
-        }
-      }
-    }
-  });
-}
+#include "cpu_small_m.h"
 
 at::Tensor small_m_linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias) {
   const bool bf = is_bf16("small_m_linear", {&x, &weight});
@@ -478,26 +355,32 @@ at::Tensor small_m_linear(at::Tensor x, at::Tensor weight, c10::optional<at::Ten
   return y;
 }
 
-// Batch-1 decode through every layer in one call: a Llama layer without biases or q/k norms
-// (SmolLM2, Llama), fp32 or bf16, the same kernels the model calls one by one (so the same numbers),
-// without the Python between them: at batch 1 that interpreter and dispatch time, about
-// 60 calls per layer, was the largest cost after reading the weights.
+// A decode step through every layer in one call: a Llama layer without biases or q/k norms
+// (SmolLM2, Llama), fp32 or bf16, the same kernels the model calls one by one (so the same
+// numbers), without the Python between them: at batch 1 that interpreter and dispatch time,
+// about 60 calls per layer, was the largest cost after reading the weights. Up to kSmallM
+// rows, each a decode with its own block table and length: a small batch, or a speculative
+// verify step's k + 1 tokens (each its chunk's table and its own causal length: the K/V of
+// every row is written before any row attends).
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                      at::Tensor block_tables, at::Tensor context_lens,
                                      double scale);
 
 at::Tensor qlinear(at::Tensor x, at::Tensor w, int64_t fmt);   // cpu_quant.cpp
 
-// fmt 0: a dense weight (fp32, or bf16 in a bf16 model); else a packed one (cpu_quant.cpp's formats).
+// fmt 0: a dense weight (fp32, or bf16 in a bf16 model); else a packed one (cpu_quant.cpp's
+// formats). CpuOps.linear's choice for the same rows (the caller checks that it is this one).
 static at::Tensor linear1(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
   if (fmt != 0) return qlinear(x, w, fmt);
+  if (x.size(0) > 1) return small_m_linear(x, w, c10::nullopt);
   return gemv(x, w, c10::nullopt);
 }
 
-// x: layer 0's input [1, hidden]; weights: per layer input norm, qkv, o, post-attention
-// norm, gate_up, down, and formats: each weight's (0: dense, else packed); k_caches / v_caches: per layer [kvH, num_blocks, block_size, D];
-// cos / sin: [1, 1, D]; block_tables, context_lens, slot_mapping: the step's (one row).
-// Returns (the last layer's MLP output, the residual stream before it), as the layers do.
+// x: layer 0's input [M, hidden]; weights: per layer input norm, qkv, o, post-attention
+// norm, gate_up, down, and formats: each weight's (0: dense, else packed); k_caches /
+// v_caches: per layer [kvH, num_blocks, block_size, D]; cos / sin: [M, 1, D]; block_tables
+// [M, width], context_lens [M], slot_mapping [M]: each row's. Returns (the last layer's MLP
+// output, the residual stream before it), as the layers do.
 std::vector<at::Tensor> decode_layers(at::Tensor x, std::vector<at::Tensor> weights,
                                          std::vector<int64_t> formats,
                                          std::vector<at::Tensor> k_caches,
@@ -507,9 +390,11 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, std::vector<at::Tensor> weig
                                          int64_t num_heads, int64_t num_kv_heads, double eps,
                                          double scale) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
-  TORCH_CHECK(x.size(0) == 1 && static_cast<int64_t>(weights.size()) == 6 * L &&
+  const int64_t M = x.size(0);
+  TORCH_CHECK(M >= 1 && M <= kSmallM && static_cast<int64_t>(weights.size()) == 6 * L &&
               formats.size() == weights.size() &&
-              static_cast<int64_t>(v_caches.size()) == L, "decode_layers: one row, six weights a layer");
+              static_cast<int64_t>(v_caches.size()) == L,
+              "decode_layers: 1 to ", kSmallM, " rows, six weights a layer");
   const int64_t D = k_caches[0].size(-1);
   at::Tensor residual;
   for (int64_t l = 0; l < L; ++l) {
@@ -524,13 +409,13 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, std::vector<at::Tensor> weig
       h = hr[0];
       residual = hr[1];
     }
-    auto qkv = linear1(h, w[1], f[1]).view({1, num_heads + 2 * num_kv_heads, D});
+    auto qkv = linear1(h, w[1], f[1]).view({M, num_heads + 2 * num_kv_heads, D});
     auto qk = rope(qkv.narrow(1, 0, num_heads + num_kv_heads), cos, sin);
     auto v = qkv.narrow(1, num_heads + num_kv_heads, num_kv_heads);
     write_kv(k_caches[l], v_caches[l], qk.narrow(1, num_heads, num_kv_heads), v, slot_mapping);
     auto o = paged_decode_attention(qk.narrow(1, 0, num_heads), k_caches[l], v_caches[l],
                                     block_tables, context_lens, scale);
-    auto hr = add_rms_norm(linear1(o.view({1, num_heads * D}), w[2], f[2]), residual, w[3], eps);
+    auto hr = add_rms_norm(linear1(o.view({M, num_heads * D}), w[2], f[2]), residual, w[3], eps);
     residual = hr[1];
     x = linear1(silu_and_mul(linear1(hr[0], w[4], f[4])), w[5], f[5]);
   }

@@ -18,6 +18,7 @@
 // cache) and multiply it with torch's GEMM, fp32 or, for bf16 activations, bf16 (AMX).
 #include "cpu_dtype.h"
 #include "cpu_packed.h"
+#include "cpu_small_m.h"
 
 #include <algorithm>
 #include <cstring>
@@ -502,11 +503,12 @@ at::Tensor bf16c_gemv(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias
 #endif
 
 #ifndef __AVX512F__
-// The portable kernels of the row formats (no AVX-512): M rows of x (batch 1, a few
-// decodes) against four weight rows at a time, each row dequantized once into a small
-// buffer (dequant_row: the reference's numbers) and multiplied with every x row by the
-// portable dot products (cpu_dtype.h), so the weights are read once a step in their packed
-// bytes, as the AVX-512 kernels read them.
+// The portable kernels of the row formats (no AVX-512). Batch 1: qrow_dot, each packed row
+// against x without a buffer. 2-16 rows (a verify step, a few decodes): four weight rows at
+// a time dequantized once into a buffer that stays in L1 (dequant_row: the reference's
+// numbers) and multiplied with every x row, two at a time, by small_m_gemm
+// (cpu_small_m.h, small_m_linear's loop), so the weights are read once a step in their
+// packed bytes, as the AVX-512 kernels read them.
 static constexpr int64_t kSmallRows = 16;
 
 // One packed row . x at batch 1, without a buffer: sixteen lanes of sums (acc, kept in
@@ -571,22 +573,10 @@ static at::Tensor qrows(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
     });
     return y;
   }
-  at::parallel_for(0, (N + 3) / 4, 1, [&](int64_t g0, int64_t e) {
-    std::vector<float> buf(4 * K);
-    float t[4];
-    for (int64_t g = g0; g < e; ++g) {
-      const int64_t n = g * 4, r = std::min<int64_t>(4, N - n);
-      for (int64_t i = 0; i < r; ++i) dequant_row(wp + (n + i) * rb, fmt, K, buf.data() + i * K);
-      for (int64_t m = 0; m < M; ++m) {
-        if (r == 4) {
-          dot_rows4(buf.data(), K, xp + m * K, K, t);
-        } else {
-          for (int64_t i = 0; i < r; ++i) t[i] = dot_row(buf.data() + i * K, xp + m * K, K);
-        }
-        for (int64_t i = 0; i < r; ++i) yp[m * N + n + i] = t[i];
-      }
-    }
-  });
+  small_m_gemm(M, N, K, xp, [&](int64_t n, int64_t rows, float* buf) {
+    for (int64_t i = 0; i < rows; ++i) dequant_row(wp + (n + i) * rb, fmt, K, buf + i * K);
+    return static_cast<const float*>(buf);
+  }, [&](int64_t m, int64_t n, float v) { yp[m * N + n] = v; });
   return y;
 }
 
