@@ -165,7 +165,8 @@ def cmd_bench(a) -> int:
                          "benchmark always runs each request to its length")
     if a.speculative_config:      # the A/B beside plain decoding (bench/speculative.py)
         from .bench.speculative import main
-        return main(a.model or "smollm2", _engine_kwargs(a), a.output)
+        return main(a.model or "smollm2", _engine_kwargs(a), a.output,
+                    batch_sizes=tuple(int(x) for x in a.spec_batches.split(",") if x))
     from .bench.offline import SAMPLING_WORKLOADS, format_table, make_workload, run, save
     from .platforms import auto_device
     if (auto_device() if a.device in (None, "auto") else a.device) == "cpu":
@@ -338,6 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--peers", default="hf_static,hf_batch,b1",
                    help="comma list of hf_static, hf_batch, b1, or none")
     b.add_argument("--static-batch", type=int, default=16)
+    b.add_argument("--spec-batches", default="1,8,32",
+                   help="with --speculative-config: the batch sizes of the A/B (comma list)")
     b.add_argument("--sampling", default="all",
                    help="sampled workloads to run beside greedy on the same requests: all, "
                         "none, or a comma list of bench.offline.SAMPLING_WORKLOADS' names "

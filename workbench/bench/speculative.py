@@ -57,7 +57,7 @@ def _round(engine: Engine, prompts, params) -> tuple[float, list, dict]:
     return dt, [o.token_ids for o in outs], stats
 
 
-def run(model: str, speculative_config: dict, engine_kwargs: dict, batch_sizes=(1, 8),
+def run(model: str, speculative_config: dict, engine_kwargs: dict, batch_sizes=(1, 8, 32),
         kinds=("grounded", "open"), max_tokens: int = 128, rounds: int = 3, log=print) -> dict:
     kw = {k: v for k, v in engine_kwargs.items() if k != "speculative_config"}
     plain = Engine(model=model, **kw)
@@ -145,11 +145,11 @@ def format_table(report: dict) -> str:
     return "\n".join([head, *map(format_row, report["rows"])])
 
 
-def main(model: str, engine_kwargs: dict, output: str | None) -> int:
+def main(model: str, engine_kwargs: dict, output: str | None, batch_sizes=(1, 8, 32)) -> int:
     """`workbench bench --speculative-config '<json>'`: the table, and the JSON report."""
     import json
     import sys
-    report = run(model, engine_kwargs["speculative_config"], engine_kwargs,
+    report = run(model, engine_kwargs["speculative_config"], engine_kwargs, batch_sizes,
                  log=lambda s: print(s, file=sys.stderr))
     print(format_table(report))
     if output:
