@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
-from pathlib import Path
 
-from .launch import notebooks_dir, run_jupyter, run_lab
+from .launch import run_dashboard, run_lab
 from .config import (ATTENTION_BACKENDS, BLOCK_SIZES, DEVICES, DTYPES, GENERATION_CONFIGS,
                      GRAPH_MODES, QUANTIZATIONS, REASONING_PARSERS, TOOL_CALL_PARSERS,
                      EngineConfig)
@@ -134,7 +134,6 @@ def cmd_generate(a) -> int:
 
 
 def cmd_bench_serving(a) -> int:
-    import json
 
     import httpx
 
@@ -149,12 +148,17 @@ def cmd_bench_serving(a) -> int:
     except (RemoteError, httpx.HTTPError) as e:
         print(f"error: {a.url}: {e}", file=sys.stderr)
         return 2
-    print(format_report(report))
-    if a.output:
-        with open(a.output, "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"wrote {a.output}", file=sys.stderr)
+    _report(format_report(report), report, a.output)
     return 0 if report["failed"] == 0 else 1
+
+
+def _report(table: str, report: dict, output: str | None) -> None:
+    """A benchmark's table on stdout, and its JSON report where --output names a file."""
+    print(table)
+    if output:
+        with open(output, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {output}", file=sys.stderr)
 
 
 def cmd_bench(a) -> int:
@@ -164,10 +168,13 @@ def cmd_bench(a) -> int:
         raise ValueError("--ignore-eos/--no-ignore-eos: only for a server (--url); the offline "
                          "benchmark always runs each request to its length")
     if a.speculative_config:      # the A/B beside plain decoding (bench/speculative.py)
-        from .bench.speculative import main
-        return main(a.model or "smollm2", _engine_kwargs(a), a.output,
-                    batch_sizes=tuple(int(x) for x in a.spec_batches.split(",") if x))
-    from .bench.offline import SAMPLING_WORKLOADS, format_table, make_workload, run, save
+        from .bench import speculative
+        kw = _engine_kwargs(a)
+        report = speculative.run(a.model or "smollm2", kw["speculative_config"], kw,
+                                 tuple(a.spec_batches), log=lambda s: print(s, file=sys.stderr))
+        _report(speculative.format_table(report), report, a.output)
+        return 0
+    from .bench.offline import SAMPLING_WORKLOADS, format_table, make_workload, run
     from .platforms import auto_device
     if (auto_device() if a.device in (None, "auto") else a.device) == "cpu":
         from .platforms.cpu_kernels import ensure_kernel_built    # measure the kernel, never the fallback
@@ -179,10 +186,7 @@ def cmd_bench(a) -> int:
                             a.seed) if a.num_requests else None)
         report = formats.run(tuple(x for x in a.formats.split(",") if x), a.model or "smollm2",
                              workload=wl, engine_kwargs=kw, log=lambda s: print(s, file=sys.stderr))
-        print(formats.format_table(report))
-        if a.output:
-            save(report, a.output)
-            print(f"wrote {a.output}", file=sys.stderr)
+        _report(formats.format_table(report), report, a.output)
         return 0
     sampling = (tuple(SAMPLING_WORKLOADS) if a.sampling == "all"
                 else tuple(x for x in a.sampling.split(",") if x and x != "none"))
@@ -191,16 +195,11 @@ def cmd_bench(a) -> int:
                  out_range=_range(a.output_len), seed=a.seed, peers=peers,
                  static_batch=a.static_batch, engine_kwargs=_engine_kwargs(a),
                  log=lambda s: print(s, file=sys.stderr), sampling=sampling)
-    print(format_table(report))
-    if a.output:
-        save(report, a.output)
-        print(f"wrote {a.output}", file=sys.stderr)
+    _report(format_table(report), report, a.output)
     return 0
 
 
 def cmd_serve(a) -> int:
-    import os
-
     from . import Engine
     try:
         from .serving.app import serve
@@ -246,14 +245,7 @@ def cmd_serve(a) -> int:
 
 
 def cmd_dashboard(a) -> int:
-    import os
-    nb = notebooks_dir() / "dashboard.ipynb"
-    # notebooks/.voila holds the `workbench` Voila template: Voila's lab template without
-    # its CDN links, so the page makes no request beyond this server.
-    templates = str(notebooks_dir() / ".voila")
-    env = {"WORKBENCH_DEVICE": a.device,
-           "JUPYTER_PATH": os.pathsep.join(filter(None, [templates,
-                                                         os.environ.get("JUPYTER_PATH")]))}
+    env = {"WORKBENCH_DEVICE": a.device}
     if a.replay:
         if a.url or a.model:
             raise ValueError("--replay plays a recorded trace; it takes no --url or --model")
@@ -261,7 +253,7 @@ def cmd_dashboard(a) -> int:
             raise ValueError(f"--speed: must be in (0, 1000] (got {a.speed})")
         from .trace import Trace
         Trace.load(a.replay)                    # a bad file fails here (TraceError), not in the page
-        env["WORKBENCH_REPLAY"] = str(Path(a.replay).resolve())
+        env["WORKBENCH_REPLAY"] = os.path.realpath(a.replay)
         env["WORKBENCH_REPLAY_SPEED"] = str(a.speed)
         if a.paused:
             env["WORKBENCH_REPLAY_PAUSED"] = "1"
@@ -280,17 +272,7 @@ def cmd_dashboard(a) -> int:
         env["WORKBENCH_URL"] = a.url
         if a.api_key:
             env["WORKBENCH_API_KEY"] = a.api_key
-    args = [str(nb), "--no-browser", f"--port={a.port}", f"--Voila.ip={a.host}",
-            "--template=workbench", "--strip_sources=True", "--show_tracebacks=True",
-            "--Voila.port_retries=0",
-            # A kernel whose page is gone (no websocket) and that has been idle this long is
-            # shut down: each one holds an engine (1-2 GB with smollm2).
-            f"--MappingKernelManager.cull_idle_timeout={a.kernel_idle_timeout}",
-            f"--MappingKernelManager.cull_interval={max(1, min(10, a.kernel_idle_timeout // 2))}",
-            "--MappingKernelManager.cull_connected=False"]
-    if a.browser:
-        args.remove("--no-browser")
-    return run_jupyter("voila", args, env, f"dashboard: http://{a.host}:{a.port}/")
+    return run_dashboard(env, a.host, a.port, a.kernel_idle_timeout, a.browser)
 
 
 def cmd_lab(a) -> int:
@@ -339,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--peers", default="hf_static,hf_batch,b1",
                    help="comma list of hf_static, hf_batch, b1, or none")
     b.add_argument("--static-batch", type=int, default=16)
-    b.add_argument("--spec-batches", default="1,8,32",
+    b.add_argument("--spec-batches", type=_int_list, default=[1, 8, 32],
                    help="with --speculative-config: the batch sizes of the A/B (comma list)")
     b.add_argument("--sampling", default="all",
                    help="sampled workloads to run beside greedy on the same requests: all, "

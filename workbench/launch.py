@@ -189,3 +189,26 @@ class ServeProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def run_dashboard(env: dict[str, str], host: str, port: int, kernel_idle_timeout: int,
+                  browser: bool) -> int:
+    """Voila serving notebooks/dashboard.ipynb with the `workbench` template; `env`: what the
+    page reads (WORKBENCH_* variables, checked by cli.py's `dashboard`)."""
+    import os
+    # notebooks/.voila holds the `workbench` Voila template: Voila's lab template without
+    # its CDN links, so the page makes no request beyond this server.
+    templates = str(notebooks_dir() / ".voila")
+    env = {**env, "JUPYTER_PATH": os.pathsep.join(filter(None, [templates,
+                                                                os.environ.get("JUPYTER_PATH")]))}
+    args = [str(notebooks_dir() / "dashboard.ipynb"), "--no-browser", f"--port={port}",
+            f"--Voila.ip={host}", "--template=workbench", "--strip_sources=True",
+            "--show_tracebacks=True", "--Voila.port_retries=0",
+            # A kernel whose page is gone (no websocket) and that has been idle this long is
+            # shut down: each one holds an engine (1-2 GB with smollm2).
+            f"--MappingKernelManager.cull_idle_timeout={kernel_idle_timeout}",
+            f"--MappingKernelManager.cull_interval={max(1, min(10, kernel_idle_timeout // 2))}",
+            "--MappingKernelManager.cull_connected=False"]
+    if browser:
+        args.remove("--no-browser")
+    return run_jupyter("voila", args, env, f"dashboard: http://{host}:{port}/")

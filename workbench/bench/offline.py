@@ -8,7 +8,6 @@ Reports ratios, since only figures from one run on one machine compare.
 """
 from __future__ import annotations
 
-import json
 import platform
 import random
 import statistics
@@ -418,6 +417,3 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def save(report: dict, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2)

@@ -12,7 +12,6 @@ produce the same tokens (checked).
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from ..engine import Engine
 from ..core.sampling_params import SamplingParams
@@ -143,16 +142,3 @@ def format_table(report: dict) -> str:
     head = (f"speculative decoding {report['speculative_config']} on {report['model']} "
             f"({report['engine']}), best of {report['rounds']} interleaved rounds")
     return "\n".join([head, *map(format_row, report["rows"])])
-
-
-def main(model: str, engine_kwargs: dict, output: str | None, batch_sizes=(1, 8, 32)) -> int:
-    """`workbench bench --speculative-config '<json>'`: the table, and the JSON report."""
-    import json
-    import sys
-    report = run(model, engine_kwargs["speculative_config"], engine_kwargs, batch_sizes,
-                 log=lambda s: print(s, file=sys.stderr))
-    print(format_table(report))
-    if output:
-        Path(output).write_text(json.dumps(report, indent=1))
-        print(f"wrote {output}", file=sys.stderr)
-    return 0
