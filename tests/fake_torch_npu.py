@@ -407,10 +407,15 @@ class NPUGraph:
                                 else list(value)
 
 
-class _Recorder(TorchDispatchMode):
+class _RuntimeMode(TorchDispatchMode):
+    """A dispatch mode that sees every aten op on behalf of the fake's runtime."""
+
     def __init__(self, rt):
         super().__init__()
         self.rt = rt
+
+
+class _Recorder(_RuntimeMode):
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -428,15 +433,11 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-class _StreamOrder(TorchDispatchMode):
+class _StreamOrder(_RuntimeMode):
     """On install()'s thread, for the whole test: an aten op that reads or writes memory (any
     op with a tensor argument but views, which only make a new view of it), issued on a
     stream with replays queued, runs them first: on hardware it would run after them. An op
     issued on another stream does not (NpuRuntime.run_queued)."""
-
-    def __init__(self, rt):
-        super().__init__()
-        self.rt = rt
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
