@@ -82,14 +82,24 @@ def test_the_choice_is_measured_once_per_build_and_kept(kern, tmp_path):
     from workbench.platforms import cpu_choice
     rows = cpu_choice.small_m_rows(tmp_path, kern, reps=1)
     kept = json.loads((tmp_path / cpu_choice.SMALL_M_FILE).read_text())
-    assert kept["rows"] == rows and set(rows) == {"float32", "bfloat16"}
-    for dt, most in rows.items():                      # the rule: faster at every count to it
+    assert kept["rows"] == rows and set(rows) == {"float32", "bfloat16", "packed"}
+    for dt in ("float32", "bfloat16"):                 # the rule: faster at every count to it
+        most = rows[dt]
         for m in cpu_choice.SMALL_M:
             faster = kept["us"][f"{dt} {m} small_m"] < kept["us"][f"{dt} {m} torch"]
             if m <= most:
                 assert faster
             elif m == min(c for c in cpu_choice.SMALL_M if c > most):
                 assert not faster
+    if "q4_1 32 packed" in kept["us"]:                 # packed rows: the same rule from 16
+        for m in cpu_choice.PACKED_M:
+            faster = kept["us"][f"q4_1 {m} packed"] < kept["us"][f"q4_1 {m} slices"]
+            if m <= rows["packed"]:
+                assert faster
+            elif m == min(c for c in cpu_choice.PACKED_M if c > rows["packed"]):
+                assert not faster
+    else:
+        assert rows["packed"] == 16
     kept["rows"] = {"float32": 4, "bfloat16": 0}       # read back, not measured again
     (tmp_path / cpu_choice.SMALL_M_FILE).write_text(json.dumps(kept))
     assert cpu_choice.small_m_rows(tmp_path, kern) == {"float32": 4, "bfloat16": 0}

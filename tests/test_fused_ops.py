@@ -271,6 +271,43 @@ def test_cpu_batch_1_decode_in_one_call_equals_the_layer_loop(model):
     assert fused.core.model.embed_tokens.weight.dtype == torch.float32
 
 
+def test_a_batch_past_16_packed_decodes_runs_in_one_call_as_the_loop():
+    """Packed weights (int8 rows) at 20 decodes a step: decode_layers takes every row (the
+    packed rows' kernel has no 16-row bound), and its logprobs are the layer loop's, with
+    qlinear on the packed rows and on dequantized slices alike."""
+    from workbench import Engine, SamplingParams
+    from workbench.platforms import cpu_kernels as cpu
+    from workbench.platforms.quant import PackedWeight
+    k = cpu.load_cpu_kernels()
+    if k is None:
+        pytest.skip("no C++ compiler: the CPU kernels could not be built")
+    kw = dict(model="random:tiny", device="cpu", num_kv_blocks=256, quantization="int8")
+    fused, loop = Engine(**kw), Engine(**kw)
+    rows = []
+    one_call = fused.core.model.ops.decode_layers
+
+    def counted(m, x, *a):
+        out = one_call(m, x, *a)
+        rows.append((x.shape[0], out is not None))
+        return out
+    fused.core.model.ops.decode_layers = counted
+    loop.core.model.ops.decode_layers = lambda *a: None
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+    prompts = [[(5 * j + 7 * i) % 200 + 1 for j in range(5 + i)] for i in range(20)]
+    old = k.set_packed_rows(0)
+    try:
+        for most in ((1, 256) if old else (old,)):
+            k.set_packed_rows(most)
+            rows.clear()
+            a, b = fused.generate(prompts, p), loop.generate(prompts, p)
+            assert [o.token_ids for o in a] == [o.token_ids for o in b], most
+            assert [o.outputs[0].logprobs for o in a] == [o.outputs[0].logprobs for o in b]
+            assert (20, True) in rows, rows
+    finally:
+        k.set_packed_rows(old)
+    assert isinstance(fused.core.model.layers[0].mlp.down_proj.weight, PackedWeight)
+
+
 def test_batch_1_decode_launches_fewer_kernels_with_the_gemv(interpreted):
     """benchmarks/launches.py counts a batch-1 decode step's device launches on the CUDA path
     (under the interpreter). As it runs now, no norm, SiLU-and-mul or KV-write launches of

@@ -155,6 +155,11 @@ def cost(figures: dict[str, float], asked: str | None, dtype: torch.dtype) -> st
 
 SMALL_M = (2, 4, 8, 16)
 """The row counts timed for small_m_linear against torch's linear (16: the kernel's most)."""
+PACKED_M = (32, 64, 128, 256)
+"""The row counts timed for packed (q4_1) weights: the kernel's qlinear on the packed rows
+(four dequantized at a time into L1, for every x row) against it on dequantized slices with
+torch's GEMM. Up to 16 rows the packed rows always run (the verify and small-batch kernels);
+256 is the most it is allowed."""
 SMALL_M_FILE = "small_m.json"
 
 
@@ -162,10 +167,12 @@ def small_m_rows(folder, k, timer: Callable[[], float] = time.perf_counter,
                  reps: int = 5) -> dict[str, int]:
     """dtype name -> the most rows for which the kernel's small_m_linear (a verify step's
     k + 1 tokens, a small batch: each weight row read once for all rows) was faster than
-    torch's batched linear at every count of SMALL_M up to it (0: at none), on SHAPES, one
-    thread, in interleaved rounds; measured once per kernel build and kept beside it as
-    `choice.json` is. Which wins is the CPU's (oneDNN with AMX against an AVX2 loop), not a
-    constant."""
+    torch's batched linear at every count of SMALL_M up to it (0: at none), and 'packed' ->
+    the most rows (16, or a count of PACKED_M) for which qlinear on q4_1's packed rows was
+    faster than on dequantized slices at every count of PACKED_M up to it (16 where the
+    build has no such choice: AVX-512's kernels keep theirs); on SHAPES, one thread, in
+    interleaved rounds; measured once per kernel build and kept beside it as `choice.json`
+    is. Which wins is the CPU's (oneDNN with AMX against an AVX2 loop), not a constant."""
     path = folder / SMALL_M_FILE
     try:
         return json.loads(path.read_text())["rows"]
@@ -185,6 +192,16 @@ def small_m_rows(folder, k, timer: Callable[[], float] = time.perf_counter,
                 (lambda x=x, w=w: k.small_m_linear(x, w, None)) for x, w in zip(xs, wd)]
             runners[f"{name} {m} torch"] = [
                 (lambda x=x, w=w: ops.batched_linear(x, w)) for x, w in zip(xs, wd)]
+    packed = k.set_packed_rows(0)                # 0: an AVX-512 build, with its own rule
+    if packed:
+        q4 = [_gguf(w, "q4_1") for w in ws]
+        for m in PACKED_M:
+            xs = [torch.randn(m, w.shape[1], generator=g) for w in ws]
+            for arm, most in (("packed", PACKED_M[-1]), ("slices", 1)):
+                runners[f"q4_1 {m} {arm}"] = [
+                    (lambda x=x, w=w, most=most: (k.set_packed_rows(most),
+                                                  k.qlinear(x, w.data, w.code)))
+                    for x, w in zip(xs, q4)]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -192,6 +209,8 @@ def small_m_rows(folder, k, timer: Callable[[], float] = time.perf_counter,
             us = measure(runners, timer, reps)
     finally:
         torch.set_num_threads(threads)
+        if packed:
+            k.set_packed_rows(packed)
     rows = {}
     for dt in ("float32", "bfloat16"):
         rows[dt] = 0
@@ -199,6 +218,11 @@ def small_m_rows(folder, k, timer: Callable[[], float] = time.perf_counter,
             if us[f"{dt} {m} small_m"] >= us[f"{dt} {m} torch"]:
                 break
             rows[dt] = m
+    rows["packed"] = 16
+    for m in PACKED_M if packed else ():
+        if us[f"q4_1 {m} packed"] >= us[f"q4_1 {m} slices"]:
+            break
+        rows["packed"] = m
     tmp = path.with_name(f"{SMALL_M_FILE}.{os.getpid()}.tmp")
     try:
         tmp.write_text(json.dumps({"rows": rows, "us": us, "shapes": SHAPES, "threads": 1},

@@ -1,14 +1,15 @@
 """The decoder's ops on the CPU in fp32 or bf16 (csrc/cpu_ops.cpp): one C++ call each instead
 of five to eight aten ops, a batch-1 GEMV that streams the weights faster than MKL's (bf16:
-AVX-512 BF16's vdpbf16ps on the stored weights), and batch-1 decode through every layer in
-one call. At batch 1 a step reads all the weights (540 MB for SmolLM2-135M in fp32, 270 in
+AVX-512 BF16's vdpbf16ps on the stored weights), and decode steps (a batch of decodes, a
+verify step's drafts) through every layer in one call. At batch 1 a step reads all the weights (540 MB for SmolLM2-135M in fp32, 270 in
 bf16) and the rest was dispatch; see docs/benchmarks.md. In bf16 each op rounds where the
 torch reference's bf16 ops round. Until the kernel module is built (the first start on a
 machine builds it in a detached process), and for other dtypes, they are the torch
 reference's. A few rows (2-16: a speculative verify step, a small batch) take
 `small_m_linear`, which reads each weight row once for all of them, up to the row count it
 measured faster than torch's matmul on this CPU (cpu_choice.small_m_rows, once per kernel
-build). Batched linear layers are torch's oneDNN matmul (AMX where the CPU has it); in
+build); packed weights stay packed up to the rows measured faster than dequantized slices
+(256 on the AVX2 EPYC). Batched linear layers are torch's oneDNN matmul (AMX where the CPU has it); in
 bf16 on the weights packed once into oneDNN's blocked layout (`CpuOps.prepacked`), which torch's
 F.linear repacks on every call: the same kernel and the same bits, 1.1-1.8x faster at
 SmolLM2's shapes from 4 to 256 rows."""
@@ -24,8 +25,9 @@ from .ops import TorchOps
 from .quant import FORMATS, UNTILED, PackedWeight, a8_linear
 
 _DTYPES = (torch.float32, torch.bfloat16)
-KERNEL_ROWS = 16
-"""The most rows small_m_linear and decode_layers take (kSmallM in csrc/cpu_small_m.h)."""
+DECODE_ROWS = 256
+"""The most rows decode_layers takes (kDecodeRows in csrc/cpu_ops.cpp); dense weights only up
+to small_m_rows (small_m_linear's most, 16)."""
 TILED_CODES = {FORMATS[f] for f in UNTILED}
 
 
@@ -112,6 +114,7 @@ class CpuOps(TorchOps):
         has no path for here dequantize again, once, at their next use)."""
         self._kernel_seen = True
         self._dense.clear()
+        small_m_rows(torch.float32)           # sets how many rows qlinear keeps packed
 
     def embedding(self, ids, weight, dtype):
         k = cpu_kernels.kernels()
@@ -124,8 +127,8 @@ class CpuOps(TorchOps):
     _weights: list | None = None
 
     def decode_layers(self, model, x, cos, sin, kv_caches, meta):
-        """A step whose every token is a decode (`meta.rows`: a batch of up to 16 decodes, or
-        a speculative verify step's few tokens on cached context) through every layer in one
+        """A step whose every token is a decode (`meta.rows`: a batch of up to DECODE_ROWS decodes,
+        and speculative verify steps' few tokens on cached context) through every layer in one
         C++ call (`decode_layers` in csrc/cpu_ops.cpp), for fp32 or bf16 Llama layers without
         biases or q/k norms whose attention runs on this platform's kernels: the same kernels
         the layer loop calls for those rows (`linear`'s choice included), without the
@@ -134,7 +137,7 @@ class CpuOps(TorchOps):
         if k and not self._kernel_seen:
             self._arrived()
         rows, m = getattr(meta, "rows", None), x.shape[0]
-        if not (k and rows is not None and m <= KERNEL_ROWS and x.dtype in _DTYPES
+        if not (k and rows is not None and m <= DECODE_ROWS and x.dtype in _DTYPES
                 and isinstance(meta.backend, CpuAttention)):
             return None
         if self._layers is not model.layers:
@@ -187,8 +190,10 @@ _onednn_bf16: bool | None = None
 
 SMALL_M_ROWS: dict[str, int] | None = None
 """dtype name -> the most rows (2..cpu_choice.SMALL_M[-1]) that take the kernel's
-`small_m_linear` (each weight row read once for all rows) instead of torch's batched linear:
-measured once per kernel build (cpu_choice.small_m_rows), read at the first use; 0: never."""
+`small_m_linear` (each weight row read once for all rows) instead of torch's batched linear
+(0: never), and 'packed' -> the most rows qlinear multiplies on packed weights' rows rather
+than on dequantized slices (the kernel is told: set_packed_rows): measured once per kernel
+build (cpu_choice.small_m_rows), read when the kernel arrives."""
 MEASURE_SMALL_M_ROWS: Callable[[object], dict[str, int]] | None = None
 """What measures them, given the kernels: set by platforms/cpu.py (cpu_choice times CpuOps,
 so this module does not import it); None: small_m_linear is never taken."""
@@ -202,6 +207,7 @@ def small_m_rows(dtype: torch.dtype) -> int:
         if not (k and hasattr(k, "small_m_linear")) or MEASURE_SMALL_M_ROWS is None:
             return 0
         SMALL_M_ROWS = MEASURE_SMALL_M_ROWS(k)
+        k.set_packed_rows(SMALL_M_ROWS.get("packed", 16))
     return SMALL_M_ROWS.get(str(dtype).removeprefix("torch."), 0)
 
 

@@ -358,8 +358,8 @@ at::Tensor small_m_linear(at::Tensor x, at::Tensor weight, c10::optional<at::Ten
 // A decode step through every layer in one call: a Llama layer without biases or q/k norms
 // (SmolLM2, Llama), fp32 or bf16, the same kernels the model calls one by one (so the same
 // numbers), without the Python between them: at batch 1 that interpreter and dispatch time,
-// about 60 calls per layer, was the largest cost after reading the weights. Up to kSmallM
-// rows, each a decode with its own block table and length: a small batch, or a speculative
+// about 60 calls per layer, was the largest cost after reading the weights. Up to
+// kDecodeRows rows, each a decode with its own block table and length: a small batch, or a speculative
 // verify step's k + 1 tokens (each its chunk's table and its own causal length: the K/V of
 // every row is written before any row attends).
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
@@ -367,6 +367,10 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
                                      double scale);
 
 at::Tensor qlinear(at::Tensor x, at::Tensor w, int64_t fmt);   // cpu_quant.cpp
+
+// The most rows decode_layers takes (cpu_ops.DECODE_ROWS): a batch of decodes, or verify
+// steps' drafts with them. Dense weights take small_m_linear, so at most kSmallM rows.
+static constexpr int64_t kDecodeRows = 256;
 
 // fmt 0: a dense weight (fp32, or bf16 in a bf16 model); else a packed one (cpu_quant.cpp's
 // formats). CpuOps.linear's choice for the same rows (the caller checks that it is this one).
@@ -391,10 +395,10 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, std::vector<at::Tensor> weig
                                          double scale) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
   const int64_t M = x.size(0);
-  TORCH_CHECK(M >= 1 && M <= kSmallM && static_cast<int64_t>(weights.size()) == 6 * L &&
+  TORCH_CHECK(M >= 1 && M <= kDecodeRows && static_cast<int64_t>(weights.size()) == 6 * L &&
               formats.size() == weights.size() &&
               static_cast<int64_t>(v_caches.size()) == L,
-              "decode_layers: 1 to ", kSmallM, " rows, six weights a layer");
+              "decode_layers: 1 to ", kDecodeRows, " rows, six weights a layer");
   const int64_t D = k_caches[0].size(-1);
   at::Tensor residual;
   for (int64_t l = 0; l < L; ++l) {

@@ -504,12 +504,16 @@ at::Tensor bf16c_gemv(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias
 
 #ifndef __AVX512F__
 // The portable kernels of the row formats (no AVX-512). Batch 1: qrow_dot, each packed row
-// against x without a buffer. 2-16 rows (a verify step, a few decodes): four weight rows at
-// a time dequantized once into a buffer that stays in L1 (dequant_row: the reference's
-// numbers) and multiplied with every x row, two at a time, by small_m_gemm
-// (cpu_small_m.h, small_m_linear's loop), so the weights are read once a step in their
-// packed bytes, as the AVX-512 kernels read them.
-static constexpr int64_t kSmallRows = 16;
+// against x without a buffer. More rows (a verify step, a batch of decodes, a prefill
+// chunk), up to g_packed_rows: four weight rows at a time dequantized once into a buffer
+// that stays in L1 (dequant_row: the reference's numbers) and multiplied with every x row,
+// two at a time, by small_m_gemm (cpu_small_m.h, small_m_linear's loop), so the weights are
+// read once a step in their packed bytes, as the AVX-512 kernels read them.
+static int64_t g_packed_rows = 16;
+// The most x rows that take qrows; more multiply dequantized slices with torch's GEMM. On
+// the AVX2 EPYC qrows won up to 256 rows (1.2x there, 2.4-3.8x at 8-32: dequantizing the
+// slices cost more than their GEMM), so it is measured per build (cpu_choice.small_m_rows
+// sets it through set_packed_rows), not fixed.
 
 // One packed row . x at batch 1, without a buffer: sixteen lanes of sums (acc, kept in
 // vector registers by the compiler) take each block's products scaled by its d, and a Q4_1
@@ -595,6 +599,20 @@ at::Tensor qgemv(at::Tensor x, at::Tensor w, int64_t fmt) {
 at::Tensor a8_dispatch_linear(at::Tensor x, at::Tensor w, int64_t fmt);   // cpu_a8.cpp
 at::Tensor a8_embedding(at::Tensor ids, at::Tensor w, int64_t fmt, int64_t K, bool bf16);
 
+// The most rows the portable path's qlinear multiplies on the packed rows (n >= 1; set
+// from cpu_choice's measurement), returning the previous; n < 1 only reads it. An AVX-512
+// build keeps its own kernels' rule (16 rows) and returns 0.
+int64_t set_packed_rows(int64_t n) {
+#ifdef __AVX512F__
+  (void)n;
+  return 0;
+#else
+  const int64_t old = g_packed_rows;
+  if (n >= 1) g_packed_rows = n;
+  return old;
+#endif
+}
+
 at::Tensor qlinear(at::Tensor x, at::Tensor w, int64_t fmt) {
   if (fmt == kBf16c && x.dim() == 2 && x.size(0) == 1) return bf16c_gemv(x, w, c10::nullopt);
   if (fmt >= 4 && fmt != kBf16c) return a8_dispatch_linear(x, w, fmt);   // 8-bit activations
@@ -611,7 +629,7 @@ at::Tensor qlinear(at::Tensor x, at::Tensor w, int64_t fmt) {
       return qlinear(x.to(at::kFloat), w, fmt).to(x.scalar_type());
   }
 #else
-  if (fmt != kBf16c && M <= kSmallRows)
+  if (fmt != kBf16c && M <= g_packed_rows)
     return x.scalar_type() == at::kFloat ? qrows(x, w, fmt)
                                          : qrows(x.to(at::kFloat), w, fmt).to(x.scalar_type());
 #endif
