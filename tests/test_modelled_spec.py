@@ -25,7 +25,10 @@ from workbench.modelled import acceptance_of, get_profile, step_time
 from workbench.telemetry import FULL, PIECEWISE
 
 K = 4
-NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3}
+NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3,
+         "adaptive": False}
+"""k drafts whenever the lookup finds them: these tests model what a verify does and costs
+(the budget that drafts fewer where they do not pay is test_spec_budget's)."""
 
 
 def grounded_prompts(n: int, seed: int = 0) -> list[list[int]]:

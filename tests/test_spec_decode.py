@@ -34,6 +34,7 @@ from workbench.spec_decode.ngram import NgramProposer, propose_ngram
     ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
     ({"method": "draft_model", "model": "random:tiny", "num_speculative_tokens": 2,
       "quantization": "q3"}, "quantization"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "adaptive": "yes"}, "adaptive"),
     ("ngram", "speculative_config"),
 ])
 def test_bad_speculative_configs_are_refused_naming_the_field(bad, field):

@@ -12,7 +12,10 @@ import pytest
 from workbench import Engine, SamplingParams
 from workbench.core.sampling_params import StructuredOutputsParams
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+         "adaptive": False}
+"""k drafts whenever the lookup finds them (these tests are about what a verify does; the
+adaptive budget, which drafts fewer where they do not pay, is test_spec_budget's)."""
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -49,8 +52,13 @@ def test_greedy_tokens_equal_plain_decodings(knobs):
     batch = prompts(6)
     plain = Engine(model="random:tiny", device="cpu", **knobs)
     spec = Engine(model="random:tiny", device="cpu", speculative_config=NGRAM, **knobs)
+    adaptive = Engine(model="random:tiny", device="cpu", **knobs,
+                      speculative_config={**NGRAM, "adaptive": True})
     for group in (batch[:1], batch):                        # batch 1, then 6 at once
-        assert tokens(spec.generate(group, p)) == tokens(plain.generate(group, p))
+        want = tokens(plain.generate(group, p))
+        assert tokens(spec.generate(group, p)) == want
+        assert tokens(adaptive.generate(group, p)) == want  # whatever the budget drafted
+    assert pool_is_whole(adaptive)
     sd = spec.telemetry.spec_decode
     assert sd.num_accepted_tokens > 20 and sd.num_draft_tokens > sd.num_accepted_tokens
     assert len(spec.telemetry.steps) < len(plain.telemetry.steps)

@@ -657,7 +657,7 @@ def test_timeline_draws_drafted_against_accepted_tokens_per_verify_step():
     p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompt = [17, 42, 99, 5, 311, 12, 250, 7] * 4
     e = Engine(model="random:tiny", device="cpu", speculative_config={
-        "method": "ngram", "num_speculative_tokens": 3})
+        "method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
     e.generate([prompt, prompt[3:]], p)
     steps = list(e.telemetry.steps)
     tl = BatchTimeline()

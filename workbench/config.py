@@ -272,6 +272,12 @@ class SpeculativeConfig:
     counted them, "num_drafts" (verifies: the drafts' mean length) and "num_asked",
     "num_drafted" (how often the proposer found a draft), as
     workbench.modelled.acceptance_of returns it."""
+    adaptive: bool = True
+    """Each step drafts only as many tokens as pay for the rows they add, by the step costs
+    this engine measured and the acceptance of recent verifies (engine/speculative.py): none
+    where a step's extra rows cost as much as a decode (a large batch on a CPU), all k where
+    they are nearly free. Not one of vLLM's fields; false: every decoding request drafts k,
+    as vLLM does."""
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SpeculativeConfig | None":
@@ -321,9 +327,13 @@ class SpeculativeConfig:
         if q is not None and q not in QUANTIZATIONS:
             raise ValueError(f"speculative_config.quantization: must be one of {QUANTIZATIONS} "
                              f"or None (got {q!r})")
+        adaptive = d.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive: must be true or false (got "
+                             f"{adaptive!r})")
         return cls(method, ints["num_speculative_tokens"], lo, hi, model,
                    ints.get("disable_by_batch_size"), d.get("dtype"), q,
-                   Acceptance.from_dict(d.get("acceptance")))
+                   Acceptance.from_dict(d.get("acceptance")), adaptive)
 
 
 @dataclass(frozen=True)

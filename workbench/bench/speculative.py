@@ -91,7 +91,8 @@ def k_sweep(model: str, ks=(0, 2, 4), kinds=("grounded", "open"), max_tokens: in
             repeats: int = 2, engine_kwargs: dict | None = None, progress=None,
             passage: tuple[int, int] = (300, 600)) -> list[dict]:
     """Notebook 03's sweep of k: one request of each kind (the first of spec_workloads') decoded
-    greedily by one engine per k (0: no speculation; else prompt lookup drafting k tokens;
+    greedily by one engine per k (0: no speculation; else prompt lookup drafting k tokens
+    whenever it finds them, the adaptive budget off so that k is what varies;
     a grounded prompt's passage of `passage` tokens, shorter than the benchmark's for a quick
     run),
     runs interleaved (steady.interleaved: a slow spell lands on every point alike). A row per
@@ -102,7 +103,8 @@ def k_sweep(model: str, ks=(0, 2, 4), kinds=("grounded", "open"), max_tokens: in
     kw = dict(engine_kwargs or {})
     kw.pop("speculative_config", None)
     engines = {k: Engine(model=model, speculative_config={"method": "ngram",
-                                                         "num_speculative_tokens": k} if k else None,
+                                                         "num_speculative_tokens": k,
+                                                         "adaptive": False} if k else None,
                          **kw) for k in ks}
     tok = engines[ks[0]].tokenizer
     prompts = {kind: (grounded_prompts(1, 0, tok, *passage)[0].messages if kind == "grounded"

@@ -170,10 +170,14 @@ def build_engine(dev: Device) -> BuiltEngine:
     if spec is not None:
         proposer = dev.make_proposer(spec, runner, max_model_len)
         if run_ahead:
-            run_ahead = False
-            text = ("speculative decoding: async scheduling is off for this engine (a verify "
-                    "step's kept tokens decide the next step's input, so it is not launched "
-                    "ahead)")
+            run_ahead = spec.adaptive
+            text = ("speculative decoding: async scheduling " + (
+                "runs only while the budget drafts nothing (a verify step's kept tokens "
+                "decide the next step's input, so neither it nor the step after it is "
+                "launched ahead)" if run_ahead else
+                "is off for this engine (a verify step's kept tokens decide the next step's "
+                "input, so it is not launched ahead; with 'adaptive' it runs while no step "
+                "drafts)"))
             telemetry.notices.append(text)
             log.info(text)
     info = EngineInfo(

@@ -64,7 +64,8 @@ class EngineCore:
         pipeline = b.pipeline_class or StepPipeline
         sc = self.config.speculative()
         spec = (SpecDecoding(b.proposer, sc.num_speculative_tokens, self.scheduler,
-                             sc.disable_by_batch_size, self.telemetry.spec_decode)
+                             sc.disable_by_batch_size, self.telemetry.spec_decode,
+                             sc.adaptive)
                 if b.proposer is not None else None)
         self.pipeline = pipeline(self.scheduler, self.runner, self.platform, self.output,
                                  self.structured_output, self.telemetry, b.eos_token_ids,

@@ -130,7 +130,8 @@ class StepPipeline:
         # for N's ids and hand them out.
         self._end(pending)
         self.scheduler.update_after_step(pending.sched)
-        if pending.may_run_ahead and run_ahead():
+        if pending.may_run_ahead and run_ahead() and (self.spec is None
+                                                      or not self.spec.would_draft()):
             nxt = self.scheduler.schedule_next_decode(
                 pending.sched, lambda seq: may_run_ahead(self.requests.get(seq.request_id)))
             if nxt is not None:
@@ -315,6 +316,8 @@ class StepPipeline:
         if self.spec is not None:
             self.spec.free([*finished, *sched.preempted])
         bstats = self.scheduler.block_manager.stats()
+        if self.spec is not None and sched.scheduled and sched.num_prefill_tokens == 0:
+            self.spec.observe(sched.num_decode_tokens, bool(drafts), self.clock.now() - t0)
         self.telemetry.add_step(StepEvent(
             step=self.telemetry.num_steps, start=t0, duration=self.clock.now() - t0,
             phase=sched.phase, num_prefill_tokens=sched.num_prefill_tokens,

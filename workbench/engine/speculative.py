@@ -9,7 +9,9 @@ cached context (so a verify step runs eager, or piecewise where graph_mode 'full
 its token bucket: never as a captured decode graph, which feeds one token a request); a
 request that got no draft stays a plain decode, and one whose drafts were all rejected
 decodes without drafts for the next 2, 4, ... 32 steps (misses in a row), so a proposer that
-does not predict a request's text soon stops costing it verify steps. After the step,
+does not predict a request's text soon stops costing it verify steps. And where a step's
+extra rows cost more than the drafts are worth (a large batch, a CPU whose few-row steps are
+bound by arithmetic), the step drafts fewer or none: `adaptive` below. After the step,
 SpecDecoding.verify samples every position with the request's own filters and processors
 (one SamplingMetadata row per position, its history the drafts before it) and keeps the
 accepted drafts and the target's next token (executor/rejection_sampler.py). The scheduler
@@ -18,7 +20,9 @@ then keeps the accepted drafts' K/V and gives back the blocks past them
 """
 from __future__ import annotations
 
+import bisect
 import itertools
+from collections import deque
 from typing import Callable
 
 import torch
@@ -36,9 +40,124 @@ MAX_PAUSE = 32
 """Most steps a request decodes without drafts after its drafts missed (see _pause)."""
 
 
+class DraftOdds:
+    """How likely a request's next drafts are to be kept, from recent verifies: its first
+    draft's chance (the request's own recent firsts, counted with the engine's as WEIGHT
+    tries), and the chance that a draft after a kept one is kept too (the engine's: a prompt
+    lookup that starts copying mostly goes on). Rates are kept as (kept, tried) and fade:
+    the engine's toward a half by 1 - DECAY a step, a request's toward nothing by
+    1 - OWN_DECAY, so where drafting stopped because it lost, it is tried again later."""
+    DECAY = 0.97
+    OWN_DECAY = 0.9
+    WEIGHT = 2.0
+    PRIOR = (1.0, 2.0)
+
+    def __init__(self):
+        self.first = list(self.PRIOR)
+        self.then = list(self.PRIOR)
+        self.own: dict[str, list[float]] = {}
+
+    def step(self, rids) -> None:
+        """A step drafts (or might) for `rids`: the rates fade."""
+        for rate in (self.first, self.then):
+            for i in (0, 1):
+                rate[i] = rate[i] * self.DECAY + self.PRIOR[i] * (1 - self.DECAY)
+        for rid in rids:
+            if rid in self.own:
+                self.own[rid] = [x * self.OWN_DECAY for x in self.own[rid]]
+
+    def verified(self, rid: str, num_drafts: int, n: int) -> None:
+        """Request rid's verify kept n of its num_drafts drafts."""
+        own = self.own.setdefault(rid, [0.0, 0.0])
+        for rate in (self.first, own):
+            rate[0] += n > 0
+            rate[1] += 1
+        if n:
+            self.then[0] += n - 1
+            self.then[1] += min(n, num_drafts - 1)
+
+    def values(self, rid: str, room: int) -> list[float]:
+        """The expected worth in tokens of each of rid's next `room` drafts (the j-th is kept
+        only if all before it are)."""
+        kept, tried = self.own.get(rid, (0.0, 0.0))
+        first = (kept + self.WEIGHT * self.first[0] / self.first[1]) / (tried + self.WEIGHT)
+        then = self.then[0] / self.then[1]
+        return [first * then ** j for j in range(room)]
+
+    def forget(self, rid: str) -> None:
+        self.own.pop(rid, None)
+
+
+class StepCosts:
+    """What a step costs by its rows, as this engine measured it: the durations of recent
+    steps of one kind by their token count (the least of the last few at each count, and
+    never the kind's first step, which pays one-off costs, so a slow step does not stick;
+    each forgotten after HORIZON steps, so a cost that changed is measured again)."""
+    KEEP = 8
+    HORIZON = 4096
+
+    def __init__(self):
+        self._by_rows: dict[int, deque[tuple[int, float]]] = {}
+        self._step = 0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        self._step += 1
+        if self._step == 1:
+            return
+        self._by_rows.setdefault(rows, deque(maxlen=self.KEEP)).append((self._step, seconds))
+
+    def table(self) -> dict[int, float]:
+        """Row count -> seconds: each count's least recent duration."""
+        out = {}
+        for r, seen in list(self._by_rows.items()):
+            recent = [t for s, t in seen if self._step - s <= self.HORIZON]
+            if recent:
+                out[r] = min(recent)
+            else:
+                del self._by_rows[r]
+        return out
+
+
+class Curve:
+    """A step's cost by its rows from a measured table (row count -> seconds): its own figure;
+    between two measured counts, on the line through them; past the largest, on the line
+    through it and the measured count nearest half of it (a wide base: one row's difference
+    is noise), never falling; below the smallest, or past a single measured count, that
+    count's figure (an optimistic guess: the step is tried, and then it is measured); None
+    where nothing is measured."""
+
+    def __init__(self, table: dict[int, float]):
+        self.rows = sorted(table)
+        self.secs = [table[r] for r in self.rows]
+        self.slope = 0.0
+        if len(self.rows) > 1:
+            top = self.rows[-1]
+            base = min(self.rows[:-1], key=lambda r: abs(r - top / 2))
+            self.slope = max(0.0, (self.secs[-1] - table[base]) / (top - base))
+
+    def at(self, rows: int) -> float | None:
+        if not self.rows:
+            return None
+        i = bisect.bisect_left(self.rows, rows)
+        if i < len(self.rows) and self.rows[i] == rows:
+            return self.secs[i]
+        if i == 0:
+            return self.secs[0]
+        if i == len(self.rows):
+            return self.secs[-1] + self.slope * (rows - self.rows[-1])
+        lo, hi = self.rows[i - 1], self.rows[i]
+        return self.secs[i - 1] + (self.secs[i] - self.secs[i - 1]) * (rows - lo) / (hi - lo)
+
+
+def estimate(table: dict[int, float], rows: int) -> float | None:
+    """A step of `rows` rows by Curve(table)."""
+    return Curve(table).at(rows)
+
+
 class SpecDecoding:
     def __init__(self, proposer, num_speculative_tokens: int, scheduler: Scheduler,
-                 disable_by_batch_size: int | None = None, counts=None):
+                 disable_by_batch_size: int | None = None, counts=None,
+                 adaptive: bool = True):
         self.proposer = proposer
         self.counts = counts
         """telemetry.spec_decode (SpecDecodeCounts): propose counts requests asked and
@@ -56,6 +175,18 @@ class SpecDecoding:
         """Steps a request still decodes without drafts after such a miss (2^misses, at most
         MAX_PAUSE): a verify costs more than a decode, so a request whose text the proposer
         does not predict stops paying for it, and tries again later."""
+        self.adaptive = adaptive
+        """Draft only as many tokens a step as pay for their rows (SpeculativeConfig's):
+        each draft is worth what it is expected to add (DraftOdds: from the acceptance of
+        recent verifies), and a step of r rows costs what StepCosts measured; the step
+        takes the number of drafts, best first, that gives the most tokens per second:
+        none where extra rows cost as much as a decode (a CPU at batch 32), all k where
+        they are nearly free. False: every request that decodes gets k (vLLM's way)."""
+        self.costs = {False: StepCosts(), True: StepCosts()}
+        """Plain decode steps' and verify steps' costs, apart: where a decode replays a
+        captured graph and a verify runs eager (CUDA without graph_mode 'full'), a verify
+        costs more than its rows alone say."""
+        self.odds = DraftOdds()
 
     def propose(self) -> None:
         """Draft the next step's tokens of each running request that decodes next."""
@@ -77,6 +208,15 @@ class SpecDecoding:
                 want.append((seq, room))
         if not want:
             return
+        if self.adaptive:
+            self.odds.step([s.request_id for s, _ in want])
+            decoding = sum(1 for seq in sched.running if seq.status is SequenceStatus.RUNNING
+                           and seq.num_computed_tokens == seq.num_tokens - 1)
+            cut = self.budget(decoding, [self.odds.values(s.request_id, room)
+                                         for s, room in want])
+            want = [(s, n) for (s, _), n in zip(want, cut) if n]
+            if not want:
+                return
         self._known.update(s.request_id for s, _ in want)
         drafts = self.proposer.propose([(s.request_id, s.token_ids) for s, _ in want])
         for (seq, room), d in zip(want, drafts):
@@ -84,6 +224,61 @@ class SpecDecoding:
         if self.counts is not None:
             self.counts.num_asked += len(want)
             self.counts.num_drafted += sum(1 for s, _ in want if s.spec_token_ids)
+
+    def budget(self, decoding: int, values: list[list[float]]) -> list[int]:
+        """How many drafts each request that may draft gets (`values`: the worth of each of
+        its possible drafts, DraftOdds') in a step of `decoding` decode rows: the drafts,
+        most valuable first, up to the count that makes the most tokens per second of the
+        step by StepCosts' figures: none until a plain step's cost is known (the first two
+        plain steps measure it), all where no verify step's is (the first two verifies)."""
+        base = Curve(self.costs[False].table()).at(decoding)
+        if base is None:
+            return [0] * len(values)
+        verify = Curve(self.costs[True].table())
+        order = sorted(((v, i) for i, vs in enumerate(values) for v in vs),
+                       key=lambda vi: -vi[0])
+        best, best_n, gain = decoding / base, 0, 0.0
+        for n, (v, _) in enumerate(order, 1):
+            gain += v
+            rate = (decoding + gain) / (verify.at(decoding + n) or base)
+            if rate > best:
+                best, best_n = rate, n
+            elif rate < 0.8 * best:          # the worth falls and the rows' cost grows
+                break
+        out = [0] * len(values)
+        for _, i in order[:best_n]:
+            out[i] += 1
+        return out
+
+    def would_draft(self) -> bool:
+        """Whether the next step would draft for any request, by the budget (asked before a
+        step would be launched ahead, whose inputs are still on the device: the proposer
+        cannot read them, so such a step never drafts; async scheduling runs only while
+        this says no). Counts as a step for DraftOdds' fading, so that a while later the
+        budget tries drafting again."""
+        if not self.adaptive:
+            return True
+        sched, rooms, rids = self.scheduler, [], []
+        if self.disable_by_batch_size and len(sched.running) >= self.disable_by_batch_size:
+            return False
+        for seq in sched.running:
+            if seq.status is SequenceStatus.RUNNING and seq.num_output_tokens \
+                    and not self._pause.get(seq.request_id):
+                room = min(self.k, seq.params.max_tokens - seq.num_output_tokens - 2,
+                           sched.max_model_len - seq.num_tokens - 2)
+                if room > 0:
+                    rooms.append(room)
+                    rids.append(seq.request_id)
+        if not rooms:
+            return False
+        self.odds.step(rids)
+        return any(self.budget(len(sched.running), [self.odds.values(r, n)
+                                                    for r, n in zip(rids, rooms)]))
+
+    def observe(self, rows: int, verify: bool, seconds: float) -> None:
+        """A step whose every token was a decode or a verify row (`verify`: some were
+        drafts) took `seconds`."""
+        self.costs[verify].observe(rows, seconds)
 
     def free(self, seq_ids) -> None:
         """The proposer forgets requests that ended or were preempted."""
@@ -94,6 +289,7 @@ class SpecDecoding:
             self.proposer.free(rid)
             self._misses.pop(rid, None)
             self._pause.pop(rid, None)
+            self.odds.forget(rid)
 
     def verify(self, logits: torch.Tensor, ran: ModelRunnerOutput, reqs: list[Request],
                rows: list[int] | None, sched: SchedulerOutput, builder: SamplingMetadataBuilder,
@@ -147,6 +343,7 @@ class SpecDecoding:
         """Request r's verify accepted the first n of `drafts`: its misses in a row (and the
         pause after a miss) and its metrics (what every device's pipeline calls once per
         verified request: verify here, a modelled device's pipeline with its drawn counts)."""
+        self.odds.verified(r.seq_id, len(drafts), n)
         miss = self._misses[r.seq_id] = 0 if n else self._misses.get(r.seq_id, 0) + 1
         if miss:
             self._pause[r.seq_id] = min(2 ** miss, MAX_PAUSE)
