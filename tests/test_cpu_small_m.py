@@ -100,6 +100,10 @@ def test_the_choice_is_measured_once_per_build_and_kept(kern, tmp_path):
                 assert not faster
     else:
         assert rows["packed"] == 16
+    from workbench.platforms.cpu import few_rows_line  # what `workbench doctor` says of it
+    line = few_rows_line(tmp_path)
+    assert f"float32 up to {rows['float32']}" in line
+    assert f"packed weights stay packed up to {rows['packed']} rows" in line
     kept["rows"] = {"float32": 4, "bfloat16": 0}       # read back, not measured again
     (tmp_path / cpu_choice.SMALL_M_FILE).write_text(json.dumps(kept))
     assert cpu_choice.small_m_rows(tmp_path, kern) == {"float32": 4, "bfloat16": 0}

@@ -146,7 +146,31 @@ def doctor_lines() -> tuple[list[str], bool]:
             lines.append(f"auto picks     {cpu_choice.pick(figures, dtype, 'gguf')[1]}")
     except (OSError, ValueError, KeyError):
         lines.append("auto measured  not yet (the first engine on a built kernel measures)")
+    lines.append(few_rows_line(cpu_kernels.kernel_dir()))
     return lines, state == "built"
+
+
+def few_rows_line(folder) -> str:
+    """What the kernel build measured for a few rows and for batches (cpu_choice.small_m_rows),
+    in words with the figures that decided it."""
+    import json
+    from . import cpu_choice
+    try:
+        kept = json.loads((folder / cpu_choice.SMALL_M_FILE).read_text())
+        rows, us = kept["rows"], kept["us"]
+    except (OSError, ValueError, KeyError):
+        return "few rows       not measured yet (the first engine on a built kernel measures)"
+    dense = ", ".join(f"{dt} up to {rows.get(dt, 0)}" for dt in ("float32", "bfloat16"))
+    text = f"few rows       small_m_linear: {dense} rows (else torch's matmul)"
+    most = rows.get("packed", 16)
+    key = f"q4_1 {most} packed"
+    if key in us:
+        text += (f"; packed weights stay packed up to {most} rows (q4_1 at {most}: "
+                 f"{us[key] / 1000:.1f} ms against {us[f'q4_1 {most} slices'] / 1000:.1f} ms on "
+                 f"dequantized slices, one thread)")
+    else:
+        text += f"; packed weights stay packed up to {most} rows"
+    return text
 
 
 def describe() -> dict:
