@@ -7,7 +7,11 @@ from __future__ import annotations
 import pytest
 
 from workbench import Engine, SamplingParams
-from workbench.engine.speculative import DraftOdds, SpecDecoding, StepCosts, estimate
+from workbench.engine.speculative import Curve, DraftOdds, SpecDecoding, StepCosts
+
+
+def estimate(table: dict[int, float], rows: int) -> float | None:
+    return Curve(table).at(rows)
 
 
 def test_estimate_reads_interpolates_and_extrapolates_the_measured_costs():

@@ -149,11 +149,6 @@ class Curve:
         return self.secs[i - 1] + (self.secs[i] - self.secs[i - 1]) * (rows - lo) / (hi - lo)
 
 
-def estimate(table: dict[int, float], rows: int) -> float | None:
-    """A step of `rows` rows by Curve(table)."""
-    return Curve(table).at(rows)
-
-
 class SpecDecoding:
     def __init__(self, proposer, num_speculative_tokens: int, scheduler: Scheduler,
                  disable_by_batch_size: int | None = None, counts=None,
@@ -200,8 +195,7 @@ class SpecDecoding:
             if (seq.status is not SequenceStatus.RUNNING or seq.num_output_tokens == 0
                     or seq.num_computed_tokens != seq.num_tokens - 1):
                 continue
-            room = min(self.k, seq.params.max_tokens - seq.num_output_tokens - 1,
-                       sched.max_model_len - seq.num_tokens - 1)
+            room = self._room(seq)
             if self._pause.get(seq.request_id):
                 self._pause[seq.request_id] -= 1
             elif room > 0:
@@ -224,6 +218,12 @@ class SpecDecoding:
         if self.counts is not None:
             self.counts.num_asked += len(want)
             self.counts.num_drafted += sum(1 for s, _ in want if s.spec_token_ids)
+
+    def _room(self, seq, in_flight: int = 0) -> int:
+        """The most drafts seq may take at its next step (k; never past its max_tokens or
+        the model's length), `in_flight` of its tokens not yet in it."""
+        return min(self.k, seq.params.max_tokens - seq.num_output_tokens - 1 - in_flight,
+                   self.scheduler.max_model_len - seq.num_tokens - 1 - in_flight)
 
     def budget(self, decoding: int, values: list[list[float]]) -> list[int]:
         """How many drafts each request that may draft gets (`values`: the worth of each of
@@ -264,8 +264,7 @@ class SpecDecoding:
         for seq in sched.running:
             if seq.status is SequenceStatus.RUNNING and seq.num_output_tokens \
                     and not self._pause.get(seq.request_id):
-                room = min(self.k, seq.params.max_tokens - seq.num_output_tokens - 2,
-                           sched.max_model_len - seq.num_tokens - 2)
+                room = self._room(seq, in_flight=1)
                 if room > 0:
                     rooms.append(room)
                     rids.append(seq.request_id)

@@ -144,8 +144,7 @@ class CpuOps(TorchOps):
             self._layers, self._weights = model.layers, _fusable_weights(model)
         if self._weights is None:
             return None
-        weights, formats = self._weights
-        linears = {f for i, f in enumerate(formats) if i % 6 not in (0, 3)}
+        weights, formats, linears = self._weights
         if (linears & TILED_CODES and not hasattr(k, "a8_linear")) \
                 or (m > 1 and (FORMATS["bf16c"] in linears           # not linear's rows here
                                or (0 in linears and m > small_m_rows(x.dtype)))):
@@ -225,10 +224,10 @@ def onednn_bf16() -> bool:
     return _onednn_bf16
 
 
-def _fusable_weights(model) -> tuple[list, list] | None:
-    """Six weights a layer for decode_layers and each one's format (0: fp32, else the packed
-    format's code), or None where a layer has what it does not compute (biases, q/k norms,
-    norms with different eps)."""
+def _fusable_weights(model) -> tuple[list, list, set] | None:
+    """Six weights a layer for decode_layers, each one's format (0: fp32, else the packed
+    format's code) and the set of the linear layers' formats, or None where a layer has what
+    it does not compute (biases, q/k norms, norms with different eps)."""
     out = []
     eps = model.layers[0].input_layernorm.eps
     for layer in model.layers:
@@ -240,5 +239,6 @@ def _fusable_weights(model) -> tuple[list, list] | None:
             return None
         out += [norms[0].weight, a.qkv_proj.weight, a.o_proj.weight, norms[1].weight,
                 m.gate_up_proj.weight, m.down_proj.weight]
-    return ([w.data if isinstance(w, PackedWeight) else w.detach() for w in out],
-            [w.code if isinstance(w, PackedWeight) else 0 for w in out])
+    formats = [w.code if isinstance(w, PackedWeight) else 0 for w in out]
+    return ([w.data if isinstance(w, PackedWeight) else w.detach() for w in out], formats,
+            {f for i, f in enumerate(formats) if i % 6 not in (0, 3)})
