@@ -56,6 +56,25 @@ def cpu_kernel_built():
     cpu.ensure_kernel_built()
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """The tests that read a background job's result run last (in their order), so that the
+    jobs have the whole session to run beside the other tests."""
+    import background
+    items.sort(key=lambda item: any(n in background.JOBS for n in item.fixturenames))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background_jobs(request, cpu_kernel_built):
+    """The background jobs (tests/background.py) the selected tests ask for start now, once
+    the kernel is built (their processes load it), and whatever they spawned is killed when
+    the session ends."""
+    import background
+    background.start({n for item in request.session.items for n in item.fixturenames
+                      if n in background.JOBS})
+    yield
+    background.stop()
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir():
     from workbench.executor.models.loader import smollm2_checkpoint_dir

@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import background
+
 
 def run(*args, timeout=600):
     return subprocess.run([sys.executable, "-m", "workbench.cli", *args], capture_output=True,
@@ -34,12 +36,20 @@ def test_generate_bad_knob_is_a_clear_error():
     assert r.returncode == 2 and "integers separated by commas" in r.stderr
 
 
-def test_bench_small_run_writes_json(tmp_path, smollm2_dir):
-    out = tmp_path / "b.json"
-    r = run("bench", "--num-requests", "4", "--input-len", "8:16", "--output-len", "4:8",
-            "--peers", "hf_static", "--static-batch", "2", "--device", "cpu", "--output", str(out))
+@background.job
+def bench_small_run():
+    """A small `workbench bench` with the static-batch HF peer (a background job:
+    tests/background.py): the process and its JSON report."""
+    out = background.tmpdir("bench") / "b.json"
+    r = background.run([sys.executable, "-m", "workbench.cli", "bench", "--num-requests", "4",
+                        "--input-len", "8:16", "--output-len", "4:8", "--peers", "hf_static",
+                        "--static-batch", "2", "--device", "cpu", "--output", str(out)])
+    return r, (json.loads(out.read_text()) if r.returncode == 0 else None)
+
+
+def test_bench_small_run_writes_json(bench_small_run):
+    r, report = bench_small_run
     assert r.returncode == 0, r.stderr
-    report = json.loads(out.read_text())
     assert report["results"]["workbench"]["tokens"] == report["workload"]["output_tokens"]
     assert report["ratios"]["vs_hf_static"] > 0
     assert "output tok/s" in r.stdout

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import background
+
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "workbench" / "platforms" / "csrc"
 
@@ -22,9 +24,8 @@ def run(code: str, env: dict, timeout: float = 300) -> str:
     """A fresh Python process running `code` (its own session; killed whole on timeout)."""
     env = {k: v for k, v in {**os.environ, "PYTHONPATH": str(ROOT), **env}.items()
            if v is not None}                                   # None: not set there
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = background.spawn([sys.executable, "-c", code], env=env, cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -65,14 +66,14 @@ print("RESULT", json.dumps(dict(
 """
 
 
-@pytest.fixture(scope="module")
-def failed_cache(tmp_path_factory):
+@background.job
+def failed_cache():
     """A cache where the kernel build fails (CXX names no compiler): a first process (whose
-    detached build fails), then a second one."""
-    cache = tmp_path_factory.mktemp("nocompiler")
+    detached build fails), then a second one (a background job: tests/background.py)."""
+    cache = background.tmpdir("nocompiler")
     env = {"WORKBENCH_CACHE": str(cache), "CXX": "/nonexistent"}
-    first = run(FAILED_START, env, 400)
-    second = run(FAILED_START, env, 300)
+    first = run(FAILED_START, env, 600)
+    second = run(FAILED_START, env, 600)
     return cache, env, [json.loads(o.split("RESULT ")[-1]) for o in (first, second)], second
 
 
@@ -383,37 +384,38 @@ def _flags():
 AARCH64 = shutil.which("aarch64-linux-gnu-g++")
 
 
-@pytest.mark.timeout(1500)
-@pytest.mark.skipif(AARCH64 is None, reason="no aarch64 cross compiler "
-                    "(apt-get install g++-aarch64-linux-gnu)")
-def test_the_kernels_compile_for_arm_with_neon_gemvs(tmp_path):
-    """Every source compiles for aarch64 against torch's headers, and the batch-1 GEMVs of
-    every format are NEON code there: bf16c's palette lookup (tbl), the fp32 sums' vector
-    FMAs/multiplies on v registers."""
+@background.job
+def arm_compile():
+    """Every source compiled for aarch64 (a background job: tests/background.py): the
+    compilers' exit codes and errors, and cpu_quant.o's disassembly where objdump exists."""
+    if AARCH64 is None:
+        pytest.skip("no aarch64 cross compiler (apt-get install g++-aarch64-linux-gnu)")
     from torch.utils.cpp_extension import include_paths
     inc = [a for p in include_paths() for a in ("-isystem", p)]
     flags = ["-std=c++20", "-O3", "-march=armv8.2-a", "-fopenmp", "-ffast-math"]
     objdump = shutil.which("aarch64-linux-gnu-objdump")
-    obj = tmp_path / "cpu_quant.o"          # every format's batch-1 GEMV is here or in cpu_dtype.h
+    obj = background.tmpdir("arm") / "cpu_quant.o"   # every format's batch-1 GEMV: here or cpu_dtype.h
     # All five at once (each parses torch's headers alone: seconds of one core apiece).
-    jobs = {src: subprocess.Popen([AARCH64, *flags, *inc, "-fsyntax-only", str(CSRC / src)],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    argv = {src: [AARCH64, *flags, *inc, "-fsyntax-only", str(CSRC / src)]
             for src in ("bindings.cpp", "cpu_attention.cpp", "cpu_a8.cpp", "cpu_ops.cpp")}
-    jobs["cpu_quant.cpp"] = subprocess.Popen([AARCH64, *flags, *inc, "-c",
-                                              str(CSRC / "cpu_quant.cpp"), "-o", str(obj)],
-                                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                             text=True)
-    try:
-        errors = {src: job.communicate(timeout=900)[1] for src, job in jobs.items()}
-    finally:
-        for job in jobs.values():
-            if job.poll() is None:
-                job.kill()
-                job.wait()
-    for src, job in jobs.items():
-        assert job.returncode == 0, (src, errors[src][-3000:])
-    if objdump:
-        asm = subprocess.run([objdump, "-d", str(obj)], capture_output=True,
-                             text=True).stdout
+    argv["cpu_quant.cpp"] = [AARCH64, *flags, *inc, "-c", str(CSRC / "cpu_quant.cpp"), "-o",
+                             str(obj)]
+    jobs = {src: background.spawn(a, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  text=True) for src, a in argv.items()}
+    errors = {src: job.communicate(timeout=900)[1] for src, job in jobs.items()}
+    failed = {src: errors[src][-3000:] for src, job in jobs.items() if job.returncode != 0}
+    asm = None
+    if objdump and not failed:
+        asm = subprocess.run([objdump, "-d", str(obj)], capture_output=True, text=True).stdout
+    return failed, asm
+
+
+def test_the_kernels_compile_for_arm_with_neon_gemvs(arm_compile):
+    """Every source compiles for aarch64 against torch's headers, and the batch-1 GEMVs of
+    every format are NEON code there: bf16c's palette lookup (tbl), the fp32 sums' vector
+    FMAs/multiplies on v registers."""
+    failed, asm = arm_compile
+    assert not failed, failed
+    if asm is not None:
         assert "fmla\tv" in asm or "fmul\tv" in asm
         assert "tbl\tv" in asm                           # bf16c's palette lookup

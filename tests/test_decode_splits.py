@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 
+import background
 from triton_on_cpu import run_interpreted
 
 CODE = textwrap.dedent('''
@@ -105,8 +106,14 @@ CODE = textwrap.dedent('''
 ''')
 
 
-def test_split_decode_matches_the_reference_in_the_interpreter():
-    res = json.loads(run_interpreted(CODE).splitlines()[-1])
+@background.job
+def split_decode_interpreted():
+    """CODE under the interpreter (a background job: tests/background.py): its results."""
+    return json.loads(run_interpreted(CODE).splitlines()[-1])
+
+
+def test_split_decode_matches_the_reference_in_the_interpreter(split_decode_interpreted):
+    res = split_decode_interpreted
     assert res[-1]["splits"] > 1, res[-1]
     for r in res:
         fp32 = r["dtype"] in ("torch.float32", "auto batch 1")

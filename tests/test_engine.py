@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+import background
 from conftest import random_prompts
 from workbench import Engine, EngineConfig, SamplingParams
 
@@ -293,10 +294,10 @@ def test_sampling_seeded_and_bounded(tiny_engine):
     assert k1.token_ids == g.token_ids
 
 
-def test_unseeded_sampling_repeats_across_processes():
-    """Requests without a seed draw from one generator the engine seeds with
-    EngineConfig.seed: the same numbers in every run with the same requests in the same order,
-    whatever PYTHONHASHSEED salts str hashes with."""
+@background.job
+def unseeded_runs():
+    """The same unseeded requests in two processes whose str hashes are salted differently,
+    at once (a background job: tests/background.py)."""
     import os
     import subprocess
     import sys
@@ -304,9 +305,22 @@ def test_unseeded_sampling_repeats_across_processes():
             "e = Engine(model='random:tiny', device='cpu', seed=7)\n"
             "p = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)\n"
             "print([o.token_ids for o in e.generate([[5, 6, 7], [8, 9]], p)])\n")
-    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           timeout=300, env={**os.environ, "PYTHONHASHSEED": str(salt)})
-            for salt in (1, 2)]
+    procs = [background.spawn([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONHASHSEED": str(salt)})
+             for salt in (1, 2)]
+    runs = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        runs.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return runs
+
+
+def test_unseeded_sampling_repeats_across_processes(unseeded_runs):
+    """Requests without a seed draw from one generator the engine seeds with
+    EngineConfig.seed: the same numbers in every run with the same requests in the same order,
+    whatever PYTHONHASHSEED salts str hashes with."""
+    runs = unseeded_runs
     assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:]
     assert runs[0].stdout == runs[1].stdout and runs[0].stdout.startswith("[[")
 

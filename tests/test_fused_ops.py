@@ -15,7 +15,8 @@ import textwrap
 
 import pytest
 
-from triton_on_cpu import start_interpreted
+import background
+from triton_on_cpu import run_interpreted
 
 CODE = textwrap.dedent('''
     import json, torch
@@ -152,23 +153,24 @@ CODE = textwrap.dedent('''
 ''')
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    """This module's two interpreter runs, both started by the first test that needs one
-    (each runs on one core, so the second costs the suite little), ended and reaped after
-    the module whether or not a test read them."""
-    from pathlib import Path
-    pytest.importorskip("triton")
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "launches.py"
-    runs = {"ops": start_interpreted(CODE), "launches": start_interpreted(None, script)}
-    yield runs
-    for r in runs.values():
-        r.stop()
-
-
-def test_fused_ops_match_the_torch_reference_in_the_interpreter(interpreted):
+@background.job
+def fused_ops_interpreted():
+    """CODE under the interpreter (a background job: tests/background.py): its results."""
     import json
-    res = json.loads(interpreted["ops"].output().splitlines()[-1])
+    return json.loads(run_interpreted(CODE).splitlines()[-1])
+
+
+@background.job
+def gemv_launches():
+    """benchmarks/launches.py under the interpreter: its rows."""
+    import json
+    from pathlib import Path
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "launches.py"
+    return {d["setup"]: d for d in map(json.loads, run_interpreted(None, script).splitlines())}
+
+
+def test_fused_ops_match_the_torch_reference_in_the_interpreter(fused_ops_interpreted):
+    res = fused_ops_interpreted
     for name, (equal, worst) in ((k, v) for k, v in res.items() if len(v) == 2):
         if name.startswith("gemv"):                         # tolerances in CODE
             assert equal, (name, worst)
@@ -308,14 +310,13 @@ def test_a_batch_past_16_packed_decodes_runs_in_one_call_as_the_loop():
     assert isinstance(fused.core.model.layers[0].mlp.down_proj.weight, PackedWeight)
 
 
-def test_batch_1_decode_launches_fewer_kernels_with_the_gemv(interpreted):
+def test_batch_1_decode_launches_fewer_kernels_with_the_gemv(gemv_launches):
     """benchmarks/launches.py counts a batch-1 decode step's device launches on the CUDA path
     (under the interpreter). As it runs now, no norm, SiLU-and-mul or KV-write launches of
     their own remain (fused into the GEMVs and the decode kernel), every linear layer is one
     GEMV launch, and the step launches at least three fewer kernels per layer than before
     (cuBLAS, separate norms and write, no split)."""
-    import json
-    rows = {d["setup"]: d for d in map(json.loads, interpreted["launches"].output().splitlines())}
+    rows = gemv_launches
     before, after = rows["before"], rows["gemv+kv+split"]
     layers = before["layers"]
     ops = after["by_op"]

@@ -17,6 +17,7 @@ import textwrap
 import pytest
 import torch
 
+import background
 from conftest import random_prompts
 from triton_on_cpu import run_interpreted
 from workbench import Engine, SamplingParams
@@ -228,18 +229,25 @@ def test_async_scheduling_gives_the_synchronous_tokens(replaying_platform):
     assert ahead.core.pipeline.in_flight is None and ahead.stats().kv_blocks_used == 0
 
 
-def test_gpu_script_runs_every_part_at_toy_sizes_on_the_cpu(tmp_path):
-    """benchmarks/gpu.py --small: every part at toy sizes on the CPU, so a slip in the
-    script shows here and not in a GPU call's scarce minutes. No part may fail, and the
-    correctness parts must hold (on the CPU they check the CPU path)."""
+@background.job
+def gpu_script_small():
+    """benchmarks/gpu.py --small (a background job: tests/background.py): its parts."""
     import json
     from pathlib import Path
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu.py"
-    r = subprocess.run([sys.executable, str(script), "--small", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    parts = {d.pop("part"): d for d in map(json.loads,
-                                           (tmp_path / "gpu.jsonl").read_text().splitlines())}
+    out = background.tmpdir("gpu")
+    proc = background.spawn([sys.executable, str(script), "--small", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    return {d.pop("part"): d for d in map(json.loads, (out / "gpu.jsonl").read_text().splitlines())}
+
+
+def test_gpu_script_runs_every_part_at_toy_sizes_on_the_cpu(gpu_script_small):
+    """benchmarks/gpu.py --small: every part at toy sizes on the CPU, so a slip in the
+    script shows here and not in a GPU call's scarce minutes. No part may fail, and the
+    correctness parts must hold (on the CPU they check the CPU path)."""
+    parts = gpu_script_small
     assert not [p for p in parts if p.endswith("_error")], {p: d for p, d in parts.items()
                                                             if p.endswith("_error")}
     for name in ("ceilings", "prefill", "b1_eager", "b1_decode", "b1_ratio", "w1_ours",

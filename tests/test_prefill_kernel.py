@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import textwrap
 
-from triton_on_cpu import run_interpreted, start_interpreted
+import background
+from triton_on_cpu import run_interpreted
 
 KERNEL = textwrap.dedent('''
     import json, torch
@@ -95,26 +96,35 @@ ENGINE = textwrap.dedent('''
 ''')
 
 
-def _run(code: str) -> str:
-    return run_interpreted(code).splitlines()[-1]
+@background.job
+def prefill_kernel_interpreted():
+    """KERNEL under the interpreter (a background job: tests/background.py): its results."""
+    return json.loads(run_interpreted(KERNEL).splitlines()[-1])
 
 
-def test_prefill_kernel_matches_dense_causal_attention_in_the_interpreter():
-    for dtype, has_nan, err in json.loads(_run(KERNEL)):
+def _engine_job(model: str):
+    def run():
+        return json.loads(run_interpreted(ENGINE, None, model).splitlines()[-1])[model]
+    run.__name__ = "prefill_engine_" + model.split(":")[1].replace("-", "_")
+    run.__doc__ = f"ENGINE under the interpreter for {model} (a background job)."
+    return background.job(run)
+
+
+prefill_engine_tiny_qwen3 = _engine_job("random:tiny-qwen3")
+prefill_engine_tiny = _engine_job("random:tiny")
+
+
+def test_prefill_kernel_matches_dense_causal_attention_in_the_interpreter(
+        prefill_kernel_interpreted):
+    for dtype, has_nan, err in prefill_kernel_interpreted:
         assert not has_nan, dtype
         assert err < (1e-5 if dtype == "torch.float32" else 2e-3), (dtype, err)
 
 
-def test_engine_with_the_prefill_kernel_gives_the_reference_tokens():
-    # one interpreter per model, both at once (each runs on one core)
-    runs = [start_interpreted(ENGINE, None, m) for m in ("random:tiny-qwen3", "random:tiny")]
-    try:
-        res = {k: v for r in runs for k, v in json.loads(r.output().splitlines()[-1]).items()}
-    finally:
-        for r in runs:
-            r.stop()
-    assert len(res) == 2, res
-    for model, r in res.items():
+def test_engine_with_the_prefill_kernel_gives_the_reference_tokens(prefill_engine_tiny_qwen3,
+                                                                   prefill_engine_tiny):
+    for model, r in (("random:tiny-qwen3", prefill_engine_tiny_qwen3),
+                     ("random:tiny", prefill_engine_tiny)):
         assert r["equal"], (model, r)
         assert r["kernel_calls"] > 0 and r["cached"] > 0 and r["chunked"] > 0, (model, r)
         assert r["split_decodes"] > 0, (model, r)

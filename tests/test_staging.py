@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import background
 import fake_torch_npu
 from workbench.executor.staging import StagingBuffers
 from workbench.platforms.cpu import CpuPlatform
@@ -190,14 +191,21 @@ print(json.dumps(dict(equal=got == want, attention=e.info().attention,
 '''
 
 
-def test_a_cuda_shaped_engine_through_the_staging_gives_the_reference_tokens():
+@background.job
+def cuda_shaped_interpreted():
+    """CUDA_SHAPED under the interpreter (a background job: tests/background.py)."""
+    import json
+    from triton_on_cpu import run_interpreted
+    return json.loads(run_interpreted(CUDA_SHAPED).splitlines()[-1])
+
+
+def test_a_cuda_shaped_engine_through_the_staging_gives_the_reference_tokens(
+        cuda_shaped_interpreted):
     """What a CUDA engine runs, as far as the CPU can: Triton's attention (interpreted),
     decode graphs filled from the staged tensors, async scheduling, and a platform with
     memory of its own, so every step goes through the staging's copy; greedy tokens equal
     the plain-torch engine's."""
-    import json
-    from triton_on_cpu import run_interpreted
-    res = json.loads(run_interpreted(CUDA_SHAPED).splitlines()[-1])
+    res = cuda_shaped_interpreted
     assert res == dict(equal=True, attention="triton", graphs=res["graphs"], copies=True)
     assert res["graphs"] > 0
 

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import background
 from workbench import Engine
 from workbench.cache import cache_root
 from workbench.executor.models.loader import model_digest
@@ -27,8 +28,7 @@ QUICK = ("--num-prompts", "2", "--repeats", "1", "--attempts", "1")
 
 
 def record_trace(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
-                          timeout=900, cwd=ROOT)
+    return background.run([sys.executable, str(SCRIPT), *args], cwd=ROOT)
 
 
 def local_names() -> list[str]:
@@ -42,11 +42,29 @@ def local_names() -> list[str]:
     return sorted(names)
 
 
-def test_recorder_saves_a_checked_trace_with_no_local_path(tmp_path, smollm2_dir):
-    # A generous factor: this test checks what is saved, not this (shared) machine's noise.
-    out = tmp_path / "quick.trace.json.gz"
-    r = record_trace("--out", str(out), *QUICK, "--factor", "1000", "--tpot-factor", "1000",
-                     "--max-load", "1e9")
+@background.job
+def quick_recording():
+    """A short recording (a background job: tests/background.py). A generous factor: what is
+    saved is checked, not this (shared) machine's noise."""
+    out = background.tmpdir("trace") / "quick.trace.json.gz"
+    return out, record_trace("--out", str(out), *QUICK, "--factor", "1000", "--tpot-factor",
+                             "1000", "--max-load", "1e9")
+
+
+@background.job
+def refused_recordings():
+    """The recorder on a machine it calls busy, then held to a factor no real run meets (a
+    background job)."""
+    out = background.tmpdir("trace") / "never.trace.json.gz"
+    busy = record_trace("--out", str(out), *QUICK, "--max-load", "-1")
+    # Every step within 0.01% of its kind's calibration median: no real run is that steady.
+    stray = record_trace("--out", str(out), *QUICK, "--num-prompts", "1", "--factor", "1.0001",
+                         "--max-load", "1e9")
+    return out, busy, stray
+
+
+def test_recorder_saves_a_checked_trace_with_no_local_path(quick_recording, smollm2_dir):
+    out, r = quick_recording
     assert r.returncode == 0, r.stderr[-3000:]
     assert "batch-1 TPOT" in r.stdout
     t = Trace.load(out)
@@ -69,13 +87,10 @@ def test_recorder_saves_a_checked_trace_with_no_local_path(tmp_path, smollm2_dir
             f"the trace carries {name!r}"
 
 
-def test_recorder_refuses_a_busy_machine_and_a_stray_recording(tmp_path, smollm2_dir):
-    out = tmp_path / "never.trace.json.gz"
-    r = record_trace("--out", str(out), *QUICK, "--max-load", "-1")
+def test_recorder_refuses_a_busy_machine_and_a_stray_recording(refused_recordings):
+    out, r, stray = refused_recordings
     assert r.returncode == 1 and "the machine is busy" in r.stderr and "Nothing saved" in r.stderr
-    # Every step within 0.01% of its kind's calibration median: no real run is that steady.
-    r = record_trace("--out", str(out), *QUICK, "--num-prompts", "1", "--factor", "1.0001",
-                     "--max-load", "1e9")
+    r = stray
     assert r.returncode == 1, r.stdout + r.stderr[-3000:]
     assert re.search(r"not representative \(each step within 1\.0001x of its kind's calibration "
                      r"median, .*\):\n  step \d+ \((prefill|decode), \d+ prefill \+ \d+ decode "

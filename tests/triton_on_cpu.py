@@ -56,29 +56,28 @@ def triton_on_cpu(gemv: bool = True):
 
 class Interpreted:
     """A script running under Triton's interpreter in a subprocess of its own (process
-    group too), started at once, so that two runs of single-threaded numpy share the two
-    cores: `output()` waits for it; `stop()` ends it and its group, run or not."""
+    group too), started at once (through background.spawn: niced when a background job
+    starts it), so that two runs of single-threaded numpy share the two cores: `output()`
+    waits for it; `stop()` ends it and its group, run or not."""
 
     def __init__(self, cmd: list[str], timeout: float):
         import os
         import subprocess
-        import time
 
+        import background
         here = os.path.dirname(os.path.abspath(__file__))
-        self.deadline = time.monotonic() + timeout
-        self.proc = subprocess.Popen(
+        self.timeout = timeout
+        self.proc = background.spawn(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            start_new_session=True,
             env={**os.environ, "TRITON_INTERPRET": "1",
                  "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])})
 
     def output(self) -> str:
-        """Its stdout (stripped); a failing run fails the calling test with the end of its
-        stderr."""
+        """Its stdout (stripped), waiting up to `timeout` s from this call; a failing run
+        fails the calling test with the end of its stderr."""
         import subprocess
-        import time
         try:
-            out, err = self.proc.communicate(timeout=max(self.deadline - time.monotonic(), 1))
+            out, err = self.proc.communicate(timeout=self.timeout)
         except subprocess.TimeoutExpired:
             self.stop()
             raise
