@@ -51,7 +51,7 @@ def one(rule: str) -> dict:
             t = time.perf_counter()
             out = engine.generate([[1, 2, 3, 4, 5, 6, 7, 8]], params)[0]
             ms.append(round((time.perf_counter() - t) / len(out.token_ids) * 1e3, 1))
-        cpu._builder.wait()
+        cpu.wait_for_kernel(900)
         return dict(rule=rule, ms_per_token=ms, build_s=round(time.perf_counter() - t0, 1))
     finally:
         shutil.rmtree(cache, ignore_errors=True)
