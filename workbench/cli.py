@@ -412,7 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--port", type=int, default=8866)
     d.add_argument("--browser", action="store_true", help="also open it in a browser")
     d.add_argument("--kernel-idle-timeout", type=_positive_int, default=60, metavar="S",
-                   help="shut down a page's kernel S seconds after its page closes (default 60)")
+                   help="shut down a page's kernel once it has been idle S seconds with no page "
+                        "connected: after its page closes, or if its page never connects "
+                        "(default 60; a page that takes longer than S to load loses its kernel)")
     d.set_defaults(func=cmd_dashboard)
 
     doc = sub.add_parser("doctor", help="check a device without loading a model: versions, chip, "
