@@ -101,7 +101,8 @@ def test_lab_serves_the_notebooks_and_its_first_line_opens_it(tmp_path):
         text = log.read_text(errors="replace")
         # (Jupyter Server itself still warns "ServerApp.token config is deprecated" once at
         # start-up, whichever way the token is given: not checked here.)
-        for noise in ("is not trusted", "without encryption", "notebook_dir"):
+        for noise in ("is not trusted", "without encryption", "notebook_dir",
+                      "websocket_ping_timeout"):
             assert noise not in text, f"{noise!r} in the terminal:\n{text}"
     finally:
         assert stop_tree(proc) == [], "processes outlived workbench lab"

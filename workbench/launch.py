@@ -30,6 +30,17 @@ def trust_notebooks(d: Path) -> None:
             notary.sign(nb)
 
 
+def quiet_kernels(app: str) -> list[str]:
+    """Options for both Jupyter servers (`app`: the section their Tornado settings live in):
+    kernels over Unix sockets (over TCP each kernel warns that its traffic is unencrypted, and
+    kernels started at once can race for the same free port), and a websocket ping timeout
+    Tornado accepts (Jupyter Server's default, 90 s against a 30 s ping interval, is cut to
+    30 s with a warning at each page's first connection)."""
+    import os
+    return [*(["--KernelManager.transport=ipc"] if os.name == "posix" else []),
+            f"--{app}.tornado_settings=ws_ping_timeout=30000"]
+
+
 def run_lab(host: str, port: int, browser: bool) -> int:
     """`workbench lab`: JupyterLab on notebooks/, its first line a URL that opens it."""
     import os
@@ -37,12 +48,11 @@ def run_lab(host: str, port: int, browser: bool) -> int:
     d = notebooks_dir()
     trust_notebooks(d)
     # The token goes in the environment (argv shows in `ps`) and in the URL printed first, so
-    # that URL opens the Lab. Kernels over Unix sockets: over TCP, ipykernel warns per kernel.
+    # that URL opens the Lab.
     token = os.environ.get("JUPYTER_TOKEN") or secrets.token_urlsafe(24)
     args = [f"--ServerApp.root_dir={d}", f"--ServerApp.ip={host}", f"--ServerApp.port={port}",
             "--ServerApp.port_retries=0"]     # the port printed is the port served, or an error
-    if os.name == "posix":
-        args.append("--KernelManager.transport=ipc")
+    args += quiet_kernels("ServerApp")
     if not browser:
         args.append("--no-browser")
     if hasattr(os, "geteuid") and os.geteuid() == 0:
@@ -208,7 +218,7 @@ def run_dashboard(env: dict[str, str], host: str, port: int, kernel_idle_timeout
             # shut down: each one holds an engine (1-2 GB with smollm2).
             f"--MappingKernelManager.cull_idle_timeout={kernel_idle_timeout}",
             f"--MappingKernelManager.cull_interval={max(1, min(10, kernel_idle_timeout // 2))}",
-            "--MappingKernelManager.cull_connected=False"]
+            "--MappingKernelManager.cull_connected=False", *quiet_kernels("Voila")]
     if browser:
         args.remove("--no-browser")
     return run_jupyter("voila", args, env, f"dashboard: http://{host}:{port}/")
