@@ -99,10 +99,8 @@ def test_lab_serves_the_notebooks_and_its_first_line_opens_it(tmp_path):
         ws = url.replace("http", "ws") + f"/api/kernels/{r.json()['id']}/channels?token={m.group(2)}"
         assert run_in_kernel(ws, "print(6 * 7)") == "42\n"       # the kernel answers
         text = log.read_text(errors="replace")
-        # (Jupyter Server itself still warns "ServerApp.token config is deprecated" once at
-        # start-up, whichever way the token is given: not checked here.)
         for noise in ("is not trusted", "without encryption", "notebook_dir",
-                      "websocket_ping_timeout"):
+                      "websocket_ping_timeout", "config is deprecated", "Warning"):
             assert noise not in text, f"{noise!r} in the terminal:\n{text}"
     finally:
         assert stop_tree(proc) == [], "processes outlived workbench lab"

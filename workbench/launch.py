@@ -51,7 +51,11 @@ def run_lab(host: str, port: int, browser: bool) -> int:
     # that URL opens the Lab.
     token = os.environ.get("JUPYTER_TOKEN") or secrets.token_urlsafe(24)
     args = [f"--ServerApp.root_dir={d}", f"--ServerApp.ip={host}", f"--ServerApp.port={port}",
-            "--ServerApp.port_retries=0"]     # the port printed is the port served, or an error
+            "--ServerApp.port_retries=0",     # the port printed is the port served, or an error
+            # notebook_shim (classic Notebook server extensions, none here) reads every member of
+            # the server at start-up, the deprecated ServerApp.token among them, which prints
+            # "ServerApp.token config is deprecated" although the token is given the current way.
+            "--ServerApp.jpserver_extensions=notebook_shim=False"]
     args += quiet_kernels("ServerApp")
     if not browser:
         args.append("--no-browser")
