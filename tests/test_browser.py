@@ -147,6 +147,9 @@ def test_dashboard_at_a_glance_streams_and_rebuilds_in_chromium(dashboard, tiny_
             wait_for(send.is_enabled, 240, "the engine to load", page, "no-engine.png")
             info = page.locator(".engine-info")
             assert "block size 16" in info.inner_text() and "graph mode eager" in info.inner_text()
+            # Under it, why the weights are in their format, with the figures that decided it.
+            why = page.locator(".engine-why").inner_text()
+            assert "quantization 'auto'" in why and "µs" in why, why
             assert not page.locator(".wb .notice").count()      # a default CPU start: no banner
             assert "eager" in knob(page, "Graph capture").locator("select") \
                 .input_value()

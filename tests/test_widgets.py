@@ -459,6 +459,10 @@ def test_dashboard_loads_behind_a_progress_bar_and_shows_what_runs(comms):
     assert not dash.send_button.disabled
     assert dash.knobs.graph_mode.value == info.graph_mode == "eager"
     assert f"graph mode</span> <b>{info.graph_mode}</b>" in dash.header.value
+    # Why the weights are in their format, with the figures (the CPU kernel is built here:
+    # 'auto' measured its candidates).
+    assert info.quantization_choice and "µs" in info.quantization_choice
+    assert f'engine-why muted">{html.escape(info.quantization_choice)}</div>' in dash.header.value
     assert dash.knobs.block_size.value == info.block_size and not dash.notices.value
     dash.source.close()
 

@@ -268,7 +268,11 @@ class Dashboard(w.VBox):
         kind = ("remote server" if isinstance(self.source, RemoteSource) else
                 "replay (recorded trace, no model loaded)" if isinstance(self.source, ReplaySource)
                 else "engine")
-        self.header.value = _title(f"{kind}: {items}", escape=False)
+        # Why the weights are in the format they are, with the figure that decided it.
+        info = _roofline_model(self.source)[0]
+        why = getattr(info, "quantization_choice", None)
+        self.header.value = _title(f"{kind}: {items}", escape=False) + (
+            f'<div class="wb"><div class="engine-why muted">{esc(why)}</div></div>' if why else "")
         self.notices.value = notices_html(self.source.notices)
 
     def _show_errors(self, u) -> None:
