@@ -230,6 +230,9 @@ def test_the_tokens_per_step_exercise_checks_its_answer():
 @pytest.mark.timeout(BOUND_S["03_tuning.ipynb"] + 120)
 def test_tuning(tmp_path):
     text, outputs, nb = run_notebook("03_tuning.ipynb", tmp_path)
+    from workbench.platforms.cpu_kernels import kernel_is_built
+    if kernel_is_built():            # the sweeps time the kernel, not the fallback
+        assert "the C++ CPU kernel is loaded" in text and "fallback" not in text
     assert "at once:" in text and "x the throughput" in text
     rows = (tmp_path / "exports" / "tuning_results.csv").read_text().splitlines()
     assert len(rows) == 1 + 2 + 2 + 2
@@ -310,6 +313,28 @@ def test_streaming(tmp_path):
                   r"(\d+) now; requests the server aborted: 1\b", text)
     assert m and int(m.group(1)) > 0 and int(m.group(3)) == 0
     assert plotly_figures(outputs) == 3
+
+
+def test_a_notebook_waits_for_the_kernel_build_a_server_would_start(monkeypatch):
+    """04 starts a server on the device it names: on a CPU whose kernel is not built, the
+    notebook's own process starts the build (what the server would do), shows the bar until
+    it is done, and the server then starts on a built kernel. The build is stood in for (the
+    real one is checked in test_caches); what is checked is the notebook's side of it."""
+    from workbench.platforms import cpu_kernels as ck
+
+    import widgets.notebook as nbk
+    built, started, shown = [False], [], []
+    monkeypatch.setattr(ck, "kernel_is_built", lambda: built[0])
+    monkeypatch.setattr(ck, "failure", lambda: None)
+    monkeypatch.setattr(ck, "build_in_background", lambda: started.append(1))
+    monkeypatch.setattr(ck, "kernel_is_building", lambda: bool(started) and not built[0])
+    monkeypatch.setattr(ck, "wait_for_kernel", lambda t: built.__setitem__(0, True))
+    monkeypatch.setattr(ck, "kernels", lambda: object() if built[0] else None)
+    monkeypatch.setattr("IPython.display.display", lambda w: shown.append(w))
+    line = nbk.wait_for_cpu_kernel("cpu")
+    assert started == [1] and len(shown) == 1 and line.startswith("the C++ CPU kernel is loaded")
+    started.clear()
+    assert nbk.wait_for_cpu_kernel("cpu") == "the C++ CPU kernel is loaded" and not started
 
 
 def test_an_interrupt_ends_a_cell_in_one_line(capsys):

@@ -17,12 +17,19 @@ from .progress import BuildProgress
 def wait_for_cpu_kernel(engine, timeout: float = 900.0) -> str:
     """For a notebook that measures: on the CPU, while the C++ kernel that this process
     started building is not done, show a bar and wait for it, so that the figures that follow
-    are the kernel's and not the plain-torch fallback's. Returns a line to print: what the
-    figures below run on."""
+    are the kernel's and not the plain-torch fallback's. `engine`: the engine that will be
+    timed, or the device a server about to start will run on ('auto', 'cpu', …): then this
+    process starts the build that server would, so that the server starts on a built kernel.
+    Returns a line to print: what the figures below run on."""
     from IPython.display import display
+    from workbench.platforms import auto_device
     from workbench.platforms import cpu_kernels as ck
-    if engine.info().device != "cpu":
-        return f"running on {engine.info().device}"
+    device = engine if isinstance(engine, str) else engine.info().device
+    device = auto_device() if device == "auto" else device
+    if device != "cpu":
+        return f"running on {device}"
+    if isinstance(engine, str) and not ck.kernel_is_built() and ck.failure() is None:
+        ck.build_in_background()
     bar = BuildProgress()
     t0 = time.monotonic()
     if ck.kernel_is_building():
