@@ -493,6 +493,36 @@ def test_build_progress_follows_what_the_loader_reports():
     assert seen[-1][0].startswith("building the engine") and seen[-1][1] >= 2 / 3 - 1e-9
 
 
+def test_build_progress_names_the_stages_of_a_real_build(tmp_path):
+    """What a bar listening to a real build shows, stage by stage: the weights being read
+    (a safetensors checkpoint here), then the engine being built, never a stale stage."""
+    import logging
+
+    from conftest import make_tiny_checkpoint
+
+    from widgets.progress import _Listener
+    stages: list[str] = []
+
+    class Recorder(_Listener):
+        def emit(self, record):
+            super().emit(record)
+            if not stages or stages[-1] != self.stage:
+                stages.append(self.stage)
+
+    make_tiny_checkpoint(tmp_path, "qwen2")
+    logger, rec = logging.getLogger("workbench"), Recorder()
+    level = logger.level
+    logger.addHandler(rec)
+    logger.setLevel(logging.DEBUG)
+    try:
+        Engine(model=str(tmp_path), device="cpu", num_kv_blocks=16).close()
+    finally:
+        logger.removeHandler(rec)
+        logger.setLevel(level)
+    read = stages.index(f"reading the weights of {tmp_path}")
+    assert stages[read + 1].startswith("building the engine"), stages
+
+
 def test_sampled_replies_repeat_on_a_fresh_page_unless_unseeded(smollm2_engine, comms):
     """A page starts from the demo seed (its first Send samples the replies read before the
     prompts shipped); the Seed knob or a seed in the params moves it; seed=None draws one

@@ -332,8 +332,11 @@ def load_checkpoint(model: str, quantization: str | None = None) -> LoadedCheckp
     if quantization in ("gguf", "gguf-a8"):
         state = gguf_llama_checkpoint(smollm2_gguf_path(), packed=True)[1]
         files = []
-    for f in files:
+    for i, f in enumerate(files):
         state.update(load_file(str(f)))
+        # (A bar that listens shows the fraction, then what follows the last file.)
+        log.debug("read %s", f.name, extra={"progress": (f"reading the weights of {model}",
+                                                          i + 1, len(files))})
     tokenizer = None
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
