@@ -860,3 +860,15 @@ def test_stepper_shows_drafts_accepted_and_rejected():
     parts = [st.kv, st.view, st.step_button, *st.kv.children]
     st.close()                                # its widgets go with it (no saved state left)
     assert st.comm is None and all(x.comm is None for x in parts)
+
+
+def test_log_axes_label_decades_not_every_minor_tick():
+    """Log axes are labelled at whole decades where the figures span two or more, at 1-2-5
+    of each decade on a shorter range; never Plotly's row of minor labels (… 7, 8, 9)."""
+    from widgets.figures import log_ticks
+    wide = log_ticks([3, 40, 4000])
+    assert wide["tickvals"] == [1.0, 10.0, 100.0, 1000.0, 10000.0]
+    short = log_ticks([3, 8, None, 0])
+    assert short["tickvals"] == [1.0, 2.0, 5.0, 10.0, 20.0, 50.0]
+    assert all(round(v / 10 ** math.floor(math.log10(v))) in (1, 2, 5) for v in short["tickvals"])
+    assert log_ticks([None]) == {"type": "log"}
