@@ -173,6 +173,16 @@ def test_dashboard_at_a_glance_streams_and_rebuilds_in_chromium(dashboard, tiny_
                              > s.closest('.card').getBoundingClientRect().right + 1)
                 .map(s => s.innerText)""")
             assert not cut, f"card footers cut at 1440x900: {cut}"
+            # No figure's legend over its title (the roofline's, the timeline's…).
+            boxes = page.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot')]
+                .map(p => [p.querySelector('.gtitle'), p.querySelector('.legend')])
+                .filter(([t, l]) => t && l && t.textContent && l.getBoundingClientRect().height)
+                .map(([t, l]) => [t.textContent, t.getBoundingClientRect().toJSON(),
+                                  l.getBoundingClientRect().toJSON()])""")
+            assert boxes, "no figure with both a title and a legend drawn"
+            over = [t for t, a, b in boxes if a["bottom"] > b["top"] + 1 and b["bottom"] > a["top"] + 1
+                    and a["right"] > b["left"] + 1 and b["right"] > a["left"] + 1]
+            assert not over, f"legend over the title of {over}"
             hidden = outside_viewport(page, size)
             if hidden:
                 page.screenshot(path=str(ARTIFACTS / "outside.png"))
