@@ -239,7 +239,18 @@ def test_tuning(tmp_path):
     data = json.loads((tmp_path / "exports" / "tuning_results.json").read_text())
     alone, batched = data["results"]["alone_vs_batched"]
     assert alone["requests"] == 1 and batched["requests"] == 8
-    assert batched["out_tok_s"] > alone["out_tok_s"]          # batching pays, even on a CPU
+    # Batching pays, even on a CPU: said with the figures where they show it on a quiet
+    # machine; a busy machine or contradicting figures are said instead (issue 42: the
+    # 1,128 ms TPOT of one request alone that read as the engine's).
+    assert len(alone["tpot_p50_ms_runs"]) == len(batched["out_tok_s_runs"]) == 3
+    claim = (f"8 requests at once serve more tokens a second than one alone: "
+             f"{batched['out_tok_s']:.1f} against {alone['out_tok_s']:.1f} tok/s")
+    assert claim in text or re.search(r"^(This machine was busy \(|The lesson says 8 requests at "
+                                      r"once serve more tokens)", text, re.M), text
+    assert (claim in text) <= (batched["out_tok_s"] > alone["out_tok_s"])
+    # The sweeps ran their points in interleaved rounds, every run kept.
+    assert all(len(r["out_tok_s_runs"]) == 2 for rs in ("max_num_seqs", "block_size", "graph_mode")
+               for r in data["results"][rs])
     assert plotly_figures(outputs) == 6       # three sweeps, speculative k, alone against batched,
     #                                           the tuner's
     # Speculative decoding, method and k: the printed rows are the exported ones, greedy tokens

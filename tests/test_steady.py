@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from workbench.bench import steady
-from workbench.bench.offline import batch_scaling_relations, time_per_token_by_batch
+from workbench.bench.offline import (alone_vs_batched_relations, batch_scaling_relations,
+                                     batch_size_relations, latency_alone_vs_batched, sweep,
+                                     time_per_token_by_batch)
 from workbench.bench.steady import MachineCheck, Runs, interleaved, verdict
 
 QUIET = MachineCheck(2, (0.3, 0.4), (1.00, 1.05))
@@ -81,3 +83,58 @@ def test_time_per_token_by_batch_keeps_every_run():
     for x in r:
         assert len(x["decode_runs"].values) == 3 and len(x["prefill_runs"].values) == 3
         assert x["decode_s_per_token"] == pytest.approx(x["decode_runs"].median)
+
+
+def test_notebook_03s_alone_against_batched_from_the_issue_gets_the_warning():
+    # Notebook 03 on a loaded machine: one request alone at a TPOT of 1,128 ms (about 12 ms
+    # on a quiet one), under a table that read as the engine's.
+    table = [dict(requests=1, out_tok_s=0.9, tpot_p50_ms=1128.0),
+             dict(requests=8, out_tok_s=51.0, tpot_p50_ms=150.0)]
+    runs = [Runs([1128.0, 14.0]), Runs([150.0, 160.0])]
+    busy = MachineCheck(2, (5.1, 5.6), (1.0, 1.9))
+    s = verdict(alone_vs_batched_relations(table), busy, runs)
+    assert s.startswith("This machine was busy (load average 5.1 then 5.6 on 2 cores")
+    # The same runs on a machine that looked quiet: the runs disagree by 80x, still a warning.
+    assert "differed by up to 80.6x" in verdict(alone_vs_batched_relations(table), QUIET, runs)
+    # Steady figures: the claim, with them; and figures that contradict it, said so.
+    steady_runs = [Runs([12.0, 12.4]), Runs([20.0, 20.5])]
+    table[0].update(out_tok_s=80.0, tpot_p50_ms=12.0)
+    table[1]["out_tok_s"] = 300.0
+    assert verdict(alone_vs_batched_relations(table), QUIET, steady_runs) == (
+        "8 requests at once serve more tokens a second than one alone: 300.0 against 80.0 "
+        "tok/s (3.8x).")
+    table[1]["out_tok_s"] = 51.0
+    assert verdict(alone_vs_batched_relations(table), QUIET, steady_runs).startswith(
+        "The lesson says 8 requests at once serve more tokens a second than one alone, but "
+        "these figures do not show it: 51.0 against 80.0 tok/s (0.6x)")
+
+
+def test_batch_size_sweep_claims_only_what_its_figures_show():
+    rows = [dict(max_num_seqs=1, out_tok_s=60.0), dict(max_num_seqs=8, out_tok_s=210.0)]
+    s = verdict(batch_size_relations(rows), QUIET, [Runs([60.0, 61.0]), Runs([210.0, 214.0])])
+    assert s == ("Throughput climbs with the batch: 60.0 tok/s at max_num_seqs 1, 210.0 tok/s "
+                 "at max_num_seqs 8 (3.5x).")
+    rows[1]["out_tok_s"] = 55.0
+    assert "do not show it" in verdict(batch_size_relations(rows), QUIET, [Runs([60.0])])
+
+
+def test_sweep_and_the_table_interleave_their_repeats_and_keep_every_run():
+    from workbench import Engine
+    from workbench.bench.offline import make_workload
+    wl = make_workload(2, (8, 8), (3, 3), 256, seed=0)
+    seen = []
+    rows = sweep({"block_size": [16, 32]}, wl, model="random:tiny",
+                 engine_kwargs=dict(device="cpu", num_kv_blocks=32), repeats=3,
+                 progress=lambda done, total: seen.append((done, total)))
+    assert [r["block_size"] for r in rows] == [16, 32] and seen[-1] == (6, 6)
+    for r in rows:
+        assert len(r["out_tok_s_runs"]) == 3 and r["out_tok_s"] == pytest.approx(
+            sorted(r["out_tok_s_runs"])[1])
+        assert r["tokens"] == 6                   # counts are the same in every run
+    e = Engine(model="random:tiny", device="cpu", max_num_seqs=4, num_kv_blocks=64)
+    try:
+        table = latency_alone_vs_batched(e, n=4, prompt_len=8, new_tokens=4, repeats=3)
+    finally:
+        e.close()
+    assert [r["requests"] for r in table] == [1, 4]
+    assert all(len(r["tpot_p50_ms_runs"]) == 3 and len(r["out_tok_s_runs"]) == 3 for r in table)

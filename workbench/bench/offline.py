@@ -111,19 +111,41 @@ def run_engine_b1(engine: Engine, prompt: list[int], new_tokens: int,
                 decode_tok_s=round((len(out.token_ids) - 1) / decode_s, 1))
 
 
+TIMED = ("out_tok_s", "seconds", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms")
+"""run_engine's figures that time the machine (the others count tokens, steps and blocks,
+the same in every run of a point)."""
+
+
 def sweep(grid: dict[str, list], wl: Workload, model: str = "smollm2",
-          engine_kwargs: dict | None = None, progress=None) -> list[dict]:
+          engine_kwargs: dict | None = None, progress=None, repeats: int = 1) -> list[dict]:
     """Every combination of the grid's knob values (EngineConfig names), one engine each, on
     the same workload: one row per point, the knobs beside `run_engine`'s figures.
-    `graph_mode_run` says which graph mode really ran (the CPU runs eager)."""
+    `graph_mode_run` says which graph mode really ran (the CPU runs eager). With `repeats`
+    > 1 the points run that many rounds, interleaved (steady.interleaved; each run builds its
+    point's engine again, as a device holds one engine at a time): each timed figure is the
+    median, and `<figure>_runs` keeps every run's (out_tok_s_runs, tpot_p50_ms_runs, …)."""
     import itertools
-    rows = []
-    points = list(itertools.product(*grid.values()))
-    for i, values in enumerate(points):
-        knobs = dict(zip(grid, values))
-        rows.append({**knobs, **_run_point(model, engine_kwargs, knobs, wl)})
+
+    from .steady import interleaved
+    points = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+    done = 0
+
+    def one(knobs: dict) -> dict:
+        nonlocal done
+        row = _run_point(model, engine_kwargs, knobs, wl)
+        done += 1
         if progress is not None:
-            progress(i + 1, len(points))
+            progress(done, len(points) * repeats)
+        return row
+
+    rows = []
+    for knobs, runs in zip(points, interleaved(points, one, repeats)):
+        row = {**knobs, **runs[0]}
+        if repeats > 1:
+            for k in TIMED:
+                row[f"{k}_runs"] = [r[k] for r in runs]
+                row[k] = statistics.median(row[f"{k}_runs"])
+        rows.append(row)
     return rows
 
 
@@ -192,20 +214,55 @@ def ab_run(knobs_a: dict, knobs_b: dict, wl: Workload, model: str = "smollm2",
 
 
 def latency_alone_vs_batched(engine: Engine, n: int = 32, prompt_len: int = 128,
-                             new_tokens: int = 64, seed: int = 0) -> list[dict]:
+                             new_tokens: int = 64, seed: int = 0, repeats: int = 1) -> list[dict]:
     """The classic table: TTFT and time per output token of one request alone, then of n
-    requests sent at once (continuous batching), with the total throughput of each."""
+    requests sent at once (continuous batching), with the total throughput of each. With
+    `repeats` > 1 the two run that many rounds, interleaved (steady.interleaved): each figure
+    is the median, and `<figure>_runs` keeps every run's."""
+    from .steady import interleaved
     vocab = engine.info().vocab_size
-    rows = []
-    for count in (1, n):
+
+    def once(count: int) -> dict:
         wl = make_workload(count, (prompt_len, prompt_len), (new_tokens, new_tokens), vocab,
                            seed)
         r = run_engine(engine, wl)
-        rows.append(dict(requests=count, ttft_p50_ms=round(r["ttft_p50_s"] * 1e3, 1),
-                         ttft_p99_ms=round(r["ttft_p99_s"] * 1e3, 1),
-                         tpot_p50_ms=r["tpot_p50_ms"], tpot_p99_ms=r["tpot_p99_ms"],
-                         out_tok_s=r["out_tok_s"]))
+        return dict(ttft_p50_ms=round(r["ttft_p50_s"] * 1e3, 1),
+                    ttft_p99_ms=round(r["ttft_p99_s"] * 1e3, 1),
+                    tpot_p50_ms=r["tpot_p50_ms"], tpot_p99_ms=r["tpot_p99_ms"],
+                    out_tok_s=r["out_tok_s"])
+
+    rows = []
+    for count, runs in zip((1, n), interleaved([1, n], once, repeats)):
+        row = {"requests": count}
+        for k in runs[0]:
+            row[k] = statistics.median(r[k] for r in runs)
+            if repeats > 1:
+                row[f"{k}_runs"] = [r[k] for r in runs]
+        rows.append(row)
     return rows
+
+
+def alone_vs_batched_relations(table: list[dict]) -> list:
+    """What notebook 03 says of `latency_alone_vs_batched`'s table, checked on it: n requests
+    at once serve more tokens a second than one alone."""
+    from .steady import Relation
+    alone, batched = table
+    gain = batched["out_tok_s"] / alone["out_tok_s"]
+    return [Relation(f"{batched['requests']} requests at once serve more tokens a second than "
+                     "one alone", gain > 1.0,
+                     f"{batched['out_tok_s']:.1f} against {alone['out_tok_s']:.1f} tok/s "
+                     f"({gain:.1f}x)")]
+
+
+def batch_size_relations(rows: list[dict], knob: str = "max_num_seqs") -> list:
+    """What notebook 03 says of its batch-size sweep, checked on it: throughput climbs with
+    the batch."""
+    from .steady import Relation
+    lo, hi = rows[0], rows[-1]
+    climbs = all(b["out_tok_s"] > a["out_tok_s"] for a, b in zip(rows, rows[1:]))
+    return [Relation("throughput climbs with the batch", climbs, ", ".join(
+        f"{r['out_tok_s']:.1f} tok/s at {knob} {r[knob]}" for r in rows)
+        + f" ({hi['out_tok_s'] / lo['out_tok_s']:.1f}x)")]
 
 
 def time_per_token_by_batch(engine: Engine, batch_sizes=(1, 2, 4, 8), prompt_len: int = 32,
