@@ -208,7 +208,8 @@ def test_knobs_validate_and_rebuild_the_dashboard_engine(comms):
     t = knobs.sampling_params().temperature
     assert re.search(rf"sampling at temperature {t:g}</span> <b>adds [0-9.]+ ms to a step of "
                      r"\d+ requests on this machine \([0-9.]+ ms sampled, [0-9.]+ ms greedy\)"
-                     r"</b>", dash.header.value), dash.header.value
+                     r"( — measured while this machine was busy, so not the engine's figure "
+                     r"\(load average [^)]*\))?</b>", dash.header.value), dash.header.value
     # The old engine's cards went with it (its requests were aborted, or had finished): the
     # cards hold the new engine's run only, like the stats and the timeline.
     # (ids restart with each engine: the new one's req-0 is not the old req-0)
@@ -872,3 +873,32 @@ def test_log_axes_label_decades_not_every_minor_tick():
     assert short["tickvals"] == [1.0, 2.0, 5.0, 10.0, 20.0, 50.0]
     assert all(round(v / 10 ** math.floor(math.log10(v))) in (1, 2, 5) for v in short["tickvals"])
     assert log_ticks([None]) == {"type": "log"}
+
+
+def test_the_headers_sampling_cost_says_when_the_machine_was_busy(monkeypatch):
+    """The header's "sampling adds … ms" is measured three times, interleaved, between two
+    looks at the machine: on a busy machine it says so and is measured again next time; on a
+    quiet one it is kept."""
+    from workbench.bench import steady
+
+    from widgets.sources import LocalSource
+    e = Engine(model="random:tiny", device="cpu", num_kv_blocks=32)
+    src, calls = LocalSource(e), []
+    real = e.sampler_cost
+    monkeypatch.setattr(e, "sampler_cost", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(steady, "probe_ms", lambda: 1.0)
+    try:
+        p = SamplingParams(temperature=0.7)
+        monkeypatch.setattr(steady, "load_average", lambda: 9.0)
+        busy = src.sampling_cost(p, 8)
+        assert "measured while this machine was busy, so not the engine's figure (load " \
+               "average 9.0 then 9.0" in busy and len(calls) == 3
+        src.sampling_cost(p, 8)
+        assert len(calls) == 6                              # not kept: measured again
+        monkeypatch.setattr(steady, "load_average", lambda: 0.1)
+        quiet = src.sampling_cost(p, 8)
+        assert re.fullmatch(r"adds [0-9.]+ ms to a step of 8 requests on this machine "
+                            r"\([0-9.]+ ms sampled, [0-9.]+ ms greedy\)", quiet), quiet
+        assert src.sampling_cost(p, 8) == quiet and len(calls) == 9     # kept
+    finally:
+        src.close()

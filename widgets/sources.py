@@ -149,14 +149,23 @@ class LocalSource:
 
     def sampling_cost(self, params: SamplingParams, batch: int) -> str:
         """What sampling with `params` costs a step of `batch` rows against greedy on this
-        engine's device, measured once per (temperature, top-p, top-k, batch)."""
+        engine's device: three interleaved measurements between two looks at the machine
+        (bench.steady), the medians in words. Kept per (temperature, top-p, top-k, min-p,
+        batch) once measured on a quiet machine; on a busy one the figure says so and is
+        measured again the next time the header is drawn."""
+        from workbench.bench.steady import Runs, checked
         key = (params.temperature, params.top_p, params.top_k, params.min_p, batch)
         if self._cost_key != key:
-            c = self.engine.sampler_cost(params, batch)
-            extra = max(0.0, c['sampled_ms'] - c['greedy_ms'])
-            self._cost_key, self._cost = key, (
-                f"adds {extra:.1f} ms to a step of {batch} requests on this machine "
-                f"({c['sampled_ms']:.1f} ms sampled, {c['greedy_ms']:.1f} ms greedy)")
+            runs, machine = checked(lambda: [self.engine.sampler_cost(params, batch)
+                                             for _ in range(3)])
+            sampled = Runs([c["sampled_ms"] for c in runs]).median
+            greedy = Runs([c["greedy_ms"] for c in runs]).median
+            text = (f"adds {max(0.0, sampled - greedy):.1f} ms to a step of {batch} requests on "
+                    f"this machine ({sampled:.1f} ms sampled, {greedy:.1f} ms greedy)")
+            if machine.busy:
+                return text + (" — measured while this machine was busy, so not the engine's "
+                               f"figure ({machine.describe()})")
+            self._cost_key, self._cost = key, text
         return self._cost
 
     def submit(self, prompt: Any, params: SamplingParams) -> str:
