@@ -51,13 +51,27 @@ def test_the_busy_run_from_the_issue_gets_the_warning_not_the_claim():
 
 
 def test_the_machine_check_reads_load_and_the_probe(monkeypatch):
-    real_probe = steady.probe_ms
+    import time
+    real_probe, real_cpu = steady.probe_ms, steady.cpu_seconds
     loads, probes = iter([0.5, 3.9]), iter([1.0, 1.1])
     monkeypatch.setattr(steady, "load_average", lambda: next(loads))
     monkeypatch.setattr(steady, "probe_ms", lambda: next(probes))
+    monkeypatch.setattr(steady, "cpu_seconds", lambda: None)      # no /proc/stat: the load
     result, m = steady.checked(lambda: 42)
-    assert result == 42 and m.load == (0.5, 3.9) and m.probe == (1.0, 1.1)
+    assert result == 42 and m.load == (0.5, 3.9) and m.probe == (1.0, 1.1) and m.others is None
     assert m.busy == (3.9 > steady.BUSY_LOAD * m.cores)
+    # Where /proc/stat says what the rest of the machine ran, that decides, not the load
+    # average, which counts the measurement's own threads: a lesson that kept both cores of a
+    # laptop busy itself reads a load of 2 and is not "busy" for it.
+    import os
+    for other_s, busy in ((0.0, False), (0.18 * (os.cpu_count() or 1), True)):   # 90% of 0.2 s
+        loads, probes = iter([2.0, 2.1]), iter([1.0, 1.05])
+        cpu = iter([(100.0, 10.0), (100.4 + other_s, 10.4)])     # we used 0.4 s, others other_s
+        monkeypatch.setattr(steady, "cpu_seconds", lambda: next(cpu))
+        _, m = steady.checked(lambda: time.sleep(0.2))
+        assert m.busy is busy and (m.others > steady.BUSY_OTHERS) is busy, m
+        assert ("other processes used" in m.describe()) and "load average 2.0 then 2.1" in m.describe()
+    assert real_cpu() is None or real_cpu()[0] > 0
     assert MachineCheck(2, (0.1, 0.1), (1.0, 1.6)).busy          # the probe slowed by 1.6x
     assert not MachineCheck(2, (0.1, 0.1), (1.0, 1.2)).busy
     assert real_probe() > 0

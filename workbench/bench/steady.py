@@ -19,7 +19,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 BUSY_LOAD = 0.75
-"""A 1-minute load average over this many runnable processes per core is a busy machine."""
+"""Where other processes' CPU time cannot be read: a 1-minute load average over this many
+runnable processes per core is a busy machine."""
+BUSY_OTHERS = 0.25
+"""Other processes using this fraction of the machine's cores while a measurement ran: busy.
+(Not the load average where /proc says more: it counts the measurement's own threads, so a
+lesson timing the engine on 2 cores would call every machine busy after its first minute.)"""
 BUSY_PROBE = 1.5
 """The fixed probe taking this many times longer after than before (or the reverse): busy."""
 NOISY_SPREAD = 1.5
@@ -64,6 +69,19 @@ def probe_ms() -> float:
     return best * 1e3
 
 
+def cpu_seconds() -> tuple[float, float] | None:
+    """(CPU seconds the whole machine has been busy, CPU seconds of this process, all its
+    threads), from /proc/stat and os.times(); None where there is no /proc/stat."""
+    try:
+        first = open("/proc/stat").readline().split()
+        user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in first[1:9])
+        busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, AttributeError):
+        return None
+    t = os.times()
+    return busy, t.user + t.system
+
+
 def load_average() -> float:
     """The 1-minute load average (0 where the system has none)."""
     try:
@@ -80,25 +98,42 @@ class MachineCheck:
     """1-minute load average before and after."""
     probe: tuple[float, float]
     """`probe_ms()` before and after."""
+    others: float | None = None
+    """The cores other processes kept busy while it measured, as a fraction of all of them
+    (None where that cannot be read)."""
 
     @property
     def busy(self) -> bool:
         a, b = self.probe
-        return (max(self.load) > BUSY_LOAD * self.cores
-                or max(a, b) > BUSY_PROBE * min(a, b))
+        loaded = (self.others > BUSY_OTHERS if self.others is not None
+                  else max(self.load) > BUSY_LOAD * self.cores)
+        return loaded or max(a, b) > BUSY_PROBE * min(a, b)
 
     def describe(self) -> str:
-        return (f"load average {self.load[0]:.1f} then {self.load[1]:.1f} on {self.cores} "
-                f"cores; the same small step took {self.probe[0]:.1f} then {self.probe[1]:.1f} ms")
+        others = ("" if self.others is None else
+                  f"other processes used {self.others:.0%} of the machine while it measured; ")
+        return (f"{others}load average {self.load[0]:.1f} then {self.load[1]:.1f} on "
+                f"{self.cores} cores; the same small step took {self.probe[0]:.1f} then "
+                f"{self.probe[1]:.1f} ms")
 
 
 def checked(measure: Callable[[], object]) -> tuple[object, MachineCheck]:
     """Run `measure()` between two looks at the machine."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cores or 1
     load0, probe0 = load_average(), probe_ms()
+    t0, cpu0 = time.monotonic(), cpu_seconds()
     result = measure()
+    t1, cpu1 = time.monotonic(), cpu_seconds()
     probe1, load1 = probe_ms(), load_average()
-    return result, MachineCheck(cores or 1, (load0, load1), (probe0, probe1))
+    others = None
+    if cpu0 is not None and cpu1 is not None and t1 > t0:
+        # The machine's busy CPU time less this process's: what everything else ran meanwhile
+        # (on all cores of the machine, so a share of them all, capped at what ours can use).
+        other = (cpu1[0] - cpu0[0]) - (cpu1[1] - cpu0[1])
+        total = os.cpu_count() or cores
+        others = min(1.0, max(0.0, other / ((t1 - t0) * total)))
+    return result, MachineCheck(cores, (load0, load1), (probe0, probe1), others)
 
 
 def interleaved(points: list, run: Callable[[object], object], repeats: int = 3) -> list[list]:
