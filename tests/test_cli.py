@@ -79,7 +79,8 @@ def test_lab_serves_the_notebooks_and_its_first_line_opens_it(tmp_path):
                              what="workbench lab")
     try:
         first = log.read_text(errors="replace").splitlines()[0]
-        m = re.search(r"(http://127\.0\.0\.1:\d+/lab\?token=([\w-]+))", first)
+        m = re.search(r"(http://127\.0\.0\.1:\d+/lab/tree/00_start_here\.ipynb\?token=([\w-]+))",
+                      first)
         assert m and m.group(1).startswith(url), first
         with httpx.Client(timeout=60) as browser:          # what opening the URL does
             page = browser.get(m.group(1), follow_redirects=True)
@@ -88,8 +89,8 @@ def test_lab_serves_the_notebooks_and_its_first_line_opens_it(tmp_path):
         api = {"token": m.group(2)}
         r = httpx.get(f"{url}/api/contents", params=api, timeout=30)
         names = {c["name"] for c in r.json()["content"]}
-        assert {"01_quickstart.ipynb", "02_prefill_decode_step_by_step.ipynb", "03_tuning.ipynb",
-                "dashboard.ipynb"} <= names
+        assert {"00_start_here.ipynb", "01_quickstart.ipynb", "02_prefill_decode_step_by_step.ipynb",
+                "03_tuning.ipynb", "dashboard.ipynb"} <= names
         for name in sorted(names):
             if name.endswith(".ipynb"):
                 assert httpx.get(f"{url}/api/contents/{name}", params=api,

@@ -41,8 +41,13 @@ def quiet_kernels(app: str) -> list[str]:
             f"--{app}.tornado_settings=ws_ping_timeout=30000"]
 
 
+START_HERE = "00_start_here.ipynb"
+"""What `workbench lab` opens on: which notebook to start with and how long each takes."""
+
+
 def run_lab(host: str, port: int, browser: bool) -> int:
-    """`workbench lab`: JupyterLab on notebooks/, its first line a URL that opens it."""
+    """`workbench lab`: JupyterLab on notebooks/, its first line a URL that opens it on the
+    start page (START_HERE)."""
     import os
     import secrets
     d = notebooks_dir()
@@ -62,7 +67,8 @@ def run_lab(host: str, port: int, browser: bool) -> int:
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         args.append("--allow-root")    # containers often run as root; Jupyter refuses without it
     return run_jupyter("jupyterlab", args, {"JUPYTER_TOKEN": token},
-                       f"JupyterLab on {d}: http://{host}:{port}/lab?token={token}")
+                       f"JupyterLab on {d}: "
+                       f"http://{host}:{port}/lab/tree/{START_HERE}?token={token}")
 
 
 STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
