@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from workbench.bench import steady
-from workbench.bench.offline import (alone_vs_batched_relations, batch_scaling_relations,
-                                     batch_size_relations, latency_alone_vs_batched, sweep,
-                                     time_per_token_by_batch)
+from workbench.bench.claims import (alone_vs_batched_relations, batch_scaling_relations,
+                                    batch_size_relations)
+from workbench.bench.offline import latency_alone_vs_batched, sweep, time_per_token_by_batch
 from workbench.bench.steady import MachineCheck, Runs, interleaved, verdict
 
 QUIET = MachineCheck(2, (0.3, 0.4), (1.00, 1.05))
