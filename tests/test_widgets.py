@@ -446,6 +446,9 @@ def test_dashboard_loads_behind_a_progress_bar_and_shows_what_runs(comms):
                                              num_kv_blocks=64))
         assert not dash.ready and dash.send_button.disabled and dash.source is None
         assert dash.send(2) == [] and "still loading" in dash.message.value
+        # While it loads the roofline says so (not "unknown (a remote server)").
+        assert "Roofline: waiting for the engine to load." in dash.roofline.note.value
+        assert "remote server" not in dash.roofline.note.value
         shown = []
         dash.loading.layout.observe(lambda ch: shown.append(ch.new), "display")
         deadline = time.monotonic() + 120
@@ -465,6 +468,7 @@ def test_dashboard_loads_behind_a_progress_bar_and_shows_what_runs(comms):
     assert info.quantization_choice and "µs" in info.quantization_choice
     assert f'engine-why muted">{html.escape(info.quantization_choice)}</div>' in dash.header.value
     assert dash.knobs.block_size.value == info.block_size and not dash.notices.value
+    assert "balance" in dash.roofline.note.value and "waiting" not in dash.roofline.note.value
     dash.source.close()
 
 
