@@ -449,6 +449,8 @@ def test_dashboard_loads_behind_a_progress_bar_and_shows_what_runs(comms):
         # While it loads the roofline says so (not "unknown (a remote server)").
         assert "Roofline: waiting for the engine to load." in dash.roofline.note.value
         assert "remote server" not in dash.roofline.note.value
+        # The KV block box reads in words meanwhile, never blank nor a raw tuple.
+        assert dash.knobs.block_size.label == "device's choice"
         shown = []
         dash.loading.layout.observe(lambda ch: shown.append(ch.new), "display")
         deadline = time.monotonic() + 120
