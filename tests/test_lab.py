@@ -41,7 +41,10 @@ def lab(tmp_path):
                       "--ServerApp.ip=127.0.0.1", f"--ServerApp.root_dir={nbs}",
                       f"--IdentityProvider.token={TOKEN}", "--allow-root"],
         log, ready=f"/api/status?token={TOKEN}", timeout=120, what="jupyter lab",
+        # A workspace of its own: Lab otherwise restores the tabs the user's (or an earlier
+        # run's) Lab left open, and a notebook in a hidden tab counts among the cells read.
         env={"JUPYTERLAB_SETTINGS_DIR": str(settings), "WORKBENCH_QUICK": "1", "WORKBENCH_DEVICE": "cpu",
+             "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces"),
              "WORKBENCH_EXPORT_DIR": str(tmp_path / "exports"), "PYTHONPATH": str(ROOT)})
     try:
         yield base, log
@@ -59,14 +62,16 @@ def run_all(page, base: str, name: str, timeout_s: float) -> dict:
     page.goto(f"{base}/lab/tree/{name}?token={TOKEN}", timeout=120_000)
     page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=120_000)
     # The kernel is up once its status says idle.
-    page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for(timeout=120_000)
+    page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").first.wait_for(
+        timeout=120_000)
     def click_run_all():
         page.get_by_role("menuitem", name="Run", exact=True).click()
         page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
         return time.monotonic()
     clicked, clicks = click_run_all(), 1
     code_cells = page.locator(".jp-CodeCell").count()
-    indicator = page.locator(".jp-Notebook-ExecutionIndicator")
+    # The toolbar's indicator (hovering it can open a second one, a popup, in the page).
+    indicator = page.locator(".jp-Notebook-ExecutionIndicator").first
     deadline, quiet, started = time.monotonic() + timeout_s, 0, False
     while time.monotonic() < deadline:
         time.sleep(1.0)
@@ -106,7 +111,24 @@ def run_all(page, base: str, name: str, timeout_s: float) -> dict:
         text=page.locator(".jp-Notebook").inner_text())
 
 
-@pytest.mark.parametrize("name,timeout_s", [("04_streaming.ipynb", 600)])
+def click_the_live_stepper(page) -> tuple[str, str]:
+    """In notebook 02's last cell (the live Stepper): add a request and press Step; the step
+    heading before and after (the kernel answers the click through the widget's comm)."""
+    live = page.locator(".jp-CodeCell").last
+    heading = live.locator("h3").filter(has_text="Step").first
+    before = heading.inner_text() if heading.count() else ""
+    live.get_by_role("button", name="Add request").click()
+    live.get_by_role("button", name="Step").click()      # (its name holds the icon too)
+    deadline = time.monotonic() + 60
+    after = before
+    while time.monotonic() < deadline and after == before:
+        page.wait_for_timeout(250)
+        after = heading.inner_text() if heading.count() else ""
+    return before, after
+
+
+@pytest.mark.parametrize("name,timeout_s", [("02_prefill_decode_step_by_step.ipynb", 600),
+                                            ("04_streaming.ipynb", 600)])
 def test_run_all_in_jupyterlab(lab, name, timeout_s):
     base, log = lab
     with playwright_api.sync_playwright() as p:
@@ -116,6 +138,9 @@ def test_run_all_in_jupyterlab(lab, name, timeout_s):
             page_errors = []
             page.on("pageerror", lambda e: page_errors.append(str(e)))
             seen = run_all(page, base, name, timeout_s)
+            if name.startswith("02"):             # widgets render in Lab and answer clicks
+                before, after = click_the_live_stepper(page)
+                assert after.startswith("Step ") and after != before, (before, after)
         finally:
             browser.close()
     assert seen["stderr"] == [], seen["stderr"]           # tracebacks and warnings alike
