@@ -138,3 +138,17 @@ def test_dashboard_and_lab_need_a_checkout(monkeypatch, tmp_path):
     monkeypatch.setattr(launch, "__file__", str(tmp_path / "workbench" / "launch.py"))
     r = cli.main(["dashboard", "--port", "1"])
     assert r == 2
+
+
+def test_the_jupyter_options_parse_to_what_the_servers_compare():
+    """`workbench lab|dashboard` give Tornado's websocket ping timeout as a number: given as
+    `key=value` it parsed to the string "30000", and every keep-alive ping then raised a
+    TypeError in the server's log (jupyter_server compares it with a float)."""
+    from traitlets import Dict
+    from traitlets.config import Application
+
+    from workbench.launch import quiet_kernels
+    for section in ("ServerApp", "Voila"):
+        app = type(section, (Application,), {"tornado_settings": Dict(config=True)})()
+        app.parse_command_line([a for a in quiet_kernels(section) if "tornado_settings" in a])
+        assert app.tornado_settings == {"ws_ping_timeout": 30000}

@@ -144,6 +144,7 @@ def test_run_all_in_jupyterlab(lab, name, timeout_s):
         finally:
             browser.close()
     assert seen["stderr"] == [], seen["stderr"]           # tracebacks and warnings alike
+    assert "Traceback" not in log.read_text(errors="replace")       # nor in the server's log
     assert seen["ran"] == seen["cells"], seen["text"][-3000:]
     assert seen["unrendered"] == 0
     assert not page_errors, page_errors

@@ -38,7 +38,9 @@ def quiet_kernels(app: str) -> list[str]:
     30 s with a warning at each page's first connection)."""
     import os
     return [*(["--KernelManager.transport=ipc"] if os.name == "posix" else []),
-            f"--{app}.tornado_settings=ws_ping_timeout=30000"]
+            # (As a literal, which traitlets still reads: `key=value` makes it the string
+            # "30000", and every keep-alive ping then raised a TypeError in the server.)
+            f'--{app}.tornado_settings={{"ws_ping_timeout": 30000}}']
 
 
 START_HERE = "00_start_here.ipynb"
@@ -228,7 +230,11 @@ def run_dashboard(env: dict[str, str], host: str, port: int, kernel_idle_timeout
             # shut down: each one holds an engine (1-2 GB with smollm2).
             f"--MappingKernelManager.cull_idle_timeout={kernel_idle_timeout}",
             f"--MappingKernelManager.cull_interval={max(1, min(10, kernel_idle_timeout // 2))}",
-            "--MappingKernelManager.cull_connected=False", *quiet_kernels("Voila")]
+            "--MappingKernelManager.cull_connected=False", *quiet_kernels("Voila"),
+            # How long rendering waits for a cell's outputs after the cell has run (nbclient's
+            # default, 4 s, drops the outputs of a cell whose messages come later: on a loaded
+            # machine a page then lacked its widgets, "Timeout waiting for IOPub output").
+            "--VoilaExecutor.iopub_timeout=60"]
     if browser:
         args.remove("--no-browser")
     return run_jupyter("voila", args, env, f"dashboard: http://{host}:{port}/")
