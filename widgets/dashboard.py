@@ -269,8 +269,7 @@ class Dashboard(w.VBox):
                 "replay (recorded trace, no model loaded)" if isinstance(self.source, ReplaySource)
                 else "engine")
         # Why the weights are in the format they are, with the figure that decided it.
-        info = _roofline_model(self.source)[0]
-        why = getattr(info, "quantization_choice", None)
+        why = getattr(_engine_info(self.source), "quantization_choice", None)
         self.header.value = _title(f"{kind}: {items}", escape=False) + (
             f'<div class="wb"><div class="engine-why muted">{esc(why)}</div></div>' if why else "")
         self.notices.value = notices_html(self.source.notices)
@@ -399,6 +398,13 @@ class Dashboard(w.VBox):
         self.roofline.set_model(*_roofline_model(self.source))
         self.num_rebuilds += 1
         self._describe()
+
+
+def _engine_info(src):
+    """What the source's engine is (a live engine's info, a trace's), or None for a server."""
+    if isinstance(src, LocalSource):
+        return src.engine.info()
+    return src.trace.info if isinstance(src, ReplaySource) else None
 
 
 def _roofline_model(src):

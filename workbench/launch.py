@@ -30,7 +30,7 @@ def trust_notebooks(d: Path) -> None:
             notary.sign(nb)
 
 
-def quiet_kernels() -> list[str]:
+def ipc_kernels() -> list[str]:
     """Kernels over Unix sockets, for both Jupyter servers: over TCP each kernel warns that its
     traffic is unencrypted, and kernels started at once can race for the same free port."""
     import os
@@ -57,7 +57,7 @@ def run_lab(host: str, port: int, browser: bool) -> int:
             # the server at start-up, the deprecated ServerApp.token among them, which prints
             # "ServerApp.token config is deprecated" although the token is given the current way.
             "--ServerApp.jpserver_extensions=notebook_shim=False"]
-    args += quiet_kernels()
+    args += ipc_kernels()
     if not browser:
         args.append("--no-browser")
     if hasattr(os, "geteuid") and os.geteuid() == 0:
@@ -224,7 +224,7 @@ def run_dashboard(env: dict[str, str], host: str, port: int, kernel_idle_timeout
             # shut down: each one holds an engine (1-2 GB with smollm2).
             f"--MappingKernelManager.cull_idle_timeout={kernel_idle_timeout}",
             f"--MappingKernelManager.cull_interval={max(1, min(10, kernel_idle_timeout // 2))}",
-            "--MappingKernelManager.cull_connected=False", *quiet_kernels(),
+            "--MappingKernelManager.cull_connected=False", *ipc_kernels(),
             # How long rendering waits for a cell's outputs after the cell has run (nbclient's
             # default, 4 s, drops the outputs of a cell whose messages come later: on a loaded
             # machine a page then lacked its widgets, "Timeout waiting for IOPub output").
