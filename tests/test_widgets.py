@@ -209,7 +209,8 @@ def test_knobs_validate_and_rebuild_the_dashboard_engine(comms):
     assert re.search(rf"sampling at temperature {t:g}</span> <b>adds [0-9.]+ ms to a step of "
                      r"\d+ requests on this machine \([0-9.]+ ms sampled, [0-9.]+ ms greedy\)"
                      r"( — measured while this machine was busy, so not the engine's figure "
-                     r"\([^)]*load average [^)]*\))?</b>", dash.header.value), dash.header.value
+                     r"\([^)]*load average [^)]*\))?</b>", html.unescape(dash.header.value)), \
+        dash.header.value
     # The old engine's cards went with it (its requests were aborted, or had finished): the
     # cards hold the new engine's run only, like the stats and the timeline.
     # (ids restart with each engine: the new one's req-0 is not the old req-0)
