@@ -7,8 +7,10 @@ import pytest
 
 from workbench.bench import steady
 from workbench.bench.claims import (alone_vs_batched_relations, batch_scaling_relations,
-                                    batch_size_relations)
-from workbench.bench.offline import latency_alone_vs_batched, sweep, time_per_token_by_batch
+                                    batch_size_relations, kv_cache_relations,
+                                    sampling_cost_relations)
+from workbench.bench.offline import (latency_alone_vs_batched, recompute_vs_cache, sweep,
+                                     time_per_token_by_batch)
 from workbench.bench.steady import MachineCheck, Runs, interleaved, verdict
 
 QUIET = MachineCheck(2, (0.3, 0.4), (1.00, 1.05))
@@ -140,7 +142,8 @@ def test_sweep_and_the_table_interleave_their_repeats_and_keep_every_run():
     rows = sweep({"block_size": [16, 32]}, wl, model="random:tiny",
                  engine_kwargs=dict(device="cpu", num_kv_blocks=32), repeats=3,
                  progress=lambda done, total: seen.append((done, total)))
-    assert [r["block_size"] for r in rows] == [16, 32] and seen[-1] == (6, 6)
+    assert [r["block_size"] for r in rows] == [16, 32]
+    assert seen == [(i, 6) for i in range(7)]        # the bar shows at 0, before a first run
     for r in rows:
         assert len(r["out_tok_s_runs"]) == 3 and r["out_tok_s"] == pytest.approx(
             sorted(r["out_tok_s_runs"])[1])
@@ -152,3 +155,37 @@ def test_sweep_and_the_table_interleave_their_repeats_and_keep_every_run():
         e.close()
     assert [r["requests"] for r in table] == [1, 4]
     assert all(len(r["tpot_p50_ms_runs"]) == 3 and len(r["out_tok_s_runs"]) == 3 for r in table)
+
+
+def test_the_kv_cache_and_sampler_cost_lessons_claim_only_what_their_figures_show():
+    kv = dict(with_cache_s=[0.05, 0.1, 0.15], without_cache_s=[0.05, 0.12, 0.21])
+    assert verdict(kv_cache_relations(kv), QUIET, [Runs([0.15, 0.16]), Runs([0.21, 0.22])]) == (
+        "Recomputing the sequence for every token takes longer than the cache: 3 tokens in "
+        "0.15 s with the cache, 0.21 s recomputing (1.4x).")
+    kv["without_cache_s"][-1] = 0.14                     # a slow spell in the cached run
+    assert verdict(kv_cache_relations(kv), QUIET, []).startswith(
+        "The lesson says recomputing the sequence for every token takes longer than the cache, "
+        "but these figures do not show it: 3 tokens in 0.15 s")
+    busy = MachineCheck(2, (3.9, 4.2), (1.0, 1.1), others=0.6)
+    assert verdict(kv_cache_relations(kv), busy, []).startswith("This machine was busy (other "
+                                                                "processes used 60%")
+    greedy, sampled = {1: Runs([0.02, 0.03]), 8: Runs([0.05])}, {1: Runs([0.2]), 8: Runs([0.9])}
+    assert verdict(sampling_cost_relations(greedy, sampled, "top-p"), QUIET, []) == (
+        "Top-p costs a step more than greedy: 0.20 against 0.03 ms at batch 1, 0.90 against "
+        "0.05 ms at batch 8.")
+    sampled[8] = Runs([0.04])
+    assert "do not show it" in verdict(sampling_cost_relations(greedy, sampled, "top-p"), QUIET, [])
+
+
+def test_recompute_vs_cache_runs_in_rounds_and_keeps_each_rounds_total():
+    from workbench import Engine
+    e = Engine(model="random:tiny", device="cpu", num_kv_blocks=32)
+    try:
+        kv = recompute_vs_cache(e, [1, 2, 3, 4, 5], 4, repeats=3)
+    finally:
+        e.close()
+    assert len(kv["with_cache_s"]) == len(kv["without_cache_s"]) == 4
+    assert len(kv["with_cache_runs"]) == len(kv["without_cache_runs"]) == 3
+    assert kv["with_cache_s"][-1] == pytest.approx(sorted(kv["with_cache_runs"])[1])
+    assert kv["without_cache_s"][-1] == pytest.approx(sorted(kv["without_cache_runs"])[1])
+    assert kv["tokens"] == kv["tokens_recomputed"] and len(kv["tokens"]) == 4

@@ -10,6 +10,7 @@ import contextlib
 import os
 import sys
 import time
+import warnings
 
 from .progress import BuildProgress
 
@@ -79,6 +80,12 @@ def interrupts_in_one_line() -> None:
     def one_line(shell, etype, value, tb, tb_offset=None):
         print("Interrupted: this cell stopped (run it again to start it over).", file=sys.stderr)
     shell.set_custom_exc((KeyboardInterrupt,), one_line)
+    # trio (where installed, the first engine imports it through huggingface_hub's HTTP
+    # stack) warns on import when it finds a custom exception handler, because it then skips
+    # its own for exception groups; Python 3.11+ shows those itself, and the warning would be
+    # a red box under the first cell that builds an engine.
+    warnings.filterwarnings("ignore", message="IPython detected, but you already have a custom "
+                            "exception handler", category=RuntimeWarning)
 
 
 @contextlib.contextmanager

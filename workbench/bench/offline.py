@@ -129,6 +129,8 @@ def sweep(grid: dict[str, list], wl: Workload, model: str = "smollm2",
     from .steady import interleaved
     points = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
     done = 0
+    if progress is not None:            # the bar shows from the start, not after a first run
+        progress(0, len(points) * repeats)
 
     def one(knobs: dict) -> dict:
         nonlocal done
@@ -206,6 +208,8 @@ def ab_run(knobs_a: dict, knobs_b: dict, wl: Workload, model: str = "smollm2",
         if bad:
             raise ValueError(f"{which}: not EngineConfig knobs: {', '.join(bad)}")
     rows = []
+    if progress is not None:
+        progress(0, 2)
     for i, knobs in enumerate((knobs_a, knobs_b)):
         rows.append(_run_point(model, engine_kwargs, knobs, wl))
         if progress is not None:
@@ -278,26 +282,36 @@ def time_per_token_by_batch(engine: Engine, batch_sizes=(1, 2, 4, 8), prompt_len
     return rows
 
 
-def recompute_vs_cache(engine: Engine, prompt: list[int], new_tokens: int) -> dict:
+def recompute_vs_cache(engine: Engine, prompt: list[int], new_tokens: int,
+                       repeats: int = 1) -> dict:
     """Generate `new_tokens` greedily twice: with the KV cache (one request), and without it,
     recomputing the whole sequence for every token (a fresh one-token request each time, the
     prefix cache reset so nothing is reused). Returns the cumulative seconds after each token
-    for both, and the tokens (they must agree)."""
+    for both (with `repeats` > 1: each position's median over the rounds, and every round's
+    total in `with_cache_runs` / `without_cache_runs`), and the tokens (they must agree, in
+    every round)."""
     greedy = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    engine.reset_prefix_cache()
-    out = engine.generate([prompt], replace(greedy, max_tokens=new_tokens))[0]
-    m = out.metrics
-    cached = [t - m.arrival_time for t in m.token_times]
-    ids, elapsed, recomputed = list(prompt), 0.0, []
-    for _ in range(new_tokens):
+    rounds = []
+    for _ in range(repeats):
         engine.reset_prefix_cache()
-        t = time.perf_counter()
-        tok = engine.generate([ids], greedy)[0].token_ids[0]
-        elapsed += time.perf_counter() - t
-        recomputed.append(elapsed)
-        ids.append(tok)
-    return dict(with_cache_s=cached, without_cache_s=recomputed,
-                tokens=out.token_ids, tokens_recomputed=ids[len(prompt):])
+        out = engine.generate([prompt], replace(greedy, max_tokens=new_tokens))[0]
+        m = out.metrics
+        cached = [t - m.arrival_time for t in m.token_times]
+        ids, elapsed, recomputed = list(prompt), 0.0, []
+        for _ in range(new_tokens):
+            engine.reset_prefix_cache()
+            t = time.perf_counter()
+            tok = engine.generate([ids], greedy)[0].token_ids[0]
+            elapsed += time.perf_counter() - t
+            recomputed.append(elapsed)
+            ids.append(tok)
+        rounds.append((cached, recomputed, out.token_ids, ids[len(prompt):]))
+    med = lambda i: [statistics.median(col) for col in zip(*(r[i] for r in rounds))]  # noqa: E731
+    same = all(r[2:] == rounds[0][2:] for r in rounds)
+    return dict(with_cache_s=med(0), without_cache_s=med(1),
+                with_cache_runs=[r[0][-1] for r in rounds],
+                without_cache_runs=[r[1][-1] for r in rounds],
+                tokens=rounds[0][2], tokens_recomputed=rounds[0][3] if same else None)
 
 
 def machine() -> dict:

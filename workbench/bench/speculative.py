@@ -114,6 +114,8 @@ def k_sweep(model: str, ks=(0, 2, 4), kinds=("grounded", "open"), max_tokens: in
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     points = [(kind, k) for kind in kinds for k in ks]
     done = [0]
+    if progress is not None:
+        progress(0, len(points) * repeats)
 
     def once(point):
         kind, k = point
