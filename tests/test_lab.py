@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import requests
 
 pytest.importorskip("jupyterlab")
 playwright_api = pytest.importorskip("playwright.sync_api")
@@ -24,9 +25,11 @@ pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
                                 reason="chromium is not installed (apt-get install chromium)")
 
 
-@pytest.fixture
-def lab(tmp_path):
-    """JupyterLab on a copy of notebooks/ (QUICK, CPU), stopped with its kernels after."""
+@pytest.fixture(scope="module")
+def lab_server(tmp_path_factory):
+    """JupyterLab on a copy of notebooks/ (QUICK, CPU), shared by this module's tests and
+    stopped with its kernels after them."""
+    tmp_path = tmp_path_factory.mktemp("lab")
     nbs = tmp_path / "notebooks"
     shutil.copytree(ROOT / "notebooks", nbs)
     log = tmp_path / "lab.log"
@@ -52,6 +55,17 @@ def lab(tmp_path):
         assert stop_tree(proc, timeout=60) == [], "JupyterLab processes outlived SIGTERM"
 
 
+@pytest.fixture
+def lab(lab_server):
+    """The module's Lab; the sessions (kernels) a test opened are shut down after it, so the
+    next notebook runs on a quiet machine."""
+    yield lab_server
+    base = lab_server[0]
+    for session in requests.get(f"{base}/api/sessions", params={"token": TOKEN}, timeout=30).json():
+        requests.delete(f"{base}/api/sessions/{session['id']}", params={"token": TOKEN}, timeout=60)
+    assert requests.get(f"{base}/api/kernels", params={"token": TOKEN}, timeout=30).json() == []
+
+
 STDERR = ".jp-RenderedText[data-mime-type='application/vnd.jupyter.stderr']"
 """Stderr and tracebacks, as Lab renders them."""
 
@@ -59,7 +73,10 @@ STDERR = ".jp-RenderedText[data-mime-type='application/vnd.jupyter.stderr']"
 def run_all(page, base: str, name: str, timeout_s: float) -> dict:
     """Open `name` in Lab, Run All from the Run menu, wait until every code cell has run;
     what the page shows of its outputs."""
-    page.goto(f"{base}/lab/tree/{name}?token={TOKEN}", timeout=120_000)
+    # A workspace of its own per notebook: the module's Lab would otherwise restore the tabs
+    # of the notebooks run before it, and their cells would count among this one's.
+    page.goto(f"{base}/lab/workspaces/{name.split('_')[0]}/tree/{name}?token={TOKEN}",
+              timeout=120_000)
     page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=120_000)
     # The kernel is up once its status says idle.
     page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").first.wait_for(
@@ -127,7 +144,9 @@ def click_the_live_stepper(page) -> tuple[str, str]:
     return before, after
 
 
-@pytest.mark.parametrize("name,timeout_s", [("02_prefill_decode_step_by_step.ipynb", 600),
+@pytest.mark.parametrize("name,timeout_s", [("01_quickstart.ipynb", 600),
+                                            ("02_prefill_decode_step_by_step.ipynb", 600),
+                                            ("03_tuning.ipynb", 600),
                                             ("04_streaming.ipynb", 600)])
 def test_run_all_in_jupyterlab(lab, name, timeout_s):
     base, log = lab

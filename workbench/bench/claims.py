@@ -43,3 +43,20 @@ def alone_vs_batched_relations(table: list[dict]) -> list:
                      "one alone", gain > 1.0,
                      f"{batched['out_tok_s']:.1f} against {alone['out_tok_s']:.1f} tok/s "
                      f"({gain:.1f}x)")]
+
+
+def kv_cache_relations(kv: dict) -> list:
+    """What notebook 02 says of `recompute_vs_cache`'s figures, checked on them: recomputing
+    the whole sequence for every token takes longer than decoding with the KV cache."""
+    n, cached, again = len(kv["with_cache_s"]), kv["with_cache_s"][-1], kv["without_cache_s"][-1]
+    return [Relation("recomputing the sequence for every token takes longer than the cache",
+                     again > cached, f"{n} tokens in {cached:.2f} s with the cache, {again:.2f} s "
+                     f"recomputing ({again / cached:.1f}x)")]
+
+
+def sampling_cost_relations(greedy: dict, sampled: dict, what: str) -> list:
+    """What notebook 02 says of the sampler's cost (steady.Runs in ms by batch size, for
+    greedy and for `what`), checked on it: `what` costs a step more than greedy's argmax."""
+    more = all(sampled[b].median > greedy[b].median for b in greedy)
+    return [Relation(f"{what} costs a step more than greedy", more, ", ".join(
+        f"{sampled[b].median:.2f} against {greedy[b].median:.2f} ms at batch {b}" for b in greedy))]
