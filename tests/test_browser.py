@@ -97,6 +97,15 @@ def outside_viewport(page, size) -> dict:
             or b["bottom"] > size["height"]}
 
 
+def cut_footers(page) -> list[str]:
+    """The stream cards' footer figures that do not show whole: cut inside their span, or
+    running past their card's right edge."""
+    return page.evaluate("""() => [...document.querySelectorAll('.wb .card .st span')]
+        .filter(s => s.scrollWidth > s.clientWidth + 1 || s.getBoundingClientRect().right
+                     > s.closest('.card').getBoundingClientRect().right + 1)
+        .map(s => s.innerText)""")
+
+
 def streams_header(page) -> dict:
     """The "Token streams" header's text, whether it is cut, and its height, measured in one
     script turn (the panel rewrites it every tick)."""
@@ -167,11 +176,7 @@ def test_dashboard_at_a_glance_streams_and_rebuilds_in_chromium(dashboard, tiny_
             head = streams_header(page)
             assert "8 requests" in head["text"]
             assert not head["cut"] and head["height"] < 30, f"streams header cut or wrapped: {head}"
-            # Every card's footer shows whole: each figure inside its card, none cut.
-            cut = page.evaluate("""() => [...document.querySelectorAll('.wb .card .st span')]
-                .filter(s => s.scrollWidth > s.clientWidth + 1 || s.getBoundingClientRect().right
-                             > s.closest('.card').getBoundingClientRect().right + 1)
-                .map(s => s.innerText)""")
+            cut = cut_footers(page)
             assert not cut, f"card footers cut at 1440x900: {cut}"
             # No figure's legend over its title (the roofline's, the timeline's…).
             boxes = page.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot')]
@@ -240,6 +245,10 @@ def test_dashboard_at_a_glance_streams_and_rebuilds_in_chromium(dashboard, tiny_
             wait_for(lambda: max(x_ticks(page), default=0) >= 300, 300, "300 steps", page,
                      "no-300-steps.png")
             assert len(x_ticks(page)) <= 20, x_ticks(page)
+            # After Apply the footers hold the new engine's longer figures (400 tokens,
+            # speculation's accepted counts): still whole.
+            cut = cut_footers(page)
+            assert not cut, f"card footers cut at 1440x900 after Apply: {cut}"
             page.screenshot(path=str(ARTIFACTS / "dashboard-300-steps.png"))
             page.get_by_role("button", name="Abort all").click()
             assert not errors, errors
