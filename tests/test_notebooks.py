@@ -177,6 +177,20 @@ def test_prefill_decode_step_by_step(tmp_path):
     #                                           preemption, decode against verify
     spec_section(text, nb)
     assert re.search(r"gguf  \(q4_1\+q8_0\):  +\d+ MB of weights", text)
+    # The formats take turns in rounds; the sentence is their printed medians', or the warning.
+    formats = re.findall(r"^(\w+) +\([\w+]+\): +(\d+) MB of weights, TPOT +([\d.]+) ms "
+                         r"\([\d.]+-[\d.]+\)", text, re.M)
+    said = re.search(r"^(This machine was busy \(.*|(?:The lesson says f|F)ewer bytes of weights "
+                     r"take less time a token.*)$", text, re.M)
+    assert len(formats) >= 3 and said, text
+    if not said.group(1).startswith("This machine"):
+        for name, mb, tpot in formats:
+            assert f"{name} {mb} MB in {tpot} ms" in said.group(1), (formats, said.group(1))
+    # Section 3's batch 1 against batch 4 are section 2's medians (a step: b x per token).
+    per_token = dict(re.findall(r"^batch (\d+): prefill .* decode +([\d.]+) ms/token", text, re.M))
+    m = re.search(r"^decode step, batch 1: ([\d.]+) ms   batch 4: ([\d.]+) ms", text, re.M)
+    assert m and float(m.group(1)) == pytest.approx(float(per_token["1"]), abs=0.06)
+    assert float(m.group(2)) == pytest.approx(4 * float(per_token["4"]), abs=0.06)
     from workbench.platforms.cpu_kernels import load_cpu_kernels
     if hasattr(load_cpu_kernels(), "bf16c_fast"):    # bf16's numbers in fewer bytes, shown
         mb = dict(re.findall(r"^(bf16c?) +\((?:bfloat16|bf16c)\): +(\d+) MB", text, re.M))

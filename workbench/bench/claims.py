@@ -60,3 +60,13 @@ def sampling_cost_relations(greedy: dict, sampled: dict, what: str) -> list:
     more = all(sampled[b].median > greedy[b].median for b in greedy)
     return [Relation(f"{what} costs a step more than greedy", more, ", ".join(
         f"{sampled[b].median:.2f} against {greedy[b].median:.2f} ms at batch {b}" for b in greedy))]
+
+
+def formats_relations(rows: list[tuple[str, int, object]]) -> list:
+    """What notebook 02 says of the weight formats' batch-1 decode, checked on it: `rows` are
+    (format, weight bytes, steady.Runs of TPOT in seconds); fewer bytes of weights take less
+    time a token, format by format in order of their bytes."""
+    by_bytes = sorted(rows, key=lambda r: -r[1])
+    fewer_faster = all(b[2].median < a[2].median for a, b in zip(by_bytes, by_bytes[1:]))
+    return [Relation("fewer bytes of weights take less time a token", fewer_faster, ", ".join(
+        f"{name} {size / 1e6:.0f} MB in {runs.median * 1e3:.1f} ms" for name, size, runs in by_bytes))]
