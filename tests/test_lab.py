@@ -75,7 +75,7 @@ def run_all(page, base: str, name: str, timeout_s: float) -> dict:
     what the page shows of its outputs."""
     # A workspace of its own per notebook: the module's Lab would otherwise restore the tabs
     # of the notebooks run before it, and their cells would count among this one's.
-    page.goto(f"{base}/lab/workspaces/{name.split('_')[0]}/tree/{name}?token={TOKEN}",
+    page.goto(f"{base}/lab/workspaces/{name.split('.')[0]}/tree/{name}?token={TOKEN}",
               timeout=120_000)
     page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=120_000)
     # The kernel is up once its status says idle.
@@ -147,7 +147,8 @@ def click_the_live_stepper(page) -> tuple[str, str]:
 @pytest.mark.parametrize("name,timeout_s", [("01_quickstart.ipynb", 600),
                                             ("02_prefill_decode_step_by_step.ipynb", 600),
                                             ("03_tuning.ipynb", 600),
-                                            ("04_streaming.ipynb", 600)])
+                                            ("04_streaming.ipynb", 600),
+                                            ("dashboard.ipynb", 300)])
 def test_run_all_in_jupyterlab(lab, name, timeout_s):
     base, log = lab
     with playwright_api.sync_playwright() as p:
