@@ -73,6 +73,12 @@ def test_the_budget_drafts_where_rows_are_cheap_and_not_where_they_cost_a_decode
     # in between the most valuable drafts go first: the likelier request's
     mid = {8: 60.0, 9: 61.0, 10: 62.0, 12: 90.0, 16: 120.0}
     assert budget(mid, mid, 8, [[0.9, 0.8], [0.2, 0.1]]) == [2, 0]
+    # a draft model (SmolLM2's gguf-a8 blocks for its fp32 self, a Zen 5, ms) where only
+    # the verify of all 4 drafts has been measured: fewer drafts are priced as 4 (the curve
+    # is flat below it), so one draft looks like a loss while four pay. The budget used to
+    # stop at the first and never drafted; it looks on through the flat part.
+    assert budget({1: 11.8}, {5: 38.6}, 1, [[0.86, 0.75, 0.65, 0.57]]) == [4]
+    assert budget({1: 11.8}, {5: 38.6}, 1, [[0.5, 0.25, 0.12, 0.06]]) == [0]   # unlikely ones
 
 
 def test_draft_odds_learn_a_requests_first_draft_and_the_runs_after_it_and_fade():

@@ -238,13 +238,17 @@ class SpecDecoding:
         order = sorted(((v, i) for i, vs in enumerate(values) for v in vs),
                        key=lambda vi: -vi[0])
         best, best_n, gain = decoding / base, 0, 0.0
+        # Below the fewest rows a verify was measured at, its cost is taken as that count's
+        # (Curve.at): flat, so there the rate can climb again with more drafts (a draft
+        # model's verify of 4 drafts measured, 1 draft priced as 4); no early stop there.
+        flat_until = verify.rows[0] if verify.rows else None
         for n, (v, _) in enumerate(order, 1):
             gain += v
             rate = (decoding + gain) / (verify.at(decoding + n) or base)
             if rate > best:
                 best, best_n = rate, n
-            elif rate < 0.8 * best:          # the worth falls and the rows' cost grows
-                break
+            elif rate < 0.8 * best and (flat_until is None or decoding + n >= flat_until):
+                break                         # the worth falls and the rows' cost grows
         out = [0] * len(values)
         for _, i in order[:best_n]:
             out[i] += 1
