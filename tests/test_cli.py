@@ -138,4 +138,3 @@ def test_dashboard_and_lab_need_a_checkout(monkeypatch, tmp_path):
     monkeypatch.setattr(launch, "__file__", str(tmp_path / "workbench" / "launch.py"))
     r = cli.main(["dashboard", "--port", "1"])
     assert r == 2
-

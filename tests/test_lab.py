@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
-import requests
 
 pytest.importorskip("jupyterlab")
 playwright_api = pytest.importorskip("playwright.sync_api")
@@ -61,9 +61,10 @@ def lab(lab_server):
     next notebook runs on a quiet machine."""
     yield lab_server
     base = lab_server[0]
-    for session in requests.get(f"{base}/api/sessions", params={"token": TOKEN}, timeout=30).json():
-        requests.delete(f"{base}/api/sessions/{session['id']}", params={"token": TOKEN}, timeout=60)
-    assert requests.get(f"{base}/api/kernels", params={"token": TOKEN}, timeout=30).json() == []
+    with httpx.Client(base_url=base, params={"token": TOKEN}, timeout=60) as api:
+        for session in api.get("/api/sessions").json():
+            api.delete(f"/api/sessions/{session['id']}")
+        assert api.get("/api/kernels").json() == []
 
 
 STDERR = ".jp-RenderedText[data-mime-type='application/vnd.jupyter.stderr']"

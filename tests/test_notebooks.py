@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import time
 from pathlib import Path
@@ -427,7 +428,7 @@ def test_kernel_interrupt_ends_a_running_sweep_in_one_line(tmp_path):
                 assert time.monotonic() < deadline, f"the cell ran past {timeout} s: {seen}"
                 try:
                     msg = kc.get_iopub_msg(timeout=1)
-                except Exception:                      # queue.Empty: nothing this second
+                except queue.Empty:                    # nothing this second
                     msg = None
                 if msg and msg["parent_header"].get("msg_id") == msg_id:
                     kind, content = msg["msg_type"], msg["content"]

@@ -409,11 +409,10 @@ def _engine_info(src):
 
 def _roofline_model(src):
     """(model shape, device roofs) for the roofline, or (None, None) for a server or none."""
-    if isinstance(src, LocalSource):
-        return src.engine.info(), src.engine.device_roofs()
-    if isinstance(src, ReplaySource):
-        return src.trace.info, src.trace.roofs
-    return None, None
+    info = _engine_info(src)
+    if info is None:
+        return None, None
+    return info, (src.engine.device_roofs() if isinstance(src, LocalSource) else src.trace.roofs)
 
 
 def _title(info: str, escape: bool = True) -> str:
