@@ -8,8 +8,11 @@ It prints the CPU's ISA flags, the ISA the kernel was built for, and what `auto`
     flock /tmp/bench.lock python benchmarks/cpu_b1_peers.py [--rounds 3] [--output FILE]
         [--formats auto,fp32,gguf,...] [--torch-path]
 
-Other ISAs on this machine: `WORKBENCH_CPU_MARCH=x86-64-v3 ONEDNN_MAX_CPU_ISA=AVX2` (an
-AVX2-only CPU: the kernel built without AVX-512, torch's oneDNN limited to AVX2).
+Other ISAs on this machine: `WORKBENCH_CPU_MARCH=x86-64-v3 ONEDNN_MAX_CPU_ISA=AVX2
+ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2` (an AVX2-only CPU: the kernel built
+without AVX-512, torch's oneDNN, ATen and MKL limited to AVX2);
+`WORKBENCH_CPU_MARCH=icelake-server ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI` (an AVX-512 Xeon
+without AVX512_BF16 or AMX, from a newer CPU).
 `--torch-path`: the kernel unavailable (a compiler that does not exist, a fresh cache), what
 a machine without a compiler serves for good and a first start serves while it builds.
 

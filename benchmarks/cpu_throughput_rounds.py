@@ -9,7 +9,7 @@ rounds' ratios is each format's figure (single runs here move by 20-40 %).
 
 It prints the CPU's ISA flags, the ISA the kernel was built for and what `auto` chose first
 (`--formats auto,...` measures the default too). Other ISAs on this machine:
-`WORKBENCH_CPU_MARCH=x86-64-v3 ONEDNN_MAX_CPU_ISA=AVX2` (see cpu_b1_peers.py).
+`WORKBENCH_CPU_MARCH=x86-64-v3 ONEDNN_MAX_CPU_ISA=AVX2 ...` and others (see cpu_b1_peers.py).
 
 Target: >= 2x fp32's output tokens per second at equal or better quality (quality per format:
 `workbench bench --formats`, docs/benchmarks.md). `--sampled`: temperature 0.7, top_p 0.9

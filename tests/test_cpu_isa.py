@@ -185,6 +185,21 @@ def test_onednn_bf16_needs_native_bf16_in_the_flags(monkeypatch):
     monkeypatch.setattr(cpu_ops, "_onednn_bf16", None)
 
 
+def test_onednn_bf16_follows_onednns_isa_cap(monkeypatch):
+    """ONEDNN_MAX_CPU_ISA below AVX512_CORE_BF16 (how an Ice Lake is reproduced on a newer
+    CPU) leaves oneDNN without native bf16, whatever the CPU's flags say."""
+    from workbench.platforms import cpu_ops
+    assert cpu_ops.onednn_isa_has_bf16(None) and cpu_ops.onednn_isa_has_bf16("all")
+    assert cpu_ops.onednn_isa_has_bf16("AVX512_CORE_BF16")
+    assert cpu_ops.onednn_isa_has_bf16("avx512_core_amx")
+    assert not cpu_ops.onednn_isa_has_bf16("AVX512_CORE_VNNI")
+    assert not cpu_ops.onednn_isa_has_bf16("avx2")
+    monkeypatch.setattr(cpu_ops, "_onednn_bf16", None)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_VNNI")
+    assert cpu_ops.onednn_bf16() is False
+    monkeypatch.setattr(cpu_ops, "_onednn_bf16", None)
+
+
 def test_the_onednn_packing_is_the_ops_objects_state(monkeypatch):
     """A bf16 weight is packed into oneDNN's layout once, at its first batched use, and the
     packing is held by the model's ops object, not hung on the weight tensor. (This CPU may

@@ -15,6 +15,7 @@ F.linear repacks on every call: the same kernel and the same bits, 1.1-1.8x fast
 SmolLM2's shapes from 4 to 256 rows."""
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -186,6 +187,16 @@ class CpuOps(TorchOps):
 
 _onednn_bf16: bool | None = None
 
+_ONEDNN_BELOW_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
+                      "AVX512_CORE_VNNI"}
+"""oneDNN's ISA names (ONEDNN_MAX_CPU_ISA) whose cap leaves out its native bf16 dot products
+(AVX512_CORE_BF16 and everything above it keep them)."""
+
+
+def onednn_isa_has_bf16(cap: str | None) -> bool:
+    """Whether oneDNN capped at `cap` (None, ALL, DEFAULT: not capped) keeps native bf16."""
+    return (cap or "ALL").strip().upper() not in _ONEDNN_BELOW_BF16
+
 
 SMALL_M_ROWS: dict[str, int] | None = None
 """dtype name -> the most rows (2..cpu_choice.SMALL_M[-1]) that take the kernel's
@@ -212,15 +223,19 @@ def small_m_rows(dtype: torch.dtype) -> int:
 
 def onednn_bf16() -> bool:
     """Whether torch's oneDNN runs bf16 matmuls natively on this CPU: AVX-512 BF16 or AMX in
-    the CPU's flags. torch's own `_is_mkldnn_bf16_supported()` says yes on any AVX512BW CPU,
-    where oneDNN emulates bf16 (4x fp32's time for a 3072x576 layer at 128 rows); there
-    bf16 runs torch's F.linear instead."""
+    the CPU's flags, and not capped below them by ONEDNN_MAX_CPU_ISA (oneDNN's own switch,
+    how an older Xeon is reproduced on a newer one). torch's own
+    `_is_mkldnn_bf16_supported()` says yes on any AVX512BW CPU, where oneDNN emulates bf16
+    (4x fp32's time for a 3072x576 layer at 128 rows); there bf16 runs torch's F.linear
+    instead."""
     global _onednn_bf16
     if _onednn_bf16 is None:
         flags = cpu_kernels.isa_flags()
         _onednn_bf16 = bool(torch.backends.mkldnn.is_available()
                             and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-                            and flags & {"avx512_bf16", "amx_bf16"})
+                            and flags & {"avx512_bf16", "amx_bf16"}
+                            and onednn_isa_has_bf16(os.environ.get("ONEDNN_MAX_CPU_ISA")
+                                                    or os.environ.get("DNNL_MAX_CPU_ISA")))
     return _onednn_bf16
 
 
