@@ -40,6 +40,7 @@ int64_t set_packed_rows(int64_t n);
 at::Tensor qembedding(at::Tensor ids, at::Tensor w, int64_t fmt, int64_t K, bool bf16);
 at::Tensor qgemv(at::Tensor x, at::Tensor w, int64_t fmt);
 at::Tensor bf16c_gemv(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
+bool bf16c_in_registers();  // whether bf16c_gemv rebuilds the rows in registers in this build
 // cpu_a8.cpp
 std::vector<at::Tensor> a8_quantize(at::Tensor x);
 at::Tensor a8_embedding(at::Tensor ids, at::Tensor w, int64_t fmt, int64_t K, bool bf16);
@@ -108,10 +109,8 @@ TORCH_LIBRARY(workbench_cpu, m) {
   // Causal prefill attention for a step's chunks, read from the pool.
   m.def("paged_prefill_attention", &paged_prefill_attention);
 #endif
-#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512VBMI2__) && \
-    defined(__BMI2__)
-  m.def("bf16c_fast", &bf16c_fast);               // bf16c_gemv streams the packed rows here
-#endif
+  if (bf16c_in_registers())
+    m.def("bf16c_fast", &bf16c_fast);             // bf16c_gemv streams the packed rows here
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
   // 8-bit activations @ tiled weight^T: VNNI, or AMX-INT8 for several rows (amx: 1 forces
   // it where the CPU has it, 0 VNNI, -1 by the rows).

@@ -224,10 +224,12 @@ static inline void gemv_rows(const float* __restrict w, const float* __restrict 
   for (int r = 0; r < R; ++r) y[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
-#ifdef __AVX512BF16__
-// bf16: vdpbf16ps multiplies 32 bf16 pairs exactly and adds them into 16 fp32 sums, so the
-// weights stream as they are stored (2 bytes each, half fp32's) with no conversion; one
-// rounding to bf16 at the end, after the bias, as torch's bf16 linear does.
+#endif   // __AVX512F__
+
+#ifdef WB_BF16_X32
+// bf16: the weights stream as they are stored (2 bytes each, half fp32's) and are taken 32
+// at a time by Bf16X32 (cpu_dtype.h: vdpbf16ps, or widened in registers where the CPU has
+// no AVX-512 BF16); one rounding to bf16 at the end, after the bias, as torch's bf16 linear.
 template <int R>
 static inline void gemv_rows_bf16(const bf16_t* __restrict w, const bf16_t* __restrict x,
                                   const bf16_t* __restrict bias, bf16_t* __restrict y, int64_t K) {
@@ -235,24 +237,22 @@ static inline void gemv_rows_bf16(const bf16_t* __restrict w, const bf16_t* __re
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
-    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
+    const Bf16X32 xv(x + k);
     for (int r = 0; r < R; ++r) {
       prefetch(w + (R + r) * K + k);
-      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(w + r * K + k), xv);
+      acc[r] = xv.dot(acc[r], _mm512_loadu_si512(w + r * K + k));
     }
   }
   if (k < K) {
     const __mmask32 m = static_cast<__mmask32>((1ull << (K - k)) - 1);
-    const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + k);
+    const Bf16X32 xv(x + k, m);
     for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_maskz_loadu_epi16(m, w + r * K + k), xv);
+      acc[r] = xv.dot(acc[r], _mm512_maskz_loadu_epi16(m, w + r * K + k));
   }
   for (int r = 0; r < R; ++r)
     y[r] = to_bf16(_mm512_reduce_add_ps(acc[r]) + (bias ? to_f(bias[r]) : 0.f));
 }
-#endif
-
-#endif   // __AVX512F__
+#endif   // WB_BF16_X32
 
 at::Tensor gemv(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias) {
   const bool bf = is_bf16("gemv", {&x, &weight});
@@ -273,7 +273,7 @@ at::Tensor gemv(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias)
     const bf16_t* wp = cptr<bf16_t>(weight);
     const bf16_t* bp = b.defined() ? cptr<bf16_t>(b) : nullptr;
     bf16_t* yp = mptr<bf16_t>(y);
-#ifdef __AVX512BF16__
+#ifdef WB_BF16_X32
     at::parallel_for(0, (N + R - 1) / R, 1, [&](int64_t g0, int64_t e) {
       for (int64_t g = g0; g < e; ++g) {
         const int64_t n = g * R;
@@ -286,12 +286,12 @@ at::Tensor gemv(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias)
       }
     });
 #else
-    std::vector<float> xf(K);
-    widen_bf16(xp, xf.data(), K);
-    portable_gemv(N, K, xf.data(), [&](int64_t n, float* buf) {
-      widen_bf16(wp + n * K, buf, K);
-      return static_cast<const float*>(buf);
-    }, [&](int64_t n, float v) { yp[n] = to_bf16(v + (bp ? to_f(bp[n]) : 0.f)); });
+    TORCH_CHECK(K % 2 == 0, "gemv: bf16 rows of even length");
+    portable_gemv_bf16(N, K, xp, [&](int64_t n, bf16_t*) {
+      prefetch_bytes(wp + (n + 4) * K, K * sizeof(bf16_t));   // row n's in the next group
+      return wp + n * K;
+    },
+                       [&](int64_t n, float v) { yp[n] = to_bf16(v + (bp ? to_f(bp[n]) : 0.f)); });
 #endif
     return y;
   }
@@ -310,8 +310,7 @@ at::Tensor gemv(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias)
     }
   });
 #else
-  portable_gemv(N, K, xp, [&](int64_t n, float*) { return wp + n * K; },
-                [&](int64_t n, float v) { yp[n] = v; });
+  portable_gemv(N, K, xp, wp, [&](int64_t n, float v) { yp[n] = v; });
 #endif
   if (bias.has_value()) y.add_(*bias);
   return y;

@@ -28,7 +28,9 @@
 // as gguf's numpy dequantization computes them).
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
-static void bf16c_row(const uint8_t* row, int64_t K, float* out) {
+// (As fp32, or as bf16 bits where Out is bf16_t.)
+template <class Out>
+static void bf16c_row(const uint8_t* row, int64_t K, Out* out) {
   int32_t escapes;
   std::memcpy(&escapes, row + 16, 4);
   const uint8_t* esc = row + 32 + K / 64 * 96;
@@ -45,8 +47,12 @@ static void bf16c_row(const uint8_t* row, int64_t K, float* out) {
         esc += 2;
         v = e;
       }
-      v <<= 16;
-      std::memcpy(out + s * 64 + t, &v, 4);
+      if constexpr (sizeof(Out) == 2) {
+        out[s * 64 + t] = static_cast<bf16_t>(v);
+      } else {
+        v <<= 16;
+        std::memcpy(out + s * 64 + t, &v, 4);
+      }
     }
   }
 }
@@ -318,12 +324,12 @@ static at::Tensor qlinear_small(const at::Tensor& x, const at::Tensor& w, int64_
 // (a shift and an insert) into the row's palette (vpermb: each index's low six bits pick a
 // byte of the palette repeated four times, so the shift's stray bits above the nibble do
 // not matter), and two byte interleaves of low and high bytes give the 32 + 32 bf16 that
-// the plain kernel's two vdpbf16ps take, into the same accumulator in the same order. Rows
+// the plain kernel's two Bf16X32 steps take, into the same accumulator in the same order. Rows
 // with escapes (rare: trained weights' high bytes seldom need more than 15 values in a row)
 // take the same loop with the escaped lanes filled from the row's end (vpexpandw).
 // At batch 1 the step reads 0.78 of the plain bf16 bytes; two threads on this VM decode
 // about as fast as memory delivers the bytes, so the gain is less than the bytes'.
-#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512VBMI2__) && \
+#if defined(WB_BF16_X32) && defined(__AVX512VBMI__) && defined(__AVX512VBMI2__) && \
     defined(__BMI2__)
 template <int R, bool kEscapes>
 static inline void bf16c_rows(const uint8_t* w, int64_t rb, const bf16_t* x,
@@ -338,8 +344,7 @@ static inline void bf16c_rows(const uint8_t* w, int64_t rb, const bf16_t* x,
     esc[r] = reinterpret_cast<const bf16_t*>(w + r * rb + 32 + ns * 96);
   }
   for (int64_t s = 0; s < ns; ++s) {
-    const __m512bh xa = (__m512bh)_mm512_loadu_si512(x + 64 * s);
-    const __m512bh xb = (__m512bh)_mm512_loadu_si512(x + 64 * s + 32);
+    const Bf16X32 xa(x + 64 * s), xb(x + 64 * s + 32);
     for (int r = 0; r < R; ++r) {
       const uint8_t* sb = w + r * rb + 32 + s * 96;
       prefetch(sb + R * rb);                   // the next group's same superblock
@@ -360,13 +365,14 @@ static inline void bf16c_rows(const uint8_t* w, int64_t rb, const bf16_t* x,
           esc[r] += __builtin_popcount(eb);
         }
       }
-      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)a, xa);
-      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)b, xb);
+      acc[r] = xb.dot(xa.dot(acc[r], a), b);
     }
   }
   for (int r = 0; r < R; ++r)
     y[r] = to_bf16(_mm512_reduce_add_ps(acc[r]) + (bias ? to_f(bias[r]) : 0.f));
 }
+
+bool bf16c_in_registers() { return true; }
 
 static inline bool bf16c_has_escapes(const uint8_t* w, int64_t rb, int64_t rows) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -415,23 +421,25 @@ at::Tensor bf16c_gemv(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias
   return y;
 }
 #else
-// A bf16c row rebuilt as fp32 (exactly its bf16 values), 16 low bytes at a time: their
+bool bf16c_in_registers() { return false; }
+
+// A bf16c row rebuilt as bf16, 16 low bytes at a time: their
 // codes' nibbles index the row's palette with one byte shuffle (the palette is 16 bytes,
 // byte 0 unused: SSSE3's pshufb, NEON's tbl), and two byte interleaves of low and high
-// bytes give the 8 + 8 bf16 of weights 8j.. and 32 + 8j.. (quant.py's layout); rows with
+// bytes are the 8 + 8 bf16 of weights 8j.. and 32 + 8j.. (quant.py's layout); rows with
 // escapes (rare) take bf16c_row, the reference decoder.
 #if defined(__SSSE3__)
 #include <immintrin.h>
 #elif defined(__ARM_NEON)
 #include <arm_neon.h>
 #endif
-static inline void bf16c_row_fast(const uint8_t* row, int64_t K, float* out) {
+static inline void bf16c_row_fast(const uint8_t* row, int64_t K, bf16_t* out) {
   int32_t escapes;
   std::memcpy(&escapes, row + 16, 4);
   if (escapes) return bf16c_row(row, K, out);
 #if defined(__SSSE3__)
   const __m128i pal = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
-  const __m128i nib = _mm_set1_epi8(0x0F), zero = _mm_setzero_si128();
+  const __m128i nib = _mm_set1_epi8(0x0F);
   for (int64_t s = 0; s < K / 64; ++s) {
     const uint8_t* low = row + 32 + s * 96;
     const __m128i c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(low + 64));
@@ -439,15 +447,12 @@ static inline void bf16c_row_fast(const uint8_t* row, int64_t K, float* out) {
     const __m128i idx[4] = {_mm_and_si128(c0, nib), _mm_and_si128(c1, nib),
                             _mm_and_si128(_mm_srli_epi16(c0, 4), nib),
                             _mm_and_si128(_mm_srli_epi16(c1, 4), nib)};
-    float* o = out + s * 64;
+    bf16_t* o = out + s * 64;
     for (int j = 0; j < 4; ++j) {
       const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(low + 16 * j));
       const __m128i hi = _mm_shuffle_epi8(pal, idx[j]);
-      const __m128i a = _mm_unpacklo_epi8(lo, hi), b = _mm_unpackhi_epi8(lo, hi);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 8 * j), _mm_unpacklo_epi16(zero, a));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 8 * j + 4), _mm_unpackhi_epi16(zero, a));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 32 + 8 * j), _mm_unpacklo_epi16(zero, b));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 36 + 8 * j), _mm_unpackhi_epi16(zero, b));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 8 * j), _mm_unpacklo_epi8(lo, hi));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 32 + 8 * j), _mm_unpackhi_epi8(lo, hi));
     }
   }
 #elif defined(__ARM_NEON) && defined(__aarch64__)
@@ -457,15 +462,11 @@ static inline void bf16c_row_fast(const uint8_t* row, int64_t K, float* out) {
     const uint8x16_t c0 = vld1q_u8(low + 64), c1 = vld1q_u8(low + 80);
     const uint8x16_t idx[4] = {vandq_u8(c0, nib), vandq_u8(c1, nib), vshrq_n_u8(c0, 4),
                                vshrq_n_u8(c1, 4)};
-    float* o = out + s * 64;
+    bf16_t* o = out + s * 64;
     for (int j = 0; j < 4; ++j) {
       const uint8x16_t lo = vld1q_u8(low + 16 * j), hi = vqtbl1q_u8(pal, idx[j]);
-      const uint16x8_t a = vreinterpretq_u16_u8(vzip1q_u8(lo, hi));
-      const uint16x8_t b = vreinterpretq_u16_u8(vzip2q_u8(lo, hi));
-      vst1q_f32(o + 8 * j, vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(a), 16)));
-      vst1q_f32(o + 8 * j + 4, vreinterpretq_f32_u32(vshll_high_n_u16(a, 16)));
-      vst1q_f32(o + 32 + 8 * j, vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(b), 16)));
-      vst1q_f32(o + 36 + 8 * j, vreinterpretq_f32_u32(vshll_high_n_u16(b, 16)));
+      vst1q_u8(reinterpret_cast<uint8_t*>(o + 8 * j), vzip1q_u8(lo, hi));
+      vst1q_u8(reinterpret_cast<uint8_t*>(o + 32 + 8 * j), vzip2q_u8(lo, hi));
     }
   }
 #else
@@ -473,10 +474,10 @@ static inline void bf16c_row_fast(const uint8_t* row, int64_t K, float* out) {
 #endif
 }
 
-// Without AVX-512 BF16 and VBMI: each row rebuilt (bf16c_row_fast, exactly) into a small buffer
-// as it streams past, then the portable bf16 GEMV's sums (cpu_dtype.h: portable_gemv), so
-// the bits are the plain bf16 gemv's of this build. The matrix is read once, in its 12.3
-// bits a weight; nothing the size of the matrix is made.
+// Without AVX-512 and VBMI: each row rebuilt as bf16 (bf16c_row_fast, exactly) into a small
+// buffer as it streams past, then the portable bf16 GEMV's sums (cpu_dtype.h:
+// portable_gemv_bf16), so the bits are the plain bf16 gemv's of this build. The matrix is
+// read once, in its 12.3 bits a weight; nothing the size of the matrix is made.
 at::Tensor bf16c_gemv(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) == 1,
               "bf16c_gemv: x is one bf16 row");
@@ -492,11 +493,10 @@ at::Tensor bf16c_gemv(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias
   const bf16_t* bp = b.defined() ? cptr<bf16_t>(b) : nullptr;
   const uint8_t* wp = w.data_ptr<uint8_t>();
   bf16_t* yp = mptr<bf16_t>(y);
-  std::vector<float> xf(K);
-  widen_bf16(cptr<bf16_t>(x), xf.data(), K);
-  portable_gemv(N, K, xf.data(), [&](int64_t n, float* buf) {
+  portable_gemv_bf16(N, K, cptr<bf16_t>(x), [&](int64_t n, bf16_t* buf) {
+    prefetch_bytes(wp + (n + 4) * rb, rb);              // row n's in the next group
     bf16c_row_fast(wp + n * rb, K, buf);
-    return static_cast<const float*>(buf);
+    return static_cast<const bf16_t*>(buf);
   }, [&](int64_t n, float v) { yp[n] = to_bf16(v + (bp ? to_f(bp[n]) : 0.f)); });
   return y;
 }

@@ -24,3 +24,11 @@ static inline void prefetch(const void* p) {
 #else
 static inline void prefetch(const void*) {}
 #endif
+
+// Every cache line of [p, p + bytes): the portable kernels ask for the next row group's
+// bytes this way before they multiply this one's (their inner loops are plain vectorised
+// loops, with no room for a prefetch beside each load).
+static inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) prefetch(c + i);
+}
