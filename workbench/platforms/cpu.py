@@ -84,9 +84,10 @@ class CpuPlatform(Platform):
             return q, (f"quantization 'auto': {q}, the checkpoint's own format; until the CPU "
                        f"kernel being built arrives its weights run dequantized once, at "
                        f"fp32's speed" if q else None)
-        figures = cpu_choice.measured(cpu_kernels.kernel_dir(), cpu_kernels.kernels())
+        folder = cpu_kernels.kernel_dir()
+        figures = cpu_choice.measured(folder, cpu_kernels.kernels())
         if asked == "auto":
-            return cpu_choice.pick(figures, dtype, own)
+            return cpu_choice.pick(figures, dtype, own, cpu_choice.threads_of(folder))
         return asked, cpu_choice.cost(figures, asked, dtype)
 
     def peak_memory_bytes(self) -> int:
@@ -140,10 +141,12 @@ def doctor_lines() -> tuple[list[str], bool]:
                   "CXX at one; then `workbench build-kernels`"]
     try:
         figures = json.loads((cpu_kernels.kernel_dir() / cpu_choice.FILE).read_text())["us"]
+        threads = cpu_choice.threads_of(cpu_kernels.kernel_dir())
         lines.append("auto measured  " + ", ".join(f"{f} {us:.0f} µs" for f, us in figures.items())
-                     + f" (batch-1 GEMV, {'+'.join(f'{n}x{k}' for n, k in cpu_choice.SHAPES)})")
+                     + f" (batch-1 GEMV, {'+'.join(f'{n}x{k}' for n, k in cpu_choice.SHAPES)}, "
+                     f"{threads} thread{'s' if threads > 1 else ''})")
         for dtype in (torch.float32, torch.bfloat16):
-            lines.append(f"auto picks     {cpu_choice.pick(figures, dtype, 'gguf')[1]}")
+            lines.append(f"auto picks     {cpu_choice.pick(figures, dtype, 'gguf', threads)[1]}")
     except (OSError, ValueError, KeyError):
         lines.append("auto measured  not yet (the first engine on a built kernel measures)")
     lines.append(few_rows_line(cpu_kernels.kernel_dir()))
@@ -193,6 +196,7 @@ def describe() -> dict:
     try:
         figures = json.loads((cpu_kernels.kernel_dir() / cpu_choice.FILE).read_text())["us"]
         out["auto_gemv_us"] = figures
+        out["auto_gemv_threads"] = cpu_choice.threads_of(cpu_kernels.kernel_dir())
         out["auto_fp32"] = cpu_choice.pick(figures, torch.float32, "gguf")[0] or "fp32"
         out["auto_bf16"] = cpu_choice.pick(figures, torch.bfloat16, None)[0] or "bf16"
     except (OSError, ValueError, KeyError):

@@ -42,6 +42,10 @@ class CpuOps(TorchOps):
         cannot be built, or has no path for the format on this CPU). Unpacking the blocks on
         every step instead cost 10x fp32's step; this is fp32's (the memory of both, until
         the kernel arrives: then they are dropped)."""
+        self._rows: dict[int, PackedWeight] = {}
+        """id(PackedWeight) -> an 8-bit-activation weight in its row format (untiled), where
+        the kernel has no VNNI (an AVX2 or Arm build): x rounded through its 8-bit blocks
+        times these rows is the format's product, at the row format's speed (see linear)."""
         self._onednn: dict[int, tuple[torch.Tensor | PackedWeight, torch.Tensor]] = {}
         """id(weight) -> (the weight, it in oneDNN's blocked layout): bf16 weights packed at
         their first batched use (see prepacked). Held by the ops object, which lives and
@@ -65,11 +69,20 @@ class CpuOps(TorchOps):
             if x.dtype == torch.bfloat16 and x.dim() == 2 and onednn_bf16():
                 return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.prepacked(weight),
                                                           bias, "none", [], "")
-            return self._dense_linear(x, weight, bias)
-        if isinstance(weight, PackedWeight):
-            if not (k and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16)) or \
-                    (weight.activation_bits == 8 and not hasattr(k, "a8_linear")):
+            if not (k and x.dim() == 2 and x.dtype == torch.bfloat16):
                 return self._dense_linear(x, weight, bias)
+        if isinstance(weight, PackedWeight):
+            if not (k and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16)):
+                return self._dense_linear(x, weight, bias)
+            if weight.activation_bits == 8 and not hasattr(k, "a8_linear"):
+                # No VNNI: the 8-bit activations' numbers (each x block rounded as the tiled
+                # kernel rounds it) times the weights' rows through the row formats' kernels,
+                # not the torch reference (2.8x fp32's batch-1 step on an AVX2 build).
+                x = k.a8_round_trip(x)
+                weight = self._rows.get(id(weight)) or self._rows.setdefault(id(weight),
+                                                                             weight.untiled())
+            if x.dtype == torch.bfloat16 and not onednn_bf16():
+                return _rounded(k.qlinear(x.float(), weight.data, weight.code), bias)
             y = k.qlinear(x, weight.data, weight.code)
             return y if bias is None else y.add_(bias)
         if k and x.dim() == 2 and x.dtype in _DTYPES and weight.dtype == x.dtype \
@@ -82,10 +95,15 @@ class CpuOps(TorchOps):
 
     def batched_linear(self, x, weight, bias=None):
         """A plain weight's linear as torch runs it (oneDNN's matmul; bf16 on the prepacked
-        weight where oneDNN has native bf16)."""
-        if x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2 and onednn_bf16():
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.prepacked(weight),
-                                                      bias, "none", [], "")
+        weight where oneDNN has native bf16; where it has not, in fp32 on the weight widened a
+        slice at a time: torch's bf16 GEMM there ran at 0.4x fp32's throughput)."""
+        if x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2:
+            if onednn_bf16():
+                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.prepacked(weight),
+                                                          bias, "none", [], "")
+            k = cpu_kernels.kernels()
+            if k and hasattr(k, "widened_linear"):
+                return _rounded(k.widened_linear(x.float(), weight), bias)
         return torch.nn.functional.linear(x, weight, bias)
 
     def prepacked(self, weight: torch.Tensor | PackedWeight) -> torch.Tensor:
@@ -191,6 +209,14 @@ _ONEDNN_BELOW_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX51
                       "AVX512_CORE_VNNI"}
 """oneDNN's ISA names (ONEDNN_MAX_CPU_ISA) whose cap leaves out its native bf16 dot products
 (AVX512_CORE_BF16 and everything above it keep them)."""
+
+
+def _rounded(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A bf16 linear's fp32 product (+ its bias), rounded to bf16 once, as torch's bf16
+    linear rounds its fp32 sums."""
+    if bias is not None:
+        y = y.add_(bias)
+    return y.to(torch.bfloat16)
 
 
 def onednn_isa_has_bf16(cap: str | None) -> bool:

@@ -40,9 +40,11 @@ int64_t set_packed_rows(int64_t n);
 at::Tensor qembedding(at::Tensor ids, at::Tensor w, int64_t fmt, int64_t K, bool bf16);
 at::Tensor qgemv(at::Tensor x, at::Tensor w, int64_t fmt);
 at::Tensor bf16c_gemv(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
+at::Tensor widened_linear(at::Tensor x, at::Tensor w);
 bool bf16c_in_registers();  // whether bf16c_gemv rebuilds the rows in registers in this build
 // cpu_a8.cpp
 std::vector<at::Tensor> a8_quantize(at::Tensor x);
+at::Tensor a8_round_trip(at::Tensor x);
 at::Tensor a8_embedding(at::Tensor ids, at::Tensor w, int64_t fmt, int64_t K, bool bf16);
 at::Tensor a8_linear(at::Tensor x, at::Tensor w, int64_t fmt, int64_t amx);  // where VNNI is
 bool a8_amx();                                                     // where VNNI is
@@ -98,7 +100,9 @@ TORCH_LIBRARY(workbench_cpu, m) {
   m.def("set_packed_rows", &set_packed_rows);     // the most rows qlinear keeps packed
   m.def("qembedding", &qembedding);               // rows of a packed table -> [T, K]
   m.def("bf16c_gemv", &bf16c_gemv);               // x [1, K] bf16 @ bf16c weight^T (+ bias)
+  m.def("widened_linear", &widened_linear);       // x fp32 [M, K] @ bf16 weight^T, in fp32
   m.def("a8_quantize", &a8_quantize);             // fp32 [M, K] -> (int8 [M, K_pad], scales)
+  m.def("a8_round_trip", &a8_round_trip);         // x through its 8-bit blocks and back
   m.def("a8_embedding", &a8_embedding);           // rows of a tiled packed table -> [T, K]
   m.def("gemv", &gemv);                           // x [1, K] @ weight [N, K]^T (+ bias)
   m.def("small_m_linear", &small_m_linear);       // x [M <= 16, K] @ weight [N, K]^T (+ bias)

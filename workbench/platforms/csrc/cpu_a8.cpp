@@ -105,6 +105,24 @@ std::vector<at::Tensor> a8_quantize(at::Tensor x) {
   return {q, d};
 }
 
+// x [M, K] fp32 or bf16 -> the same shape and dtype, each value as its 8-bit block gives it
+// back (q * d: quant.dequantize_activations, bit for bit): what an 8-bit-activation format's
+// product sees of x. A build without VNNI multiplies it with the weights' row format.
+at::Tensor a8_round_trip(at::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "a8_round_trip: fp32 or bf16 [M, K]");
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  at::Tensor xf = bf ? x.to(at::kFloat).contiguous() : x.contiguous();
+  const int64_t M = xf.size(0), K = xf.size(1);
+  const auto r = quantize_rows(xf.data_ptr<float>(), M, K);
+  auto y = at::empty({M, K}, xf.options());
+  float* yp = y.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k)
+      yp[m * K + k] = static_cast<float>(r.q[m * r.kp + k]) * r.d[m * r.nb + k / 32];
+  return bf ? y.to(at::kBFloat16) : y;
+}
+
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 static inline __m512i bcast4(const int8_t* p) {
   int32_t v;

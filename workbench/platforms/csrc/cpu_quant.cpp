@@ -594,8 +594,28 @@ at::Tensor qgemv(at::Tensor x, at::Tensor w, int64_t fmt) {
 }
 #endif
 
+// x [M, K] @ a weight of N rows ^T -> [M, N] in x's dtype, for more rows than the streaming
+// kernels take: the weight decoded to fp32 a slice of rows at a time (`decode(n0, rows,
+// out)`; about 1 MB, which stays in L2) and each slice multiplied with x by torch's GEMM (in
+// x's dtype).
+template <class Decode>
+static at::Tensor sliced_linear(const at::Tensor& x, int64_t N, Decode decode) {
+  const int64_t M = x.size(0), K = x.size(1);
+  auto out = at::empty({M, N}, x.options());
+  const int64_t chunk = std::min<int64_t>(N, std::max<int64_t>(64, (int64_t{1} << 18) / K));
+  auto buf = at::empty({chunk, K}, at::kFloat);
+  for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+    const int64_t nc = std::min(chunk, N - n0);
+    decode(n0, nc, buf.data_ptr<float>());
+    auto wt = buf.narrow(0, 0, nc);
+    if (x.scalar_type() != at::kFloat) wt = wt.to(x.scalar_type());
+    out.narrow(1, n0, nc).copy_(at::mm(x, wt.t()));
+  }
+  return out;
+}
+
 // x [M, K] (fp32 or bf16) @ packed weight^T -> [M, N] in x's dtype. One fp32 row takes
-// qgemv; more rows multiply slices of dequantized rows (about 1 MB each) with torch's GEMM.
+// qgemv; more rows multiply slices of dequantized rows with torch's GEMM (sliced_linear).
 at::Tensor a8_dispatch_linear(at::Tensor x, at::Tensor w, int64_t fmt);   // cpu_a8.cpp
 at::Tensor a8_embedding(at::Tensor ids, at::Tensor w, int64_t fmt, int64_t K, bool bf16);
 
@@ -633,18 +653,26 @@ at::Tensor qlinear(at::Tensor x, at::Tensor w, int64_t fmt) {
     return x.scalar_type() == at::kFloat ? qrows(x, w, fmt)
                                          : qrows(x.to(at::kFloat), w, fmt).to(x.scalar_type());
 #endif
-  auto out = at::empty({M, N}, x.options());
-  const int64_t chunk = std::min<int64_t>(N, std::max<int64_t>(64, (int64_t{1} << 18) / K));
-  auto buf = at::empty({chunk, K}, at::kFloat);
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  for (int64_t n0 = 0; n0 < N; n0 += chunk) {
-    const int64_t nc = std::min(chunk, N - n0);
-    dequant_rows(wp, w.size(1), fmt, K, n0, nc, buf.data_ptr<float>());
-    auto wt = buf.narrow(0, 0, nc);
-    if (x.scalar_type() != at::kFloat) wt = wt.to(x.scalar_type());
-    out.narrow(1, n0, nc).copy_(at::mm(x, wt.t()));
-  }
-  return out;
+  return sliced_linear(x, N, [&](int64_t n0, int64_t nc, float* buf) {
+    dequant_rows(wp, w.size(1), fmt, K, n0, nc, buf);
+  });
+}
+
+// x fp32 [M, K] @ bf16 weight [N, K]^T -> fp32 [M, N]: the weight widened to fp32 a slice at a
+// time (exact) and multiplied in fp32 by torch's GEMM. Batched bf16 where oneDNN has no
+// native bf16 (cpu_ops.onednn_bf16): torch's bf16 GEMM there ran at 0.4x fp32's throughput.
+at::Tensor widened_linear(at::Tensor x, at::Tensor w) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && w.scalar_type() == at::kBFloat16 &&
+              w.dim() == 2 && w.size(1) == x.size(1), "widened_linear: fp32 [M, K], bf16 [N, K]");
+  const at::Tensor wc = w.contiguous();
+  const int64_t K = w.size(1);
+  const bf16_t* wp = cptr<bf16_t>(wc);
+  return sliced_linear(x.contiguous(), w.size(0), [&](int64_t n0, int64_t nc, float* buf) {
+    at::parallel_for(0, nc, 16, [&](int64_t b, int64_t e) {
+      for (int64_t n = b; n < e; ++n) widen_bf16(wp + (n0 + n) * K, buf + n * K, K);
+    });
+  });
 }
 
 // Embedding rows of a packed table: ids [T] -> [T, K], fp32 (bf16 with `bf16`).
