@@ -343,6 +343,32 @@ def test_packed_weights_are_dequantized_once_without_the_kernel(monkeypatch):
         assert not ops._dense
 
 
+def test_batched_bf16_without_native_bf16_takes_fp32_products(monkeypatch):
+    """Where oneDNN has no native bf16 (an AVX2 CPU, an Ice Lake), batched bf16 linears run
+    in fp32 on the weights widened a slice at a time and are rounded once (torch's bf16 GEMM
+    there ran at 0.4x fp32's throughput): plain bf16 and bf16c give the same bits, the
+    float64 reference's numbers within bf16's rounding, and torch's bf16 GEMM is not called."""
+    from workbench.platforms import cpu_kernels, cpu_ops
+    from workbench.platforms.quant import bf16c_pack
+    if cpu_kernels.load_cpu_kernels() is None:
+        pytest.skip("no CPU kernel here")
+    monkeypatch.setattr(cpu_ops, "onednn_bf16", lambda: False)
+    real_linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, b=None: pytest.fail(
+        "torch's bf16 GEMM") if x.dtype == torch.bfloat16 else real_linear(x, w, b))
+    torch.manual_seed(0)
+    w = (torch.randn(1000, 192) * 0.05).bfloat16()          # 1000 rows: several slices
+    c = bf16c_pack(w)
+    ops = cpu_ops.CpuOps()
+    for m in (17, 64):
+        x, b = torch.randn(m, 192).bfloat16(), torch.randn(1000).bfloat16()
+        y, yc = ops.batched_linear(x, w, b), ops.linear(x, c, b)
+        assert y.dtype == yc.dtype == torch.bfloat16 and torch.equal(y, yc)
+        ref = x.double() @ w.double().T + b.double()
+        assert ((y.double() - ref).abs() / ref.abs().clamp_min(1e-3)).max() < 1e-2
+    assert not ops._dense                           # bf16c stayed packed: no dequantized copy
+
+
 def test_a8_formats_without_vnni_take_the_row_kernels(monkeypatch):
     """A kernel without a8_linear (a build for AVX2 or Arm): an 8-bit-activation weight runs
     as x rounded through its 8-bit blocks (a8_round_trip) times the weight's row format on
