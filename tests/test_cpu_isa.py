@@ -446,6 +446,14 @@ for n, kk in ((37, 128), (64, 576)):
             out[f"{fmt} {n}x{m}"] = rel(k.qlinear(x, pw.data, pw.code), ref)
             out[f"{fmt} bf16 {n}x{m}"] = rel(k.qlinear(x.bfloat16(), pw.data, pw.code),
                                               x.bfloat16().double() @ pw.dequantize().double().T)
+for n, kk in ((37, 128), (64, 576)):            # batched bf16 weights in fp32 (no native bf16)
+    wb = (torch.randn(n, kk) * 0.05).bfloat16()
+    c = bf16c_pack(wb)
+    for m in (3, 40):
+        x = torch.randn(m, kk)
+        y = k.widened_linear(x, wb)
+        out[f"widened {n}x{m}"] = rel(y, x.double() @ wb.double().T)
+        out[f"bf16c rows=widened {n}x{m}"] = bool(torch.equal(k.qlinear(x, c.data, c.code), y))
 from workbench.platforms.quant import dequantize_activations, quantize_activations
 for m in (1, 3):                                # K not a multiple of the 32-block
     x = torch.randn(m, 100)

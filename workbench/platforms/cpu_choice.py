@@ -12,6 +12,7 @@ process of this build reads the same figures), and 'auto' takes the fastest;
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -30,28 +31,43 @@ CANDIDATES = {torch.float32: {"gguf": "q4_1", None: "fp32"},
 FILE = "choice.json"
 
 
+COPIES = 4
+"""Each format's weights are timed in this many copies, used in turn: every round of the six
+formats then reads about 4 x 27 MB before it comes back to the same bytes, more than a
+2-core VM's last-level cache (a Zen 5's 32 MB held one copy of all six, and its GEMVs ran at
+cache speed: fp32 ranked ahead of q4_1 there while a model, which streams from memory,
+decoded at 0.63x fp32's time in q4_1)."""
+
+
 def _runners(k, shape: tuple[int, int]) -> dict[str, Callable[[], object]]:
-    """One batch-1 GEMV a format, as CpuOps runs it, on random weights of `shape`."""
+    """One batch-1 GEMV a format, as CpuOps runs it, on random weights of `shape`: each call
+    on the next of COPIES copies (so that each reads its weights from memory, as a decode
+    step does)."""
     from .cpu_ops import CpuOps
     from .quant import PackedWeight, bf16c_pack, quantize_int8
     n, kk = shape
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(n, kk, generator=g) * 0.02
     x = torch.randn(1, kk, generator=g)
+    xb = x.bfloat16()
     ops = CpuOps()
-    wb = w.bfloat16()
-    int8 = quantize_int8(w)
-    q8 = _gguf(w, "q8_0")
-    q4 = _gguf(w, "q4_1")
-    out = {"fp32": lambda: ops.linear(x, w), "q4_1": lambda: ops.linear(x, q4),
-           "q8_0": lambda: ops.linear(x, q8), "int8": lambda: ops.linear(x, int8),
-           "bf16": lambda: ops.linear(x.bfloat16(), wb)}
-    c = bf16c_pack(wb)
-    if c is not None:
-        out["bf16c"] = lambda: ops.linear(x.bfloat16(), c)
-    assert all(isinstance(v, PackedWeight) for v in (q4, q8, int8))
-    return out
+    weights: dict[str, list] = {f: [] for f in FORMATS}
+    for _ in range(COPIES):
+        w = torch.randn(n, kk, generator=g) * 0.02
+        wb = w.bfloat16()
+        weights["fp32"].append(w)
+        weights["q4_1"].append(_gguf(w, "q4_1"))
+        weights["q8_0"].append(_gguf(w, "q8_0"))
+        weights["int8"].append(quantize_int8(w))
+        weights["bf16"].append(wb)
+        c = bf16c_pack(wb)
+        if c is not None:
+            weights["bf16c"].append(c)
+    assert all(isinstance(v, PackedWeight) for f in ("q4_1", "q8_0", "int8") for v in weights[f])
 
+    def runner(fmt: str) -> Callable[[], object]:
+        ws, xs = itertools.cycle(weights[fmt]), xb if fmt in ("bf16", "bf16c") else x
+        return lambda: ops.linear(xs, next(ws))
+    return {f: runner(f) for f in FORMATS if weights[f]}
 
 def _gguf(w: torch.Tensor, fmt: str):
     """w in ggml's q4_1 or q8_0 blocks (quantized in torch: the timing needs the layout, not

@@ -57,8 +57,64 @@ static void bf16c_row(const uint8_t* row, int64_t K, Out* out) {
   }
 }
 
+// A bf16c row rebuilt as bf16, 16 low bytes at a time: their
+// codes' nibbles index the row's palette with one byte shuffle (the palette is 16 bytes,
+// byte 0 unused: SSSE3's pshufb, NEON's tbl), and two byte interleaves of low and high
+// bytes are the 8 + 8 bf16 of weights 8j.. and 32 + 8j.. (quant.py's layout); rows with
+// escapes (rare) take bf16c_row, the reference decoder.
+#if defined(__SSSE3__)
+#include <immintrin.h>
+#elif defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
+static inline void bf16c_row_fast(const uint8_t* row, int64_t K, bf16_t* out) {
+  int32_t escapes;
+  std::memcpy(&escapes, row + 16, 4);
+  if (escapes) return bf16c_row(row, K, out);
+#if defined(__SSSE3__)
+  const __m128i pal = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
+  const __m128i nib = _mm_set1_epi8(0x0F);
+  for (int64_t s = 0; s < K / 64; ++s) {
+    const uint8_t* low = row + 32 + s * 96;
+    const __m128i c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(low + 64));
+    const __m128i c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(low + 80));
+    const __m128i idx[4] = {_mm_and_si128(c0, nib), _mm_and_si128(c1, nib),
+                            _mm_and_si128(_mm_srli_epi16(c0, 4), nib),
+                            _mm_and_si128(_mm_srli_epi16(c1, 4), nib)};
+    bf16_t* o = out + s * 64;
+    for (int j = 0; j < 4; ++j) {
+      const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(low + 16 * j));
+      const __m128i hi = _mm_shuffle_epi8(pal, idx[j]);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 8 * j), _mm_unpacklo_epi8(lo, hi));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 32 + 8 * j), _mm_unpackhi_epi8(lo, hi));
+    }
+  }
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+  const uint8x16_t pal = vld1q_u8(row), nib = vdupq_n_u8(0x0F);
+  for (int64_t s = 0; s < K / 64; ++s) {
+    const uint8_t* low = row + 32 + s * 96;
+    const uint8x16_t c0 = vld1q_u8(low + 64), c1 = vld1q_u8(low + 80);
+    const uint8x16_t idx[4] = {vandq_u8(c0, nib), vandq_u8(c1, nib), vshrq_n_u8(c0, 4),
+                               vshrq_n_u8(c1, 4)};
+    bf16_t* o = out + s * 64;
+    for (int j = 0; j < 4; ++j) {
+      const uint8x16_t lo = vld1q_u8(low + 16 * j), hi = vqtbl1q_u8(pal, idx[j]);
+      vst1q_u8(reinterpret_cast<uint8_t*>(o + 8 * j), vzip1q_u8(lo, hi));
+      vst1q_u8(reinterpret_cast<uint8_t*>(o + 32 + 8 * j), vzip2q_u8(lo, hi));
+    }
+  }
+#else
+  bf16c_row(row, K, out);
+#endif
+}
+
 static void dequant_row(const uint8_t* row, int64_t fmt, int64_t K, float* out) {
-  if (fmt == kBf16c) return bf16c_row(row, K, out);
+  if (fmt == kBf16c) {                  // the fast decoder's bf16, widened (both exact)
+    thread_local std::vector<bf16_t> bits;
+    bits.resize(K);
+    bf16c_row_fast(row, K, bits.data());
+    return widen_bf16(bits.data(), out, K);
+  }
 #ifdef __AVX512F__
   if (fmt == kQ4_1) {                    // d * q, then + m: two roundings, as the reference
     const __m128i low = _mm_set1_epi8(0x0F);
@@ -423,57 +479,6 @@ at::Tensor bf16c_gemv(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias
 #else
 bool bf16c_in_registers() { return false; }
 
-// A bf16c row rebuilt as bf16, 16 low bytes at a time: their
-// codes' nibbles index the row's palette with one byte shuffle (the palette is 16 bytes,
-// byte 0 unused: SSSE3's pshufb, NEON's tbl), and two byte interleaves of low and high
-// bytes are the 8 + 8 bf16 of weights 8j.. and 32 + 8j.. (quant.py's layout); rows with
-// escapes (rare) take bf16c_row, the reference decoder.
-#if defined(__SSSE3__)
-#include <immintrin.h>
-#elif defined(__ARM_NEON)
-#include <arm_neon.h>
-#endif
-static inline void bf16c_row_fast(const uint8_t* row, int64_t K, bf16_t* out) {
-  int32_t escapes;
-  std::memcpy(&escapes, row + 16, 4);
-  if (escapes) return bf16c_row(row, K, out);
-#if defined(__SSSE3__)
-  const __m128i pal = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
-  const __m128i nib = _mm_set1_epi8(0x0F);
-  for (int64_t s = 0; s < K / 64; ++s) {
-    const uint8_t* low = row + 32 + s * 96;
-    const __m128i c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(low + 64));
-    const __m128i c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(low + 80));
-    const __m128i idx[4] = {_mm_and_si128(c0, nib), _mm_and_si128(c1, nib),
-                            _mm_and_si128(_mm_srli_epi16(c0, 4), nib),
-                            _mm_and_si128(_mm_srli_epi16(c1, 4), nib)};
-    bf16_t* o = out + s * 64;
-    for (int j = 0; j < 4; ++j) {
-      const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(low + 16 * j));
-      const __m128i hi = _mm_shuffle_epi8(pal, idx[j]);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 8 * j), _mm_unpacklo_epi8(lo, hi));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 32 + 8 * j), _mm_unpackhi_epi8(lo, hi));
-    }
-  }
-#elif defined(__ARM_NEON) && defined(__aarch64__)
-  const uint8x16_t pal = vld1q_u8(row), nib = vdupq_n_u8(0x0F);
-  for (int64_t s = 0; s < K / 64; ++s) {
-    const uint8_t* low = row + 32 + s * 96;
-    const uint8x16_t c0 = vld1q_u8(low + 64), c1 = vld1q_u8(low + 80);
-    const uint8x16_t idx[4] = {vandq_u8(c0, nib), vandq_u8(c1, nib), vshrq_n_u8(c0, 4),
-                               vshrq_n_u8(c1, 4)};
-    bf16_t* o = out + s * 64;
-    for (int j = 0; j < 4; ++j) {
-      const uint8x16_t lo = vld1q_u8(low + 16 * j), hi = vqtbl1q_u8(pal, idx[j]);
-      vst1q_u8(reinterpret_cast<uint8_t*>(o + 8 * j), vzip1q_u8(lo, hi));
-      vst1q_u8(reinterpret_cast<uint8_t*>(o + 32 + 8 * j), vzip2q_u8(lo, hi));
-    }
-  }
-#else
-  bf16c_row(row, K, out);
-#endif
-}
-
 // Without AVX-512 and VBMI: each row rebuilt as bf16 (bf16c_row_fast, exactly) into a small
 // buffer as it streams past, then the portable bf16 GEMV's sums (cpu_dtype.h:
 // portable_gemv_bf16), so the bits are the plain bf16 gemv's of this build. The matrix is
@@ -649,7 +654,7 @@ at::Tensor qlinear(at::Tensor x, at::Tensor w, int64_t fmt) {
       return qlinear(x.to(at::kFloat), w, fmt).to(x.scalar_type());
   }
 #else
-  if (fmt != kBf16c && M <= g_packed_rows)
+  if (M <= g_packed_rows && (fmt != kBf16c || M > 1))    // bf16c's one row: bf16c_gemv
     return x.scalar_type() == at::kFloat ? qrows(x, w, fmt)
                                          : qrows(x.to(at::kFloat), w, fmt).to(x.scalar_type());
 #endif
@@ -668,6 +673,21 @@ at::Tensor widened_linear(at::Tensor x, at::Tensor w) {
   const at::Tensor wc = w.contiguous();
   const int64_t K = w.size(1);
   const bf16_t* wp = cptr<bf16_t>(wc);
+#ifndef __AVX512F__
+  // Up to the packed formats' measured rows: four rows widened into L1 and multiplied with
+  // every x row (the weights read once a step, in their 2-byte storage), as qrows does.
+  if (x.size(0) <= g_packed_rows) {
+    x = x.contiguous();
+    const int64_t M = x.size(0), N = w.size(0);
+    auto y = at::empty({M, N}, x.options());
+    float* yp = y.data_ptr<float>();
+    small_m_gemm(M, N, K, x.data_ptr<float>(), [&](int64_t n, int64_t rows, float* buf) {
+      widen_bf16(wp + n * K, buf, rows * K);
+      return static_cast<const float*>(buf);
+    }, [&](int64_t m, int64_t n, float v) { yp[m * N + n] = v; });
+    return y;
+  }
+#endif
   return sliced_linear(x.contiguous(), w.size(0), [&](int64_t n0, int64_t nc, float* buf) {
     at::parallel_for(0, nc, 16, [&](int64_t b, int64_t e) {
       for (int64_t n = b; n < e; ++n) widen_bf16(wp + (n0 + n) * K, buf + n * K, K);
