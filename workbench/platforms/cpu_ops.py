@@ -252,8 +252,8 @@ def onednn_bf16() -> bool:
     the CPU's flags, and not capped below them by ONEDNN_MAX_CPU_ISA (oneDNN's own switch,
     how an older Xeon is reproduced on a newer one). torch's own
     `_is_mkldnn_bf16_supported()` says yes on any AVX512BW CPU, where oneDNN emulates bf16
-    (4x fp32's time for a 3072x576 layer at 128 rows); there bf16 runs torch's F.linear
-    instead."""
+    (4x fp32's time for a 3072x576 layer at 128 rows); there batched bf16 takes fp32
+    products instead (batched_linear, linear)."""
     global _onednn_bf16
     if _onednn_bf16 is None:
         flags = cpu_kernels.isa_flags()
