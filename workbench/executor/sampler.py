@@ -233,6 +233,31 @@ def _draw_truncated(logits, f: Filters, u, candidates: int | None = None) -> tor
     return ids
 
 
+def _truncated_probs(logits, f: Filters, candidates: int | None = None) -> torch.Tensor:
+    """Rows with top-k and/or top-p: their kept tokens' unnormalised probabilities, dense
+    [N, vocab] (0 elsewhere), looked for among the best `candidates` as _draw_truncated
+    looks (a whole-vocabulary sort for a verify step's 5 rows of a 49 152-token vocabulary
+    took 10 ms on a Zen 5, twice a draft model's pass); a row whose kept set may reach past
+    them is looked at again among more."""
+    n, vocab = logits.shape
+    if candidates is None:
+        candidates = CANDIDATES[0] if host_reads_are_free(logits.device) else vocab
+    order, p, cum, thr, kept, tails, width = _truncate(logits, f, candidates)
+    p = p.masked_fill(torch.arange(width, device=p.device) >= kept[:, None], 0.0)
+    out = torch.zeros(n, vocab, dtype=torch.float32, device=logits.device).scatter_(
+        1, order, p.float())
+    redo = [i for i in range(n) if f.top_k[i] > width]
+    if tails:
+        short = (cum[:, -1] < thr).tolist()
+        redo = [i for i in redo if f.top_k[i] < vocab or short[i]]
+    if redo:
+        idx = _host_index(redo)
+        again = _truncated_probs(_select(logits, redo, idx), f.select(redo),
+                                 next((c for c in CANDIDATES if c > width), vocab))
+        out = again if len(redo) == n else out.index_copy_(0, idx, again)
+    return out
+
+
 def _truncate(logits, f: Filters, candidates: int):
     """The top-k / min-p / top-p filter among each row's best `candidates` tokens: (order,
     probs, cum, thr, kept, tails, width): the candidates' ids best first, their
@@ -293,12 +318,7 @@ def target_probs(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tens
                 continue
             at = torch.arange(sub.shape[0], device=sub.device) if f.rows is None else f.rows
             part = sub.index_select(0, at)
-            if f is draw.full:
-                p = _full_probs(part, f)
-            else:
-                order, p, _, _, kept, _, width = _truncate(part, f, vocab)
-                p = p.masked_fill(torch.arange(width, device=p.device) >= kept[:, None], 0.0)
-                p = torch.zeros_like(part, dtype=torch.float32).scatter_(1, order, p.float())
+            p = _full_probs(part, f) if f is draw.full else _truncated_probs(part, f)
             dense.index_copy_(0, at, p.float() / p.sum(-1, keepdim=True).float())
         probs.index_copy_(0, rows, dense)
     return probs, raw
