@@ -74,10 +74,13 @@ def test_the_budget_drafts_where_rows_are_cheap_and_not_where_they_cost_a_decode
     mid = {8: 60.0, 9: 61.0, 10: 62.0, 12: 90.0, 16: 120.0}
     assert budget(mid, mid, 8, [[0.9, 0.8], [0.2, 0.1]]) == [2, 0]
     # a draft model (SmolLM2's gguf-a8 blocks for its fp32 self, a Zen 5, ms) where only
-    # the verify of all 4 drafts has been measured: fewer drafts are priced as 4 (the curve
-    # is flat below it), so one draft looks like a loss while four pay. The budget used to
-    # stop at the first and never drafted; it looks on through the flat part.
-    assert budget({1: 11.8}, {5: 38.6}, 1, [[0.86, 0.75, 0.65, 0.57]]) == [4]
+    # the verify of all 4 drafts has been measured: fewer drafts are priced on the line from
+    # a plain step (a verify of none) to it, each draft a pass of the draft model more. (Flat
+    # at the 4-draft cost, one draft looked like a loss and the budget never drafted.) Two
+    # pay most by that line...
+    assert budget({1: 11.8}, {5: 38.6}, 1, [[0.86, 0.75, 0.65, 0.57]]) == [2]
+    # ... and once verifies of fewer drafts are measured, their figures decide
+    assert budget({1: 11.8}, {3: 25.0, 5: 28.0}, 1, [[0.86, 0.75, 0.65, 0.57]]) == [4]
     assert budget({1: 11.8}, {5: 38.6}, 1, [[0.5, 0.25, 0.12, 0.06]]) == [0]   # unlikely ones
 
 
@@ -90,11 +93,23 @@ def test_draft_odds_learn_a_requests_first_draft_and_the_runs_after_it_and_fade(
     va, vb = o.values("a", 4), o.values("b", 4)
     assert va[0] > 0.8 and va[3] > 0.6 and vb[0] < 0.35
     assert all(x > y for x, y in zip(va, va[1:]))
-    for _ in range(300):                                     # drafting stopped: back to a half
-        o.step(["a", "b"])
+    for _ in range(300):             # drafting stopped: back to what the proposer earned,
+        o.step(["a", "b"])           # here as many firsts kept as missed
     assert o.values("b", 1)[0] == pytest.approx(0.5, abs=0.01)
     o.forget("a")
     assert "a" not in o.own
+    # A proposer kept nine times in ten (a draft model of the target's own family): after a
+    # pause (a large batch, where no draft paid), a new request starts from those odds, not
+    # from a half (where a draft model's verify does not pay, so it never drafted again).
+    o = DraftOdds()
+    for i in range(40):
+        o.verified(f"r{i % 4}", 4, 3 if i % 10 else 0)
+    for _ in range(300):
+        o.step([])
+    first, second = o.values("new", 2)
+    # firsts: 36 kept of 40 (and the prior's half of 2); then: 2 of 3 after a kept first
+    assert first == pytest.approx(37 / 42, abs=0.02)
+    assert second == pytest.approx(37 / 42 * 73 / 110, abs=0.02)
 
 
 def modelled(device: str, adaptive: bool | None = True, accepted: int = 20) -> Engine:

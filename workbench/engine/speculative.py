@@ -45,23 +45,30 @@ class DraftOdds:
     draft's chance (the request's own recent firsts, counted with the engine's as WEIGHT
     tries), and the chance that a draft after a kept one is kept too (the engine's: a prompt
     lookup that starts copying mostly goes on). Rates are kept as (kept, tried) and fade:
-    the engine's toward a half by 1 - DECAY a step, a request's toward nothing by
-    1 - OWN_DECAY, so where drafting stopped because it lost, it is tried again later."""
+    the engine's recent ones by 1 - DECAY a step toward what this engine's proposer has
+    kept in the long run (`seen`: every verify, each forgotten by 1 - SEEN_DECAY a verify,
+    from a prior of a half), a request's toward nothing by 1 - OWN_DECAY. So where drafting
+    stopped (a large batch, where rows cost a decode), it is tried again at the odds this
+    proposer has earned: a draft model that is kept nine times in ten comes back to drafting
+    by itself, and a prompt lookup on text it does not predict comes back to its low odds."""
     DECAY = 0.97
     OWN_DECAY = 0.9
+    SEEN_DECAY = 0.999
     WEIGHT = 2.0
     PRIOR = (1.0, 2.0)
 
     def __init__(self):
         self.first = list(self.PRIOR)
         self.then = list(self.PRIOR)
+        self.seen = {"first": list(self.PRIOR), "then": list(self.PRIOR)}
         self.own: dict[str, list[float]] = {}
 
     def step(self, rids) -> None:
         """A step drafts (or might) for `rids`: the rates fade."""
-        for rate in (self.first, self.then):
-            for i in (0, 1):
-                rate[i] = rate[i] * self.DECAY + self.PRIOR[i] * (1 - self.DECAY)
+        for rate, seen in ((self.first, self.seen["first"]), (self.then, self.seen["then"])):
+            p = seen[0] / seen[1]
+            rate[0] = rate[0] * self.DECAY + self.PRIOR[1] * p * (1 - self.DECAY)
+            rate[1] = rate[1] * self.DECAY + self.PRIOR[1] * (1 - self.DECAY)
         for rid in rids:
             if rid in self.own:
                 self.own[rid] = [x * self.OWN_DECAY for x in self.own[rid]]
@@ -69,12 +76,16 @@ class DraftOdds:
     def verified(self, rid: str, num_drafts: int, n: int) -> None:
         """Request rid's verify kept n of its num_drafts drafts."""
         own = self.own.setdefault(rid, [0.0, 0.0])
-        for rate in (self.first, own):
+        for seen in self.seen.values():
+            seen[0] *= self.SEEN_DECAY
+            seen[1] *= self.SEEN_DECAY
+        for rate in (self.first, own, self.seen["first"]):
             rate[0] += n > 0
             rate[1] += 1
         if n:
-            self.then[0] += n - 1
-            self.then[1] += min(n, num_drafts - 1)
+            for rate in (self.then, self.seen["then"]):
+                rate[0] += n - 1
+                rate[1] += min(n, num_drafts - 1)
 
     def values(self, rid: str, room: int) -> list[float]:
         """The expected worth in tokens of each of rid's next `room` drafts (the j-th is kept
@@ -234,20 +245,23 @@ class SpecDecoding:
         base = Curve(self.costs[False].table()).at(decoding)
         if base is None:
             return [0] * len(values)
-        verify = Curve(self.costs[True].table())
+        table = self.costs[True].table()
+        if table and decoding < min(table):
+            # Fewer rows than any verify measured: on the line from a plain step (a verify
+            # of no drafts) to the fewest measured, not flat at that count's cost: where
+            # rows cost (a draft model's passes, a CPU's arithmetic), fewer drafts cost
+            # less, and are tried, and then measured.
+            table[decoding] = base
+        verify = Curve(table)
         order = sorted(((v, i) for i, vs in enumerate(values) for v in vs),
                        key=lambda vi: -vi[0])
         best, best_n, gain = decoding / base, 0, 0.0
-        # Below the fewest rows a verify was measured at, its cost is taken as that count's
-        # (Curve.at): flat, so there the rate can climb again with more drafts (a draft
-        # model's verify of 4 drafts measured, 1 draft priced as 4); no early stop there.
-        flat_until = verify.rows[0] if verify.rows else None
         for n, (v, _) in enumerate(order, 1):
             gain += v
             rate = (decoding + gain) / (verify.at(decoding + n) or base)
             if rate > best:
                 best, best_n = rate, n
-            elif rate < 0.8 * best and (flat_until is None or decoding + n >= flat_until):
+            elif rate < 0.8 * best:
                 break                         # the worth falls and the rows' cost grows
         out = [0] * len(values)
         for _, i in order[:best_n]:
