@@ -110,6 +110,15 @@ def test_draft_odds_learn_a_requests_first_draft_and_the_runs_after_it_and_fade(
     # firsts: 36 kept of 40 (and the prior's half of 2); then: 2 of 3 after a kept first
     assert first == pytest.approx(37 / 42, abs=0.02)
     assert second == pytest.approx(37 / 42 * 73 / 110, abs=0.02)
+    # A few early misses (a grounded reply's first words, before prompt lookup copies):
+    # after the pause, a half again, not the 0.4 those verifies earned, at which no draft
+    # paid and the lookup never drafted again in a whole grounded run.
+    o = DraftOdds()
+    for n in (0, 0, 1):
+        o.verified("r", 4, n)
+    for _ in range(300):
+        o.step([])
+    assert o.values("next", 1)[0] == pytest.approx(0.5, abs=0.01)
 
 
 def modelled(device: str, adaptive: bool | None = True, accepted: int = 20) -> Engine:

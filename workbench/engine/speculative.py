@@ -47,10 +47,11 @@ class DraftOdds:
     lookup that starts copying mostly goes on). Rates are kept as (kept, tried) and fade:
     the engine's recent ones by 1 - DECAY a step toward what this engine's proposer has
     kept in the long run (`seen`: every verify, each forgotten by 1 - SEEN_DECAY a verify,
-    from a prior of a half), a request's toward nothing by 1 - OWN_DECAY. So where drafting
-    stopped (a large batch, where rows cost a decode), it is tried again at the odds this
-    proposer has earned: a draft model that is kept nine times in ten comes back to drafting
-    by itself, and a prompt lookup on text it does not predict comes back to its low odds."""
+    from a prior of a half) or a half, whichever is more, a request's toward nothing by
+    1 - OWN_DECAY. So where drafting stopped (a large batch, where rows cost a decode, or a
+    run of misses), it is tried again: a draft model kept nine times in ten comes back at
+    those odds, and at a half at least, so that a few early misses (a grounded reply's first
+    words, before it copies) do not keep a prompt lookup from ever drafting again."""
     DECAY = 0.97
     OWN_DECAY = 0.9
     SEEN_DECAY = 0.999
@@ -66,7 +67,7 @@ class DraftOdds:
     def step(self, rids) -> None:
         """A step drafts (or might) for `rids`: the rates fade."""
         for rate, seen in ((self.first, self.seen["first"]), (self.then, self.seen["then"])):
-            p = seen[0] / seen[1]
+            p = max(self.PRIOR[0] / self.PRIOR[1], seen[0] / seen[1])
             rate[0] = rate[0] * self.DECAY + self.PRIOR[1] * p * (1 - self.DECAY)
             rate[1] = rate[1] * self.DECAY + self.PRIOR[1] * (1 - self.DECAY)
         for rid in rids:
