@@ -131,8 +131,9 @@ class StepCosts:
 
 
 class Curve:
-    """A step's cost by its rows from a measured table (row count -> seconds): its own figure;
-    between two measured counts, on the line through them; past the largest, on the line
+    """A step's cost by its rows from a measured table (row count -> seconds, each count no
+    dearer than any larger one: a slower few-row figure is noise): its own figure; between
+    two measured counts, on the line through them; past the largest, on the line
     through it and the measured count nearest half of it (a wide base: one row's difference
     is noise), never falling; below the smallest, or past a single measured count, that
     count's figure (an optimistic guess: the step is tried, and then it is measured); None
@@ -140,7 +141,10 @@ class Curve:
 
     def __init__(self, table: dict[int, float]):
         self.rows = sorted(table)
-        self.secs = [table[r] for r in self.rows]
+        # Never dearer with fewer rows: a count measured dearer than a larger one (a slow
+        # step among few samples) takes the larger one's figure.
+        self.secs = list(itertools.accumulate(reversed([table[r] for r in self.rows]), min))[::-1]
+        table = dict(zip(self.rows, self.secs))
         self.slope = 0.0
         if len(self.rows) > 1:
             top = self.rows[-1]
@@ -256,14 +260,16 @@ class SpecDecoding:
         verify = Curve(table)
         order = sorted(((v, i) for i, vs in enumerate(values) for v in vs),
                        key=lambda vi: -vi[0])
+        # Every count of drafts, best first, is priced (k per request at most: a few hundred
+        # at batch 64), and the best taken: measured costs are not smooth in the rows (a
+        # noisy figure, a step size where the kernels change), so a worse count before a
+        # better one does not end the search.
         best, best_n, gain = decoding / base, 0, 0.0
         for n, (v, _) in enumerate(order, 1):
             gain += v
             rate = (decoding + gain) / (verify.at(decoding + n) or base)
             if rate > best:
                 best, best_n = rate, n
-            elif rate < 0.8 * best:
-                break                         # the worth falls and the rows' cost grows
         out = [0] * len(values)
         for _, i in order[:best_n]:
             out[i] += 1
