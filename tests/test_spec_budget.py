@@ -83,10 +83,9 @@ def test_the_budget_drafts_where_rows_are_cheap_and_not_where_they_cost_a_decode
     assert budget({1: 11.8}, {3: 25.0, 5: 28.0}, 1, [[0.86, 0.75, 0.65, 0.57]]) == [4]
     assert budget({1: 11.8}, {5: 38.6}, 1, [[0.5, 0.25, 0.12, 0.06]]) == [0]   # unlikely ones
     # Measured figures are noisy: prompt lookup at batch 1 on a Zen 5 (ms), where a 2- and a
-    # 3-row verify were each measured in a slow moment. One draft looks like a loss and two
-    # no better; three pay. The search used to stop at the first and never drafted again
-    # (a grounded run at 1.01x); a count dearer than a larger one now takes its figure, and
-    # every count is priced.
+    # 3-row verify were each measured in a slow moment. As measured, one draft looks like a
+    # loss bad enough to stop the search, and the lookup never drafted again (a grounded run
+    # at 1.01x); a count dearer than a larger one now takes its figure, and three pay.
     noisy = {2: 11.76, 3: 19.66, 4: 10.93, 5: 14.67}
     assert budget({1: 6.14}, noisy, 1, [[0.5, 0.25, 0.125, 0.0625]]) == [3]
     assert estimate(noisy, 2) == estimate(noisy, 3) == 10.93
