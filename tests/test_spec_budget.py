@@ -105,6 +105,14 @@ def test_draft_odds_learn_a_requests_first_draft_and_the_runs_after_it_and_fade(
     assert o.values("b", 1)[0] == pytest.approx(0.5, abs=0.01)
     o.forget("a")
     assert "a" not in o.own
+    # Each request's own runs after a kept first draft count, with the engine's: a sampled
+    # request keeps a greedy draft's later tokens far less often than a greedy one beside it.
+    o = DraftOdds()
+    for _ in range(8):
+        o.verified("greedy", 4, 4)
+        o.verified("sampled", 4, 1)
+    g, s = o.values("greedy", 3), o.values("sampled", 3)
+    assert g[1] / g[0] > 0.8 and s[1] / s[0] < 0.5
     # A proposer kept nine times in ten (a draft model of the target's own family): after a
     # pause (a large batch, where no draft paid), a new request starts from those odds, not
     # from a half (where a draft model's verify does not pay, so it never drafted again).
