@@ -86,6 +86,10 @@ def test_the_budget_drafts_where_rows_are_cheap_and_not_where_they_cost_a_decode
     # 3-row verify were each measured in a slow moment. As measured, one draft looks like a
     # loss bad enough to stop the search, and the lookup never drafted again (a grounded run
     # at 1.01x); a count dearer than a larger one now takes its figure, and three pay.
+    # A draft model after a batch of 32 (ms, a Zen 5): one draft costs its pass and a
+    # catch-up, four not much more; a loss at one draft must not end the search there.
+    assert budget({1: 16.2}, {2: 40.1, 4: 50.4, 5: 49.7, 160: 19477.8}, 1,
+                  [[0.95, 0.92, 0.89, 0.87]]) == [4]
     noisy = {2: 11.76, 3: 19.66, 4: 10.93, 5: 14.67}
     assert budget({1: 6.14}, noisy, 1, [[0.5, 0.25, 0.125, 0.0625]]) == [3]
     assert estimate(noisy, 2) == estimate(noisy, 3) == 10.93
