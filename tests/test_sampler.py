@@ -85,6 +85,17 @@ def test_draws_follow_the_filtered_distribution(kw):
     assert ok, why
 
 
+def small_candidates(monkeypatch) -> list[int]:
+    """CANDIDATES (64, 512), and the widths of every topk taken from now on (the widest
+    says which path a draw or a verify's distribution took)."""
+    monkeypatch.setattr(sampler, "CANDIDATES", (64, 512))
+    widths = []
+    real_topk = torch.Tensor.topk
+    monkeypatch.setattr(torch.Tensor, "topk", lambda self, k, *a, **kw: (
+        widths.append(k), real_topk(self, k, *a, **kw))[1])
+    return widths
+
+
 @pytest.mark.parametrize("kw,widest,why", [
     (dict(top_p=0.5, temperature=0.3), 64, "nucleus (4 tokens) within the first candidates"),
     (dict(top_p=0.95, temperature=0.3), 512, "nucleus (176) within the second candidates"),
@@ -98,16 +109,12 @@ def test_a_large_vocabulary_takes_every_path_exactly(kw, widest, why, monkeypatc
     """3000 tokens, CANDIDATES (64, 512): each path of _draw_truncated (and the
     whole-vocabulary draw) against the float64 reference; each case takes the path it
     names (the widest topk the draw looked among is recorded)."""
-    monkeypatch.setattr(sampler, "CANDIDATES", (64, 512))
-    widths = []
-    real_topk = torch.Tensor.topk
-    monkeypatch.setattr(torch.Tensor, "topk", lambda self, k, *a, **kw: (
-        widths.append(k), real_topk(self, k, *a, **kw))[1])
+    widths = small_candidates(monkeypatch)
     logits = peaked(3000, seed=11, scale=1.0)
     p = SamplingParams(**{"temperature": 1.0, **kw})
     counts = draw_counts(logits, p)
     assert max(widths, default=None) == widest, (why, widths)
-    monkeypatch.setattr(torch.Tensor, "topk", real_topk)
+    monkeypatch.undo()
     ok, msg = chi_square_fits(counts, reference(logits, p))
     assert ok, (why, msg)
 
@@ -124,11 +131,7 @@ def test_verify_distributions_look_among_the_candidates_exactly(kw, widest, why,
     position): looked for among the candidates as a draw looks, not by sorting the whole
     vocabulary for every row (10 ms a verify step of SmolLM2 on a Zen 5), and equal to the
     float64 reference on every path."""
-    monkeypatch.setattr(sampler, "CANDIDATES", (64, 512))
-    widths = []
-    real_topk = torch.Tensor.topk
-    monkeypatch.setattr(torch.Tensor, "topk", lambda self, k, *a, **kw: (
-        widths.append(k), real_topk(self, k, *a, **kw))[1])
+    widths = small_candidates(monkeypatch)
     logits = peaked(3000, seed=11, scale=1.0)
     p = SamplingParams(**{"temperature": 1.0, **kw})
     rows = logits[None].expand(3, -1).contiguous()
