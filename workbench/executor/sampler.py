@@ -220,17 +220,24 @@ def _draw_truncated(logits, f: Filters, u, candidates: int | None = None) -> tor
     ids = order.gather(1, _search(cum, nucleus, u)[:, None])[:, 0]
     # Rows whose kept set may reach past the candidates, drawn again among more: a top-k
     # wider than them, or a nucleus they do not complete.
-    n, vocab, k_of = logits.shape[0], logits.shape[1], f.top_k
-    redo = [i for i in range(n) if k_of[i] > width]
-    if tails:
-        short = (cum[:, -1] < thr).tolist()
-        redo = [i for i in redo if k_of[i] < vocab or short[i]]
+    n, vocab = logits.shape
+    redo = _past_candidates(f, width, vocab, cum, thr, tails)
     if redo:
         idx = _host_index(redo)
         again = _draw_truncated(_select(logits, redo, idx), f.select(redo), _select(u, redo, idx),
                                 candidates=next((c for c in CANDIDATES if c > width), vocab))
         ids = again if len(redo) == n else ids.index_copy_(0, idx, again)
     return ids
+
+
+def _past_candidates(f: Filters, width: int, vocab: int, cum, thr, tails) -> list[int]:
+    """The rows (of _truncate's) whose kept set may reach past its `width` candidates: a
+    top-k wider than them, or a nucleus they do not complete."""
+    redo = [i for i, k in enumerate(f.top_k) if k > width]
+    if tails:
+        short = (cum[:, -1] < thr).tolist()
+        redo = [i for i in redo if f.top_k[i] < vocab or short[i]]
+    return redo
 
 
 def _truncated_probs(logits, f: Filters, candidates: int | None = None) -> torch.Tensor:
@@ -246,10 +253,7 @@ def _truncated_probs(logits, f: Filters, candidates: int | None = None) -> torch
     p = p.masked_fill(torch.arange(width, device=p.device) >= kept[:, None], 0.0)
     out = torch.zeros(n, vocab, dtype=torch.float32, device=logits.device).scatter_(
         1, order, p.float())
-    redo = [i for i in range(n) if f.top_k[i] > width]
-    if tails:
-        short = (cum[:, -1] < thr).tolist()
-        redo = [i for i in redo if f.top_k[i] < vocab or short[i]]
+    redo = _past_candidates(f, width, vocab, cum, thr, tails)
     if redo:
         idx = _host_index(redo)
         again = _truncated_probs(_select(logits, redo, idx), f.select(redo),
