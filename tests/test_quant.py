@@ -67,10 +67,11 @@ def test_the_gguf_blocks_load_as_they_are_and_dequantize_bit_for_bit(gguf_tensor
 @pytest.mark.parametrize("fmt,n,k", [("q4_1", 37, 96), ("q4_1", 5, 32), ("q8_0", 19, 160),
                                      ("q8_0", 64, 576), ("int8", 13, 75), ("int8", 8, 7),
                                      ("int8", 33, 1536)])
-@pytest.mark.parametrize("m", [1, 2, 5, 8, 17, 40])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 12, 17, 40])
 def test_each_kernel_against_float64(kernels, fmt, n, k, m):
     """qlinear on every path (one row: qgemv; more: the packed rows' kernel, or GEMM on
-    dequantized slices: both, whichever set_packed_rows says), rows that fill no tile of 4
+    dequantized slices: both, whichever set_packed_rows says), row counts that take one pass
+    of the packed rows' kernel (up to 8) or two (12, 8 and 4) and rows that fill no tile of 4
     or 8, K with a masked tail (int8)."""
     w = random_packed(fmt, n, k, seed=n * k + m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))

@@ -306,47 +306,55 @@ at::Tensor qgemv(at::Tensor x, at::Tensor w, int64_t fmt) {
   });
   return y;
 }
-// A few rows of x (batch decode, a short chunk) against one packed row at a time: each
-// block is dequantized into two registers once and multiplied with every x row, so the
-// weights are read once a step, as at batch 1. MT x rows a pass (MT sums in registers).
-template <int MT>
-static inline void small_rows(const uint8_t* wr, int64_t fmt, const float* x, int64_t ldx,
-                              int64_t K, float* y, int64_t ldy) {
+// A few rows of x (batch decode, a short chunk, a verify step's drafts) against one packed
+// row at a time: each block is dequantized into two registers once and multiplied with every
+// x row, so the weights are read and decoded once a step, as at batch 1. MT x rows a pass (MT
+// sums in registers); up to 8 rows take one pass (a verify of k drafts has k + 1 rows: two
+// rows once took two passes, and cost twice a batch-1 step). The format is a template
+// argument, so each loop is straight-line code.
+template <int64_t F, int MT>
+static inline void small_rows(const uint8_t* wr, const float* x, int64_t ldx, int64_t K,
+                              float* y, int64_t ldy) {
   __m512 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   const __m128i low = _mm_set1_epi8(0x0F);
-  float scale = 1.f;
-  if (fmt == kInt8) std::memcpy(&scale, wr, 4);
-  const int64_t step = fmt == kInt8 ? 16 : 32;
-  for (int64_t k = 0; k < K; k += step) {
-    __m512 w0, w1 = _mm512_setzero_ps();
-    __mmask16 tail = 0xFFFF;
-    if (fmt == kQ4_1) {
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512 w0, w1;
+    if constexpr (F == kQ4_1) {
       const uint8_t* blk = wr + k / 32 * 20;
       const __m512 d = _mm512_set1_ps(half_at(blk)), mn = _mm512_set1_ps(half_at(blk + 2));
       const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
       w0 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low))), mn);
       w1 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
                                   _mm_and_si128(_mm_srli_epi16(q, 4), low))), mn);
-    } else if (fmt == kQ8_0) {
+    } else if constexpr (F == kQ8_0) {
       const uint8_t* blk = wr + k / 32 * 34;
       const __m512 d = _mm512_set1_ps(half_at(blk));
       w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)))));
       w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)))));
-    } else {
-      if (K - k < 16) tail = static_cast<__mmask16>((1u << (K - k)) - 1);
-      w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(tail, wr + 4 + k)));
+    } else {                   // int8: the row's scale is applied to the sums at the end
+      w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + 4 + k))));
+      w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + 4 + k + 16))));
     }
     for (int m = 0; m < MT; ++m) {
       const float* xm = x + m * ldx + k;
-      if (step == 32) {
-        acc[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xm), acc[m]);
-        acc[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xm + 16), acc[m]);
-      } else {
-        acc[m] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(tail, xm), acc[m]);
-      }
+      acc[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xm), acc[m]);
+      acc[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xm + 16), acc[m]);
+    }
+  }
+  float scale = 1.f;
+  if constexpr (F == kInt8) {  // int8 rows may end in fewer than 32 weights (GGUF blocks never)
+    std::memcpy(&scale, wr, 4);
+    for (; k < K; k += 16) {
+      const __mmask16 tail = K - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (K - k)) - 1);
+      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(tail, wr + 4 + k)));
+      for (int m = 0; m < MT; ++m)
+        acc[m] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(tail, x + m * ldx + k), acc[m]);
     }
   }
   for (int m = 0; m < MT; ++m) y[m * ldy] = scale * _mm512_reduce_add_ps(acc[m]);
@@ -356,20 +364,42 @@ static constexpr int64_t kSmallRows = 16;
 // x rows up to which batched qlinear stays on the packed rows (small_rows); above it the
 // GEMM on dequantized slices is faster.
 
+// One packed row against `mt` (1..8) x rows.
+template <int64_t F>
+static inline void small_rows_n(int64_t mt, const uint8_t* wr, const float* x, int64_t K,
+                                float* y, int64_t N) {
+  switch (mt) {
+    case 1: return small_rows<F, 1>(wr, x, K, K, y, N);
+    case 2: return small_rows<F, 2>(wr, x, K, K, y, N);
+    case 3: return small_rows<F, 3>(wr, x, K, K, y, N);
+    case 4: return small_rows<F, 4>(wr, x, K, K, y, N);
+    case 5: return small_rows<F, 5>(wr, x, K, K, y, N);
+    case 6: return small_rows<F, 6>(wr, x, K, K, y, N);
+    case 7: return small_rows<F, 7>(wr, x, K, K, y, N);
+    default: return small_rows<F, 8>(wr, x, K, K, y, N);
+  }
+}
+
+template <int64_t F>
+static void qlinear_small_f(const float* xp, const uint8_t* wp, int64_t rb, int64_t M,
+                            int64_t K, int64_t N, float* yp) {
+  at::parallel_for(0, N, 8, [&](int64_t b, int64_t e) {
+    for (int64_t n = b; n < e; ++n)
+      for (int64_t m = 0; m < M; m += 8)   // 9-16 rows: 8, then the rest, in two passes
+        small_rows_n<F>(std::min<int64_t>(8, M - m), wp + n * rb, xp + m * K, K,
+                        yp + m * N + n, N);
+  });
+}
+
 static at::Tensor qlinear_small(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), rb = w.size(1);
   auto y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 8, [&](int64_t b, int64_t e) {
-    for (int64_t n = b; n < e; ++n) {
-      int64_t m = 0;
-      for (; m + 8 <= M; m += 8) small_rows<8>(wp + n * rb, fmt, xp + m * K, K, K, yp + m * N + n, N);
-      for (; m + 4 <= M; m += 4) small_rows<4>(wp + n * rb, fmt, xp + m * K, K, K, yp + m * N + n, N);
-      for (; m < M; ++m) small_rows<1>(wp + n * rb, fmt, xp + m * K, K, K, yp + m * N + n, N);
-    }
-  });
+  if (fmt == kQ4_1) qlinear_small_f<kQ4_1>(xp, wp, rb, M, K, N, yp);
+  else if (fmt == kQ8_0) qlinear_small_f<kQ8_0>(xp, wp, rb, M, K, N, yp);
+  else qlinear_small_f<kInt8>(xp, wp, rb, M, K, N, yp);
   return y;
 }
 #endif
@@ -507,6 +537,23 @@ at::Tensor bf16c_gemv(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias
 }
 #endif
 
+// x fp32 [M, K] (a few rows) @ packed weight^T -> fp32 [M, N]: four weight rows at a time
+// dequantized once into a buffer that stays in L1 (dequant_row: the reference's numbers) and
+// multiplied with every x row, two at a time, by small_m_gemm (cpu_small_m.h, small_m_linear's
+// loop), so the weights are read once a step in their packed bytes. The portable builds'
+// rows, and bf16c's few rows on every build.
+static at::Tensor packed_small_m(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), rb = w.size(1);
+  auto y = at::empty({M, N}, x.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  small_m_gemm(M, N, K, x.data_ptr<float>(), [&](int64_t n, int64_t rows, float* buf) {
+    for (int64_t i = 0; i < rows; ++i) dequant_row(wp + (n + i) * rb, fmt, K, buf + i * K);
+    return static_cast<const float*>(buf);
+  }, [&](int64_t m, int64_t n, float v) { yp[m * N + n] = v; });
+  return y;
+}
+
 #ifndef __AVX512F__
 // The portable kernels of the row formats (no AVX-512). Batch 1: qrow_dot, each packed row
 // against x without a buffer. More rows (a verify step, a batch of decodes, a prefill
@@ -582,11 +629,7 @@ static at::Tensor qrows(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
     });
     return y;
   }
-  small_m_gemm(M, N, K, xp, [&](int64_t n, int64_t rows, float* buf) {
-    for (int64_t i = 0; i < rows; ++i) dequant_row(wp + (n + i) * rb, fmt, K, buf + i * K);
-    return static_cast<const float*>(buf);
-  }, [&](int64_t m, int64_t n, float v) { yp[m * N + n] = v; });
-  return y;
+  return packed_small_m(x, w, fmt);
 }
 
 at::Tensor qgemv(at::Tensor x, at::Tensor w, int64_t fmt) {
@@ -647,12 +690,12 @@ at::Tensor qlinear(at::Tensor x, at::Tensor w, int64_t fmt) {
   check_packed(w, fmt, K, "qlinear");
   x = x.contiguous();
 #ifdef __AVX512F__
-  if (fmt != kBf16c) {         // bf16c's batched rows: the dequantized slices below
-    if (M == 1 && x.scalar_type() == at::kFloat) return qgemv(x, w, fmt);
-    if (M <= kSmallRows && x.scalar_type() == at::kFloat) return qlinear_small(x, w, fmt);
-    if (M <= kSmallRows)       // bf16 rows: the same streaming kernels, on the rows in fp32
-      return qlinear(x.to(at::kFloat), w, fmt).to(x.scalar_type());
-  }
+  if (M <= kSmallRows && x.scalar_type() != at::kFloat)   // bf16 rows: the same streaming
+    return qlinear(x.to(at::kFloat), w, fmt).to(x.scalar_type());   // kernels, in fp32
+  if (M == 1 && fmt != kBf16c) return qgemv(x, w, fmt);
+  if (M <= kSmallRows)         // bf16c: four rows decoded into L1 (the whole matrix decoded
+    return fmt == kBf16c ? packed_small_m(x, w, fmt) : qlinear_small(x, w, fmt);   // per call,
+                               // as larger batches are, cost 3x bf16's 8 rows on an Ice Lake)
 #else
   if (M <= g_packed_rows && (fmt != kBf16c || M > 1))    // bf16c's one row: bf16c_gemv
     return x.scalar_type() == at::kFloat ? qrows(x, w, fmt)
@@ -673,10 +716,15 @@ at::Tensor widened_linear(at::Tensor x, at::Tensor w) {
   const at::Tensor wc = w.contiguous();
   const int64_t K = w.size(1);
   const bf16_t* wp = cptr<bf16_t>(wc);
-#ifndef __AVX512F__
-  // Up to the packed formats' measured rows: four rows widened into L1 and multiplied with
-  // every x row (the weights read once a step, in their 2-byte storage), as qrows does.
+  // A few rows (up to the packed formats' measured rows on a portable build, 16 on an
+  // AVX-512 one): four rows widened into L1 and multiplied with every x row (the weights read
+  // once a step, in their 2-byte storage), as bf16c's few rows are (packed_small_m), so
+  // bf16c gives bf16's bits here too.
+#ifdef __AVX512F__
+  if (x.size(0) <= kSmallRows) {
+#else
   if (x.size(0) <= g_packed_rows) {
+#endif
     x = x.contiguous();
     const int64_t M = x.size(0), N = w.size(0);
     auto y = at::empty({M, N}, x.options());
@@ -687,7 +735,6 @@ at::Tensor widened_linear(at::Tensor x, at::Tensor w) {
     }, [&](int64_t m, int64_t n, float v) { yp[m * N + n] = v; });
     return y;
   }
-#endif
   return sliced_linear(x.contiguous(), w.size(0), [&](int64_t n0, int64_t nc, float* buf) {
     at::parallel_for(0, nc, 16, [&](int64_t b, int64_t e) {
       for (int64_t n = b; n < e; ++n) widen_bf16(wp + (n0 + n) * K, buf + n * K, K);
