@@ -1,7 +1,8 @@
 """Speculative decoding without a model (issue 40): the config's refusals, the n-gram
 proposer, the scheduler's KV accounting under random acceptance, and the rejection sampler's
-output distribution against the target's filtered distribution computed in float64 (with
-mutated acceptance rules shown to fail the same bound)."""
+output distribution against the target's filtered distribution computed in float64, for
+one-hot drafts and drafts drawn from a draft's own distribution (with mutated acceptance rules
+shown to fail the same bound)."""
 from __future__ import annotations
 
 import random
@@ -295,10 +296,63 @@ def test_rejection_sampling_keeps_the_targets_distribution(case):
 def test_a_wrong_acceptance_rule_fails_the_same_bound(case, monkeypatch, mutation):
     logits, params, prompt, output, draft, p0, _ = case
     if mutation == "always_accept":
-        monkeypatch.setattr(rs, "accept", lambda u, px: torch.ones_like(px, dtype=torch.bool))
+        monkeypatch.setattr(rs, "accept", lambda u, px, qx: torch.ones_like(px, dtype=torch.bool))
     else:
-        monkeypatch.setattr(rs, "residual", lambda probs, rows, drafts: probs)
+        monkeypatch.setattr(rs, "residual", lambda probs, rows, drafts, q_rows, q: probs)
     first, _ = first_and_bonus(verify_many(N, logits, params, prompt, output, draft), draft)
+    assert tv(first, p0) > 4 * BOUND
+
+
+def verify_drawn(n: int, logits: torch.Tensor, params: SamplingParams, prompt, output,
+                 q: np.ndarray, seed: int = 0):
+    """n requests alike, each drafting a token drawn from q (a draft model's own
+    distribution, passed as draft_probs), verified over 2 positions, in one batch."""
+    drafts = np.random.default_rng(seed).choice(V, size=n, p=q).tolist()
+    rows, spans = [], []
+    for i, d in enumerate(drafts):
+        spans.append((2 * i, 2))
+        rows += [SamplingRow(params, prompt + output, len(prompt)),
+                 SamplingRow(params, prompt + output + [d], len(prompt))]
+    md = sampling_metadata(rows, V)
+    gen = torch.Generator().manual_seed(seed)
+    qt = torch.tensor(q, dtype=torch.float32)[None]
+    tokens, _, acc = rs.rejection_sample(logits.repeat(n, 1), md, spans, [[d] for d in drafts],
+                                         [False] * n, [None] * n, gen, [qt] * n)
+    return tokens, acc
+
+
+@pytest.fixture(scope="module")
+def draft_q(case):
+    """A draft's distribution near the target's and not it: p0 at a higher temperature,
+    with mass on tokens the target's filters drop."""
+    *_, p0, _ = case
+    q = (p0 + 0.02) ** 0.6
+    return q / q.sum()
+
+
+def test_drafts_drawn_from_the_drafts_distribution_keep_the_targets(case, draft_q):
+    """A sampled request's drafts drawn from the draft model's q: each kept with probability
+    min(1, p/q), the rejected ones replaced from max(p - q, 0): the first token still follows
+    p0, and drafts stay at the rate sum(min(p, q)) (not p(x): a one-hot q's)."""
+    logits, params, prompt, output, draft, p0, _ = case
+    tokens, acc = verify_drawn(N, logits, params, prompt, output, draft_q)
+    first, _ = first_and_bonus(tokens, draft)
+    assert tv(first, p0) < BOUND, (first / N, p0)
+    assert abs(sum(acc) / N - np.minimum(p0, draft_q).sum()) < 0.015
+
+
+@pytest.mark.parametrize("mutation", ["one_hot_acceptance", "residual_without_q"])
+def test_a_rule_that_ignores_the_drafts_distribution_fails(case, draft_q, monkeypatch,
+                                                           mutation):
+    logits, params, prompt, output, draft, p0, _ = case
+    if mutation == "one_hot_acceptance":
+        monkeypatch.setattr(rs, "accept", lambda u, px, qx: u < px)
+    else:
+        one_hot = rs.residual
+        monkeypatch.setattr(rs, "residual", lambda probs, rows, drafts, q_rows, q:
+                            one_hot(probs, rows, drafts, q_rows[:0], q[:0]))
+    first, _ = first_and_bonus(verify_drawn(N, logits, params, prompt, output, draft_q)[0],
+                               draft)
     assert tv(first, p0) > 4 * BOUND
 
 

@@ -1,16 +1,20 @@
 """Verifying drafted tokens exactly (vLLM's RejectionSampler; Leviathan et al. 2023, Chen et
-al. 2023), for drafts whose distribution q is one-hot (n-gram lookup and a greedy draft
-model both propose one token per position).
+al. 2023). A draft comes from a distribution q: one-hot where the proposer picks one token
+(n-gram lookup; a draft model for a greedy request), or the draft model's own filtered
+distribution, which it drew the token from, for a sampled request (its rows given as
+`draft_probs`).
 
 A verify step gives a request m = 1 + d logits rows: row j is the target's distribution p_j
 for the token after the decode's token and drafts x_0 .. x_{j-1}. Each p_j is what plain
 decoding would sample from at that position: the same filters and processors, with the
 drafts before it as history (sampler.target_probs, one SamplingMetadata row per position).
-Draft x_j is accepted with probability p_j(x_j) (q one-hot: min(1, p/q) = p(x)); at the
-first rejection the token is drawn from p_j with x_j removed and renormalised (the residual
-max(p - q, 0)); when every draft is accepted, a bonus token is drawn from p_d. So each
-kept token has the target's distribution, whatever was drafted. A greedy row's p is one-hot
-at its argmax: accepted while the drafts equal the argmax, then the argmax (no randomness).
+Draft x_j is accepted with probability min(1, p_j(x_j) / q_j(x_j)) (one-hot q: p_j(x_j));
+at the first rejection the token is drawn from the residual max(p_j - q_j, 0), renormalised
+(one-hot q: p_j without x_j); when every draft is accepted, a bonus token is drawn from p_d.
+So each kept token has the target's distribution, whatever was drafted; the nearer q is to
+p, the more drafts stay (a greedy draft of a sampled request is kept at p(x) only). A greedy
+row's p is one-hot at its argmax: accepted while the drafts equal the argmax, then the
+argmax (no randomness).
 
 Randomness: a sampled request draws 2m - 1 uniforms per step, m - 1 to accept and m to
 draw, from its own generator when seeded (in row order, so its tokens depend on nothing
@@ -24,24 +28,36 @@ from .sampler import LogprobsTensors, _search, compute_logprobs, target_probs
 from .sampling_metadata import SamplingMetadata
 
 
-def accept(u: torch.Tensor, p_draft: torch.Tensor) -> torch.Tensor:
-    """Which drafts stay: a one-hot q accepts draft x with probability p(x) (min(1, p/q))."""
-    return u < p_draft
+def accept(u: torch.Tensor, p_draft: torch.Tensor, q_draft: torch.Tensor) -> torch.Tensor:
+    """Which drafts stay: draft x with probability min(1, p(x) / q(x)) (u < 1 uniform; q(x)
+    is 1 for a one-hot q, and never 0 for a drawn x)."""
+    return u * q_draft < p_draft
 
 
-def residual(probs: torch.Tensor, rows: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
-    """What a rejected position draws from: max(p - q, 0), with q one-hot at the draft: p
-    without the draft (the draw renormalises it)."""
-    return probs.index_put((rows, drafts), torch.zeros_like(drafts, dtype=probs.dtype))
+def residual(probs: torch.Tensor, rows: torch.Tensor, drafts: torch.Tensor,
+             q_rows: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """What a rejected position draws from: max(p - q, 0) (the draw renormalises it). Draft
+    rows `rows` (their drafts `drafts`) have a one-hot q: p without the draft; rows `q_rows`
+    have q's dense rows `q`."""
+    rest = probs.index_put((rows, drafts), torch.zeros_like(drafts, dtype=probs.dtype))
+    if len(q_rows):
+        p = probs.index_select(0, q_rows)
+        left = (p - q).clamp_(min=0.0)
+        # p <= q everywhere (q is p, but for rounding) leaves nothing: such a row is all but
+        # never rejected; where it is, it draws from p.
+        rest.index_copy_(0, q_rows, torch.where(left.sum(-1, keepdim=True) > 0, left, p))
+    return rest
 
 
 def rejection_sample(logits: torch.Tensor, md: SamplingMetadata, spans: list[tuple[int, int]],
                      drafts: list[list[int]], greedy: list[bool],
                      generators: list[torch.Generator | None],
-                     shared: torch.Generator | None = None
+                     shared: torch.Generator | None = None,
+                     draft_probs: list[torch.Tensor | None] | None = None
                      ) -> tuple[list[list[int]], LogprobsTensors | None, list[int]]:
     """md: one row per position of each request (`spans[i]` = (first row, m) of request
-    i, with drafts[i] its m - 1 drafts). Returns each request's kept tokens (accepted
+    i, with drafts[i] its m - 1 drafts; draft_probs[i]: the [m - 1, vocab] distributions
+    they were drawn from, None: one-hot). Returns each request's kept tokens (accepted
     drafts, then the target's own), the logprobs of md's rows (row first + j: request i's
     j-th kept token) when a row asks, and how many drafts each request had accepted."""
     probs, raw = target_probs(logits, md)
@@ -61,8 +77,17 @@ def rejection_sample(logits: torch.Tensor, md: SamplingMetadata, spans: list[tup
     if d_rows:
         r = torch.tensor(d_rows, device=dev)
         t = torch.tensor(d_ids, device=dev)
-        kept = accept(u_accept[r], probs[r, t]).tolist()
-        rest = residual(probs, r, t)
+        p_at = probs[r, t]
+        q_at = torch.ones_like(p_at)
+        dense = [(a, q) for (a, _), q in zip(spans, draft_probs or ()) if q is not None]
+        q_rows = torch.tensor([a + j for a, q in dense for j in range(q.shape[0])],
+                              dtype=torch.long, device=dev)
+        q = torch.cat([q for _, q in dense]).to(probs) if dense else probs[:0]
+        if dense:
+            at = torch.searchsorted(r, q_rows)           # those rows among the draft rows
+            q_at.index_copy_(0, at, q.gather(1, t.index_select(0, at)[:, None])[:, 0])
+        kept = accept(u_accept[r], p_at, q_at).tolist()
+        rest = residual(probs, r, t, q_rows, q)
     cum = rest.cumsum(-1)
     own = _search(cum, cum[:, -1], u_draw).tolist()
     tokens, num_accepted, at = [], [], 0
