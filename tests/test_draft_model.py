@@ -1,6 +1,7 @@
 """The draft-model proposer (workbench/spec_decode/draft_model.py): its proposals are the draft
 model's own greedy tokens, batched or alone; it keeps each request's K/V between calls and
-recomputes only after the longest prefix it still shares; its pool gives every block back;
+recomputes only after the longest prefix it still shares (its own, or a cached one of an
+earlier request's); its pool gives every block back;
 bad drafts are refused by name. The SmolLM2 check prints what a quantized self-draft's
 proposals are worth (acceptance against the fp32 target's greedy tokens, and their cost)."""
 from __future__ import annotations
@@ -67,6 +68,7 @@ def test_proposals_are_the_drafts_greedy_tokens_in_a_batch_and_alone(tiny_engine
     # One batch per draft step: the catch-up prefill of all five, then k-1 decodes of all.
     assert len(steps) == 4 and steps[0] == {f"b{i}": len(p) for i, p in enumerate(prompts)}
     assert all(s == {f"b{i}": 1 for i in range(5)} for s in steps[1:])
+    assert tiny.longest_catch_up == max(map(len, prompts))     # a prefill: not a verify's cost
     alone = proposer()
     assert [alone.propose([(f"a{i}", p)])[0] for i, p in enumerate(prompts)] == batch
     # The target accepted every draft and added its own token: the draft goes on from the
@@ -75,6 +77,7 @@ def test_proposals_are_the_drafts_greedy_tokens_in_a_batch_and_alone(tiny_engine
     grown = [p + w[:5] for p, w in zip(prompts, want)]
     assert tiny.propose([(f"b{i}", g) for i, g in enumerate(grown)]) == [w[5:9] for w in want]
     assert steps[0] == {f"b{i}": 2 for i in range(5)}       # the last draft and the bonus
+    assert tiny.longest_catch_up == 2
     for i in range(5):
         tiny.free(f"b{i}")
     assert tiny.num_free_blocks == tiny.num_usable_blocks
@@ -98,6 +101,54 @@ def test_catch_up_after_replaced_tokens_equals_a_fresh_proposer(tiny):
     for i in range(4):
         tiny.free(f"r{i}")
     assert tiny.num_free_blocks == tiny.num_usable_blocks
+
+
+def test_a_sampled_requests_drafts_are_drawn_from_the_drafts_filtered_distribution(tiny_engine):
+    """A sampled request's drafts are drawn (its own generator where it is seeded, the same
+    draws again from the same seed), each from the distribution kept in draft_probs: one row
+    per draft, normalised, only the tokens its top-k keeps, the drawn one among them; a
+    greedy request beside it still gets its greedy tokens, and no distribution."""
+    from workbench.executor.sampling_metadata import SamplingRow
+    prompts = prompts_of(2, seed=9)
+    params = SamplingParams(temperature=0.8, top_k=20, seed=3)
+
+    def drawn(p):
+        row = SamplingRow(params, prompts[1], len(prompts[1]), torch.Generator().manual_seed(3))
+        return p.propose([("g", prompts[0]), ("s", prompts[1])], [None, row],
+                         torch.Generator().manual_seed(0))
+    p = proposer()
+    got = drawn(p)
+    assert got[0] == greedy(tiny_engine, prompts[:1], 4)[0] and set(p.draft_probs) == {"s"}
+    q = p.draft_probs["s"]
+    assert q.shape == (4, 512) and torch.allclose(q.sum(-1), torch.ones(4))
+    assert ((q > 0).sum(-1) <= 20).all() and all(q[j, t] > 0 for j, t in enumerate(got[1]))
+    assert drawn(proposer()) == got
+    draws = {tuple(got[1])} | {
+        tuple(proposer().propose([("s", prompts[1])], [SamplingRow(
+            params, prompts[1], len(prompts[1]), torch.Generator().manual_seed(s))])[0])
+        for s in range(4, 12)}
+    assert len(draws) > 1                       # drawn, not the argmax every time
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_new_request_starts_on_the_cached_prefix_of_an_earlier_one(caching):
+    """The draft's pool caches full blocks of a request's own tokens, as the target's does
+    (where the engine caches prefixes): a later request with the same start feeds only the
+    rest, and drafts what a fresh proposer does."""
+    p = DraftModelProposer({"model": TINY}, 512, None, "cpu", 4, 256, 8,
+                           enable_prefix_caching=caching)
+    bs = p.block_manager.block_size
+    doc = prompts_of(1, seed=7, lo=3 * bs + 5, hi=3 * bs + 6)[0]
+    p.propose([("x", doc)])
+    asked = doc[:2 * bs + 3] + [3, 4, 5]                 # the same start, another question
+    steps = fed_tokens(p)
+    got = p.propose([("y", asked)])
+    assert got == proposer().propose([("z", asked)])
+    cached = 2 * bs if caching else 0                    # the blocks full of the same tokens
+    assert steps[0] == {"y": len(asked) - cached} and p.longest_catch_up == len(asked) - cached
+    p.free("x")
+    p.free("y")
+    assert p.num_free_blocks == p.num_usable_blocks
 
 
 def test_near_max_model_len_fewer_proposals_then_none(tiny):

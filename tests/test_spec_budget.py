@@ -4,9 +4,12 @@ how"): each step drafts only as many tokens as pay for the rows they add, by the
 the engine measured (StepCosts) and the acceptance of recent verifies (DraftOdds)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from workbench import Engine, SamplingParams
+from workbench.core.sequence import SequenceStatus
 from workbench.engine.speculative import Curve, DraftOdds, SpecDecoding, StepCosts
 
 
@@ -93,6 +96,25 @@ def test_the_budget_drafts_where_rows_are_cheap_and_not_where_they_cost_a_decode
     noisy = {2: 11.76, 3: 19.66, 4: 10.93, 5: 14.67}
     assert budget({1: 6.14}, noisy, 1, [[0.5, 0.25, 0.125, 0.0625]]) == [3]
     assert estimate(noisy, 2) == estimate(noisy, 3) == 10.93
+
+
+def test_a_verify_whose_draft_caught_up_a_prefill_is_not_priced():
+    """A draft model's first call for a new request feeds its whole prompt: that step's cost
+    is a prefill's, not a verify's of its rows, and stays out of the step costs."""
+    seq = SimpleNamespace(status=SequenceStatus.RUNNING, num_output_tokens=1,
+                          num_computed_tokens=99, num_tokens=100, request_id="a",
+                          params=SimpleNamespace(max_tokens=1000), token_ids=list(range(100)),
+                          spec_token_ids=[])
+    sched = SimpleNamespace(requests={"a": None}, running=[seq], max_model_len=4096)
+    draft = SimpleNamespace(propose=lambda reqs: [[1, 2, 3, 4] for _ in reqs],
+                            free=lambda rid: None, longest_catch_up=2)
+    spec = SpecDecoding(draft, 4, sched, adaptive=False)
+    for catch_up, rows, seconds in ((2, 5, 0.9), (100, 160, 19.5), (2, 5, 0.05)):
+        draft.longest_catch_up = catch_up
+        spec.propose()
+        assert seq.spec_token_ids == [1, 2, 3, 4]
+        spec.observe(rows, True, seconds)        # (the first verify is never counted)
+    assert spec.costs[True].table() == {5: 0.05}
 
 
 def test_draft_odds_learn_a_requests_first_draft_and_the_runs_after_it_and_fade():

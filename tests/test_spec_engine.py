@@ -241,3 +241,21 @@ def test_draft_model_method_keeps_the_greedy_tokens():
     sd = e.telemetry.spec_decode
     assert sd.num_draft_tokens > 0 and sd.num_accepted_tokens >= 0.9 * sd.num_draft_tokens
     assert pool_is_whole(e)
+
+
+def test_a_sampled_requests_drafts_are_drawn_and_kept_as_often_as_the_draft_is_the_target():
+    """For a sampled request the draft model draws its drafts from its own distribution under
+    the request's filters, and the rejection sampler keeps each with min(1, p/q): the target
+    drafting for itself keeps nearly all (a greedy draft would be kept at p(x) only: a
+    random model at temperature 1 puts little mass on any one token)."""
+    cfg = {"method": "draft_model", "model": "random:tiny", "num_speculative_tokens": 3,
+           "adaptive": False}
+    e = Engine(model="random:tiny", device="cpu", speculative_config=cfg)
+    knobs = dict(temperature=1.0, top_p=0.95, repetition_penalty=1.1, max_tokens=24,
+                 ignore_eos=True)
+    p, seeded = SamplingParams(**knobs), SamplingParams(**knobs, seed=7)
+    outs = e.generate(prompts(3, seed=4), [p, seeded, p])
+    assert all(len(o.token_ids) == 24 for o in outs)
+    sd = e.telemetry.spec_decode
+    assert sd.num_draft_tokens > 0 and sd.num_accepted_tokens >= 0.9 * sd.num_draft_tokens
+    assert pool_is_whole(e)

@@ -105,7 +105,8 @@ class Device:
         return make_proposer(spec, target_vocab_size=self.hf_config.vocab_size,
                              target_tokenizer=self.tokenizer, device=self.platform.device,
                              max_model_len=max_model_len,
-                             max_num_seqs=self.config.max_num_seqs)
+                             max_num_seqs=self.config.max_num_seqs,
+                             enable_prefix_caching=self.config.enable_prefix_caching)
 
 
 class RealDevice(Device):

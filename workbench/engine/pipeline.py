@@ -196,10 +196,17 @@ class StepPipeline:
         time."""
         t0 = self.clock.now()
         if self.spec is not None:
-            self.spec.propose()
+            self.spec.propose(self._draft_row, self.generator)
         sched = self.scheduler.schedule(t0)
         self.output.note_scheduled(sched, t0)
         return sched, t0
+
+    def _draft_row(self, seq) -> SamplingRow:
+        """A sampled sequence's SamplingRow for a draft model that draws its drafts (its own
+        generator where it is seeded)."""
+        r = self.requests.get(seq.request_id)
+        return SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens,
+                           r.generator if r is not None else None)
 
     def check_request(self, params) -> None:
         """Raise ValueError for what this pipeline cannot run (a real device runs anything

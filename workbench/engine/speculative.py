@@ -202,10 +202,23 @@ class SpecDecoding:
         captured graph and a verify runs eager (CUDA without graph_mode 'full'), a verify
         costs more than its rows alone say."""
         self.odds = DraftOdds()
+        self._q: dict[str, torch.Tensor] = {}
+        """The next step's drawn drafts' distributions ([drafts, vocab]) by sequence id (the
+        draft model's, for sampled requests): the rejection sampler's q."""
+        self._unpriced = False
+        """The next step's cost says nothing of a verify's: the draft model's catch-up fed a
+        prefill (a new request's prompt, the tokens since a pause). Left out of the step
+        costs, where it would stand for a verify of its row count (a batch of 32 new
+        requests: 19.5 s as a 160-row verify on a Zen 5, everything past 5 rows looked dear)."""
 
-    def propose(self) -> None:
-        """Draft the next step's tokens of each running request that decodes next."""
+    def propose(self, sampling: Callable | None = None,
+                shared: torch.Generator | None = None) -> None:
+        """Draft the next step's tokens of each running request that decodes next.
+        sampling(seq): a sampled sequence's SamplingRow (its generator), for a proposer that
+        draws a sampled request's drafts (draft_probs: the draft model); shared: what rows
+        without a generator draw from."""
         sched, want = self.scheduler, []
+        self._q.clear()
         gone = [rid for rid in self._known if rid not in sched.requests]
         if gone:
             self.free(gone)
@@ -232,7 +245,14 @@ class SpecDecoding:
             if not want:
                 return
         self._known.update(s.request_id for s, _ in want)
-        drafts = self.proposer.propose([(s.request_id, s.token_ids) for s, _ in want])
+        reqs = [(s.request_id, s.token_ids) for s, _ in want]
+        if sampling is not None and hasattr(self.proposer, "draft_probs"):
+            drafts = self.proposer.propose(reqs, [None if s.params.greedy else sampling(s)
+                                                  for s, _ in want], shared)
+            self._q.update(self.proposer.draft_probs)
+        else:
+            drafts = self.proposer.propose(reqs)
+        self._unpriced = getattr(self.proposer, "longest_catch_up", 0) > self.k + 1
         for (seq, room), d in zip(want, drafts):
             seq.spec_token_ids = list(d[:room])
         if self.counts is not None:
@@ -311,8 +331,10 @@ class SpecDecoding:
 
     def observe(self, rows: int, verify: bool, seconds: float) -> None:
         """A step whose every token was a decode or a verify row (`verify`: some were
-        drafts) took `seconds`."""
-        self.costs[verify].observe(rows, seconds)
+        drafts) took `seconds` (a verify whose draft caught up a prefill is left out)."""
+        unpriced, self._unpriced = self._unpriced, False
+        if not (verify and unpriced):
+            self.costs[verify].observe(rows, seconds)
 
     def free(self, seq_ids) -> None:
         """The proposer forgets requests that ended or were preempted."""
@@ -340,7 +362,7 @@ class SpecDecoding:
         at = [e if rows is None else rows[e] for e in range(len(reqs))]
         plain = [e for e, i in enumerate(at) if ran.num_rows[i] == 1]
         ver = [e for e, i in enumerate(at) if ran.num_rows[i] > 1]
-        srows, lrows, spans, drafts, greedy, gens = [], [], [], [], [], []
+        srows, lrows, spans, drafts, greedy, gens, qs = [], [], [], [], [], [], []
         for e in ver:
             r, i = reqs[e], at[e]
             m, d = ran.num_rows[i], drafts_of[ran.req_ids[i]]
@@ -354,8 +376,11 @@ class SpecDecoding:
             drafts.append(d)
             greedy.append(p.greedy)
             gens.append(r.generator)
+            q = self._q.pop(ran.req_ids[i], None)
+            qs.append(None if q is None else q[:len(d)])
         md = builder.build(srows, shared=shared, logits_rows=lrows)
-        vtok, vlp, accepted = rejection_sample(logits, md, spans, drafts, greedy, gens, shared)
+        vtok, vlp, accepted = rejection_sample(logits, md, spans, drafts, greedy, gens, shared,
+                                               qs)
         tokens: list[list[int]] = [[] for _ in reqs]
         lp_rows = [0] * len(reqs)
         plp = None

@@ -1,6 +1,10 @@
 """The draft-model proposer (vLLM's `method: "draft_model"`): a smaller or cheaper model with
-the target's vocabulary drafts k greedy tokens per request, which the target then verifies
-in one forward pass.
+the target's vocabulary drafts k tokens per request, which the target then verifies in one
+forward pass: its greedy tokens for a greedy request; for a sampled one, tokens drawn from
+its own distribution under the request's filters (temperature, top-k, top-p, min-p, its
+penalties), kept as `draft_probs` for the rejection sampler, which keeps a draft x with
+probability min(1, p(x) / q(x)): for a draft near the target, most (a greedy draft of a
+sampled request is kept at p(x), about half the time for SmolLM2 at temperature 0.7).
 
 The draft is an engine's model in all but the scheduler: it is loaded by the engine's own
 loader (executor/device_model.py: any model source, dtype and weight format an EngineConfig
@@ -10,7 +14,9 @@ graphs) and keeps its K/V in its own paged pool, held per request in a BlockMana
 calls. Each call brings every request's tokens (prompt, then output); the draft feeds what
 it has not computed yet (after the longest prefix it has in common with what it computed:
 the target may have replaced its rejected drafts) as one batched catch-up step for all
-requests, then k-1 batched decode steps.
+requests, then k-1 batched decode steps. Its pool caches prefixes as the target's does (a
+new request whose prompt starts as an earlier one's feeds only the rest: a chat's system
+prompt, the same document asked about again), where the engine caches them.
 """
 from __future__ import annotations
 
@@ -26,6 +32,8 @@ from ..core.scheduler import (CachedRequestData, NewRequestData, ScheduledReques
 from ..executor.device_model import load_device_model
 from ..executor.kv_sizing import kv_bytes_per_block
 from ..executor.runner import ModelRunner
+from ..executor.sampler import _search, _uniforms, target_probs
+from ..executor.sampling_metadata import SamplingMetadataBuilder, SamplingRow
 from ..utils import cdiv
 
 log = logging.getLogger("workbench")
@@ -41,6 +49,9 @@ class _DraftRequest:
     token_ids: list[int] = field(default_factory=list)
     """The tokens whose K/V its pool holds, position by position."""
     block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    """The prefix cache's hash of each of its first blocks, full of the request's own
+    tokens (never a draft's, whose positions may be written again)."""
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -87,7 +98,8 @@ class DraftModelProposer:
     'cuda:0', a torch.device or a Platform)."""
 
     def __init__(self, config: dict, target_vocab_size: int, target_tokenizer, device,
-                 num_speculative_tokens: int, max_model_len: int, max_num_seqs: int):
+                 num_speculative_tokens: int, max_model_len: int, max_num_seqs: int,
+                 enable_prefix_caching: bool = True):
         if not isinstance(config, dict):      # a SpeculativeConfig: its fields, None unset
             config = {name: getattr(config, name) for name in ("model", "dtype", "quantization")
                       if getattr(config, name, None) is not None}
@@ -142,7 +154,7 @@ class DraftModelProposer:
                                                                  memory[0] // 10)
             want = max_num_seqs * cdiv(self.draft_len, bs) + 1
             num_blocks = max(2, min(want, int(budget // per_block)))
-        self.block_manager = BlockManager(num_blocks, bs, enable_prefix_caching=False)
+        self.block_manager = BlockManager(num_blocks, bs, enable_prefix_caching)
         self.runner = ModelRunner(m.model, num_blocks, bs, m.platform, m.attn_backend,
                                   max_num_tokens=m.config.max_num_batched_tokens,
                                   max_num_seqs=max_num_seqs, max_model_len=self.draft_len)
@@ -156,6 +168,15 @@ class DraftModelProposer:
         self._forget: list[str] = []
         """Requests freed since the last step, for the runner to forget."""
         self._told_full = False
+        self.sampling = SamplingMetadataBuilder(m.platform, vocab)
+        """The sampled requests' rows (no stop tokens: min_tokens' ban is the target's)."""
+        self.draft_probs: dict[str, torch.Tensor] = {}
+        """The last call's sampled requests' draft distributions, [drafts, vocab] fp32 each."""
+        self.longest_catch_up = 0
+        """The most tokens the last call's catch-up step fed one request: its drafts' and the
+        target's tokens since the call before (about k + 1), or a whole prompt for a new
+        request, or every token since a pause. SpecDecoding leaves a step whose catch-up was
+        a prefill out of its step costs."""
 
     # ---- the pool --------------------------------------------------------------------------
     @property
@@ -175,15 +196,17 @@ class DraftModelProposer:
             self._in_runner.discard(req_id)
             self._forget.append(req_id)
 
-    def _hold(self, req_id: str, st: _DraftRequest, num_tokens: int) -> bool:
-        """Hold exactly the blocks num_tokens tokens take (the tail beyond them given back);
-        False, the request freed, where the pool has too few."""
+    def _hold(self, req_id: str, st: _DraftRequest, num_tokens: int,
+              computed: list[int] = ()) -> bool:
+        """Hold exactly the blocks num_tokens tokens take (the tail beyond them given back;
+        a new request's first blocks a prefix hit's `computed` ones); False, the request
+        freed, where the pool has too few."""
         need = cdiv(num_tokens, self.block_manager.block_size)
         if len(st.block_ids) > need:
             self.block_manager.free(st.block_ids[need:])
             del st.block_ids[need:]
             return True
-        new = self.block_manager.allocate_slots(len(st.block_ids), num_tokens)
+        new = self.block_manager.allocate_slots(len(st.block_ids), num_tokens, computed)
         if new is None:
             self.free(req_id)
             if not self._told_full:
@@ -193,23 +216,45 @@ class DraftModelProposer:
                             "(said once)", self.block_manager.num_usable_blocks,
                             self.block_manager.block_size)
             return False
-        st.block_ids += new
+        st.block_ids += [*computed, *new]
         return True
 
     # ---- proposing -------------------------------------------------------------------------
-    def _run(self, out: SchedulerOutput) -> dict[str, int]:
-        """One step of the draft; the greedy token of each request that sampled."""
+    def _run(self, out: SchedulerOutput, sampled: dict[str, SamplingRow],
+             shared: torch.Generator | None) -> dict[str, int]:
+        """One step of the draft; each request's token: greedy, or drawn for the `sampled`
+        ones (their rows' histories are the tokens before this one), whose distributions go
+        to draft_probs."""
         result = self.runner.execute(out)
-        ids = result.logits[:len(result.req_ids)].argmax(dim=-1).tolist()
-        return dict(zip(result.req_ids, ids))
+        logits = result.logits[:len(result.req_ids)]
+        picked = dict(zip(result.req_ids, logits.argmax(dim=-1).tolist()))
+        rows = [(i, rid) for i, rid in enumerate(result.req_ids) if rid in sampled]
+        if rows:
+            md = self.sampling.build([sampled[rid] for _, rid in rows], shared=shared,
+                                     logits_rows=[i for i, _ in rows])
+            q, _ = target_probs(logits, md)
+            cum = q.cumsum(-1)
+            drawn = _search(cum, cum[:, -1], _uniforms(md.draw, len(rows), q.device)).tolist()
+            for j, ((_, rid), tok) in enumerate(zip(rows, drawn)):
+                picked[rid] = tok
+                self._probs.setdefault(rid, []).append(q[j])
+        return picked
 
     @torch.inference_mode()
-    def propose(self, reqs: list[tuple[str, list[int]]]) -> list[list[int]]:
-        """Up to k greedy draft tokens for each (request id, all its tokens so far), in
-        order: fewer where the request nears max_model_len (no more than it can still grow
-        by, less the target's own token after them) or the draft's own positions, [] where
-        none fit or the pool is full."""
+    def propose(self, reqs: list[tuple[str, list[int]]],
+                rows: list[SamplingRow | None] | None = None,
+                shared: torch.Generator | None = None) -> list[list[int]]:
+        """Up to k draft tokens for each (request id, all its tokens so far), in order:
+        fewer where the request nears max_model_len (no more than it can still grow by, less
+        the target's own token after them) or the draft's own positions, [] where none fit
+        or the pool is full. rows[i]: request i's sampling (its params, prompt length and
+        generator), for a sampled request whose drafts are drawn; None (or no rows): greedy
+        drafts. shared: what drawn rows without a generator of their own draw from."""
         proposals: list[list[int]] = [[] for _ in reqs]
+        self.longest_catch_up = 0
+        self.draft_probs, self._probs = {}, {}
+        sampled = {rid: row for (rid, _), row in zip(reqs, rows or ())
+                   if row is not None and not row.params.greedy}
         first = SchedulerOutput(finished_req_ids=self._forget)
         self._forget = []
         want: dict[str, int] = {}
@@ -221,10 +266,16 @@ class DraftModelProposer:
             k = min(self.k, self.max_model_len - n - 1, self.draft_len - n + 1)
             if n == 0 or k <= 0:
                 continue
-            st = self._reqs.setdefault(rid, _DraftRequest())
-            start = min(common_prefix_len(st.token_ids, tokens), n - 1)
+            st = self._reqs.get(rid)
+            hit: list[int] = []
+            if st is None:
+                st = self._reqs[rid] = _DraftRequest()
+                found = self.block_manager.match_prefix(tokens)
+                hit, st.block_hashes = found.block_ids, found.block_hashes
+            start = min(max(common_prefix_len(st.token_ids, tokens),
+                            len(hit) * self.block_manager.block_size), n - 1)
             # The K/V it writes: every token but the last draft (positions 0 .. n + k - 2).
-            if not self._hold(rid, st, n + k - 1):
+            if not self._hold(rid, st, n + k - 1, hit):
                 continue
             if rid in self._in_runner:       # sent whole again: its tokens may have changed
                 first.finished_req_ids.append(rid)
@@ -235,23 +286,36 @@ class DraftModelProposer:
                                                     n - start == 1))
             st.token_ids = list(tokens)
             want[rid], where[rid] = k, i
+            self.longest_catch_up = max(self.longest_catch_up, n - start)
         if not first.scheduled:
             self._forget = first.finished_req_ids + self._forget   # told at the next step
             return proposals
         try:
-            self._draft(first, want, where, proposals)
+            self._draft(first, want, where, proposals,
+                        {rid: row for rid, row in sampled.items() if rid in want}, shared)
         except BaseException:
             # What the failed step wrote is unknown: these requests start again next time.
             for rid in want:
                 self.free(rid)
             raise
+        for rid, i in where.items():
+            # Blocks full of the request's own tokens before its last one (which the next
+            # call feeds again) are never written again: cached for later requests.
+            tokens, st = reqs[i][1], self._reqs[rid]
+            st.block_hashes += self.block_manager.cache_full_blocks(
+                tokens, st.block_ids, st.block_hashes, len(tokens) - 1)
+        self.draft_probs = {rid: torch.stack(q) for rid, q in self._probs.items()}
         return proposals
 
     def _draft(self, first: SchedulerOutput, want: dict[str, int], where: dict[str, int],
-               proposals: list[list[int]]) -> None:
+               proposals: list[list[int]], sampled: dict[str, SamplingRow],
+               shared: torch.Generator | None) -> None:
         """The catch-up step, then the decode steps, each one batch of every request that
         still wants a token; the tokens appended to `proposals`."""
-        last = self._run(first)
+        def rows() -> dict[str, SamplingRow]:        # each sampled request's history now
+            return {rid: SamplingRow(r.params, self._reqs[rid].token_ids, r.num_prompt_tokens,
+                                     r.generator) for rid, r in sampled.items()}
+        last = self._run(first, rows(), shared)
         for rid, tok in last.items():
             proposals[where[rid]].append(tok)
         for j in range(1, self.k):
@@ -266,7 +330,7 @@ class DraftModelProposer:
                 st.token_ids.append(tok)
             if not step.scheduled:
                 break
-            last = self._run(step)
+            last = self._run(step, rows(), shared)
             for rid, tok in last.items():
                 proposals[where[rid]].append(tok)
 
