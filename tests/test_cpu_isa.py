@@ -1,7 +1,7 @@
 """The CPU engine on the CPUs people have (issue 44): a kernel that cannot be built, other
 systems' CPU identity and flags, 'auto' deciding by a measurement, packed weights on the
 plain-torch path, and the kernels' portable paths against the float64 reference, built for
-other ISAs than this machine's and compiled for Arm."""
+other ISAs than this machine's, compiled for Arm, and run there under qemu-aarch64."""
 from __future__ import annotations
 
 import json
@@ -503,6 +503,12 @@ def test_every_format_against_float64_on_each_isa_path(isa):
     if isa == "native":                  # the CPU's own paths, whatever it has
         assert all(f in r["isa"].split() for f in ("avx2", "fma", "f16c", "avx512f")
                    if f in _flags()), (r["isa"], sorted(_flags()))
+    check_formats(r)
+
+
+def check_formats(r: dict) -> None:
+    """KERNEL_CHECK's results: the bit-for-bit ones equal, the others within fp32's (bf16's)
+    rounding of the float64 reference."""
     for key, v in r.items():
         if isinstance(v, bool) and key != "bf16c_fast":         # bit for bit
             assert v, key
@@ -544,6 +550,55 @@ def arm_compile():
     if objdump and not failed:
         asm = subprocess.run([objdump, "-d", str(obj)], capture_output=True, text=True).stdout
     return failed, asm
+
+
+ARM_SYSROOT = Path(os.environ.get("WORKBENCH_ARM_SYSROOT",
+                                  Path.home() / ".cache" / "workbench" / "arm-sysroot"))
+"""An aarch64 Python with torch (tests/arm_sysroot.sh builds it; .ci/run does)."""
+QEMU = shutil.which("qemu-aarch64")
+
+
+@background.job
+def arm_run():
+    """The kernels cross-compiled for armv8.2-a (NEON) against the sysroot's aarch64 torch,
+    loaded by its Python under qemu-aarch64, KERNEL_CHECK run there (a background job):
+    its results."""
+    ready = ARM_SYSROOT / "ready"
+    if AARCH64 is None or QEMU is None or not ready.is_file():
+        pytest.skip(f"no aarch64 Python under qemu-aarch64 at {ARM_SYSROOT} "
+                    "(tests/arm_sysroot.sh builds one)")
+    torch_dir = ARM_SYSROOT / "site" / "torch"
+    abi = (ARM_SYSROOT / "abi").read_text().strip()
+    so = background.tmpdir("arm-run") / "workbench_cpu_attention.so"
+    build = background.spawn(
+        [AARCH64, "-std=c++20", "-O3", "-march=armv8.2-a", "-fopenmp", "-ffast-math", "-shared",
+         "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-isystem", str(torch_dir / "include"),
+         "-isystem", str(torch_dir / "include" / "torch" / "csrc" / "api" / "include"),
+         *[str(CSRC / f) for f in ("bindings.cpp", "cpu_attention.cpp", "cpu_ops.cpp",
+                                   "cpu_quant.cpp", "cpu_a8.cpp")],
+         f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", "-ltorch", "-o", str(so)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err = build.communicate(timeout=900)[1]
+    assert build.returncode == 0, err[-3000:]
+    code = KERNEL_CHECK.replace("k = cpu.load_cpu_kernels()",
+                                f"from pathlib import Path\nk = cpu._import_built(Path({str(so)!r}))")
+    code = code.replace('"dir": str(cpu.kernel_dir()), ', "")
+    py = ARM_SYSROOT / "root" / "usr" / "bin" / ready.read_text().strip()
+    proc = background.spawn([QEMU, "-L", str(ARM_SYSROOT / "root"), "-E",
+                             f"PYTHONPATH={ARM_SYSROOT / 'site'}:{ROOT}", "-E", "OMP_NUM_THREADS=2",
+                             str(py), "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    out = proc.communicate(timeout=900)[0]
+    assert proc.returncode == 0 and "RESULT " in out, out[-3000:]
+    return json.loads(out.split("RESULT ")[-1])
+
+
+def test_the_kernels_run_on_arm_under_qemu(arm_run):
+    """Every format's batch-1 and few-row kernels, their NEON paths as an Arm64 CPU runs
+    them (qemu-aarch64, an armv8.2-a build), against the float64 reference with the x86
+    builds' bounds; bf16c gives bf16's bits there too."""
+    assert arm_run["isa"] == "neon", arm_run["isa"]
+    check_formats(arm_run)
 
 
 def test_the_kernels_compile_for_arm_with_neon_gemvs(arm_compile):

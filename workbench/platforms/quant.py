@@ -296,8 +296,9 @@ def bf16c_pack(w: torch.Tensor, max_escape_bytes: float = 1 / 16) -> PackedWeigh
     if w.dtype != torch.bfloat16 or k % 64:
         return None
     bits = w.detach().contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
-    high = bits >> 8
-    counts = torch.zeros(n, 256, dtype=torch.int32).scatter_add_(1, high, torch.ones_like(high))
+    high = (bits >> 8).long()           # int64: the index dtype torch < 2.9 scatters and gathers by
+    counts = torch.zeros(n, 256, dtype=torch.int32).scatter_add_(
+        1, high, torch.ones(high.shape, dtype=torch.int32))
     palette = counts.topk(15, dim=1).indices                                    # [N, 15]
     code_of = torch.zeros(n, 256, dtype=torch.uint8)
     code_of.scatter_(1, palette, torch.arange(1, 16, dtype=torch.uint8).expand(n, 15))
