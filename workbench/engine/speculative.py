@@ -38,15 +38,21 @@ from .request import Request
 
 MAX_PAUSE = 32
 """Most steps a request decodes without drafts after its drafts missed (see _pause)."""
+MARGIN = 1.05
+"""A step drafts only where its drafts promise this much more tokens per second than the plain
+step (budget): a verify priced at break-even by its least recent figures loses in a busy
+moment (prompt lookup at batch 32 on a Zen 5, priced at +3 %: 0.90-1.13x in runs minutes
+apart)."""
 
 
 class DraftOdds:
     """How likely a request's next drafts are to be kept, from recent verifies: its first
     draft's chance, and the chance that a draft after a kept one is kept too (a prompt lookup
     that starts copying mostly goes on), each the request's own recent rate counted with the
-    engine's as WEIGHT tries (a sampled request keeps a greedy draft's later tokens far less
+    engine's as WEIGHT tries (a sampled request keeps a picked draft's later tokens far less
     often than a greedy one: 0.5 against 0.99 for SmolLM2's gguf-a8 self-draft at
-    temperature 0.7). Rates are kept as (kept, tried) and fade:
+    temperature 0.7 before its drafts were drawn; prompt lookup's still are picked). Rates
+    are kept as (kept, tried) and fade:
     the engine's recent ones by 1 - DECAY a step toward what this engine's proposer has
     kept in the long run (`seen`: every verify, each forgotten by 1 - SEEN_DECAY a verify,
     from a prior of a half) or a half, whichever is more, a request's toward nothing by
@@ -269,8 +275,9 @@ class SpecDecoding:
         """How many drafts each request that may draft gets (`values`: the worth of each of
         its possible drafts, DraftOdds') in a step of `decoding` decode rows: the drafts,
         most valuable first, up to the count that makes the most tokens per second of the
-        step by StepCosts' figures: none until a plain step's cost is known (the first two
-        plain steps measure it), all where no verify step's is (the first two verifies)."""
+        step by StepCosts' figures, where that beats the plain step by MARGIN: none until a
+        plain step's cost is known (the first two plain steps measure it), all where no
+        verify step's is (the first two verifies)."""
         base = Curve(self.costs[False].table()).at(decoding)
         if base is None:
             return [0] * len(values)
@@ -300,6 +307,8 @@ class SpecDecoding:
                 # pass and a catch-up (one draft 40 ms against a plain step's 16 on a Zen 5,
                 # four drafts 50 ms), so a loss at one draft says nothing of four.
                 break
+        if best < MARGIN * decoding / base:
+            best_n = 0
         out = [0] * len(values)
         for _, i in order[:best_n]:
             out[i] += 1
