@@ -172,6 +172,8 @@ class DraftModelProposer:
         """The sampled requests' rows (no stop tokens: min_tokens' ban is the target's)."""
         self.draft_probs: dict[str, torch.Tensor] = {}
         """The last call's sampled requests' draft distributions, [drafts, vocab] fp32 each."""
+        self._probs: dict[str, list[torch.Tensor]] = {}
+        """The same, row by row, while a call drafts."""
         self.longest_catch_up = 0
         """The most tokens the last call's catch-up step fed one request: its drafts' and the
         target's tokens since the call before (about k + 1), or a whole prompt for a new
