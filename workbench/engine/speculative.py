@@ -70,7 +70,8 @@ class DraftOdds:
         self.first = list(self.PRIOR)
         self.then = list(self.PRIOR)
         self.seen = {"first": list(self.PRIOR), "then": list(self.PRIOR)}
-        self.own: dict[str, list[float]] = {}
+        self.own: dict[str, dict[str, list[float]]] = {}
+        """A request's own (kept, tried), "first" and "then", as `seen`'s."""
 
     def step(self, rids) -> None:
         """A step drafts (or might) for `rids`: the rates fade."""
@@ -79,29 +80,29 @@ class DraftOdds:
             rate[0] = rate[0] * self.DECAY + self.PRIOR[1] * p * (1 - self.DECAY)
             rate[1] = rate[1] * self.DECAY + self.PRIOR[1] * (1 - self.DECAY)
         for rid in rids:
-            if rid in self.own:
-                self.own[rid] = [x * self.OWN_DECAY for x in self.own[rid]]
+            for rate in self.own.get(rid, {}).values():
+                rate[0] *= self.OWN_DECAY
+                rate[1] *= self.OWN_DECAY
 
     def verified(self, rid: str, num_drafts: int, n: int) -> None:
         """Request rid's verify kept n of its num_drafts drafts."""
-        own = self.own.setdefault(rid, [0.0, 0.0, 0.0, 0.0])
+        own = self.own.setdefault(rid, {"first": [0.0, 0.0], "then": [0.0, 0.0]})
         for seen in self.seen.values():
             seen[0] *= self.SEEN_DECAY
             seen[1] *= self.SEEN_DECAY
-        for rate in (self.first, own, self.seen["first"]):
+        for rate in (self.first, own["first"], self.seen["first"]):
             rate[0] += n > 0
             rate[1] += 1
         if n:
-            own[2] += n - 1
-            own[3] += min(n, num_drafts - 1)
-            for rate in (self.then, self.seen["then"]):
+            for rate in (self.then, own["then"], self.seen["then"]):
                 rate[0] += n - 1
                 rate[1] += min(n, num_drafts - 1)
 
     def values(self, rid: str, room: int) -> list[float]:
         """The expected worth in tokens of each of rid's next `room` drafts (the j-th is kept
         only if all before it are)."""
-        kept, tried, kept_on, tried_on = self.own.get(rid, (0.0, 0.0, 0.0, 0.0))
+        own = self.own.get(rid, {"first": (0.0, 0.0), "then": (0.0, 0.0)})
+        (kept, tried), (kept_on, tried_on) = own["first"], own["then"]
         first = (kept + self.WEIGHT * self.first[0] / self.first[1]) / (tried + self.WEIGHT)
         then = (kept_on + self.WEIGHT * self.then[0] / self.then[1]) / (tried_on + self.WEIGHT)
         return [first * then ** j for j in range(room)]
