@@ -693,9 +693,10 @@ at::Tensor qlinear(at::Tensor x, at::Tensor w, int64_t fmt) {
   if (M <= kSmallRows && x.scalar_type() != at::kFloat)   // bf16 rows: the same streaming
     return qlinear(x.to(at::kFloat), w, fmt).to(x.scalar_type());   // kernels, in fp32
   if (M == 1 && fmt != kBf16c) return qgemv(x, w, fmt);
-  if (M <= kSmallRows)         // bf16c: four rows decoded into L1 (the whole matrix decoded
-    return fmt == kBf16c ? packed_small_m(x, w, fmt) : qlinear_small(x, w, fmt);   // per call,
-                               // as larger batches are, cost 3x bf16's 8 rows on an Ice Lake)
+  // bf16c's few rows: four rows decoded into L1 at a time (decoding the whole matrix per
+  // call, as larger batches do, cost 3x bf16's 8 rows on an Ice Lake).
+  if (M <= kSmallRows)
+    return fmt == kBf16c ? packed_small_m(x, w, fmt) : qlinear_small(x, w, fmt);
 #else
   if (M <= g_packed_rows && (fmt != kBf16c || M > 1))    // bf16c's one row: bf16c_gemv
     return x.scalar_type() == at::kFloat ? qrows(x, w, fmt)
