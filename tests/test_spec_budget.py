@@ -108,8 +108,9 @@ def test_a_verify_whose_draft_caught_up_a_prefill_is_not_priced():
                           params=SimpleNamespace(max_tokens=1000), token_ids=list(range(100)),
                           spec_token_ids=[])
     sched = SimpleNamespace(requests={"a": None}, running=[seq], max_model_len=4096)
-    draft = SimpleNamespace(propose=lambda reqs: [[1, 2, 3, 4] for _ in reqs],
-                            free=lambda rid: None, longest_catch_up=2)
+    draft = SimpleNamespace(propose=lambda reqs, rows, shared: [[1, 2, 3, 4] for _ in reqs],
+                            free=lambda rid: None, longest_catch_up=2, draws=False,
+                            draft_probs={})
     spec = SpecDecoding(draft, 4, sched, adaptive=False)
     for catch_up, rows, seconds in ((2, 5, 0.9), (100, 160, 19.5), (2, 5, 0.05)):
         draft.longest_catch_up = catch_up

@@ -11,6 +11,7 @@ import pytest
 
 from workbench import Engine, SamplingParams
 from workbench.core.sampling_params import StructuredOutputsParams
+from workbench.spec_decode.ngram import NgramProposer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
          "adaptive": False}
@@ -205,13 +206,10 @@ def test_a_request_whose_drafts_miss_stops_drafting_for_a_while():
     e = Engine(model="random:tiny", device="cpu", speculative_config=NGRAM)
     plain = Engine(model="random:tiny", device="cpu")
 
-    class Wrong:          # drafts the token after the last, which a random model never picks
-        def propose(self, reqs):
+    class Wrong(NgramProposer):   # drafts the token after the last: a random model never picks it
+        def propose(self, reqs, rows=None, shared=None):
             return [[(t[-1] + 1) % 512] * 4 for _, t in reqs]
-
-        def free(self, rid):
-            pass
-    e.core.pipeline.spec.proposer = Wrong()
+    e.core.pipeline.spec.proposer = Wrong(4)
     p = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     prompt = prompts(1, seed=9)[0]
     assert e.generate(prompt, p)[0].token_ids == plain.generate(prompt, p)[0].token_ids

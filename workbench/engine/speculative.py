@@ -33,6 +33,7 @@ from ..executor.rejection_sampler import rejection_sample
 from ..executor.runner import ModelRunnerOutput
 from ..executor.sampler import LogprobsTensors
 from ..executor.sampling_metadata import SamplingMetadataBuilder, SamplingRow
+from ..spec_decode import Proposer
 from .request import Request
 
 
@@ -177,7 +178,7 @@ class Curve:
 
 
 class SpecDecoding:
-    def __init__(self, proposer, num_speculative_tokens: int, scheduler: Scheduler,
+    def __init__(self, proposer: Proposer, num_speculative_tokens: int, scheduler: Scheduler,
                  disable_by_batch_size: int | None = None, counts=None,
                  adaptive: bool = True):
         self.proposer = proposer
@@ -253,13 +254,12 @@ class SpecDecoding:
                 return
         self._known.update(s.request_id for s, _ in want)
         reqs = [(s.request_id, s.token_ids) for s, _ in want]
-        if sampling is not None and hasattr(self.proposer, "draft_probs"):
-            drafts = self.proposer.propose(reqs, [None if s.params.greedy else sampling(s)
-                                                  for s, _ in want], shared)
-            self._q.update(self.proposer.draft_probs)
-        else:
-            drafts = self.proposer.propose(reqs)
-        self._unpriced = getattr(self.proposer, "longest_catch_up", 0) > self.k + 1
+        rows = None
+        if sampling is not None and self.proposer.draws:
+            rows = [None if s.params.greedy else sampling(s) for s, _ in want]
+        drafts = self.proposer.propose(reqs, rows, shared)
+        self._q.update(self.proposer.draft_probs)
+        self._unpriced = self.proposer.longest_catch_up > self.k + 1
         for (seq, room), d in zip(want, drafts):
             seq.spec_token_ids = list(d[:room])
         if self.counts is not None:

@@ -60,10 +60,13 @@ def draw_accepted(rng: np.random.Generator, alpha: float, d: int) -> int:
 
 
 class ModelledProposer:
-    """Drafts as the module's docstring says (the Proposer duck type of spec_decode/): with
+    """Drafts as the module's docstring says (a Proposer, spec_decode/__init__.py): with
     probability `share` (None: always), `length` tokens on average (None: k), drawn by
     `tokens(n)` (the modelled runner's: random, never an EOS id) from `rng` (its seeded
-    generator)."""
+    generator). Its drafts are picked, never drawn."""
+
+    draws = False
+    longest_catch_up = 0
 
     def __init__(self, k: int, tokens: Callable[[int], list[int]], rng: np.random.Generator,
                  share: float | None = None, length: float | None = None):
@@ -72,8 +75,10 @@ class ModelledProposer:
         self.rng = rng
         self.share = share
         self.length = None if length is None else min(max(length, 1.0), float(k))
+        self.draft_probs: dict = {}
 
-    def propose(self, reqs: list[tuple[str, list[int]]]) -> list[list[int]]:
+    def propose(self, reqs: list[tuple[str, list[int]]], rows=None,
+                shared=None) -> list[list[int]]:
         out = []
         for _ in reqs:
             if self.share is not None and self.rng.random() >= self.share:

@@ -95,7 +95,10 @@ class DraftModelProposer:
     EngineConfig's meanings, 'auto' where absent; optional "num_kv_blocks", the draft pool's
     size), or an object with those attributes (None: absent). The draft's vocabulary must be
     the target's (target_vocab_size, target_tokenizer). device: the target's ('cpu',
-    'cuda:0', a torch.device or a Platform)."""
+    'cuda:0', a torch.device or a Platform). A Proposer (spec_decode/__init__.py) that
+    draws a sampled request's drafts."""
+
+    draws = True
 
     def __init__(self, config: dict, target_vocab_size: int, target_tokenizer, device,
                  num_speculative_tokens: int, max_model_len: int, max_num_seqs: int,

@@ -41,16 +41,21 @@ def propose_ngram(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> np.ndar
 
 
 class NgramProposer:
-    """Drafts by prompt lookup (see the module's docstring); the Proposer duck type of
-    spec_decode/__init__.py."""
+    """Drafts by prompt lookup (see the module's docstring): a Proposer
+    (spec_decode/__init__.py) whose drafts are picked, never drawn."""
+
+    draws = False
+    longest_catch_up = 0
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int = 1,
                  prompt_lookup_max: int = 4):
         self.k = num_speculative_tokens
         self.n_min = prompt_lookup_min
         self.n_max = prompt_lookup_max
+        self.draft_probs: dict = {}
 
-    def propose(self, reqs: list[tuple[str, list[int]]]) -> list[list[int]]:
+    def propose(self, reqs: list[tuple[str, list[int]]], rows=None,
+                shared=None) -> list[list[int]]:
         return [propose_ngram(np.asarray(tokens, dtype=np.int64), self.k, self.n_min,
                               self.n_max).tolist() for _, tokens in reqs]
 
