@@ -163,17 +163,15 @@ def test_the_distribution_check_fails_a_mutated_filter(mutation, kw, monkeypatch
     else:
         real = sampler._draw_truncated
         if mutation == "top_p_too_wide":         # keeps tokens past the nucleus
-            def broken(logits, f, u, candidates=None):
+            def broken(logits, f, u):
                 wider = [min(1.0, x + 0.12) for x in f.top_p]
-                return real(logits, replace(f, top_p=wider, top_p_t=torch.tensor(wider)), u,
-                            candidates)
+                return real(logits, replace(f, top_p=wider, top_p_t=torch.tensor(wider)), u)
         elif mutation == "no_min_p":
-            def broken(logits, f, u, candidates=None):
-                return real(logits, replace(f, min_p=None), u, candidates)
+            def broken(logits, f, u):
+                return real(logits, replace(f, min_p=None), u)
         else:
-            def broken(logits, f, u, candidates=None):
-                return real(logits, replace(f, temperature=torch.ones_like(f.temperature)), u,
-                            candidates)
+            def broken(logits, f, u):
+                return real(logits, replace(f, temperature=torch.ones_like(f.temperature)), u)
         monkeypatch.setattr(sampler, "_draw_truncated", broken)
         counts = draw_counts(logits, p)
     ok, why = chi_square_fits(counts, want)

@@ -29,6 +29,7 @@ has a top-k.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -207,67 +208,69 @@ def _draw_full(logits, f: Filters, u) -> torch.Tensor:
     return _search(cum, cum[:, -1], u)
 
 
-def _draw_truncated(logits, f: Filters, u, candidates: int | None = None) -> torch.Tensor:
+def _draw_truncated(logits, f: Filters, u) -> torch.Tensor:
     """Rows with top-k and/or top-p (vLLM's order: min-p and top-k, then top-p on what they
-    keep; top-k and min-p commute). Looks among the top `candidates` tokens (default: the
-    first of CANDIDATES on the CPU, the whole vocabulary elsewhere); a row whose kept set
-    reaches past them is drawn again among the next number of CANDIDATES, the last time over
-    the whole vocabulary."""
-    if candidates is None:
-        candidates = CANDIDATES[0] if host_reads_are_free(logits.device) else logits.shape[1]
-    order, probs, cum, thr, kept, tails, width = _truncate(logits, f, candidates)
-    nucleus = cum.gather(1, (kept - 1)[:, None])[:, 0]
-    ids = order.gather(1, _search(cum, nucleus, u)[:, None])[:, 0]
-    # Rows whose kept set may reach past the candidates, drawn again among more: a top-k
-    # wider than them, or a nucleus they do not complete.
-    n, vocab = logits.shape
-    redo = _past_candidates(f, width, vocab, cum, thr, tails)
-    if redo:
-        idx = _host_index(redo)
-        again = _draw_truncated(_select(logits, redo, idx), f.select(redo), _select(u, redo, idx),
-                                candidates=next((c for c in CANDIDATES if c > width), vocab))
-        ids = again if len(redo) == n else ids.index_copy_(0, idx, again)
-    return ids
+    keep; top-k and min-p commute): a token each, drawn by u among the kept ones."""
+    def draw(t: _Truncated, u) -> torch.Tensor:
+        nucleus = t.cum.gather(1, (t.kept - 1)[:, None])[:, 0]
+        return t.order.gather(1, _search(t.cum, nucleus, u)[:, None])[:, 0]
+    return _over_candidates(logits, f, draw, u)
 
 
-def _past_candidates(f: Filters, width: int, vocab: int, cum, thr, tails) -> list[int]:
-    """The rows (of _truncate's) whose kept set may reach past its `width` candidates: a
-    top-k wider than them, or a nucleus they do not complete."""
-    redo = [i for i, k in enumerate(f.top_k) if k > width]
-    if tails:
-        short = (cum[:, -1] < thr).tolist()
-        redo = [i for i in redo if f.top_k[i] < vocab or short[i]]
-    return redo
-
-
-def _truncated_probs(logits, f: Filters, candidates: int | None = None) -> torch.Tensor:
+def _truncated_probs(logits, f: Filters) -> torch.Tensor:
     """Rows with top-k and/or top-p: their kept tokens' unnormalised probabilities, dense
-    [N, vocab] (0 elsewhere), looked for among the best `candidates` as _draw_truncated
-    looks (a whole-vocabulary sort for a verify step's 5 rows of a 49 152-token vocabulary
-    took 10 ms on a Zen 5, twice a draft model's pass); a row whose kept set may reach past
-    them is looked at again among more."""
+    [N, vocab] (0 elsewhere), found as _draw_truncated finds them (a whole-vocabulary sort
+    for a verify step's 5 rows of a 49 152-token vocabulary took 10 ms on a Zen 5, twice a
+    draft model's pass)."""
+    def dense(t: _Truncated) -> torch.Tensor:
+        width = t.probs.shape[1]
+        p = t.probs.masked_fill(torch.arange(width, device=t.probs.device) >= t.kept[:, None],
+                                0.0)
+        return torch.zeros(t.order.shape[0], logits.shape[1], dtype=torch.float32,
+                           device=p.device).scatter_(1, t.order, p.float())
+    return _over_candidates(logits, f, dense)
+
+
+def _over_candidates(logits, f: Filters, finish, *per_row, candidates: int | None = None):
+    """finish(_truncate's result, *per_row) for each row, the filters applied among its best
+    `candidates` tokens (default: the first of CANDIDATES on the CPU, the whole vocabulary
+    elsewhere); rows whose kept set may reach past them (a top-k wider than them, a nucleus
+    they do not complete) are done again among the next number of CANDIDATES, the last time
+    over the whole vocabulary. per_row: tensors with a row each, selected with the rows."""
     n, vocab = logits.shape
     if candidates is None:
         candidates = CANDIDATES[0] if host_reads_are_free(logits.device) else vocab
-    order, p, cum, thr, kept, tails, width = _truncate(logits, f, candidates)
-    p = p.masked_fill(torch.arange(width, device=p.device) >= kept[:, None], 0.0)
-    out = torch.zeros(n, vocab, dtype=torch.float32, device=logits.device).scatter_(
-        1, order, p.float())
-    redo = _past_candidates(f, width, vocab, cum, thr, tails)
+    t = _truncate(logits, f, candidates)
+    out = finish(t, *per_row)
+    width = t.order.shape[1]
+    redo = [i for i, k in enumerate(f.top_k) if k > width]
+    if t.tails:
+        short = (t.cum[:, -1] < t.thr).tolist()
+        redo = [i for i in redo if f.top_k[i] < vocab or short[i]]
     if redo:
         idx = _host_index(redo)
-        again = _truncated_probs(_select(logits, redo, idx), f.select(redo),
-                                 next((c for c in CANDIDATES if c > width), vocab))
+        again = _over_candidates(_select(logits, redo, idx), f.select(redo), finish,
+                                 *(_select(r, redo, idx) for r in per_row),
+                                 candidates=next((c for c in CANDIDATES if c > width), vocab))
         out = again if len(redo) == n else out.index_copy_(0, idx, again)
     return out
 
 
-def _truncate(logits, f: Filters, candidates: int):
-    """The top-k / min-p / top-p filter among each row's best `candidates` tokens: (order,
-    probs, cum, thr, kept, tails, width): the candidates' ids best first, their
-    unnormalised probabilities (top-k and min-p applied), its cumulative sum, the top-p
-    threshold, how many of them the nucleus keeps, the rows whose top-p mass counted the
-    tokens past the candidates, and how many candidates there were."""
+class _Truncated(NamedTuple):
+    """_truncate's result, row by row: the candidates' ids best first (order), their
+    unnormalised probabilities with top-k and min-p applied (probs) and its cumulative sum
+    (cum), the top-p threshold (thr), how many of them the nucleus keeps (kept), and the rows
+    whose top-p mass counted the tokens past the candidates (tails)."""
+    order: torch.Tensor
+    probs: torch.Tensor
+    cum: torch.Tensor
+    thr: torch.Tensor
+    kept: torch.Tensor
+    tails: list[int]
+
+
+def _truncate(logits, f: Filters, candidates: int) -> _Truncated:
+    """The top-k / min-p / top-p filter among each row's best `candidates` tokens."""
     n, vocab = logits.shape
     dev = logits.device
     k_of, temp, min_p = f.top_k, f.temperature, f.min_p
@@ -299,7 +302,7 @@ def _truncate(logits, f: Filters, candidates: int):
     thr = torch.where(p_col < 1.0, p_col * mass, torch.full_like(mass, float("inf")))
     # Kept: the smallest prefix whose mass reaches thr (the top token always stays).
     kept = ((cum - probs) < thr[:, None]).sum(-1)
-    return order, probs, cum, thr, kept, tails, width
+    return _Truncated(order, probs, cum, thr, kept, tails)
 
 
 def target_probs(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
