@@ -31,6 +31,10 @@ guards, timer, workloads) is workbench/bench/device_run.py, shared with benchmar
    Qwen3's generation defaults.
 10. sampled: W1 and batch 1 with real traffic's sampling (Qwen3's defaults, 0.7 + top_p 0.9,
    a stop string, logprobs 5) beside greedy in one engine, as ratios.
+11. spec: speculative decoding's A/B (issue 40): batch 1 and W1, greedy, plain beside n-gram
+   (k = 4) with the engine's budget and with every draft verified (adaptive off), engines
+   built alike; the tokens must equal plain's. Each verify step's cost against a plain
+   decode step of the same batch says what acceptance pays on this card.
 """
 from __future__ import annotations
 
@@ -320,6 +324,83 @@ def sampled(small: bool) -> None:
     free_engine(e)
 
 
+SPEC = {"plain": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": 4},
+        "ngram_every_draft": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+        "draft_self": {"method": "draft_model", "num_speculative_tokens": 4, "adaptive": False}}
+"""spec's arms: plain decoding, n-gram as it ships (it drafts where the step's measured costs
+say drafts pay), n-gram verifying every draft it finds (what a verify costs here), and the
+target's own weights as its draft model (every draft kept: the draft model's batched passes
+and graphs on this card, checked, not a speed-up)."""
+
+
+def _spec_run(e: Engine, prompts: list[list[int]], new: int) -> dict:
+    """prompts through e, greedy, EOS ignored (a warm-up first): output tok/s, the tokens,
+    the acceptance, and the median decode and verify step by decode rows (telemetry)."""
+    import statistics
+    e.generate([prompts[0][:8]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    e.reset_prefix_cache()
+    steps0, reqs0 = e.telemetry.num_steps, e.telemetry.num_requests
+    t = time.perf_counter()
+    outs = e.generate(prompts, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
+    dt = time.perf_counter() - t
+    reqs = e.telemetry.requests_since(reqs0)
+    drafted = sum(r.num_draft_tokens for r in reqs)
+    kinds: dict[str, list[float]] = {"decode": [], "verify": []}
+    rows: dict[str, list[int]] = {"decode": [], "verify": []}
+    for s in e.telemetry.steps_since(steps0):
+        if s.num_prefill_tokens == 0 and s.num_decode_tokens:
+            kind = "verify" if s.num_draft_tokens else "decode"
+            kinds[kind].append(s.duration * 1e3)
+            rows[kind].append(s.num_decode_tokens)
+    tokens = [o.token_ids for o in outs]
+    return dict(out_tok_s=round(sum(map(len, tokens)) / dt, 1), seconds=round(dt, 2),
+                tokens=tokens, drafted=drafted,
+                acceptance=(round(sum(r.num_accepted_tokens for r in reqs) / drafted, 3)
+                            if drafted else None),
+                steps={k: len(v) for k, v in kinds.items()},
+                step_ms={k: round(statistics.median(v), 3) if v else None
+                         for k, v in kinds.items()},
+                step_rows={k: round(statistics.median(v), 1) if v else None
+                           for k, v in rows.items()})
+
+
+def spec(small: bool) -> None:
+    """Speculative decoding beside plain decoding (the docstring's part 11). Random weights
+    write no text a passage grounds, so the acceptance is this model's (its greedy text
+    repeats itself, which prompt lookup drafts from), printed beside each ratio; the step
+    costs are the card's, whatever the weights."""
+    model = "random:tiny" if small else "random:qwen3-0.6b"
+    n, lo, hi, new = w1_shape(small)
+    b1_new = 32 if small else 256
+    got: dict[str, dict] = {}
+    for arm, cfg in SPEC.items():
+        if cfg is not None and cfg["method"] == "draft_model":
+            cfg = {**cfg, "model": model}
+        e = Engine(model=model, device=DEV, graph_mode="decode", max_num_seqs=256,
+                   max_num_batched_tokens=8192, max_model_len=2048, speculative_config=cfg)
+        vocab = e.info().vocab_size
+        got[arm] = {"b1": _spec_run(e, [b1_prompt(vocab)], b1_new),
+                    "w1": _spec_run(e, anchor_workload(n, lo, hi, vocab), new),
+                    "draft_graph_mode": getattr(e.core.pipeline.spec.proposer, "graph_mode",
+                                                None) if cfg else None}
+        free_engine(e)
+    for shape in ("b1", "w1"):
+        plain = got["plain"][shape]
+        for arm in SPEC:
+            r = dict(got[arm][shape])
+            toks = r.pop("tokens")
+            r["tokens_equal"] = toks == plain["tokens"]
+            # bf16 may part where a verify's rows and a decode's round differently: how many
+            # requests' tokens are plain's, whole.
+            r["requests_equal"] = sum(a == b for a, b in zip(toks, plain["tokens"]))
+            r["vs_plain"] = round(r["out_tok_s"] / plain["out_tok_s"], 3)
+            verify, decode = r["step_ms"]["verify"], plain["step_ms"]["decode"]
+            r["verify_over_plain_step"] = round(verify / decode, 2) if verify and decode else None
+            RUN.emit(f"spec_{shape}_{arm}", model=model, speculative_config=SPEC[arm],
+                     draft_graph_mode=got[arm].get("draft_graph_mode"), **r)
+
+
 # ---- 5. ceilings ----------------------------------------------------------------------------
 def ceilings(small: bool) -> None:
     """This card's copy bandwidth (bytes read + written) and bf16 matmul rate, each the best
@@ -498,6 +579,13 @@ def table() -> None:
             ("W1 ours, graph_mode full", g("w1_ours_full", "out_tok_s")),
             ("W1 HF generate, static 64", g("anchor_hf_generate_static", "out_tok_s")),
             ("W1 HF generate_batch", g("anchor_hf_generate_batch", "out_tok_s"))]
+    for shape in ("b1", "w1"):
+        for arm in list(SPEC)[1:]:
+            d = RUN.results.get(f"spec_{shape}_{arm}")
+            if d:
+                rows.append((f"spec {shape} {arm} (x, kept, verify/step, =)",
+                             f"{d['vs_plain']}, {d['acceptance']}, "
+                             f"{d['verify_over_plain_step']}, {d['tokens_equal']}"))
     ours, cb = g("w1_ours", "out_tok_s"), g("anchor_hf_generate_batch", "out_tok_s")
     st = g("anchor_hf_generate_static", "out_tok_s")
     if ours and cb:
@@ -523,7 +611,7 @@ def main() -> int:
     ap.add_argument("--anchor", default=None, help="gpu_anchor.py, for the HF peers")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--small", action="store_true")
-    ap.add_argument("--parts", default="ceilings,correctness,prefill,b1,w1,sampled,vllm,"
+    ap.add_argument("--parts", default="ceilings,correctness,prefill,b1,w1,sampled,spec,vllm,"
                                        "concurrency,release,peers,w1full")
     ap.add_argument("--anchor-parts", default="b1,static,cb",
                     help="gpu_anchor.py's parts (HF static batching alone takes ~2 minutes)")
@@ -537,7 +625,8 @@ def main() -> int:
              date=time.strftime("%F"))
     parts = a.parts.split(",")
     steps = [("ceilings", ceilings), ("correctness", correctness), ("prefill", prefill),
-             ("b1", batch1), ("w1", lambda small: w1(small, "decode")), ("sampled", sampled)]
+             ("b1", batch1), ("w1", lambda small: w1(small, "decode")), ("sampled", sampled),
+             ("spec", spec)]
     steps += [("vllm", lambda small, c=c: vllm_workload(small, *map(int, c.split(":"))))
               for c in a.vllm_configs.split(",")]
     steps += [("concurrency", concurrency), ("release", release)]

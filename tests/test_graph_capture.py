@@ -261,3 +261,8 @@ def test_gpu_script_runs_every_part_at_toy_sizes_on_the_cpu(gpu_script_small):
         assert parts[name]["ok"], (name, parts[name])
     assert set(parts["sampled"]["w1_vs_greedy"]) == {"greedy", *SAMPLING_WORKLOADS,
                                                      "greedy_again"}
+    for shape in ("b1", "w1"):        # speculative decoding's A/B: the tokens are plain's
+        for arm in ("plain", "ngram", "ngram_every_draft", "draft_self"):
+            assert parts[f"spec_{shape}_{arm}"]["tokens_equal"], parts[f"spec_{shape}_{arm}"]
+        assert parts[f"spec_{shape}_draft_self"]["acceptance"] == 1.0      # its own weights
+        assert parts[f"spec_{shape}_ngram_every_draft"]["drafted"] > 0
