@@ -351,3 +351,40 @@ def test_npu_benchmark_reports_a_failing_part_and_carries_on(monkeypatch, capsys
     assert not doctor["ok"] and doctor["ops"][2]["name"] == "chunk"
     assert "ascend-toolkit/set_env.sh" in doctor["ops"][2]["fix"]
     assert not w1["ok"] and "aclnnFusedInferAttentionScore failed" in w1["error"]
+
+
+@pytest.mark.parametrize("release,verify_op", [("2.6.0", "splitfuse"), ("2.8.0", "fia"),
+                                               ("2.8.0.post2", "fia")])
+def test_npu_verify_steps_keep_the_reference_tokens(qwen3_d128, reference_tokens, monkeypatch,
+                                                    release, verify_op):
+    """Speculative decoding on each release's path (issue 40): a verify step's rows reach
+    attention as chunks on cached context (ATB's splitfuse before CANN 8.3, the fused
+    infer-attention op after), never as decodes; greedy tokens equal the CPU reference's
+    with every n-gram draft verified, and the pool is whole after."""
+    fake = fake_torch_npu.install(monkeypatch, version=release, fp32=True)
+    seen: list[list[int]] = []                 # each call's query tokens, request by request
+    op = "_" + ("splitfuse" if verify_op == "splitfuse" else "fia")
+    real = getattr(fake, op)
+
+    def spy(*a, **kw):
+        if op == "_splitfuse":
+            seen.append(kw["seq_len"].tolist())
+        else:
+            ends = [int(e) for e in kw["actual_seq_lengths"]]
+            seen.append([e - s for s, e in zip([0, *ends], ends)])
+        return real(*a, **kw)
+    monkeypatch.setattr(fake, op, spy)
+    npu = Engine(model=str(qwen3_d128), device="npu", **KW, graph_mode="eager",
+                 speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                     "adaptive": False})
+    prompts = [p * 3 for p in random_prompts(3, 5, 40, 1000, seed=6)]   # drafts to find
+    params = _params(16, 12, 16)
+    got = [o.token_ids for o in npu.generate(prompts, params)]
+    assert got == reference_tokens(prompts, params)
+    steps = npu.telemetry.snapshot()[0]
+    verifies = [s for s in steps if s.num_draft_tokens and not s.num_prefill_tokens]
+    assert verifies and npu.telemetry.spec_decode.num_draft_tokens > 0
+    # every layer of every verify step ran the op on a request of 2 to k + 1 query tokens
+    layers = npu.info().num_layers
+    assert sum(any(2 <= n <= 4 for n in lens) for lens in seen) >= layers * len(verifies)
+    assert npu.stats().kv_blocks_used == 0

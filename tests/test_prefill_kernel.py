@@ -1,7 +1,8 @@
 """The ragged paged prefill kernel (platforms/triton_attention.py), on the CPU under Triton's
 interpreter: against dense causal attention over gathered contexts, and inside a whole
 engine with chunked prefill and prefix-cache hits (and split-context decode at batch 1),
-where greedy tokens must equal the plain-torch reference engine's."""
+where greedy tokens must equal the plain-torch reference engine's, speculative decoding's
+verify rows too."""
 from __future__ import annotations
 
 import json
@@ -92,6 +93,22 @@ ENGINE = textwrap.dedent('''
                           cached=sum(s.num_cached_tokens for s in steps),
                           chunked=sum(1 for s in steps for k in s.kinds.values() if k == "chunk"),
                           split_decodes=sum(n > 1 for n in splits))
+        # Speculative decoding's verify rows go through the same kernel (issue 40): n-gram
+        # drafts from prompts that repeat themselves, every draft verified.
+        rep = [prompts[i][40:][:12] * 3 for i in range(3)]
+        q = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        with triton_on_cpu():
+            c = Engine(**kw, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                 "adaptive": False})
+        calls.clear()
+        want = [o.token_ids for o in a.generate(rep, q)]
+        got = [o.token_ids for o in c.generate(rep, q)]
+        sd, steps = c.telemetry.spec_decode, c.telemetry.snapshot()[0]
+        out[model].update(spec_equal=got == want, spec_kernel_calls=len(calls),
+                          spec_kernel_steps=c.info().num_layers * sum(
+                              1 for s in steps if s.num_prefill_tokens or s.num_draft_tokens),
+                          spec_verify_steps=sum(1 for s in steps if s.num_draft_tokens),
+                          spec_drafted=sd.num_draft_tokens, spec_accepted=sd.num_accepted_tokens)
     print(json.dumps(out))
 ''')
 
@@ -128,3 +145,6 @@ def test_engine_with_the_prefill_kernel_gives_the_reference_tokens(prefill_engin
         assert r["equal"], (model, r)
         assert r["kernel_calls"] > 0 and r["cached"] > 0 and r["chunked"] > 0, (model, r)
         assert r["split_decodes"] > 0, (model, r)
+        # every step with a prefill chunk or a verify called the kernel, once a layer
+        assert r["spec_equal"] and r["spec_drafted"] > 0 and r["spec_verify_steps"] > 0, r
+        assert r["spec_kernel_calls"] == r["spec_kernel_steps"], r
