@@ -135,7 +135,7 @@ def test_verify_distributions_look_among_the_candidates_exactly(kw, widest, why,
     logits = peaked(3000, seed=11, scale=1.0)
     p = SamplingParams(**{"temperature": 1.0, **kw})
     rows = logits[None].expand(3, -1).contiguous()
-    probs, _ = sampler.target_probs(rows, metadata(rows, [p] * 3))
+    probs = sampler.target_probs(rows, metadata(rows, [p] * 3)).probs
     assert max(widths) == widest, (why, widths)
     for row in probs:
         assert torch.allclose(row.double(), reference(logits, p), atol=1e-6), why

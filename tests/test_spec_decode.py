@@ -387,3 +387,30 @@ def test_seeded_requests_draw_the_same_whatever_shares_the_batch(case):
                                            torch.Generator().manual_seed(others))
         return tokens[-1]
     assert run(0) == run(3) == run(7)
+
+
+def test_a_mixed_verify_gives_each_request_what_it_gets_alone(case, draft_q):
+    """Greedy requests among seeded sampled ones, with picked and drawn (q) drafts, in one
+    verify: each keeps what it keeps verified alone (greedy requests' rows get no dense row,
+    so the sampled ones' rows are found among the drawn rows alone)."""
+    logits, params, prompt, output, draft, _, _ = case
+    greedy, seeded = SamplingParams(temperature=0), SamplingParams(**{**PARAMS, "seed": 5})
+    qt = torch.tensor(draft_q, dtype=torch.float32)[None]
+    reqs = [(greedy, None), (seeded, None), (greedy, None), (seeded, qt)]
+
+    def run(which: list[int]) -> dict[int, tuple]:
+        rows, spans, drafts, gens, qs = [], [], [], [], []
+        for i in which:
+            p, q = reqs[i]
+            spans.append((len(rows), 2))
+            rows += [SamplingRow(p, prompt + output, len(prompt)),
+                     SamplingRow(p, prompt + output + [draft], len(prompt))]
+            drafts.append([draft])
+            gens.append(None if p.greedy else torch.Generator().manual_seed(5 + i))
+            qs.append(q)
+        tokens, _, acc = rs.rejection_sample(
+            logits.repeat(len(which), 1), sampling_metadata(rows, V), spans, drafts,
+            [reqs[i][0].greedy for i in which], gens, torch.Generator().manual_seed(0), qs)
+        return dict(zip(which, zip(map(tuple, tokens), acc)))
+    alone = {i: run([i])[i] for i in range(4)}
+    assert run([0, 1, 2, 3]) == alone and run([3, 2, 1, 0]) == alone

@@ -14,7 +14,7 @@ at the first rejection the token is drawn from the residual max(p_j - q_j, 0), r
 So each kept token has the target's distribution, whatever was drafted; the nearer q is to
 p, the more drafts stay (a greedy draft of a sampled request is kept at p(x) only). A greedy
 row's p is one-hot at its argmax: accepted while the drafts equal the argmax, then the
-argmax (no randomness).
+argmax (no randomness, and no dense row: the argmax alone is computed).
 
 Randomness: a sampled request draws 2m - 1 uniforms per step, m - 1 to accept and m to
 draw, from its own generator when seeded (in row order, so its tokens depend on nothing
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampler import LogprobsTensors, _search, compute_logprobs, target_probs
+from .sampler import LogprobsTensors, TargetProbs, _search, compute_logprobs, target_probs
 from .sampling_metadata import SamplingMetadata
 
 
@@ -36,12 +36,12 @@ def accept(u: torch.Tensor, p_draft: torch.Tensor, q_draft: torch.Tensor) -> tor
 
 def residual(probs: torch.Tensor, rows: torch.Tensor, drafts: torch.Tensor,
              q_rows: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """What a rejected position draws from: max(p - q, 0) (the draw renormalises it). Draft
-    rows `rows` (their drafts `drafts`) have a one-hot q: p without the draft; rows `q_rows`
-    have q's dense rows `q`."""
-    rest = probs.index_put((rows, drafts), torch.zeros_like(drafts, dtype=probs.dtype))
-    if len(q_rows):
-        p = probs.index_select(0, q_rows)
+    """What a rejected position draws from: max(p - q, 0) (the draw renormalises it), in
+    `probs`' place. Draft rows `rows` (their drafts `drafts`) have a one-hot q: p without
+    the draft; rows `q_rows` have q's dense rows `q`."""
+    p = probs.index_select(0, q_rows) if len(q_rows) else None       # before the one-hots
+    rest = probs.index_put_((rows, drafts), torch.zeros_like(drafts, dtype=probs.dtype))
+    if p is not None:
         left = (p - q).clamp_(min=0.0)
         # p <= q everywhere (q is p, but for rounding) leaves nothing: such a row is all but
         # never rejected; where it is, it draws from p.
@@ -60,51 +60,78 @@ def rejection_sample(logits: torch.Tensor, md: SamplingMetadata, spans: list[tup
     they were drawn from, None: one-hot). Returns each request's kept tokens (accepted
     drafts, then the target's own), the logprobs of md's rows (row first + j: request i's
     j-th kept token) when a row asks, and how many drafts each request had accepted."""
-    probs, raw = target_probs(logits, md)
-    dev = probs.device
-    n = probs.shape[0]
-    u_accept = torch.full((n,), 0.5, device=dev)
-    u_draw = torch.full((n,), 0.5, device=dev)
-    for (a, m), g, gen in zip(spans, greedy, generators):
-        if g:
-            continue
-        u = torch.rand(2 * m - 1, device=dev, generator=gen if gen is not None else shared)
-        u_accept[a:a + m - 1] = u[:m - 1]
-        u_draw[a:a + m] = u[m - 1:]
-    d_rows = [a + j for (a, _), x in zip(spans, drafts) for j in range(len(x))]
-    d_ids = [t for x in drafts for t in x]
-    rest, kept = probs, []
-    if d_rows:
-        r = torch.tensor(d_rows, device=dev)
-        t = torch.tensor(d_ids, device=dev)
-        p_at = probs[r, t]
-        q_at = torch.ones_like(p_at)
-        dense = [(a, q) for (a, _), q in zip(spans, draft_probs or ()) if q is not None]
-        q_rows = torch.tensor([a + j for a, q in dense for j in range(q.shape[0])],
-                              dtype=torch.long, device=dev)
-        q = torch.cat([q for _, q in dense]).to(probs) if dense else probs[:0]
-        if dense:
-            at = torch.searchsorted(r, q_rows)           # those rows among the draft rows
-            q_at.index_copy_(0, at, q.gather(1, t.index_select(0, at)[:, None])[:, 0])
-        kept = accept(u_accept[r], p_at, q_at).tolist()
-        rest = residual(probs, r, t, q_rows, q)
-    cum = rest.cumsum(-1)
-    own = _search(cum, cum[:, -1], u_draw).tolist()
-    tokens, num_accepted, at = [], [], 0
-    for (a, m), x in zip(spans, drafts):
+    t = target_probs(logits, md)
+    top = t.top.tolist() if t.top is not None else None
+    n = t.raw.shape[0]
+    # A greedy request keeps its drafts while they are the argmax, then the argmax.
+    tokens: list[list[int]] = []
+    for (a, m), x, g in zip(spans, drafts, greedy):
         out = []
-        for j, tok in enumerate(x):
-            if not kept[at + j]:
-                break
-            out.append(tok)
-        at += len(x)
-        num_accepted.append(len(out))
-        out.append(own[a + len(out)])
+        if g:
+            for j, tok in enumerate(x):
+                if tok != top[a + j]:
+                    break
+                out.append(tok)
+            out.append(top[a + len(out)])
         tokens.append(out)
+    if t.rows is not None:
+        _sample_drawn(t, spans, drafts, greedy, generators, shared, draft_probs, tokens)
+    num_accepted = [len(out) - 1 for out in tokens]
     lp = None
     if md.max_num_logprobs is not None:
         ids = [0] * n
         for (a, _), out in zip(spans, tokens):
             ids[a:a + len(out)] = out
-        lp = compute_logprobs(raw, torch.tensor(ids, device=dev), md.max_num_logprobs)
+        lp = compute_logprobs(t.raw, torch.tensor(ids, device=t.raw.device),
+                              md.max_num_logprobs)
     return tokens, lp, num_accepted
+
+
+def _sample_drawn(t: TargetProbs, spans, drafts, greedy, generators, shared, draft_probs,
+                  tokens: list[list[int]]) -> None:
+    """The sampled requests' kept tokens, into `tokens` (their rows are t.rows, in order)."""
+    probs = t.probs
+    dev = probs.device
+    local = {row: i for i, row in enumerate(t.rows.tolist())}   # md row -> row of probs
+    u_accept = torch.full((len(local),), 0.5, device=dev)
+    u_draw = torch.full((len(local),), 0.5, device=dev)
+    d_rows, d_ids, q_rows, qs = [], [], [], []
+    for (a, m), x, g, gen, q in zip(spans, drafts, greedy, generators,
+                                    draft_probs or [None] * len(spans)):
+        if g:
+            continue
+        b = local[a]                       # a request's rows draw together, in order
+        u = torch.rand(2 * m - 1, device=dev, generator=gen if gen is not None else shared)
+        u_accept[b:b + m - 1] = u[:m - 1]
+        u_draw[b:b + m] = u[m - 1:]
+        d_rows += range(b, b + len(x))
+        d_ids += x
+        if q is not None:
+            q_rows += range(b, b + q.shape[0])
+            qs.append(q)
+    kept, rest = [], probs
+    if d_rows:
+        r = torch.tensor(d_rows, device=dev)
+        tok = torch.tensor(d_ids, device=dev)
+        p_at = probs[r, tok]
+        q_at = torch.ones_like(p_at)
+        qr = torch.tensor(q_rows, dtype=torch.long, device=dev)
+        q = torch.cat(qs).to(probs) if qs else probs[:0]
+        if qs:
+            at = torch.searchsorted(r, qr)                   # those rows among the draft rows
+            q_at.index_copy_(0, at, q.gather(1, tok.index_select(0, at)[:, None])[:, 0])
+        kept = accept(u_accept[r], p_at, q_at).tolist()
+        rest = residual(probs, r, tok, qr, q)
+    cum = rest.cumsum(-1)
+    own = _search(cum, cum[:, -1], u_draw).tolist()
+    at = 0
+    for (a, m), x, g, out in zip(spans, drafts, greedy, tokens):
+        if g:
+            continue
+        b = local[a]
+        for j, tok in enumerate(x):
+            if not kept[at + j]:
+                break
+            out.append(tok)
+        at += len(x)
+        out.append(own[b + len(out)])

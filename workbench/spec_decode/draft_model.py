@@ -237,7 +237,7 @@ class DraftModelProposer:
         if rows:
             md = self.sampling.build([sampled[rid] for _, rid in rows], shared=shared,
                                      logits_rows=[i for i, _ in rows])
-            q, _ = target_probs(logits, md)
+            q = target_probs(logits, md).probs
             cum = q.cumsum(-1)
             drawn = _search(cum, cum[:, -1], _uniforms(md.draw, len(rows), q.device)).tolist()
             for j, ((_, rid), tok) in enumerate(zip(rows, drawn)):
