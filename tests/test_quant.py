@@ -80,7 +80,7 @@ def test_each_kernel_against_float64(kernels, fmt, n, k, m):
     xb = x.bfloat16()          # bf16 activations: within bf16's rounding of the same sums
     ref_b = xb.double() @ w.dequantize().double().T
     mag = (xb.abs().double() @ w.dequantize().abs().double().T).max().item()
-    old = kernels.set_packed_rows(0)                 # 0: an AVX-512 build, its own rule
+    old = kernels.set_packed_rows(0)                 # 0: a build without the choice
     try:
         for most in ((1, 256) if old and m > 1 else (old,)):
             kernels.set_packed_rows(most)

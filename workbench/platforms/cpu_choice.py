@@ -191,11 +191,11 @@ def cost(figures: dict[str, float], asked: str | None, dtype: torch.dtype) -> st
 
 SMALL_M = (2, 4, 8, 16)
 """The row counts timed for small_m_linear against torch's linear (16: the kernel's most)."""
-PACKED_M = (32, 64, 128, 256)
+PACKED_M = (32, 64, 128, 256, 512, 1024, 2048)
 """The row counts timed for packed (q4_1) weights: the kernel's qlinear on the packed rows
-(four dequantized at a time into L1, for every x row) against it on dequantized slices with
-torch's GEMM. Up to 16 rows the packed rows always run (the verify and small-batch kernels);
-256 is the most it is allowed."""
+(decoded in L1 for every x row) against it on dequantized slices with torch's GEMM: batches
+of decodes, and prefill chunks up to the default step budget. Up to 16 rows the packed rows
+always run (the verify and small-batch kernels); 2048 is the most they are allowed."""
 SMALL_M_FILE = "small_m.json"
 
 
@@ -206,7 +206,7 @@ def small_m_rows(folder, k, timer: Callable[[], float] = time.perf_counter,
     torch's batched linear at every count of SMALL_M up to it (0: at none), and 'packed' ->
     the most rows (16, or a count of PACKED_M) for which qlinear on q4_1's packed rows was
     faster than on dequantized slices at every count of PACKED_M up to it (16 where the
-    build has no such choice: AVX-512's kernels keep theirs); on SHAPES, one thread, in
+    build has no such choice); on SHAPES, one thread, in
     interleaved rounds; measured once per kernel build and kept beside it as `choice.json`
     is. Which wins is the CPU's (oneDNN with AMX against an AVX2 loop), not a constant."""
     path = folder / SMALL_M_FILE
@@ -228,7 +228,7 @@ def small_m_rows(folder, k, timer: Callable[[], float] = time.perf_counter,
                 (lambda x=x, w=w: k.small_m_linear(x, w, None)) for x, w in zip(xs, wd)]
             runners[f"{name} {m} torch"] = [
                 (lambda x=x, w=w: ops.batched_linear(x, w)) for x, w in zip(xs, wd)]
-    packed = k.set_packed_rows(0)                # 0: an AVX-512 build, with its own rule
+    packed = k.set_packed_rows(0)                # 0: a build without the choice
     if packed:
         q4 = [_gguf(w, "q4_1") for w in ws]
         for m in PACKED_M:

@@ -361,8 +361,8 @@ static inline void small_rows(const uint8_t* wr, const float* x, int64_t ldx, in
 }
 
 static constexpr int64_t kSmallRows = 16;
-// x rows up to which batched qlinear stays on the packed rows (small_rows); above it the
-// GEMM on dequantized slices is faster.
+// x rows up to which batched qlinear always stays on the packed rows (small_rows); up to
+// g_packed_rows (measured, below) fp32 rows of the row formats do too.
 
 // One packed row against `mt` (1..8) x rows.
 template <int64_t F>
@@ -383,11 +383,19 @@ static inline void small_rows_n(int64_t mt, const uint8_t* wr, const float* x, i
 template <int64_t F>
 static void qlinear_small_f(const float* xp, const uint8_t* wp, int64_t rb, int64_t M,
                             int64_t K, int64_t N, float* yp) {
-  at::parallel_for(0, N, 8, [&](int64_t b, int64_t e) {
-    for (int64_t n = b; n < e; ++n)
-      for (int64_t m = 0; m < M; m += 8)   // 9-16 rows: 8, then the rest, in two passes
-        small_rows_n<F>(std::min<int64_t>(8, M - m), wp + n * rb, xp + m * K, K,
-                        yp + m * N + n, N);
+  // Passes of 8 x rows (9-16 rows: 8, then the rest); a tile of 16 weight rows takes every
+  // pass before the next tile, so a pass's x rows stay in L1 across the tile and the tile's
+  // packed rows across the passes (weight row by weight row, all passes each, read 24 x rows
+  // from L2 for every weight row: 43 ms for SmolLM2's linears against 16 ms for 16 rows).
+  constexpr int64_t kTileN = 16;
+  at::parallel_for(0, N, kTileN, [&](int64_t b, int64_t e) {
+    for (int64_t n0 = b; n0 < e; n0 += kTileN) {
+      const int64_t n1 = std::min(e, n0 + kTileN);
+      for (int64_t m = 0; m < M; m += 8)
+        for (int64_t n = n0; n < n1; ++n)
+          small_rows_n<F>(std::min<int64_t>(8, M - m), wp + n * rb, xp + m * K, K,
+                          yp + m * N + n, N);
+    }
   });
 }
 
@@ -554,6 +562,13 @@ static at::Tensor packed_small_m(const at::Tensor& x, const at::Tensor& w, int64
   return y;
 }
 
+static int64_t g_packed_rows = 16;
+// The most x rows that stay on the packed rows; more multiply dequantized slices with
+// torch's GEMM (sliced_linear). On the AVX2 EPYC the packed rows won up to 256 rows (1.2x
+// there, 2.4-3.8x at 8-32: dequantizing the slices cost more than their GEMM); on the Zen 5
+// (AVX-512) 32 rows of SmolLM2's linears took 32 ms on them against 55 ms in slices, so it
+// is measured per build (cpu_choice.small_m_rows sets it through set_packed_rows), not fixed.
+
 #ifndef __AVX512F__
 // The portable kernels of the row formats (no AVX-512). Batch 1: qrow_dot, each packed row
 // against x without a buffer. More rows (a verify step, a batch of decodes, a prefill
@@ -561,11 +576,6 @@ static at::Tensor packed_small_m(const at::Tensor& x, const at::Tensor& w, int64
 // that stays in L1 (dequant_row: the reference's numbers) and multiplied with every x row,
 // two at a time, by small_m_gemm (cpu_small_m.h, small_m_linear's loop), so the weights are
 // read once a step in their packed bytes, as the AVX-512 kernels read them.
-static int64_t g_packed_rows = 16;
-// The most x rows that take qrows; more multiply dequantized slices with torch's GEMM. On
-// the AVX2 EPYC qrows won up to 256 rows (1.2x there, 2.4-3.8x at 8-32: dequantizing the
-// slices cost more than their GEMM), so it is measured per build (cpu_choice.small_m_rows
-// sets it through set_packed_rows), not fixed.
 
 // One packed row . x at batch 1, without a buffer: sixteen lanes of sums (acc, kept in
 // vector registers by the compiler) take each block's products scaled by its d, and a Q4_1
@@ -667,18 +677,14 @@ static at::Tensor sliced_linear(const at::Tensor& x, int64_t N, Decode decode) {
 at::Tensor a8_dispatch_linear(at::Tensor x, at::Tensor w, int64_t fmt);   // cpu_a8.cpp
 at::Tensor a8_embedding(at::Tensor ids, at::Tensor w, int64_t fmt, int64_t K, bool bf16);
 
-// The most rows the portable path's qlinear multiplies on the packed rows (n >= 1; set
-// from cpu_choice's measurement), returning the previous; n < 1 only reads it. An AVX-512
-// build keeps its own kernels' rule (16 rows) and returns 0.
+// The most rows qlinear multiplies on the packed rows (n >= 1; set from cpu_choice's
+// measurement), returning the previous; n < 1 only reads it. Up to 16 rows always take
+// them on an AVX-512 build (its bf16 and bf16c rows too; past 16, its fp32 rows of the row
+// formats alone).
 int64_t set_packed_rows(int64_t n) {
-#ifdef __AVX512F__
-  (void)n;
-  return 0;
-#else
   const int64_t old = g_packed_rows;
   if (n >= 1) g_packed_rows = n;
   return old;
-#endif
 }
 
 at::Tensor qlinear(at::Tensor x, at::Tensor w, int64_t fmt) {
@@ -697,6 +703,9 @@ at::Tensor qlinear(at::Tensor x, at::Tensor w, int64_t fmt) {
   // call, as larger batches do, cost 3x bf16's 8 rows on an Ice Lake).
   if (M <= kSmallRows)
     return fmt == kBf16c ? packed_small_m(x, w, fmt) : qlinear_small(x, w, fmt);
+  // More fp32 rows: each weight row, decoded from L1, against 8 x rows a pass.
+  if (M <= g_packed_rows && fmt != kBf16c && x.scalar_type() == at::kFloat)
+    return qlinear_small(x, w, fmt);
 #else
   if (M <= g_packed_rows && (fmt != kBf16c || M > 1))    // bf16c's one row: bf16c_gemv
     return x.scalar_type() == at::kFloat ? qrows(x, w, fmt)
