@@ -337,12 +337,11 @@ def target_probs(logits: torch.Tensor, md: SamplingMetadata) -> TargetProbs:
     rows = torch.arange(logits.shape[0], device=logits.device) if draw.rows is None \
         else draw.rows
     sub = logits if draw.rows is None else logits.index_select(0, rows)
-    dense = torch.zeros(sub.shape, dtype=torch.float32, device=logits.device)
+    dense = None                   # one filter's rows: its result; both: put together here
     for f in (draw.truncated, draw.full):
         if f is None:
             continue
-        at = torch.arange(sub.shape[0], device=sub.device) if f.rows is None else f.rows
-        part = sub if f.rows is None else sub.index_select(0, at)
+        part = sub if f.rows is None else sub.index_select(0, f.rows)
         if f is draw.full:
             p = _full_probs(part, f).float()
             p /= p.sum(-1, keepdim=True)
@@ -351,7 +350,9 @@ def target_probs(logits: torch.Tensor, md: SamplingMetadata) -> TargetProbs:
         if f.rows is None:
             dense = p
         else:
-            dense.index_copy_(0, at, p)
+            if dense is None:
+                dense = torch.zeros(sub.shape, dtype=torch.float32, device=logits.device)
+            dense.index_copy_(0, f.rows, p)
     return TargetProbs(top, rows, dense, raw)
 
 
