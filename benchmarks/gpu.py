@@ -55,6 +55,7 @@ from workbench.bench.device_run import (DeviceRun, anchor_workload, b1_prompt,  
                                         random_prompts, rel_err, w1_shape, within_bf16_error)
 from workbench.bench.offline import (SAMPLING_WORKLOADS, Workload, run_engine,  # noqa: E402
                                      run_engine_b1, save_random_qwen3)
+from workbench.bench.speculative import timed_round  # noqa: E402
 from workbench.telemetry import percentile  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -340,12 +341,9 @@ def _spec_run(e: Engine, prompts: list[list[int]], new: int) -> dict:
     import statistics
     e.generate([prompts[0][:8]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     e.reset_prefix_cache()
-    steps0, reqs0 = e.telemetry.num_steps, e.telemetry.num_requests
-    t = time.perf_counter()
-    outs = e.generate(prompts, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
-    dt = time.perf_counter() - t
-    reqs = e.telemetry.requests_since(reqs0)
-    drafted = sum(r.num_draft_tokens for r in reqs)
+    steps0 = e.telemetry.num_steps
+    dt, tokens, st = timed_round(e, prompts, SamplingParams(max_tokens=new, temperature=0,
+                                                            ignore_eos=True))
     kinds: dict[str, list[float]] = {"decode": [], "verify": []}
     rows: dict[str, list[int]] = {"decode": [], "verify": []}
     for s in e.telemetry.steps_since(steps0):
@@ -353,11 +351,10 @@ def _spec_run(e: Engine, prompts: list[list[int]], new: int) -> dict:
             kind = "verify" if s.num_draft_tokens else "decode"
             kinds[kind].append(s.duration * 1e3)
             rows[kind].append(s.num_decode_tokens)
-    tokens = [o.token_ids for o in outs]
+    acceptance = st["acceptance_rate"]
     return dict(out_tok_s=round(sum(map(len, tokens)) / dt, 1), seconds=round(dt, 2),
-                tokens=tokens, drafted=drafted,
-                acceptance=(round(sum(r.num_accepted_tokens for r in reqs) / drafted, 3)
-                            if drafted else None),
+                tokens=tokens, drafted=st["drafted"],
+                acceptance=None if acceptance is None else round(acceptance, 3),
                 steps={k: len(v) for k, v in kinds.items()},
                 step_ms={k: round(statistics.median(v), 3) if v else None
                          for k, v in kinds.items()},
@@ -541,9 +538,11 @@ def vllm_workload(small: bool, max_num_seqs: int, budget: int) -> None:
     qwen3 = run_engine(e, Workload(prompts, [new] * n), sampling=SAMPLING_WORKLOADS["qwen3_defaults"])
     RUN.emit(f"vllm_{max_num_seqs}_{budget}", model=model, requests=n, prompt_len=length, new=new,
              max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-             req_s=round(n / res["seconds"], 1),
-             total_tok_s=round(n * (length + new) / res["seconds"]),
-             qwen3_defaults_req_s=round(n / qwen3["seconds"], 1), **res)
+             # from the output rate (each request writes `new` tokens), not the rounded
+             # seconds: a toy run on the CPU can round to 0.0 s
+             req_s=round(res["out_tok_s"] / new, 1),
+             total_tok_s=round(res["out_tok_s"] * (length + new) / new),
+             qwen3_defaults_req_s=round(qwen3["out_tok_s"] / new, 1), **res)
     free_engine(e)
 
 

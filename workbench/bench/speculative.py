@@ -41,7 +41,9 @@ def check_tokens_per_step(answer, alpha: float, k: int) -> str:
             f"j is kept only if drafts 1..j all are, with probability α^j; add them up")
 
 
-def _round(engine: Engine, prompts, params) -> tuple[float, list, dict]:
+def timed_round(engine: Engine, prompts, params) -> tuple[float, list, dict]:
+    """prompts through engine once: seconds, each request's tokens, and what its
+    speculation did (steps, drafted tokens, acceptance, tokens a step)."""
     steps0, reqs0 = engine.telemetry.num_steps, engine.telemetry.num_requests
     t = time.perf_counter()
     outs = engine.generate(prompts, params)
@@ -49,6 +51,7 @@ def _round(engine: Engine, prompts, params) -> tuple[float, list, dict]:
     reqs = engine.telemetry.requests_since(reqs0)
     drafted = sum(r.num_draft_tokens for r in reqs)
     stats = {"steps": engine.telemetry.num_steps - steps0,
+             "drafted": drafted,
              "acceptance_rate": (sum(r.num_accepted_tokens for r in reqs) / drafted
                                  if drafted else None),
              "tokens_per_step": (sum(r.output_tokens for r in reqs)
@@ -71,7 +74,7 @@ def run(model: str, speculative_config: dict, engine_kwargs: dict, batch_sizes=(
             best = {"plain": None, "spec": None}
             for _ in range(rounds):
                 for arm, e in (("plain", plain), ("spec", spec)):
-                    dt, toks, st = _round(e, prompts, params)
+                    dt, toks, st = timed_round(e, prompts, params)
                     if best[arm] is None or dt < best[arm][0]:
                         best[arm] = (dt, toks, st)
             (tp, kp, _), (ts, ks, ss) = best["plain"], best["spec"]
