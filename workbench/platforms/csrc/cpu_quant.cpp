@@ -566,7 +566,7 @@ static int64_t g_packed_rows = 16;
 // The most x rows that stay on the packed rows; more multiply dequantized slices with
 // torch's GEMM (sliced_linear). On the AVX2 EPYC the packed rows won up to 256 rows (1.2x
 // there, 2.4-3.8x at 8-32: dequantizing the slices cost more than their GEMM); on the Zen 5
-// (AVX-512) 32 rows of SmolLM2's linears took 32 ms on them against 55 ms in slices, so it
+// (AVX-512) 32 rows of SmolLM2's linears took 26 ms on them against 54 ms in slices, so it
 // is measured per build (cpu_choice.small_m_rows sets it through set_packed_rows), not fixed.
 
 #ifndef __AVX512F__
