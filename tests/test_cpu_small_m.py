@@ -78,15 +78,49 @@ def test_cpu_ops_takes_it_for_the_rows_measured_faster(kern):
             assert torch.equal(ops.linear(x, w.to(dt), b.to(dt)), want), (dt, m, most)
 
 
+def test_fp32_batched_linear_is_the_measured_path_and_f_linears_numbers(kern):
+    """fp32 past small_m's rows: oneDNN on the weight packed once where the build measured it
+    faster than F.linear (cpu_choice 'onednn'), F.linear where not; oneDNN sums in another
+    order, so to a few units in the last place of F.linear's, for batches and prefill
+    chunks, with and without a bias; the packing is made once and kept."""
+    from workbench.platforms import cpu_ops
+    ops = cpu_ops.CpuOps()
+    cpu_ops.small_m_rows(torch.float32)                      # the build's choice, measured
+    g = torch.Generator().manual_seed(7)
+    w, b = torch.randn(200, 72, generator=g), torch.randn(200, generator=g)
+    for m in (17, 32, 100, 300):
+        x = torch.randn(m, 72, generator=g)
+        for bias in (None, b):
+            y, ref = ops.batched_linear(x, w, bias), F.linear(x, w, bias)
+            mag = x.abs().double() @ w.abs().double().T + (0 if bias is None else b.abs().double())
+            assert units(y, ref, mag) <= 4, (m, bias is None)
+            if not cpu_ops.onednn_fp32():
+                assert torch.equal(y, ref)
+    assert (id(w) in ops._onednn) == cpu_ops.onednn_fp32()
+    if cpu_ops.onednn_fp32():
+        packed = ops._onednn[id(w)][1]
+        ops.batched_linear(torch.randn(40, 72), w)
+        assert ops._onednn[id(w)][1] is packed               # packed once, not per call
+
+
 def test_the_choice_is_measured_once_per_build_and_kept(kern, tmp_path):
     from workbench.platforms import cpu_choice
     rows = cpu_choice.small_m_rows(tmp_path, kern, reps=1)
     kept = json.loads((tmp_path / cpu_choice.SMALL_M_FILE).read_text())
-    assert kept["rows"] == rows and set(rows) == {"float32", "bfloat16", "packed"}
+    assert kept["rows"] == rows and set(rows) == {"float32", "bfloat16", "packed", "onednn"}
+    us = kept["us"]
+    # fp32's batched linear: oneDNN on prepacked weights where faster than F.linear at every
+    # count of ONEDNN_M (a torch with oneDNN times both at every count)
+    if "float32 32 onednn" in us:
+        assert rows["onednn"] == all(us[f"float32 {m} onednn"] < us[f"float32 {m} torch"]
+                                     for m in cpu_choice.ONEDNN_M)
+    else:
+        assert rows["onednn"] == 0
     for dt in ("float32", "bfloat16"):                 # the rule: faster at every count to it
         most = rows[dt]
+        batched = "onednn" if dt == "float32" and rows["onednn"] else "torch"
         for m in cpu_choice.SMALL_M:
-            faster = kept["us"][f"{dt} {m} small_m"] < kept["us"][f"{dt} {m} torch"]
+            faster = us[f"{dt} {m} small_m"] < us[f"{dt} {m} {batched}"]
             if m <= most:
                 assert faster
             elif m == min(c for c in cpu_choice.SMALL_M if c > most):
@@ -104,6 +138,6 @@ def test_the_choice_is_measured_once_per_build_and_kept(kern, tmp_path):
     line = few_rows_line(tmp_path)
     assert f"float32 up to {rows['float32']}" in line
     assert f"packed weights stay packed up to {rows['packed']} rows" in line
-    kept["rows"] = {"float32": 4, "bfloat16": 0}       # read back, not measured again
+    kept["rows"] = {"float32": 4, "bfloat16": 0, "onednn": 0}   # read back, not measured again
     (tmp_path / cpu_choice.SMALL_M_FILE).write_text(json.dumps(kept))
-    assert cpu_choice.small_m_rows(tmp_path, kern) == {"float32": 4, "bfloat16": 0}
+    assert cpu_choice.small_m_rows(tmp_path, kern) == kept["rows"]

@@ -238,12 +238,13 @@ def test_cpu_ops_match_the_torch_reference():
             assert close(ops.linear(x, wt, bias), ref.linear(x, wt, bias), 16)
     from workbench.platforms.cpu_ops import small_m_rows
     x, wt = torch.randn(3, 64), torch.randn(8, 64)        # a few rows: small_m_linear where
-    few = ops.linear(x, wt)                               # it measured faster than torch's GEMM
+    few = ops.linear(x, wt)                               # it measured faster than the batched
     assert torch.equal(few, kern.small_m_linear(x, wt, None) if small_m_rows(torch.float32) >= 3
-                       else ref.linear(x, wt))
+                       else ops.batched_linear(x, wt))
     assert close(few, ref.linear(x, wt), 16)
-    x = torch.randn(17, 64)                                           # more: torch's GEMM
-    assert torch.equal(ops.linear(x, wt), ref.linear(x, wt))
+    x = torch.randn(17, 64)                     # more: the batched linear (oneDNN or F.linear)
+    assert torch.equal(ops.linear(x, wt), ops.batched_linear(x, wt))
+    assert close(ops.linear(x, wt), ref.linear(x, wt), 16)
 
 
 @pytest.mark.parametrize("model", ["random:tiny", "random:tiny-qwen2", "random:tiny-qwen3"])

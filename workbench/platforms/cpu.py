@@ -164,7 +164,13 @@ def few_rows_line(folder) -> str:
     except (OSError, ValueError, KeyError):
         return "few rows       not measured yet (the first engine on a built kernel measures)"
     dense = ", ".join(f"{dt} up to {rows.get(dt, 0)}" for dt in ("float32", "bfloat16"))
-    text = f"few rows       small_m_linear: {dense} rows (else torch's matmul)"
+    text = f"few rows       small_m_linear: {dense} rows (else the batched linear)"
+    if rows.get("onednn") and "float32 32 onednn" in us:
+        text += (f"; fp32 batched: oneDNN on prepacked weights (32 rows: "
+                 f"{us['float32 32 onednn'] / 1000:.1f} ms against F.linear's "
+                 f"{us['float32 32 torch'] / 1000:.1f} ms, one thread)")
+    elif "onednn" in rows:
+        text += "; fp32 batched: torch's F.linear (oneDNN prepacked was not faster)"
     most = rows.get("packed", 16)
     key = f"q4_1 {most} packed"
     if key in us:

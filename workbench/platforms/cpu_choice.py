@@ -196,6 +196,10 @@ PACKED_M = (32, 64, 128, 256, 512, 1024, 2048)
 (decoded in L1 for every x row) against it on dequantized slices with torch's GEMM: batches
 of decodes, and prefill chunks up to the default step budget. Up to 16 rows the packed rows
 always run (the verify and small-batch kernels); 2048 is the most they are allowed."""
+ONEDNN_M = (32, 128)
+"""The row counts (besides SMALL_M) timed for fp32's batched linear: oneDNN on weights packed
+once into its layout against torch's F.linear (MKL's sgemm on x86 builds): a batch of decodes,
+a verify step of a batch, a prefill chunk."""
 SMALL_M_FILE = "small_m.json"
 
 
@@ -203,7 +207,10 @@ def small_m_rows(folder, k, timer: Callable[[], float] = time.perf_counter,
                  reps: int = 5) -> dict[str, int]:
     """dtype name -> the most rows for which the kernel's small_m_linear (a verify step's
     k + 1 tokens, a small batch: each weight row read once for all rows) was faster than
-    torch's batched linear at every count of SMALL_M up to it (0: at none), and 'packed' ->
+    the batched linear at every count of SMALL_M up to it (0: at none); 'onednn' -> 1 where
+    fp32's batched linear is oneDNN on prepacked weights, which was faster than torch's F.linear
+    at every count of ONEDNN_M (0: F.linear; MKL's sgemm ran at a third of
+    oneDNN's speed on a Zen 5, 80 against 26 ms for SmolLM2's linears at 32 rows), and 'packed' ->
     the most rows (16, or a count of PACKED_M) for which qlinear on q4_1's packed rows was
     faster than on dequantized slices at every count of PACKED_M up to it (16 where the
     build has no such choice); on SHAPES, one thread, in
@@ -211,23 +218,32 @@ def small_m_rows(folder, k, timer: Callable[[], float] = time.perf_counter,
     is. Which wins is the CPU's (oneDNN with AMX against an AVX2 loop), not a constant."""
     path = folder / SMALL_M_FILE
     try:
-        return json.loads(path.read_text())["rows"]
+        rows = json.loads(path.read_text())["rows"]
+        if "onednn" in rows:           # (kept before fp32's batched choice was: measure it)
+            return rows
     except (OSError, ValueError, KeyError):
         pass
-    from .cpu_ops import CpuOps
+    from .cpu_ops import CpuOps, onednn_linear, onednn_packed
     ops = CpuOps()
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(n, kk, generator=g) * 0.02 for n, kk in SHAPES]
     runners: dict[str, list[Callable[[], object]]] = {}
+    packed_f32 = onednn_packed(ws)
     for dt in (torch.float32, torch.bfloat16):
         name = str(dt).removeprefix("torch.")
-        for m in SMALL_M:
+        for m in SMALL_M + (ONEDNN_M if dt == torch.float32 else ()):
             xs = [torch.randn(m, w.shape[1], generator=g).to(dt) for w in ws]
             wd = [w.to(dt) for w in ws]
-            runners[f"{name} {m} small_m"] = [
-                (lambda x=x, w=w: k.small_m_linear(x, w, None)) for x, w in zip(xs, wd)]
+            if m in SMALL_M:
+                runners[f"{name} {m} small_m"] = [
+                    (lambda x=x, w=w: k.small_m_linear(x, w, None)) for x, w in zip(xs, wd)]
+            # fp32: F.linear itself (the batched choice is made here); bf16: the batched path
             runners[f"{name} {m} torch"] = [
-                (lambda x=x, w=w: ops.batched_linear(x, w)) for x, w in zip(xs, wd)]
+                (lambda x=x, w=w: torch.nn.functional.linear(x, w) if dt == torch.float32
+                 else ops.batched_linear(x, w)) for x, w in zip(xs, wd)]
+            if dt == torch.float32 and packed_f32:
+                runners[f"{name} {m} onednn"] = [
+                    (lambda x=x, p=p: onednn_linear(x, p, None)) for x, p in zip(xs, packed_f32)]
     packed = k.set_packed_rows(0)                # 0: a build without the choice
     if packed:
         q4 = [_gguf(w, "q4_1") for w in ws]
@@ -247,11 +263,13 @@ def small_m_rows(folder, k, timer: Callable[[], float] = time.perf_counter,
         torch.set_num_threads(threads)
         if packed:
             k.set_packed_rows(packed)
-    rows = {}
+    rows = {"onednn": int(bool(packed_f32) and all(
+        us[f"float32 {m} onednn"] < us[f"float32 {m} torch"] for m in ONEDNN_M))}
     for dt in ("float32", "bfloat16"):
         rows[dt] = 0
+        batched = "onednn" if dt == "float32" and rows["onednn"] else "torch"
         for m in SMALL_M:
-            if us[f"{dt} {m} small_m"] >= us[f"{dt} {m} torch"]:
+            if us[f"{dt} {m} small_m"] >= us[f"{dt} {m} {batched}"]:
                 break
             rows[dt] = m
     rows["packed"] = 16

@@ -9,10 +9,12 @@ reference's. A few rows (2-16: a speculative verify step, a small batch) take
 `small_m_linear`, which reads each weight row once for all of them, up to the row count it
 measured faster than torch's matmul on this CPU (cpu_choice.small_m_rows, once per kernel
 build); packed weights stay packed up to the rows measured faster than dequantized slices
-(256 on the AVX2 EPYC). Batched linear layers are torch's oneDNN matmul (AMX where the CPU has it); in
-bf16 on the weights packed once into oneDNN's blocked layout (`CpuOps.prepacked`), which torch's
-F.linear repacks on every call: the same kernel and the same bits, 1.1-1.8x faster at
-SmolLM2's shapes from 4 to 256 rows."""
+(256 on the AVX2 EPYC). Batched linear layers are oneDNN's matmul (AMX where the CPU has it) on
+the weights packed once into its blocked layout (`CpuOps.prepacked`): in bf16, where torch's
+F.linear repacks on every call (the same kernel and the same bits, 1.1-1.8x faster at
+SmolLM2's shapes from 4 to 256 rows); in fp32 where the build measured it faster than F.linear,
+whose MKL sgemm on a Zen 5 ran SmolLM2's linears at a third of its speed (32 rows: 80 ms
+against 26; the cost: the fp32 weights' bytes once more)."""
 from __future__ import annotations
 
 import os
@@ -47,8 +49,8 @@ class CpuOps(TorchOps):
         the kernel has no VNNI (an AVX2 or Arm build): x rounded through its 8-bit blocks
         times these rows is the format's product, at the row format's speed (see linear)."""
         self._onednn: dict[int, tuple[torch.Tensor | PackedWeight, torch.Tensor]] = {}
-        """id(weight) -> (the weight, it in oneDNN's blocked layout): bf16 weights packed at
-        their first batched use (see prepacked). Held by the ops object, which lives and
+        """id(weight) -> (the weight, it in oneDNN's blocked layout): bf16 and fp32 weights
+        packed at their first batched use (see prepacked). Held by the ops object, which lives and
         dies with its model (model.ops), as the weights do."""
 
     def dense(self, weight: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
@@ -67,8 +69,7 @@ class CpuOps(TorchOps):
                     and hasattr(k, "bf16c_stream"):
                 return k.bf16c_gemv(x, weight.data, bias)
             if x.dtype == torch.bfloat16 and x.dim() == 2 and onednn_bf16():
-                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.prepacked(weight),
-                                                          bias, "none", [], "")
+                return onednn_linear(x, self.prepacked(weight), bias)
             if not (k and x.dim() == 2 and x.dtype == torch.bfloat16):
                 return self._dense_linear(x, weight, bias)
         if isinstance(weight, PackedWeight):
@@ -94,29 +95,31 @@ class CpuOps(TorchOps):
         return self.batched_linear(x, weight, bias)
 
     def batched_linear(self, x, weight, bias=None):
-        """A plain weight's linear as torch runs it (oneDNN's matmul; bf16 on the prepacked
-        weight where oneDNN has native bf16; where it has not, in fp32 on the weight widened a
-        slice at a time: torch's bf16 GEMM there ran at 0.4x fp32's throughput)."""
+        """A plain weight's linear on many rows: fp32 on the prepacked weight where oneDNN was
+        measured faster than torch's F.linear (onednn_fp32), else F.linear; bf16 on the
+        prepacked weight where oneDNN has native bf16; where it has not, in fp32 on the weight
+        widened a slice at a time: torch's bf16 GEMM there ran at 0.4x fp32's throughput."""
+        if x.dtype == weight.dtype == torch.float32 and x.dim() == 2 and onednn_fp32():
+            return onednn_linear(x, self.prepacked(weight), bias)
         if x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2:
             if onednn_bf16():
-                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.prepacked(weight),
-                                                          bias, "none", [], "")
+                return onednn_linear(x, self.prepacked(weight), bias)
             k = cpu_kernels.kernels()
             if k and hasattr(k, "widened_linear"):
                 return _rounded(k.widened_linear(x.float(), weight), bias)
         return torch.nn.functional.linear(x, weight, bias)
 
     def prepacked(self, weight: torch.Tensor | PackedWeight) -> torch.Tensor:
-        """A bf16 weight [N, K] (or a `bf16c` one, decoded) in oneDNN's blocked layout,
-        packed at its first batched use and kept in this ops object (a copy: the layer
-        weights' bf16 bytes once more; the batch-1 kernels read the plain or bf16c layout).
+        """A bf16 or fp32 weight [N, K] (or a `bf16c` one, decoded) in oneDNN's blocked
+        layout, packed at its first batched use and kept in this ops object (a copy: the layer
+        weights' bytes once more; the batch-1 kernels read the plain or bf16c layout).
         The weights do not change after loading; a weight changed in place would keep its
         old packing."""
         held = self._onednn.get(id(weight))
         if held is None or held[0] is not weight:
             w = weight.dequantize(torch.bfloat16) if isinstance(weight, PackedWeight) \
                 else weight.detach()
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+            packed = onednn_packed([w])[0]
             held = self._onednn[id(weight)] = (weight, packed)
         return held[1]
 
@@ -224,10 +227,35 @@ def onednn_isa_has_bf16(cap: str | None) -> bool:
     return (cap or "ALL").strip().upper() not in _ONEDNN_BELOW_BF16
 
 
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None):
+    """x [M, K] times a weight packed by `prepacked` (oneDNN's matmul, as torch's mkldnn
+    linear runs it)."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+def onednn_packed(weights: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """fp32 weights in oneDNN's blocked layout (for rows about a batch: 32), or None where
+    torch's oneDNN cannot pack them (a build without it)."""
+    try:
+        if not torch.backends.mkldnn.is_available():
+            return None
+        return [torch.ops.mkldnn._reorder_linear_weight(w.detach(), 32) for w in weights]
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return None
+
+
+def onednn_fp32() -> bool:
+    """Whether fp32's batched linear is oneDNN on prepacked weights here: what the kernel build
+    measured (SMALL_M_ROWS 'onednn') with the kernel loaded; F.linear until it has, and where
+    the kernel is gone (the fallbacks are the torch reference's numbers)."""
+    return bool(SMALL_M_ROWS and SMALL_M_ROWS.get("onednn")) and cpu_kernels.kernels() is not None
+
+
 SMALL_M_ROWS: dict[str, int] | None = None
 """dtype name -> the most rows (2..cpu_choice.SMALL_M[-1]) that take the kernel's
 `small_m_linear` (each weight row read once for all rows) instead of torch's batched linear
-(0: never), and 'packed' -> the most rows qlinear multiplies on packed weights' rows rather
+(0: never), 'onednn' -> 1 where fp32's batched linear is oneDNN's on prepacked weights (see
+onednn_fp32), and 'packed' -> the most rows qlinear multiplies on packed weights' rows rather
 than on dequantized slices (the kernel is told: set_packed_rows): measured once per kernel
 build (cpu_choice.small_m_rows), read when the kernel arrives."""
 MEASURE_SMALL_M_ROWS: Callable[[object], dict[str, int]] | None = None
