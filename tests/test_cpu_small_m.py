@@ -141,3 +141,25 @@ def test_the_choice_is_measured_once_per_build_and_kept(kern, tmp_path):
     kept["rows"] = {"float32": 4, "bfloat16": 0, "onednn": 0}   # read back, not measured again
     (tmp_path / cpu_choice.SMALL_M_FILE).write_text(json.dumps(kept))
     assert cpu_choice.small_m_rows(tmp_path, kern) == kept["rows"]
+
+
+def test_sliced_rows_through_onednn_or_torchs_gemm_give_the_formats_numbers(kern):
+    """Past the packed rows, a packed weight is dequantized a slice at a time and each slice
+    multiplied by fp32's batched choice (set_onednn_slices: oneDNN, or torch's GEMM): either
+    way the dequantized weight's product to a few units in the last place."""
+    from workbench.platforms.quant import quantize_int8
+    if not hasattr(kern, "set_onednn_slices"):
+        pytest.skip("a kernel without the choice")
+    g = torch.Generator().manual_seed(3)
+    w = quantize_int8(torch.randn(700, 96, generator=g))      # several slices' rows
+    x = torch.randn(300, 96, generator=g)
+    ref = F.linear(x, w.dequantize(torch.float32))
+    mag = x.abs().double() @ w.dequantize(torch.float32).abs().double().T
+    rows, slices = kern.set_packed_rows(1), kern.set_onednn_slices(False)
+    try:
+        for on in (False, True):
+            kern.set_onednn_slices(on)
+            assert units(kern.qlinear(x, w.data, w.code), ref, mag) <= 4, on
+    finally:
+        kern.set_packed_rows(rows)
+        kern.set_onednn_slices(slices)

@@ -212,7 +212,8 @@ def small_m_rows(folder, k, timer: Callable[[], float] = time.perf_counter,
     at every count of ONEDNN_M (0: F.linear; MKL's sgemm ran at a third of
     oneDNN's speed on a Zen 5, 80 against 26 ms for SmolLM2's linears at 32 rows), and 'packed' ->
     the most rows (16, or a count of PACKED_M) for which qlinear on q4_1's packed rows was
-    faster than on dequantized slices at every count of PACKED_M up to it (16 where the
+    faster than on dequantized slices (multiplied by fp32's batched choice: oneDNN or torch's
+    GEMM) at every count of PACKED_M up to it (16 where the
     build has no such choice); on SHAPES, one thread, in
     interleaved rounds; measured once per kernel build and kept beside it as `choice.json`
     is. Which wins is the CPU's (oneDNN with AMX against an AVX2 loop), not a constant."""
@@ -244,27 +245,35 @@ def small_m_rows(folder, k, timer: Callable[[], float] = time.perf_counter,
             if dt == torch.float32 and packed_f32:
                 runners[f"{name} {m} onednn"] = [
                     (lambda x=x, p=p: onednn_linear(x, p, None)) for x, p in zip(xs, packed_f32)]
-    packed = k.set_packed_rows(0)                # 0: a build without the choice
-    if packed:
-        q4 = [_gguf(w, "q4_1") for w in ws]
-        for m in PACKED_M:
-            xs = [torch.randn(m, w.shape[1], generator=g) for w in ws]
-            for arm, most in (("packed", PACKED_M[-1]), ("slices", 1)):
-                runners[f"q4_1 {m} {arm}"] = [
-                    (lambda x=x, w=w, most=most: (k.set_packed_rows(most),
-                                                  k.qlinear(x, w.data, w.code)))
-                    for x, w in zip(xs, q4)]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    packed = k.set_packed_rows(0)                # 0: a build without the choice
+    slices = k.set_onednn_slices(False) if hasattr(k, "set_onednn_slices") else None
     try:
         with torch.inference_mode():
             us = measure(runners, timer, reps)
+            rows = {"onednn": int(bool(packed_f32) and all(
+                us[f"float32 {m} onednn"] < us[f"float32 {m} torch"] for m in ONEDNN_M))}
+            if packed:
+                # the slices as they will run: their fp32 GEMM is fp32's batched choice
+                if slices is not None:
+                    k.set_onednn_slices(bool(rows["onednn"]))
+                q4 = [_gguf(w, "q4_1") for w in ws]
+                runners = {}
+                for m in PACKED_M:
+                    xs = [torch.randn(m, w.shape[1], generator=g) for w in ws]
+                    for arm, most in (("packed", PACKED_M[-1]), ("slices", 1)):
+                        runners[f"q4_1 {m} {arm}"] = [
+                            (lambda x=x, w=w, most=most: (k.set_packed_rows(most),
+                                                          k.qlinear(x, w.data, w.code)))
+                            for x, w in zip(xs, q4)]
+                us.update(measure(runners, timer, reps))
     finally:
         torch.set_num_threads(threads)
         if packed:
             k.set_packed_rows(packed)
-    rows = {"onednn": int(bool(packed_f32) and all(
-        us[f"float32 {m} onednn"] < us[f"float32 {m} torch"] for m in ONEDNN_M))}
+        if slices is not None:
+            k.set_onednn_slices(slices)
     for dt in ("float32", "bfloat16"):
         rows[dt] = 0
         batched = "onednn" if dt == "float32" and rows["onednn"] else "torch"

@@ -272,6 +272,8 @@ def small_m_rows(dtype: torch.dtype) -> int:
             return 0
         SMALL_M_ROWS = MEASURE_SMALL_M_ROWS(k)
         k.set_packed_rows(SMALL_M_ROWS.get("packed", 16))
+        if hasattr(k, "set_onednn_slices"):
+            k.set_onednn_slices(bool(SMALL_M_ROWS.get("onednn")))
     return SMALL_M_ROWS.get(str(dtype).removeprefix("torch."), 0)
 
 

@@ -37,6 +37,7 @@ at::Tensor small_m_linear(at::Tensor x, at::Tensor weight, c10::optional<at::Ten
 at::Tensor dequantize(at::Tensor w, int64_t fmt, int64_t K);
 at::Tensor qlinear(at::Tensor x, at::Tensor w, int64_t fmt);
 int64_t set_packed_rows(int64_t n);
+bool set_onednn_slices(bool on);
 at::Tensor qembedding(at::Tensor ids, at::Tensor w, int64_t fmt, int64_t K, bool bf16);
 at::Tensor qgemv(at::Tensor x, at::Tensor w, int64_t fmt);
 at::Tensor bf16c_gemv(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
@@ -97,6 +98,7 @@ TORCH_LIBRARY(workbench_cpu, m) {
   m.def("decode_layers", &decode_layers);         // up to 256 decode rows through every layer
   m.def("dequantize", &dequantize);               // packed weight [N, row bytes] -> fp32 [N, K]
   m.def("qlinear", &qlinear);                     // x [M, K] @ packed weight^T -> [M, N]
+  m.def("set_onednn_slices", &set_onednn_slices);  // fp32 slices through oneDNN
   m.def("set_packed_rows", &set_packed_rows);     // the most rows qlinear keeps packed
   m.def("qembedding", &qembedding);               // rows of a packed table -> [T, K]
   m.def("bf16c_gemv", &bf16c_gemv);               // x [1, K] bf16 @ bf16c weight^T (+ bias)

@@ -17,6 +17,8 @@
 // dequantize a slice of weight rows at a time into a small buffer (about 1 MB: it stays in
 // cache) and multiply it with torch's GEMM, fp32 or, for bf16 activations, bf16 (AMX).
 #include "cpu_dtype.h"
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include "cpu_packed.h"
 #include "cpu_small_m.h"
 
@@ -652,10 +654,32 @@ at::Tensor qgemv(at::Tensor x, at::Tensor w, int64_t fmt) {
 }
 #endif
 
+static bool g_onednn_slices = false;
+// Whether fp32 slices multiply through oneDNN's matmul (torch's mkldnn::_linear_pointwise on
+// the plain slice) rather than at::mm: set where cpu_choice measured oneDNN faster than
+// torch's F.linear (on a Zen 5 MKL's sgemm ran at a third of oneDNN's speed), as fp32's own
+// batched linear is chosen.
+bool set_onednn_slices(bool on) {
+  const bool old = g_onednn_slices;
+  g_onednn_slices = on;
+  return old;
+}
+
+// x [M, K] fp32 @ wt [N, K]^T by oneDNN, or an undefined tensor where torch has no such op.
+static at::Tensor onednn_mm(const at::Tensor& x, const at::Tensor& wt) {
+  static const auto op = c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", ""});
+  if (!op) return at::Tensor();
+  torch::jit::Stack stack{x, wt, c10::IValue(), std::string("none"),
+                          c10::impl::GenericList(c10::OptionalType::create(c10::NumberType::get())),
+                          std::string("")};
+  op->callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 // x [M, K] @ a weight of N rows ^T -> [M, N] in x's dtype, for more rows than the streaming
 // kernels take: the weight decoded to fp32 a slice of rows at a time (`decode(n0, rows,
 // out)`; about 1 MB, which stays in L2) and each slice multiplied with x by torch's GEMM (in
-// x's dtype).
+// x's dtype; fp32 through oneDNN where set_onednn_slices said so).
 template <class Decode>
 static at::Tensor sliced_linear(const at::Tensor& x, int64_t N, Decode decode) {
   const int64_t M = x.size(0), K = x.size(1);
@@ -667,7 +691,9 @@ static at::Tensor sliced_linear(const at::Tensor& x, int64_t N, Decode decode) {
     decode(n0, nc, buf.data_ptr<float>());
     auto wt = buf.narrow(0, 0, nc);
     if (x.scalar_type() != at::kFloat) wt = wt.to(x.scalar_type());
-    out.narrow(1, n0, nc).copy_(at::mm(x, wt.t()));
+    at::Tensor y;
+    if (g_onednn_slices && x.scalar_type() == at::kFloat) y = onednn_mm(x, wt);
+    out.narrow(1, n0, nc).copy_(y.defined() ? y : at::mm(x, wt.t()));
   }
   return out;
 }
