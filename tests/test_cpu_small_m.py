@@ -163,3 +163,33 @@ def test_sliced_rows_through_onednn_or_torchs_gemm_give_the_formats_numbers(kern
     finally:
         kern.set_packed_rows(rows)
         kern.set_onednn_slices(slices)
+
+
+def test_onednn_sees_a_bounded_set_of_row_counts(monkeypatch):
+    """torch's oneDNN linear builds and caches a primitive for every row count it is called
+    with, so onednn_linear calls it in blocks of ONEDNN_BLOCK rows, each of a bounded set of
+    counts (the rest zeros, cut off): every count from 1 to 2048 rows gives the unblocked
+    product to a few units in the last place, through 31 counts in all."""
+    from workbench.platforms import cpu_ops
+    packed = cpu_ops.onednn_packed([torch.randn(40, 24)])
+    if packed is None:
+        pytest.skip("torch without oneDNN")
+    w = torch.randn(40, 24)
+    (p,) = cpu_ops.onednn_packed([w])
+    seen = set()
+    real = torch.ops.mkldnn._linear_pointwise
+
+    class Ops:                                   # torch.ops.mkldnn, counting the rows
+        @staticmethod
+        def _linear_pointwise(x, *a):
+            seen.add(x.shape[0])
+            return real(x, *a)
+    monkeypatch.setattr(torch.ops, "mkldnn", Ops)
+    g = torch.Generator().manual_seed(5)
+    b = torch.randn(40, generator=g)
+    for m in (*range(1, 300), 511, 512, 700, 2048):
+        x = torch.randn(m, 24, generator=g)
+        y, ref = cpu_ops.onednn_linear(x, p, b), F.linear(x, w, b)
+        mag = x.abs().double() @ w.abs().double().T + b.abs().double()
+        assert y.shape == (m, 40) and units(y, ref, mag) <= 4, m
+    assert max(seen) == cpu_ops.ONEDNN_BLOCK and len(seen) == 31, sorted(seen)

@@ -227,10 +227,32 @@ def onednn_isa_has_bf16(cap: str | None) -> bool:
     return (cap or "ALL").strip().upper() not in _ONEDNN_BELOW_BF16
 
 
+ONEDNN_BLOCK = 256
+"""oneDNN is called on at most this many rows at a time, each call's rows a count of
+`onednn_rows`: torch's oneDNN linear builds (and caches, up to 1024) a primitive for every
+row count it sees, and a server sees every count up to its step budget (a soak of mixed
+traffic grew by 300 MB that way; in 256-row blocks and 16-row steps a weight has 31 counts)."""
+
+
+def onednn_rows(m: int) -> int:
+    """The rows a oneDNN call runs for m rows (m <= ONEDNN_BLOCK): m itself up to 16 (a verify
+    step, a small batch), else m rounded up to a multiple of 16 (the rest zeros, cut off)."""
+    return m if m <= 16 else -(-m // 16) * 16
+
+
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None):
     """x [M, K] times a weight packed by `prepacked` (oneDNN's matmul, as torch's mkldnn
-    linear runs it)."""
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    linear runs it), in blocks of ONEDNN_BLOCK rows, each of onednn_rows' count."""
+    x = x.contiguous()
+    outs = []
+    for b in range(0, x.shape[0], ONEDNN_BLOCK):
+        xb = x[b:b + ONEDNN_BLOCK]
+        r = xb.shape[0]
+        if onednn_rows(r) != r:
+            xb = torch.nn.functional.pad(xb, (0, 0, 0, onednn_rows(r) - r))
+        y = torch.ops.mkldnn._linear_pointwise(xb, packed, bias, "none", [], "")
+        outs.append(y[:r] if y.shape[0] != r else y)
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def onednn_packed(weights: list[torch.Tensor]) -> list[torch.Tensor] | None:

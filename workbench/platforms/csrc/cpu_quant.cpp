@@ -655,6 +655,7 @@ at::Tensor qgemv(at::Tensor x, at::Tensor w, int64_t fmt) {
 #endif
 
 static bool g_onednn_slices = false;
+static constexpr int64_t kOnednnBlock = 256;   // cpu_ops.ONEDNN_BLOCK
 // Whether fp32 slices multiply through oneDNN's matmul (torch's mkldnn::_linear_pointwise on
 // the plain slice) rather than at::mm: set where cpu_choice measured oneDNN faster than
 // torch's F.linear (on a Zen 5 MKL's sgemm ran at a third of oneDNN's speed), as fp32's own
@@ -691,9 +692,19 @@ static at::Tensor sliced_linear(const at::Tensor& x, int64_t N, Decode decode) {
     decode(n0, nc, buf.data_ptr<float>());
     auto wt = buf.narrow(0, 0, nc);
     if (x.scalar_type() != at::kFloat) wt = wt.to(x.scalar_type());
-    at::Tensor y;
-    if (g_onednn_slices && x.scalar_type() == at::kFloat) y = onednn_mm(x, wt);
-    out.narrow(1, n0, nc).copy_(y.defined() ? y : at::mm(x, wt.t()));
+    // oneDNN on whole blocks of kOnednnBlock rows only: it builds and caches a primitive for
+    // every row count it sees (a server's prefill chunks see them all: 300 MB in a soak),
+    // so the rest of the rows take at::mm.
+    int64_t done = 0;
+    if (g_onednn_slices && x.scalar_type() == at::kFloat) {
+      for (; done + kOnednnBlock <= M; done += kOnednnBlock) {
+        at::Tensor y = onednn_mm(x.narrow(0, done, kOnednnBlock), wt);
+        if (!y.defined()) break;
+        out.narrow(0, done, kOnednnBlock).narrow(1, n0, nc).copy_(y);
+      }
+    }
+    if (done < M)
+      out.narrow(0, done, M - done).narrow(1, n0, nc).copy_(at::mm(x.narrow(0, done, M - done), wt.t()));
   }
   return out;
 }
