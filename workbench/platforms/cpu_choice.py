@@ -239,9 +239,9 @@ def small_m_rows(folder, k, timer: Callable[[], float] = time.perf_counter,
                 runners[f"{name} {m} small_m"] = [
                     (lambda x=x, w=w: k.small_m_linear(x, w, None)) for x, w in zip(xs, wd)]
             # fp32: F.linear itself (the batched choice is made here); bf16: the batched path
+            batched = torch.nn.functional.linear if dt == torch.float32 else ops.batched_linear
             runners[f"{name} {m} torch"] = [
-                (lambda x=x, w=w: torch.nn.functional.linear(x, w) if dt == torch.float32
-                 else ops.batched_linear(x, w)) for x, w in zip(xs, wd)]
+                (lambda x=x, w=w, f=batched: f(x, w)) for x, w in zip(xs, wd)]
             if dt == torch.float32 and packed_f32:
                 runners[f"{name} {m} onednn"] = [
                     (lambda x=x, p=p: onednn_linear(x, p, None)) for x, p in zip(xs, packed_f32)]
