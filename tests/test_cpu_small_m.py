@@ -187,9 +187,9 @@ def test_onednn_sees_a_bounded_set_of_row_counts(monkeypatch):
     monkeypatch.setattr(torch.ops, "mkldnn", Ops)
     g = torch.Generator().manual_seed(5)
     b = torch.randn(40, generator=g)
-    for m in (*range(1, 300), 511, 512, 700, 2048):
+    for m in (*range(0, 300), 511, 512, 700, 2048):        # 0: a step with no rows here
         x = torch.randn(m, 24, generator=g)
         y, ref = cpu_ops.onednn_linear(x, p, b), F.linear(x, w, b)
         mag = x.abs().double() @ w.abs().double().T + b.abs().double()
-        assert y.shape == (m, 40) and units(y, ref, mag) <= 4, m
-    assert max(seen) == cpu_ops.ONEDNN_BLOCK and len(seen) == 31, sorted(seen)
+        assert y.shape == (m, 40) and (m == 0 or units(y, ref, mag) <= 4), m
+    assert max(seen) == cpu_ops.ONEDNN_BLOCK and len(seen - {0}) == 31, sorted(seen)
