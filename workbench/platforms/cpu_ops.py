@@ -258,8 +258,8 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 def onednn_packed(weights: list[torch.Tensor]) -> list[torch.Tensor] | None:
-    """fp32 weights in oneDNN's blocked layout (for rows about a batch: 32), or None where
-    torch's oneDNN cannot pack them (a build without it)."""
+    """Weights (fp32 or bf16) in oneDNN's blocked layout (for rows about a batch: 32), or None
+    where torch's oneDNN cannot pack them (a build without it)."""
     try:
         if not torch.backends.mkldnn.is_available():
             return None
