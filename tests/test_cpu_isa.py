@@ -221,7 +221,7 @@ def test_the_onednn_packing_is_the_ops_objects_state(monkeypatch):
     ops = cpu_ops.CpuOps()
     for _ in range(3):
         assert torch.equal(ops.linear(x, w), torch.nn.functional.linear(x, w))
-    assert len(packs) == 1 and ops._onednn[id(w)][0] is w
+    assert len(packs) == 1 and ops._onednn[id(w), torch.bfloat16][0] is w
     assert not hasattr(w, "_onednn_packed")
     other = cpu_ops.CpuOps()                        # another model's ops packs its own
     other.linear(x, w)
@@ -359,14 +359,19 @@ def test_batched_bf16_without_native_bf16_takes_fp32_products(monkeypatch):
     torch.manual_seed(0)
     w = (torch.randn(1000, 192) * 0.05).bfloat16()          # 1000 rows: several slices
     c = bf16c_pack(w)
-    ops = cpu_ops.CpuOps()
-    for m in (17, 64):
-        x, b = torch.randn(m, 192).bfloat16(), torch.randn(1000).bfloat16()
-        y, yc = ops.batched_linear(x, w, b), ops.linear(x, c, b)
-        assert y.dtype == yc.dtype == torch.bfloat16 and torch.equal(y, yc)
-        ref = x.double() @ w.double().T + b.double()
-        assert ((y.double() - ref).abs() / ref.abs().clamp_min(1e-3)).max() < 1e-2
-    assert not ops._dense                           # bf16c stayed packed: no dequantized copy
+    # fp32 products either way: the widened slices (C++), or where fp32's batched linear is
+    # oneDNN (onednn_fp32), the weights widened once and packed for it
+    for fp32_onednn in (False, True) if cpu_ops.onednn_packed([w.float()]) else (False,):
+        monkeypatch.setattr(cpu_ops, "onednn_fp32", lambda on=fp32_onednn: on)
+        ops = cpu_ops.CpuOps()
+        for m in (17, 64):
+            x, b = torch.randn(m, 192).bfloat16(), torch.randn(1000).bfloat16()
+            y, yc = ops.batched_linear(x, w, b), ops.linear(x, c, b)
+            assert y.dtype == yc.dtype == torch.bfloat16 and torch.equal(y, yc)
+            ref = x.double() @ w.double().T + b.double()
+            assert ((y.double() - ref).abs() / ref.abs().clamp_min(1e-3)).max() < 1e-2
+        assert not ops._dense                       # bf16c stayed packed: no dequantized copy
+        assert bool(ops._onednn) == fp32_onednn     # packed in fp32 only for oneDNN's path
 
 
 def test_a8_formats_without_vnni_take_the_row_kernels(monkeypatch):

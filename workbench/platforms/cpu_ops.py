@@ -48,9 +48,10 @@ class CpuOps(TorchOps):
         """id(PackedWeight) -> an 8-bit-activation weight in its row format (untiled), where
         the kernel has no VNNI (an AVX2 or Arm build): x rounded through its 8-bit blocks
         times these rows is the format's product, at the row format's speed (see linear)."""
-        self._onednn: dict[int, tuple[torch.Tensor | PackedWeight, torch.Tensor]] = {}
-        """id(weight) -> (the weight, it in oneDNN's blocked layout): bf16 and fp32 weights
-        packed at their first batched use (see prepacked). Held by the ops object, which lives and
+        self._onednn: dict[tuple[int, torch.dtype],
+                           tuple[torch.Tensor | PackedWeight, torch.Tensor]] = {}
+        """(id(weight), dtype) -> (the weight, it in oneDNN's blocked layout): bf16 and fp32
+        weights packed at their first batched use (see prepacked). Held by the ops object, which lives and
         dies with its model (model.ops), as the weights do."""
 
     def dense(self, weight: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
@@ -70,6 +71,8 @@ class CpuOps(TorchOps):
                 return k.bf16c_gemv(x, weight.data, bias)
             if x.dtype == torch.bfloat16 and x.dim() == 2 and onednn_bf16():
                 return onednn_linear(x, self.prepacked(weight), bias)
+            if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] > 16 and onednn_fp32():
+                return self._widened(x, weight, bias)
             if not (k and x.dim() == 2 and x.dtype == torch.bfloat16):
                 return self._dense_linear(x, weight, bias)
         if isinstance(weight, PackedWeight):
@@ -104,23 +107,37 @@ class CpuOps(TorchOps):
         if x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2:
             if onednn_bf16():
                 return onednn_linear(x, self.prepacked(weight), bias)
+            if x.shape[0] > 16 and onednn_fp32():
+                return self._widened(x, weight, bias)
             k = cpu_kernels.kernels()
             if k and hasattr(k, "widened_linear"):
                 return _rounded(k.widened_linear(x.float(), weight), bias)
         return torch.nn.functional.linear(x, weight, bias)
 
-    def prepacked(self, weight: torch.Tensor | PackedWeight) -> torch.Tensor:
+    def _widened(self, x, weight, bias):
+        """bf16 rows past 16 where oneDNN has no native bf16 but runs fp32 (onednn_fp32): fp32
+        products on the weight widened once (exact) and packed, rounded to bf16 once:
+        widened_linear's numbers at fp32's batched speed (its slices' GEMM, MKL's, ran the
+        throughput workload at 0.68x fp32's on a Zen 5 capped as an Ice Lake). The cost: the
+        weights in fp32 once more, as an fp32 model's are."""
+        return _rounded(onednn_linear(x.float(), self.prepacked(weight, torch.float32), None),
+                        bias)
+
+    def prepacked(self, weight: torch.Tensor | PackedWeight,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
         """A bf16 or fp32 weight [N, K] (or a `bf16c` one, decoded) in oneDNN's blocked
-        layout, packed at its first batched use and kept in this ops object (a copy: the layer
-        weights' bytes once more; the batch-1 kernels read the plain or bf16c layout).
-        The weights do not change after loading; a weight changed in place would keep its
-        old packing."""
-        held = self._onednn.get(id(weight))
+        layout, in `dtype` (None: the weight's own, bf16 for bf16c), packed at its first
+        batched use and kept in this ops object (a copy: the layer weights' bytes once more;
+        the batch-1 kernels read the plain or bf16c layout). The weights do not change after
+        loading; a weight changed in place would keep its old packing."""
+        if dtype is None:
+            dtype = torch.bfloat16 if isinstance(weight, PackedWeight) else weight.dtype
+        held = self._onednn.get((id(weight), dtype))
         if held is None or held[0] is not weight:
-            w = weight.dequantize(torch.bfloat16) if isinstance(weight, PackedWeight) \
-                else weight.detach()
+            w = weight.dequantize(dtype) if isinstance(weight, PackedWeight) \
+                else weight.detach().to(dtype)
             packed = onednn_packed([w])[0]
-            held = self._onednn[id(weight)] = (weight, packed)
+            held = self._onednn[(id(weight), dtype)] = (weight, packed)
         return held[1]
 
     def _dense_linear(self, x, weight: PackedWeight, bias):
