@@ -364,7 +364,7 @@ def test_batched_bf16_without_native_bf16_takes_fp32_products(monkeypatch):
     for fp32_onednn in (False, True) if cpu_ops.onednn_packed([w.float()]) else (False,):
         monkeypatch.setattr(cpu_ops, "onednn_fp32", lambda on=fp32_onednn: on)
         ops = cpu_ops.CpuOps()
-        for m in (17, 64):
+        for m in (17, 64, cpu_ops.widened_rows(cpu_kernels.kernels()) + 1):
             x, b = torch.randn(m, 192).bfloat16(), torch.randn(1000).bfloat16()
             y, yc = ops.batched_linear(x, w, b), ops.linear(x, c, b)
             assert y.dtype == yc.dtype == torch.bfloat16 and torch.equal(y, yc)

@@ -71,7 +71,8 @@ class CpuOps(TorchOps):
                 return k.bf16c_gemv(x, weight.data, bias)
             if x.dtype == torch.bfloat16 and x.dim() == 2 and onednn_bf16():
                 return onednn_linear(x, self.prepacked(weight), bias)
-            if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] > 16 and onednn_fp32():
+            if x.dtype == torch.bfloat16 and x.dim() == 2 and onednn_fp32() \
+                    and x.shape[0] > widened_rows(k):
                 return self._widened(x, weight, bias)
             if not (k and x.dim() == 2 and x.dtype == torch.bfloat16):
                 return self._dense_linear(x, weight, bias)
@@ -107,15 +108,16 @@ class CpuOps(TorchOps):
         if x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2:
             if onednn_bf16():
                 return onednn_linear(x, self.prepacked(weight), bias)
-            if x.shape[0] > 16 and onednn_fp32():
-                return self._widened(x, weight, bias)
             k = cpu_kernels.kernels()
             if k and hasattr(k, "widened_linear"):
+                if onednn_fp32() and x.shape[0] > widened_rows(k):
+                    return self._widened(x, weight, bias)
                 return _rounded(k.widened_linear(x.float(), weight), bias)
         return torch.nn.functional.linear(x, weight, bias)
 
     def _widened(self, x, weight, bias):
-        """bf16 rows past 16 where oneDNN has no native bf16 but runs fp32 (onednn_fp32): fp32
+        """bf16 rows past widened_rows where oneDNN has no native bf16 but runs fp32
+        (onednn_fp32): fp32
         products on the weight widened once (exact) and packed, rounded to bf16 once:
         widened_linear's numbers at fp32's batched speed (its slices' GEMM, MKL's, ran the
         throughput workload at 0.68x fp32's on a Zen 5 capped as an Ice Lake). The cost: the
@@ -283,6 +285,20 @@ def onednn_packed(weights: list[torch.Tensor]) -> list[torch.Tensor] | None:
         return [torch.ops.mkldnn._reorder_linear_weight(w.detach(), 32) for w in weights]
     except (RuntimeError, AttributeError, NotImplementedError):
         return None
+
+
+_AVX512_BUILD: bool | None = None
+
+
+def widened_rows(k) -> int:
+    """The most rows the kernel's bf16 and bf16c batched products (widened_linear, qlinear on
+    fp32 rows) take from weights widened in L1 (16 on an AVX-512 build, the measured packed
+    rows on a portable one); past them they multiply widened slices, which CpuOps._widened
+    replaces where fp32 runs on oneDNN."""
+    global _AVX512_BUILD
+    if _AVX512_BUILD is None:
+        _AVX512_BUILD = "avx512f" in k.isa().split()
+    return 16 if _AVX512_BUILD else k.set_packed_rows(0)
 
 
 def onednn_fp32() -> bool:
