@@ -71,6 +71,23 @@ STDERR = ".jp-RenderedText[data-mime-type='application/vnd.jupyter.stderr']"
 """Stderr and tracebacks, as Lab renders them."""
 
 
+def wait_for_kernel(base: str, name: str, timeout_s: float) -> None:
+    """Until the server holds a session for `name` whose kernel is idle with the page's
+    websocket connected. The toolbar's indicator is no sign: it reads idle before any kernel
+    exists, and Run All clicked then opens Lab's Select Kernel dialog instead of running (one
+    CI run: the dialog stayed over the menu and the test timed out behind it)."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(base_url=base, params={"token": TOKEN}, timeout=30) as api:
+        while True:
+            kernels = [s["kernel"] for s in api.get("/api/sessions").json()
+                       if s.get("path", "").endswith(name) and s.get("kernel")]
+            if any(k.get("execution_state") == "idle" and k.get("connections", 0) >= 1
+                   for k in kernels):
+                return
+            assert time.monotonic() < deadline, f"{name}: no connected idle kernel: {kernels}"
+            time.sleep(0.25)
+
+
 def run_all(page, base: str, name: str, timeout_s: float) -> dict:
     """Open `name` in Lab, Run All from the Run menu, wait until every code cell has run;
     what the page shows of its outputs."""
@@ -79,10 +96,17 @@ def run_all(page, base: str, name: str, timeout_s: float) -> dict:
     page.goto(f"{base}/lab/workspaces/{name.split('.')[0]}/tree/{name}?token={TOKEN}",
               timeout=120_000)
     page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=120_000)
-    # The kernel is up once its status says idle.
-    page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").first.wait_for(
-        timeout=120_000)
+    wait_for_kernel(base, name, timeout_s=120)
     def click_run_all():
+        dialog = page.locator(".jp-Dialog")
+        if dialog.count():
+            text = dialog.first.inner_text()
+            # Lab asks for a kernel when Run All finds none yet: take the one it offers (the
+            # notebook's), as a user would. Any other dialog is a failure, named.
+            assert "Select Kernel" in text, f"{name}: a dialog is open: {text!r}"
+            print(f"{name}: Lab asked for a kernel; took its choice: {text!r}")
+            dialog.first.locator(".jp-mod-accept").click()
+            wait_for_kernel(base, name, timeout_s=120)
         page.get_by_role("menuitem", name="Run", exact=True).click()
         page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
         return time.monotonic()
