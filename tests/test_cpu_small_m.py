@@ -194,3 +194,65 @@ def test_onednn_sees_a_bounded_set_of_row_counts(monkeypatch):
         mag = x.abs().double() @ w.abs().double().T + b.abs().double()
         assert y.shape == (m, 40) and (m == 0 or units(y, ref, mag) <= 4), m
     assert max(seen) == cpu_ops.ONEDNN_BLOCK and len(seen - {0}) == 31, sorted(seen)
+
+
+def test_available_memory_is_what_the_machine_says():
+    from workbench.platforms.cpu_ops import available_memory
+    free = available_memory()
+    with open("/proc/meminfo") as f:
+        total = int(next(line for line in f if line.startswith("MemTotal:")).split()[1]) * 1024
+    assert free is not None and 0 < free <= total
+
+
+def test_packed_copies_are_kept_only_where_they_fit(kern, monkeypatch):
+    """CpuOps.prepare keeps oneDNN's packed copies of a model's linear weights only where
+    they take at most PACK_SHARE of the memory free, less what other live models here will
+    still pack; else it says so, and its batched linears take F.linear's path, packing
+    nothing."""
+    from torch import nn
+
+    from workbench.platforms import cpu_ops
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(48, 40), nn.Linear(40, 48, bias=False)
+            self.embed_tokens, self.tie_word_embeddings = nn.Embedding(100, 48), True
+
+    model = Model()
+    need = (48 * 40 + 40 * 48 + 100 * 48) * 4                 # fp32's bytes, the LM head too
+    assert sum(map(cpu_ops.packed_bytes, cpu_ops.linear_weights(model))) == need
+    monkeypatch.setattr(cpu_ops, "_LIVE", __import__("weakref").WeakSet())
+    monkeypatch.setattr(cpu_ops, "available_memory", lambda: 3 * need)
+    first, second, third = cpu_ops.CpuOps(), cpu_ops.CpuOps(), cpu_ops.CpuOps()
+    for ops in (first, second, third):
+        ops.prepare(model, None)
+    # 3 x need free: the first fits in half; the second in half of what the first leaves
+    # (2 x need); the third has need / 2 and does not.
+    assert [o.packing for o in (first, second, third)] == [True, True, False]
+    assert first.notices() == [] and len(third.notices()) == 1
+    assert "unpacked" in third.notices()[0] and "GiB" in third.notices()[0]
+    cpu_ops.small_m_rows(torch.float32)
+    x = torch.randn(64, 48)
+    assert torch.equal(third.batched_linear(x, model.a.weight, model.a.bias),
+                       F.linear(x, model.a.weight, model.a.bias))
+    assert third._onednn == {}
+    first.batched_linear(x, model.a.weight, model.a.bias)
+    packs = cpu_ops.onednn_fp32()
+    assert bool(first._onednn) == packs
+    assert first._pending == need - (48 * 40 * 4 if packs else 0)
+
+
+def test_an_engine_too_large_to_pack_says_so_and_serves_the_same_tokens(kern, monkeypatch):
+    from workbench import Engine, SamplingParams
+    from workbench.platforms import cpu_ops
+    prompts = [[(7 * j) % 250 + 1 for j in range(40)], [3, 1, 4, 1, 5]]
+    p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    kw = dict(model="random:tiny", device="cpu", num_kv_blocks=32, quantization=None)
+    ref = Engine(**kw, attention_backend="reference")
+    want = [o.token_ids for o in ref.generate(prompts, p)]
+    monkeypatch.setattr(cpu_ops, "available_memory", lambda: 1 << 10)
+    e = Engine(**kw)
+    assert any("batched linears unpacked" in n for n in e.telemetry.notices), e.telemetry.notices
+    assert [o.token_ids for o in e.generate(prompts, p)] == want
+    assert e.core.model.ops._onednn == {}

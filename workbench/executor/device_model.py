@@ -80,7 +80,7 @@ def load_device_model(config: EngineConfig, max_len_of: Callable[[EngineConfig, 
     platform.check_model(model)
     model.ops.prepare(model, platform)
     platform.empty_cache()      # what measuring kernels cached is not in use
-    notices = list(platform.notices())
+    notices = list(platform.notices()) + model.ops.notices()
     if choice and config.quantization != "auto":
         notices.append(choice)      # what the format asked for costs: said once
     return DeviceModel(config, platform, backend, dtype, quantization, choice, model,

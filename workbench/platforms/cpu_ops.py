@@ -14,10 +14,12 @@ the weights packed once into its blocked layout (`CpuOps.prepacked`): in bf16, w
 F.linear repacks on every call (the same kernel and the same bits, 1.1-1.8x faster at
 SmolLM2's shapes from 4 to 256 rows); in fp32 where the build measured it faster than F.linear,
 whose MKL sgemm on a Zen 5 ran SmolLM2's linears at a third of its speed (32 rows: 80 ms
-against 26; the cost: the fp32 weights' bytes once more)."""
+against 26; the cost: the fp32 weights' bytes once more, taken only where they fit:
+CpuOps.prepare)."""
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Callable
 
 import torch
@@ -28,6 +30,8 @@ from .ops import TorchOps
 from .quant import FORMATS, UNTILED, PackedWeight, a8_linear
 
 _DTYPES = (torch.float32, torch.bfloat16)
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+"""The CpuOps objects that prepared a model and are still alive (CpuOps.prepare)."""
 DECODE_ROWS = 256
 """The most rows decode_layers takes (kDecodeRows in csrc/cpu_ops.cpp); dense weights only up
 to small_m_rows (small_m_linear's most, 16)."""
@@ -53,6 +57,38 @@ class CpuOps(TorchOps):
         """(id(weight), dtype) -> (the weight, it in oneDNN's blocked layout): bf16 and fp32
         weights packed at their first batched use (see prepacked). Held by the ops object, which lives and
         dies with its model (model.ops), as the weights do."""
+        self.packing = True
+        """Whether batched linears may pack the weights for oneDNN (prepacked): not where the
+        packed copy would take more than PACK_SHARE of the memory free (prepare)."""
+        self._notices: list[str] = []
+        self._pending = 0
+        """Bytes prepare counted on that are not packed yet (what another model's prepare
+        in this process must leave free)."""
+
+    def prepare(self, model, platform) -> None:
+        """Decide, once for the whole model, whether its batched linears keep a copy of the
+        weights packed for oneDNN: up to fp32's bytes of every linear weight more (an fp32
+        model's twice over, a bf16 one's widened). Where that copy would take more than
+        PACK_SHARE of the memory free with the model loaded (a 7B model in bf16 on a CPU
+        without native bf16: 28 GB more), they run unpacked, on torch's linear or the
+        kernel's widened slices, slower at batch, and say so."""
+        need = sum(packed_bytes(w) for w in linear_weights(model))
+        free = available_memory()
+        if free is not None:        # less what other models here will still pack
+            free = max(free - sum(o._pending for o in _LIVE if o.packing and o is not self), 0)
+        self.packing = free is None or need <= PACK_SHARE * free
+        self._pending = need if self.packing else 0
+        _LIVE.add(self)
+        if not self.packing:
+            gib = 2 ** 30
+            self._notices.append(
+                f"batched linears unpacked: a copy of the weights packed for oneDNN would take "
+                f"{need / gib:.1f} GiB, more than {PACK_SHARE:.0%} of the {free / gib:.1f} GiB "
+                f"free with the model loaded; batches and prefill run on torch's linear "
+                f"instead (the same numbers to rounding, slower on some CPUs)")
+
+    def notices(self) -> list[str]:
+        return list(self._notices)
 
     def dense(self, weight: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
         """`weight` dequantized to `dtype`, once (the reference's numbers: quant.dequantize)."""
@@ -69,9 +105,9 @@ class CpuOps(TorchOps):
             if k and x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.bfloat16 \
                     and hasattr(k, "bf16c_stream"):
                 return k.bf16c_gemv(x, weight.data, bias)
-            if x.dtype == torch.bfloat16 and x.dim() == 2 and onednn_bf16():
+            if x.dtype == torch.bfloat16 and x.dim() == 2 and self.packing and onednn_bf16():
                 return onednn_linear(x, self.prepacked(weight), bias)
-            if x.dtype == torch.bfloat16 and x.dim() == 2 and onednn_fp32() \
+            if x.dtype == torch.bfloat16 and x.dim() == 2 and self.packing and onednn_fp32() \
                     and x.shape[0] > widened_rows(k):
                 return self._widened(x, weight, bias)
             if not (k and x.dim() == 2 and x.dtype == torch.bfloat16):
@@ -102,15 +138,19 @@ class CpuOps(TorchOps):
         """A plain weight's linear on many rows: fp32 on the prepacked weight where oneDNN was
         measured faster than torch's F.linear (onednn_fp32), else F.linear; bf16 on the
         prepacked weight where oneDNN has native bf16; where it has not, in fp32 on the weight
-        widened a slice at a time: torch's bf16 GEMM there ran at 0.4x fp32's throughput."""
-        if x.dtype == weight.dtype == torch.float32 and x.dim() == 2 and onednn_fp32():
+        widened a slice at a time: torch's bf16 GEMM there ran at 0.4x fp32's throughput.
+        Where the packed copies would not fit (prepare), F.linear and the widened slices."""
+        if x.dtype == weight.dtype == torch.float32 and x.dim() == 2 and self.packing \
+                and onednn_fp32():
             return onednn_linear(x, self.prepacked(weight), bias)
         if x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2:
             if onednn_bf16():
+                if not self.packing:
+                    return torch.nn.functional.linear(x, weight, bias)
                 return onednn_linear(x, self.prepacked(weight), bias)
             k = cpu_kernels.kernels()
             if k and hasattr(k, "widened_linear"):
-                if onednn_fp32() and x.shape[0] > widened_rows(k):
+                if self.packing and onednn_fp32() and x.shape[0] > widened_rows(k):
                     return self._widened(x, weight, bias)
                 return _rounded(k.widened_linear(x.float(), weight), bias)
         return torch.nn.functional.linear(x, weight, bias)
@@ -139,6 +179,7 @@ class CpuOps(TorchOps):
             w = weight.dequantize(dtype) if isinstance(weight, PackedWeight) \
                 else weight.detach().to(dtype)
             packed = onednn_packed([w])[0]
+            self._pending = max(self._pending - w.numel() * w.element_size(), 0)
             held = self._onednn[(id(weight), dtype)] = (weight, packed)
         return held[1]
 
@@ -257,6 +298,75 @@ def onednn_rows(m: int) -> int:
     """The rows a oneDNN call runs for m rows (m <= ONEDNN_BLOCK): m itself up to 16 (a verify
     step, a small batch), else m rounded up to a multiple of 16 (the rest zeros, cut off)."""
     return m if m <= 16 else -(-m // 16) * 16
+
+
+PACK_SHARE = 0.5
+"""The most of the memory free with the model loaded that oneDNN's packed copies of its
+weights may take (CpuOps.prepare); the rest is the KV pool's (1 GiB by default), the steps'
+and the machine's."""
+
+
+def linear_weights(model) -> list:
+    """The weights `model` passes to its ops' linear: every nn.Linear's, and the embedding
+    where the LM head is tied to it; each once."""
+    ws = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if getattr(model, "tie_word_embeddings", False):
+        ws.append(model.embed_tokens.weight)
+    return list({id(w): w for w in ws}.values())
+
+
+def packed_bytes(weight) -> int:
+    """The most bytes `prepacked` may add for `weight`: its elements in fp32 (fp32 weights,
+    and bf16 ones widened where oneDNN has no native bf16), or in bf16 where it has; 0 for the
+    packed formats that never take that path."""
+    if isinstance(weight, PackedWeight):
+        if weight.format != "bf16c":
+            return 0
+        bf16 = True
+    elif weight.dtype in _DTYPES:
+        bf16 = weight.dtype == torch.bfloat16
+    else:
+        return 0
+    n, k = weight.shape
+    return n * k * (2 if bf16 and onednn_bf16() else 4)
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still take: the kernel's MemAvailable, or less where a cgroup
+    (a container's memory limit) leaves less; None where neither says (not Linux)."""
+    free = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    free = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_file, usage_file, stat_file in (
+            ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current",
+             "/sys/fs/cgroup/memory.stat"),
+            ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+             "/sys/fs/cgroup/memory/memory.usage_in_bytes", "/sys/fs/cgroup/memory/memory.stat")):
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(usage_file) as f:
+                used = int(f.read())
+        except (OSError, ValueError):
+            continue
+        if not limit.isdigit() or int(limit) >= 1 << 60:        # 'max', or v1's "no limit"
+            break
+        try:                                    # page cache the limit would reclaim first
+            with open(stat_file) as f:
+                stat = dict(line.split()[:2] for line in f if line.strip())
+            used -= int(stat.get("inactive_file", stat.get("total_inactive_file", 0)))
+        except (OSError, ValueError):
+            pass
+        room = max(int(limit) - used, 0)
+        free = room if free is None else min(free, room)
+        break
+    return free
 
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None):

@@ -35,6 +35,11 @@ class TorchOps:
         """Called once the weights are on the device, before any graph is captured: where a
         platform picks its kernels by measuring them on the model's own shapes."""
 
+    def notices(self) -> list[str]:
+        """What the engine should say once about how these ops run the model (what `prepare`
+        decided against, and why)."""
+        return []
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ weight^T (+ bias); a PackedWeight is dequantized first (the reference: the
