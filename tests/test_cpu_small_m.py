@@ -208,7 +208,7 @@ def test_packed_copies_are_kept_only_where_they_fit(kern, monkeypatch):
     """CpuOps.prepare keeps oneDNN's packed copies of a model's linear weights only where
     they take at most PACK_SHARE of the memory free, less what other live models here will
     still pack; else it says so, and its batched linears take F.linear's path, packing
-    nothing."""
+    nothing. Where it keeps them and the kernel is loaded, it packs them then."""
     from torch import nn
 
     from workbench.platforms import cpu_ops
@@ -223,27 +223,28 @@ def test_packed_copies_are_kept_only_where_they_fit(kern, monkeypatch):
     need = (48 * 40 + 40 * 48 + 100 * 48) * 4                 # fp32's bytes, the LM head too
     assert sum(map(cpu_ops.packed_bytes, cpu_ops.linear_weights(model))) == need
     monkeypatch.setattr(cpu_ops, "_LIVE", __import__("weakref").WeakSet())
-    monkeypatch.setattr(cpu_ops, "available_memory", lambda: 3 * need)
-    first, second, third = cpu_ops.CpuOps(), cpu_ops.CpuOps(), cpu_ops.CpuOps()
-    for ops in (first, second, third):
+    made = [cpu_ops.CpuOps() for _ in range(3)]
+    taken = lambda: sum(cpu_ops.packed_bytes(w) for o in made for w, _ in o._onednn.values())  # noqa: E731
+    monkeypatch.setattr(cpu_ops, "available_memory", lambda: 3 * need - taken())
+    for ops in made:
         ops.prepare(model, None)
-    # 3 x need free: the first fits in half; the second in half of what the first leaves
-    # (2 x need); the third has need / 2 and does not.
-    assert [o.packing for o in (first, second, third)] == [True, True, False]
+    # 3 x need free: the first fits in half; the second in half of what the first took or
+    # will take (2 x need); the third has need / 2 and does not.
+    first, second, third = made
+    assert [o.packing for o in made] == [True, True, False]
     assert first.notices() == [] and len(third.notices()) == 1
     assert "unpacked" in third.notices()[0] and "GiB" in third.notices()[0]
-    cpu_ops.small_m_rows(torch.float32)
+    packs = cpu_ops.onednn_fp32()
+    assert (len(first._onednn), first._pending) == ((3, 0) if packs else (0, need))
     x = torch.randn(64, 48)
     assert torch.equal(third.batched_linear(x, model.a.weight, model.a.bias),
                        F.linear(x, model.a.weight, model.a.bias))
     assert third._onednn == {}
-    first.batched_linear(x, model.a.weight, model.a.bias)
-    packs = cpu_ops.onednn_fp32()
-    assert bool(first._onednn) == packs
-    assert first._pending == need - (48 * 40 * 4 if packs else 0)
 
 
 def test_an_engine_too_large_to_pack_says_so_and_serves_the_same_tokens(kern, monkeypatch):
+    """An engine packs its weights as it loads where they fit; one told that they do not
+    fit says so and gives the same greedy tokens unpacked."""
     from workbench import Engine, SamplingParams
     from workbench.platforms import cpu_ops
     prompts = [[(7 * j) % 250 + 1 for j in range(40)], [3, 1, 4, 1, 5]]
@@ -251,6 +252,9 @@ def test_an_engine_too_large_to_pack_says_so_and_serves_the_same_tokens(kern, mo
     kw = dict(model="random:tiny", device="cpu", num_kv_blocks=32, quantization=None)
     ref = Engine(**kw, attention_backend="reference")
     want = [o.token_ids for o in ref.generate(prompts, p)]
+    roomy = Engine(**kw)                    # packed as it loads, where oneDNN runs fp32 here
+    assert bool(roomy.core.model.ops._onednn) == cpu_ops.onednn_fp32()
+    assert [o.token_ids for o in roomy.generate(prompts, p)] == want
     monkeypatch.setattr(cpu_ops, "available_memory", lambda: 1 << 10)
     e = Engine(**kw)
     assert any("batched linears unpacked" in n for n in e.telemetry.notices), e.telemetry.notices

@@ -71,8 +71,11 @@ class CpuOps(TorchOps):
         model's twice over, a bf16 one's widened). Where that copy would take more than
         PACK_SHARE of the memory free with the model loaded (a 7B model in bf16 on a CPU
         without native bf16: 28 GB more), they run unpacked, on torch's linear or the
-        kernel's widened slices, slower at batch, and say so."""
-        need = sum(packed_bytes(w) for w in linear_weights(model))
+        kernel's widened slices, slower at batch, and say so. Where they are kept and the
+        kernel is loaded, they are packed here, as the engine loads: the memory an engine
+        takes is taken before it serves, and its first request does not pay for it."""
+        weights = linear_weights(model)
+        need = sum(packed_bytes(w) for w in weights)
         free = available_memory()
         if free is not None:        # less what other models here will still pack
             free = max(free - sum(o._pending for o in _LIVE if o.packing and o is not self), 0)
@@ -86,6 +89,16 @@ class CpuOps(TorchOps):
                 f"{need / gib:.1f} GiB, more than {PACK_SHARE:.0%} of the {free / gib:.1f} GiB "
                 f"free with the model loaded; batches and prefill run on torch's linear "
                 f"instead (the same numbers to rounding, slower on some CPUs)")
+            return
+        k = cpu_kernels.kernels()
+        if k is None:               # packed at their first batched use, once the kernel is here
+            return
+        if not self._kernel_seen:
+            self._arrived()         # the build's measured choices (onednn_fp32)
+        for w in weights:           # now, not in the first request (SmolLM2 fp32: 0.2 s)
+            dtype = packs_as(w)
+            if dtype is not None:
+                self.prepacked(w, dtype)
 
     def notices(self) -> list[str]:
         return list(self._notices)
@@ -315,20 +328,35 @@ def linear_weights(model) -> list:
     return list({id(w): w for w in ws}.values())
 
 
+def _is_bf16(weight) -> bool | None:
+    """Whether a weight CpuOps may pack for oneDNN holds bf16 (bf16c's too), False for fp32;
+    None for the formats it never packs."""
+    if isinstance(weight, PackedWeight):
+        return True if weight.format == "bf16c" else None
+    return weight.dtype == torch.bfloat16 if weight.dtype in _DTYPES else None
+
+
 def packed_bytes(weight) -> int:
     """The most bytes `prepacked` may add for `weight`: its elements in fp32 (fp32 weights,
     and bf16 ones widened where oneDNN has no native bf16), or in bf16 where it has; 0 for the
     packed formats that never take that path."""
-    if isinstance(weight, PackedWeight):
-        if weight.format != "bf16c":
-            return 0
-        bf16 = True
-    elif weight.dtype in _DTYPES:
-        bf16 = weight.dtype == torch.bfloat16
-    else:
+    bf16 = _is_bf16(weight)
+    if bf16 is None:
         return 0
     n, k = weight.shape
     return n * k * (2 if bf16 and onednn_bf16() else 4)
+
+
+def packs_as(weight) -> torch.dtype | None:
+    """The dtype CpuOps packs `weight` in for its batched linears here (prepacked), or None
+    where they do not pack it: fp32 weights where oneDNN runs fp32 (onednn_fp32); bf16 and
+    bf16c ones in bf16 where oneDNN has native bf16, else widened to fp32 where it runs fp32."""
+    bf16 = _is_bf16(weight)
+    if bf16 is None:
+        return None
+    if bf16 and onednn_bf16():
+        return torch.bfloat16
+    return torch.float32 if onednn_fp32() else None
 
 
 def available_memory() -> int | None:
