@@ -224,13 +224,13 @@ def test_packed_copies_are_kept_only_where_they_fit(kern, monkeypatch):
     assert sum(map(cpu_ops.packed_bytes, cpu_ops.linear_weights(model))) == need
     monkeypatch.setattr(cpu_ops, "_LIVE", __import__("weakref").WeakSet())
     made = [cpu_ops.CpuOps() for _ in range(3)]
-    taken = lambda: sum(cpu_ops.packed_bytes(w) for o in made for w, _ in o._onednn.values())  # noqa: E731
-    monkeypatch.setattr(cpu_ops, "available_memory", lambda: 3 * need - taken())
+    monkeypatch.setattr(cpu_ops, "available_memory", lambda: 3 * need - sum(
+        cpu_ops.packed_bytes(w) for o in made for w, _ in o._onednn.values()))
     for ops in made:
         ops.prepare(model, None)
     # 3 x need free: the first fits in half; the second in half of what the first took or
     # will take (2 x need); the third has need / 2 and does not.
-    first, second, third = made
+    first, _, third = made
     assert [o.packing for o in made] == [True, True, False]
     assert first.notices() == [] and len(third.notices()) == 1
     assert "unpacked" in third.notices()[0] and "GiB" in third.notices()[0]
