@@ -144,6 +144,29 @@ def test_the_choice_is_measured_once_per_build_and_kept(kern, tmp_path):
     assert cpu_choice.small_m_rows(tmp_path, kern) == kept["rows"]
 
 
+def test_a_onednn_that_packs_but_cannot_multiply_fp32_leaves_f_linear(kern, tmp_path,
+                                                                        monkeypatch):
+    """The build's choice tries oneDNN's fp32 product once before timing it: a torch whose
+    oneDNN packs fp32 weights but fails to multiply them keeps fp32 on F.linear."""
+    from workbench.platforms import cpu_choice
+    real = torch.ops.mkldnn
+
+    class Ops:                                   # torch.ops.mkldnn, failing fp32 products
+        _reorder_linear_weight = staticmethod(real._reorder_linear_weight)
+        _is_mkldnn_bf16_supported = staticmethod(real._is_mkldnn_bf16_supported)
+
+        @staticmethod
+        def _linear_pointwise(x, *a):
+            if x.dtype == torch.float32:
+                raise RuntimeError("no fp32 matmul here")
+            return real._linear_pointwise(x, *a)
+    monkeypatch.setattr(torch.ops, "mkldnn", Ops)
+    rows = cpu_choice.small_m_rows(tmp_path, kern, reps=1)
+    assert rows["onednn"] == 0
+    assert not any("onednn" in key for key in
+                   json.loads((tmp_path / cpu_choice.SMALL_M_FILE).read_text())["us"])
+
+
 def test_sliced_rows_through_onednn_or_torchs_gemm_give_the_formats_numbers(kern):
     """Past the packed rows, a packed weight is dequantized a slice at a time and each slice
     multiplied by fp32's batched choice (set_onednn_slices: oneDNN, or torch's GEMM): either

@@ -230,6 +230,11 @@ def small_m_rows(folder, k, timer: Callable[[], float] = time.perf_counter,
     ws = [torch.randn(n, kk, generator=g) * 0.02 for n, kk in SHAPES]
     runners: dict[str, list[Callable[[], object]]] = {}
     packed_f32 = onednn_packed(ws)
+    try:                            # a torch whose oneDNN packs but cannot multiply: F.linear
+        if packed_f32:
+            onednn_linear(torch.zeros(2, ws[0].shape[1]), packed_f32[0], None)
+    except (RuntimeError, NotImplementedError):
+        packed_f32 = None
     for dt in (torch.float32, torch.bfloat16):
         name = str(dt).removeprefix("torch.")
         for m in SMALL_M + (ONEDNN_M if dt == torch.float32 else ()):
