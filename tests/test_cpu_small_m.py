@@ -283,3 +283,12 @@ def test_an_engine_too_large_to_pack_says_so_and_serves_the_same_tokens(kern, mo
     assert any("batched linears unpacked" in n for n in e.telemetry.notices), e.telemetry.notices
     assert [o.token_ids for o in e.generate(prompts, p)] == want
     assert e.core.model.ops._onednn == {}
+
+
+def test_doctor_says_what_the_memory_free_allows(monkeypatch):
+    from workbench.platforms import cpu, cpu_ops
+    monkeypatch.setattr(cpu_ops, "available_memory", lambda: 8 << 30)
+    line = cpu.memory_line()
+    assert "8.0 GiB free now" in line and f"fits in {8 * cpu_ops.PACK_SHARE:.1f} GiB" in line
+    monkeypatch.setattr(cpu_ops, "available_memory", lambda: None)
+    assert "not known" in cpu.memory_line()

@@ -150,7 +150,22 @@ def doctor_lines() -> tuple[list[str], bool]:
     except (OSError, ValueError, KeyError):
         lines.append("auto measured  not yet (the first engine on a built kernel measures)")
     lines.append(few_rows_line(cpu_kernels.kernel_dir()))
+    lines.append(memory_line())
     return lines, state == "built"
+
+
+def memory_line() -> str:
+    """The memory free now, and what that allows oneDNN's packed copies (CpuOps.prepare)."""
+    from .cpu_ops import PACK_SHARE, available_memory, onednn_bf16
+    free = available_memory()
+    if free is None:
+        return "memory         not known here: batched linears always keep their packed copies"
+    gib = free / 2 ** 30
+    size = ("in bf16 for a bf16 model, else in fp32" if onednn_bf16() else
+            "in fp32: oneDNN has no native bf16 here")
+    return (f"memory         {gib:.1f} GiB free now: a model's batched linears keep a copy "
+            f"packed for oneDNN where it fits in {PACK_SHARE * gib:.1f} GiB (its linear "
+            f"weights {size})")
 
 
 def few_rows_line(folder) -> str:
