@@ -178,26 +178,26 @@ def test_apple_clang_takes_openmp_through_the_preprocessor():
 
 
 def test_onednn_bf16_needs_native_bf16_in_the_flags(monkeypatch):
-    from workbench.platforms import cpu_kernels, cpu_ops
-    monkeypatch.setattr(cpu_ops, "_onednn_bf16", None)
+    from workbench.platforms import cpu_kernels, cpu_onednn
+    monkeypatch.setattr(cpu_onednn, "_onednn_bf16", None)
     monkeypatch.setattr(cpu_kernels, "isa_flags", lambda: {"avx2", "avx512f", "avx512bw"})
-    assert cpu_ops.onednn_bf16() is False
-    monkeypatch.setattr(cpu_ops, "_onednn_bf16", None)
+    assert cpu_onednn.onednn_bf16() is False
+    monkeypatch.setattr(cpu_onednn, "_onednn_bf16", None)
 
 
 def test_onednn_bf16_follows_onednns_isa_cap(monkeypatch):
     """ONEDNN_MAX_CPU_ISA below AVX512_CORE_BF16 (how an Ice Lake is reproduced on a newer
     CPU) leaves oneDNN without native bf16, whatever the CPU's flags say."""
-    from workbench.platforms import cpu_ops
-    assert cpu_ops.onednn_isa_has_bf16(None) and cpu_ops.onednn_isa_has_bf16("all")
-    assert cpu_ops.onednn_isa_has_bf16("AVX512_CORE_BF16")
-    assert cpu_ops.onednn_isa_has_bf16("avx512_core_amx")
-    assert not cpu_ops.onednn_isa_has_bf16("AVX512_CORE_VNNI")
-    assert not cpu_ops.onednn_isa_has_bf16("avx2")
-    monkeypatch.setattr(cpu_ops, "_onednn_bf16", None)
+    from workbench.platforms import cpu_onednn
+    assert cpu_onednn.onednn_isa_has_bf16(None) and cpu_onednn.onednn_isa_has_bf16("all")
+    assert cpu_onednn.onednn_isa_has_bf16("AVX512_CORE_BF16")
+    assert cpu_onednn.onednn_isa_has_bf16("avx512_core_amx")
+    assert not cpu_onednn.onednn_isa_has_bf16("AVX512_CORE_VNNI")
+    assert not cpu_onednn.onednn_isa_has_bf16("avx2")
+    monkeypatch.setattr(cpu_onednn, "_onednn_bf16", None)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_VNNI")
-    assert cpu_ops.onednn_bf16() is False
-    monkeypatch.setattr(cpu_ops, "_onednn_bf16", None)
+    assert cpu_onednn.onednn_bf16() is False
+    monkeypatch.setattr(cpu_onednn, "_onednn_bf16", None)
 
 
 def test_the_onednn_packing_is_the_ops_objects_state(monkeypatch):
@@ -348,7 +348,7 @@ def test_batched_bf16_without_native_bf16_takes_fp32_products(monkeypatch):
     in fp32 on the weights widened a slice at a time and are rounded once (torch's bf16 GEMM
     there ran at 0.4x fp32's throughput): plain bf16 and bf16c give the same bits, the
     float64 reference's numbers within bf16's rounding, and torch's bf16 GEMM is not called."""
-    from workbench.platforms import cpu_kernels, cpu_ops
+    from workbench.platforms import cpu_kernels, cpu_onednn, cpu_ops
     from workbench.platforms.quant import bf16c_pack
     if cpu_kernels.load_cpu_kernels() is None:
         pytest.skip("no CPU kernel here")
@@ -361,7 +361,7 @@ def test_batched_bf16_without_native_bf16_takes_fp32_products(monkeypatch):
     c = bf16c_pack(w)
     # fp32 products either way: the widened slices (C++), or where fp32's batched linear is
     # oneDNN (onednn_fp32), the weights widened once and packed for it
-    for fp32_onednn in (False, True) if cpu_ops.onednn_packed([w.float()]) else (False,):
+    for fp32_onednn in (False, True) if cpu_onednn.onednn_packed([w.float()]) else (False,):
         monkeypatch.setattr(cpu_ops, "onednn_fp32", lambda on=fp32_onednn: on)
         ops = cpu_ops.CpuOps()
         for m in (17, 64, cpu_ops.widened_rows(cpu_kernels.kernels()) + 1):

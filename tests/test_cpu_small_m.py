@@ -194,12 +194,12 @@ def test_onednn_sees_a_bounded_set_of_row_counts(monkeypatch):
     with, so onednn_linear calls it in blocks of ONEDNN_BLOCK rows, each of a bounded set of
     counts (the rest zeros, cut off): every count from 1 to 2048 rows gives the unblocked
     product to a few units in the last place, through 31 counts in all."""
-    from workbench.platforms import cpu_ops
-    packed = cpu_ops.onednn_packed([torch.randn(40, 24)])
+    from workbench.platforms import cpu_onednn
+    packed = cpu_onednn.onednn_packed([torch.randn(40, 24)])
     if packed is None:
         pytest.skip("torch without oneDNN")
     w = torch.randn(40, 24)
-    (p,) = cpu_ops.onednn_packed([w])
+    (p,) = cpu_onednn.onednn_packed([w])
     seen = set()
     real = torch.ops.mkldnn._linear_pointwise
 
@@ -213,14 +213,14 @@ def test_onednn_sees_a_bounded_set_of_row_counts(monkeypatch):
     b = torch.randn(40, generator=g)
     for m in (*range(0, 300), 511, 512, 700, 2048):        # 0: a step with no rows here
         x = torch.randn(m, 24, generator=g)
-        y, ref = cpu_ops.onednn_linear(x, p, b), F.linear(x, w, b)
+        y, ref = cpu_onednn.onednn_linear(x, p, b), F.linear(x, w, b)
         mag = x.abs().double() @ w.abs().double().T + b.abs().double()
         assert y.shape == (m, 40) and (m == 0 or units(y, ref, mag) <= 4), m
-    assert max(seen) == cpu_ops.ONEDNN_BLOCK and len(seen - {0}) == 31, sorted(seen)
+    assert max(seen) == cpu_onednn.ONEDNN_BLOCK and len(seen - {0}) == 31, sorted(seen)
 
 
 def test_available_memory_is_what_the_machine_says():
-    from workbench.platforms.cpu_ops import available_memory
+    from workbench.platforms.cpu_onednn import available_memory
     free = available_memory()
     with open("/proc/meminfo") as f:
         total = int(next(line for line in f if line.startswith("MemTotal:")).split()[1]) * 1024
@@ -234,7 +234,7 @@ def test_packed_copies_are_kept_only_where_they_fit(kern, monkeypatch):
     nothing. Where it keeps them and the kernel is loaded, it packs them then."""
     from torch import nn
 
-    from workbench.platforms import cpu_ops
+    from workbench.platforms import cpu_onednn, cpu_ops
 
     class Model(nn.Module):
         def __init__(self):
@@ -244,11 +244,11 @@ def test_packed_copies_are_kept_only_where_they_fit(kern, monkeypatch):
 
     model = Model()
     need = (48 * 40 + 40 * 48 + 100 * 48) * 4                 # fp32's bytes, the LM head too
-    assert sum(map(cpu_ops.packed_bytes, cpu_ops.linear_weights(model))) == need
+    assert sum(map(cpu_onednn.packed_bytes, cpu_onednn.linear_weights(model))) == need
     monkeypatch.setattr(cpu_ops, "_LIVE", __import__("weakref").WeakSet())
     made = [cpu_ops.CpuOps() for _ in range(3)]
     monkeypatch.setattr(cpu_ops, "available_memory", lambda: 3 * need - sum(
-        cpu_ops.packed_bytes(w) for o in made for w, _ in o._onednn.values()))
+        cpu_onednn.packed_bytes(w) for o in made for w, _ in o._onednn.values()))
     for ops in made:
         ops.prepare(model, None)
     # 3 x need free: the first fits in half; the second in half of what the first took or
@@ -286,9 +286,9 @@ def test_an_engine_too_large_to_pack_says_so_and_serves_the_same_tokens(kern, mo
 
 
 def test_doctor_says_what_the_memory_free_allows(monkeypatch):
-    from workbench.platforms import cpu, cpu_ops
-    monkeypatch.setattr(cpu_ops, "available_memory", lambda: 8 << 30)
+    from workbench.platforms import cpu, cpu_onednn
+    monkeypatch.setattr(cpu_onednn, "available_memory", lambda: 8 << 30)
     line = cpu.memory_line()
-    assert "8.0 GiB free now" in line and f"fits in {8 * cpu_ops.PACK_SHARE:.1f} GiB" in line
-    monkeypatch.setattr(cpu_ops, "available_memory", lambda: None)
+    assert "8.0 GiB free now" in line and f"fits in {8 * cpu_onednn.PACK_SHARE:.1f} GiB" in line
+    monkeypatch.setattr(cpu_onednn, "available_memory", lambda: None)
     assert "not known" in cpu.memory_line()

@@ -156,7 +156,7 @@ def doctor_lines() -> tuple[list[str], bool]:
 
 def memory_line() -> str:
     """The memory free now, and what that allows oneDNN's packed copies (CpuOps.prepare)."""
-    from .cpu_ops import PACK_SHARE, available_memory, onednn_bf16
+    from .cpu_onednn import PACK_SHARE, available_memory, onednn_bf16
     free = available_memory()
     if free is None:
         return "memory         not known here: batched linears always keep their packed copies"

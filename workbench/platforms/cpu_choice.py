@@ -224,7 +224,8 @@ def small_m_rows(folder, k, timer: Callable[[], float] = time.perf_counter,
             return rows
     except (OSError, ValueError, KeyError):
         pass
-    from .cpu_ops import CpuOps, onednn_linear, onednn_packed
+    from .cpu_onednn import onednn_linear, onednn_packed
+    from .cpu_ops import CpuOps
     ops = CpuOps()
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(n, kk, generator=g) * 0.02 for n, kk in SHAPES]
