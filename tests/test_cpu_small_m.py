@@ -227,6 +227,23 @@ def test_available_memory_is_what_the_machine_says():
     assert free is not None and 0 < free <= total
 
 
+def test_available_memory_off_linux_is_psutils(monkeypatch):
+    """Without /proc/meminfo and cgroup files (macOS), psutil's figure."""
+    import builtins
+
+    psutil = pytest.importorskip("psutil")
+    from workbench.platforms.cpu_onednn import available_memory
+    real_open = builtins.open
+
+    def no_proc(path, *a, **kw):
+        if str(path).startswith(("/proc/", "/sys/")):
+            raise FileNotFoundError(path)
+        return real_open(path, *a, **kw)
+    monkeypatch.setattr(builtins, "open", no_proc)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("VM", (), {"available": 5 << 30}))
+    assert available_memory() == 5 << 30
+
+
 def test_packed_copies_are_kept_only_where_they_fit(kern, monkeypatch):
     """CpuOps.prepare keeps oneDNN's packed copies of a model's linear weights only where
     they take at most PACK_SHARE of the memory free, less what other live models here will

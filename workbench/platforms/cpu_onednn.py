@@ -75,8 +75,9 @@ def packed_bytes(weight) -> int:
 
 
 def available_memory() -> int | None:
-    """Bytes this process can still take: the kernel's MemAvailable, or less where a cgroup
-    (a container's memory limit) leaves less; None where neither says (not Linux)."""
+    """Bytes this process can still take: the kernel's MemAvailable (psutil's available
+    memory off Linux), or less where a cgroup (a container's memory limit) leaves less; None
+    where none of them says."""
     free = None
     try:
         with open("/proc/meminfo") as f:
@@ -85,7 +86,11 @@ def available_memory() -> int | None:
                     free = int(line.split()[1]) * 1024
                     break
     except (OSError, ValueError, IndexError):
-        pass
+        try:                        # not Linux (macOS): psutil's figure, where it is installed
+            import psutil
+            free = int(psutil.virtual_memory().available)
+        except Exception:           # noqa: BLE001 (no psutil, or it cannot say)
+            pass
     for limit_file, usage_file, stat_file in (
             ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current",
              "/sys/fs/cgroup/memory.stat"),
