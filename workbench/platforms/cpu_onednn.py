@@ -55,23 +55,28 @@ def linear_weights(model) -> list:
     return list({id(w): w for w in ws}.values())
 
 
-def holds_bf16(weight) -> bool | None:
-    """Whether a weight CpuOps may pack for oneDNN holds bf16 (bf16c's too), False for fp32;
-    None for the formats it never packs."""
+def packed_dtype(weight, fp32: bool = True) -> torch.dtype | None:
+    """The dtype CpuOps packs `weight` in for its batched linears (prepacked), or None where
+    it does not pack it: bf16 and bf16c weights in bf16 where oneDNN has native bf16; fp32
+    weights, and bf16 ones widened, in fp32 where oneDNN runs fp32 (`fp32`: the build's
+    onednn_fp32; True: the most it may pack, before the kernel has measured)."""
     if isinstance(weight, PackedWeight):
-        return True if weight.format == "bf16c" else None
-    return weight.dtype == torch.bfloat16 if weight.dtype in _DTYPES else None
+        if weight.format != "bf16c":
+            return None
+        bf16 = True
+    elif weight.dtype in _DTYPES:
+        bf16 = weight.dtype == torch.bfloat16
+    else:
+        return None
+    if bf16 and onednn_bf16():
+        return torch.bfloat16
+    return torch.float32 if fp32 else None
 
 
-def packed_bytes(weight) -> int:
-    """The most bytes `prepacked` may add for `weight`: its elements in fp32 (fp32 weights,
-    and bf16 ones widened where oneDNN has no native bf16), or in bf16 where it has; 0 for the
-    packed formats that never take that path."""
-    bf16 = holds_bf16(weight)
-    if bf16 is None:
-        return 0
-    n, k = weight.shape
-    return n * k * (2 if bf16 and onednn_bf16() else 4)
+def packed_bytes(weight, fp32: bool = True) -> int:
+    """The bytes `prepacked` adds for `weight` (see packed_dtype; 0 where it packs none)."""
+    dtype = packed_dtype(weight, fp32)
+    return 0 if dtype is None else weight.shape[0] * weight.shape[1] * dtype.itemsize
 
 
 def available_memory() -> int | None:

@@ -25,12 +25,11 @@ import torch
 
 from . import cpu_kernels
 from .cpu_attention import CpuAttention
-from .cpu_onednn import (PACK_SHARE, available_memory, holds_bf16, linear_weights,
-                         onednn_bf16, onednn_linear, onednn_packed, packed_bytes)
+from .cpu_onednn import (_DTYPES, PACK_SHARE, available_memory, linear_weights, onednn_bf16,
+                         onednn_linear, onednn_packed, packed_bytes, packed_dtype)
 from .ops import TorchOps
 from .quant import FORMATS, UNTILED, PackedWeight, a8_linear
 
-_DTYPES = (torch.float32, torch.bfloat16)
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 """The CpuOps objects that prepared a model and are still alive (CpuOps.prepare)."""
 DECODE_ROWS = 256
@@ -78,12 +77,9 @@ class CpuOps(TorchOps):
         k = cpu_kernels.kernels()
         if k is not None and not self._kernel_seen:
             self._arrived()         # the build's measured choices (onednn_fp32)
-        weights = linear_weights(model)
-        if k is None:               # the choices come with the kernel: the most it may pack
-            plan, need = [], sum(packed_bytes(w) for w in weights)
-        else:                       # what it will pack, in the dtype it packs it in
-            plan = [(w, dt) for w in weights if (dt := packs_as(w)) is not None]
-            need = sum(w.shape[0] * w.shape[1] * dt.itemsize for w, dt in plan)
+        fp32 = k is None or onednn_fp32()   # the choice comes with the kernel: the most
+        weights = [w for w in linear_weights(model) if packed_dtype(w, fp32) is not None]
+        need = sum(packed_bytes(w, fp32) for w in weights)
         free = available_memory()
         if free is not None:        # less what other models here will still pack
             free = max(free - sum(o._pending for o in _LIVE if o.packing and o is not self), 0)
@@ -98,8 +94,9 @@ class CpuOps(TorchOps):
                 f"free with the model loaded; batches and prefill run on torch's linear "
                 f"instead (the same numbers to rounding, slower on some CPUs)")
             return
-        for w, dt in plan:          # now, not in the first request (SmolLM2 fp32: 0.15 s)
-            self.prepacked(w, dt)
+        if k is not None:           # now, not in the first request (SmolLM2 fp32: 0.15 s)
+            for w in weights:
+                self.prepacked(w, packed_dtype(w, fp32))
 
     def notices(self) -> list[str]:
         return list(self._notices)
@@ -171,11 +168,10 @@ class CpuOps(TorchOps):
 
     def _widened(self, x, weight, bias):
         """bf16 rows past widened_rows where oneDNN has no native bf16 but runs fp32
-        (onednn_fp32): fp32
-        products on the weight widened once (exact) and packed, rounded to bf16 once:
-        widened_linear's numbers at fp32's batched speed (its slices' GEMM, MKL's, ran the
-        throughput workload at 0.68x fp32's on a Zen 5 capped as an Ice Lake). The cost: the
-        weights in fp32 once more, as an fp32 model's are."""
+        (onednn_fp32): fp32 products on the weight widened once (exact) and packed, rounded
+        to bf16 once: widened_linear's numbers at fp32's batched speed (its slices' GEMM,
+        MKL's, ran the throughput workload at 0.68x fp32's on a Zen 5 capped as an Ice Lake).
+        The cost: the weights in fp32 once more, as an fp32 model's are."""
         return _rounded(onednn_linear(x.float(), self.prepacked(weight, torch.float32), None),
                         bias)
 
@@ -286,18 +282,6 @@ def _rounded(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if bias is not None:
         y = y.add_(bias)
     return y.to(torch.bfloat16)
-
-
-def packs_as(weight) -> torch.dtype | None:
-    """The dtype CpuOps packs `weight` in for its batched linears here (prepacked), or None
-    where they do not pack it: fp32 weights where oneDNN runs fp32 (onednn_fp32); bf16 and
-    bf16c ones in bf16 where oneDNN has native bf16, else widened to fp32 where it runs fp32."""
-    bf16 = holds_bf16(weight)
-    if bf16 is None:
-        return None
-    if bf16 and onednn_bf16():
-        return torch.bfloat16
-    return torch.float32 if onednn_fp32() else None
 
 
 _AVX512_BUILD: bool | None = None

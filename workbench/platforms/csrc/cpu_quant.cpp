@@ -655,7 +655,7 @@ at::Tensor qgemv(at::Tensor x, at::Tensor w, int64_t fmt) {
 #endif
 
 static bool g_onednn_slices = false;
-static constexpr int64_t kOnednnBlock = 256;   // cpu_ops.ONEDNN_BLOCK
+static constexpr int64_t kOnednnBlock = 256;   // cpu_onednn.ONEDNN_BLOCK
 // Whether fp32 slices multiply through oneDNN's matmul (torch's mkldnn::_linear_pointwise on
 // the plain slice) rather than at::mm: set where cpu_choice measured oneDNN faster than
 // torch's F.linear (on a Zen 5 MKL's sgemm ran at a third of oneDNN's speed), as fp32's own
